@@ -1,0 +1,135 @@
+"""The contract between cula_core and an architecture package (cula-sm89, cula-sm90, cula-sm100).
+
+An arch package exposes one `Backend` object under the entry-point group ``cula.backends``:
+
+    [project.entry-points."cula.backends"]
+    sm90 = "cula_sm90.backend:backend"
+
+The module the entry point names must import fast and without touching CUDA: core loads it on the
+first dispatch (never on `import cula`) and whenever `python -m cula info` runs on a machine with no GPU.
+Kernels are imported lazily, from `Backend.kernel(op)`, once the backend has been chosen for a call.
+
+Selection (see `cula_core.dispatch`) asks each loaded backend two questions:
+  `runs_on(device)`            does it run on this device at all (compute capability),
+  `unsupported_reason(call)`   does it serve this call's configuration; None when it does, else a
+                               short human sentence ("sm90 serves K=V=128 only, got K=64") that the
+                               fallback warning quotes.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+# Public ops a backend may serve. The name is the op a call dispatches on; a backend lists the
+# subset it implements in `Backend.ops`.
+OPS: tuple[str, ...] = (
+    "chunk_kda",  # training forward (saves what its backward needs)
+    "chunk_kda_backward",
+    "kda_prefill",  # inference forward, optional intra-card context parallel
+    "kda_decode",
+    "kda_decode_mtp",
+    "kda_decode_mtp_kvbuffer",
+    "kda_flush_kvbuffer",
+    "kda_flush_kvbuffer_all_layers",
+)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """Where a call's tensors live: ``type`` is torch's device type ("cuda", "cpu", ...);
+    ``capability`` is the CUDA compute capability (major, minor), None off CUDA."""
+
+    type: str
+    index: int | None = None
+    capability: tuple[int, int] | None = None
+    name: str = ""
+
+    @staticmethod
+    def of(device: torch.device) -> "DeviceInfo":
+        if device.type != "cuda":
+            return DeviceInfo(type=device.type, index=device.index)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _cuda_device_info(index)
+
+    def __str__(self) -> str:
+        if self.capability is None:
+            return self.type
+        return f"{self.type}:{self.index} (sm_{self.capability[0]}{self.capability[1]}, {self.name})"
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_device_info(index: int) -> DeviceInfo:
+    # Cached: the properties of a device do not change in a process, and dispatch asks on every call.
+    return DeviceInfo(
+        type="cuda",
+        index=index,
+        capability=tuple(torch.cuda.get_device_capability(index)),
+        name=torch.cuda.get_device_name(index),
+    )
+
+
+@dataclass(frozen=True)
+class CallConfig:
+    """The configuration of one op call that decides which code can serve it.
+
+    Sizes follow FLA's layout: q/k `[B, T, HQK, K]`, v `[B, T, HV, V]`. ``T`` is the padded length per
+    batch row (total tokens when varlen); for decode ops it is the number of tokens per step.
+    ``gate`` is "precomputed" (g is the log decay), "softplus" or "safe" (computed in kernel from raw g).
+    ``options`` holds op-specific switches (``intracard_cp``, ``use_qk_l2norm_in_kernel`` ...)."""
+
+    op: str
+    device: DeviceInfo
+    dtype: torch.dtype
+    K: int
+    V: int
+    HQK: int
+    HV: int
+    T: int = 0
+    gate: str = "precomputed"
+    varlen: bool = False
+    requires_grad: bool = False
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def gva_ratio(self) -> int:
+        return self.HV // self.HQK if self.HQK else 0
+
+
+class Backend:
+    """Base class of an architecture package's backend. Subclasses set the class attributes and
+    override `unsupported_reason` and `kernel`; the defaults serve nothing."""
+
+    name: str = ""  # "sm90": what CULA_BACKEND names and the warnings print
+    package: str = ""  # distribution that ships it: "cula-sm90"
+    arch: tuple[int, int] = (0, 0)  # the architecture it is built for: an exact match is preferred
+    capabilities: tuple[tuple[int, int], ...] = ()  # every compute capability it runs on
+    ops: tuple[str, ...] = ()  # the public ops it implements (for some configurations)
+    # Kernels that compute element offsets in int32 set this: core then rejects tensors of 2**31 or more
+    # elements with a ValueError before the kernel runs, instead of letting offsets wrap.
+    int32_indexing: bool = False
+
+    def runs_on(self, device: DeviceInfo) -> bool:
+        return device.type == "cuda" and device.capability in self.capabilities
+
+    def unsupported_reason(self, call: CallConfig) -> str | None:
+        """None if this backend serves `call`, else why not (one short sentence)."""
+        if call.op not in self.ops:
+            return f"{self.name} does not implement {call.op}"
+        return None
+
+    def kernel(self, op: str) -> Callable[..., Any]:
+        """The implementation of `op`, called with the validated arguments of the public op."""
+        raise NotImplementedError(f"backend {self.name!r} has no kernel for {op}")
+
+    def describe(self) -> str:
+        """One line for `python -m cula info`."""
+        caps = ", ".join(f"sm_{a}{b}" for a, b in self.capabilities) or "no device"
+        served = ", ".join(self.ops) or "no op yet"
+        return f"runs on {caps}; serves {served}"
+
+    def __repr__(self) -> str:
+        return f"<cula backend {self.name} from {self.package}>"

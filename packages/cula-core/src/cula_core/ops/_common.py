@@ -1,0 +1,41 @@
+"""What the op modules share: building a call's configuration, choosing and running its backend, and
+the conventions of the torch custom ops (an absent optional output travels as an empty tensor)."""
+
+from __future__ import annotations
+
+import torch
+
+from cula_core import dispatch
+from cula_core.backend import CallConfig, DeviceInfo
+from cula_core.validation import check_int32_indexing
+
+# torch custom ops cannot return None: an output the caller did not ask for is a 0-element tensor.
+ABSENT = (0,)
+
+
+def absent_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return t.new_empty(ABSENT, dtype=dtype or t.dtype)
+
+
+def present(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Inverse of `absent_like`: None for the placeholder, the tensor otherwise."""
+    return None if t is None or t.numel() == 0 and t.dim() == 1 else t
+
+
+def make_call(op: str, device: torch.device, *, dtype, K, V, HQK, HV, T, gate, varlen=False,
+              requires_grad=False, **options) -> CallConfig:
+    return CallConfig(op=op, device=DeviceInfo.of(device), dtype=dtype, K=K, V=V, HQK=HQK, HV=HV, T=T,
+                      gate=gate, varlen=varlen, requires_grad=requires_grad, options=options)
+
+
+def run(call: CallConfig, tensors: dict[str, torch.Tensor | None], *args, **kwargs):
+    """Select the backend for `call`, apply its indexing limit to `tensors`, and run its kernel."""
+    backend = dispatch.select(call)
+    if backend.int32_indexing:
+        check_int32_indexing({n: t.numel() for n, t in tensors.items() if t is not None}, f"the {backend.name} kernels")
+    return backend.kernel(call.op)(*args, **kwargs)
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The reference computes in fp64 for fp64 inputs (gradcheck) and in fp32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32

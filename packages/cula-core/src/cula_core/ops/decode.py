@@ -1,0 +1,147 @@
+"""`kda_decode` and `kda_decode_mtp`: KDA decode steps on a serving state pool.
+
+A pool ``state_pool [P, HV, K, V]`` fp32 holds one state per slot; request ``i`` of the batch uses slot
+``cache_idx[i]`` (int32; negative = padded slot: nothing read or written, output zeros). The gate is
+computed in kernel from the raw ``g`` (softplus gate, or the safe gate when ``lower_bound`` is set).
+Carried by the torch custom ops ``cula::kda_decode`` and ``cula::kda_decode_mtp``, which mutate the pool.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from cula_core.ops._common import absent_like, make_call, run
+from cula_core.validation import DecodeShapes, validate_decode
+
+
+def validate_decode_call(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale, lower_bound,
+                         single_token=False):
+    """Validate, then normalise: contiguous inputs, default scale. Returns (shapes, tensors, scale)."""
+    shapes = validate_decode(q, k, v, g, beta, state_pool, cache_idx, A_log=A_log, dt_bias=dt_bias, scale=scale,
+                             lower_bound=lower_bound, single_token=single_token)
+    tensors = [t.contiguous() if t is not None else None for t in (q, k, v, g, beta)]
+    scale = float(shapes.K ** -0.5 if scale is None else scale)
+    params = [t.contiguous() if t is not None else None for t in (A_log, dt_bias)]
+    return shapes, tensors, params, scale
+
+
+def _decode_sizes(q: Tensor, v: Tensor, state_pool: Tensor) -> dict:
+    return dict(dtype=q.dtype, K=q.shape[3], V=v.shape[3], HQK=q.shape[2], HV=v.shape[2], T=q.shape[1])
+
+
+@torch.library.custom_op("cula::kda_decode", mutates_args=("state_pool",))
+def _kda_decode_op(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor, cache_idx: Tensor,
+    A_log: Optional[Tensor], dt_bias: Optional[Tensor], scale: float, lower_bound: Optional[float],
+    use_qk_l2norm_in_kernel: bool,
+) -> Tensor:
+    call = make_call("kda_decode", q.device, gate="safe" if lower_bound is not None else "softplus",
+                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **_decode_sizes(q, v, state_pool))
+    return run(call, {"state_pool": state_pool, "v": v}, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
+               scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
+@_kda_decode_op.register_fake
+def _(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale, lower_bound, use_qk_l2norm_in_kernel):
+    return torch.empty_like(v)
+
+
+@torch.library.custom_op("cula::kda_decode_mtp", mutates_args=("state_pool",))
+def _kda_decode_mtp_op(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor, cache_idx: Tensor,
+    A_log: Optional[Tensor], dt_bias: Optional[Tensor], scale: float, lower_bound: Optional[float],
+    use_qk_l2norm_in_kernel: bool, output_per_token_states: bool,
+) -> tuple[Tensor, Tensor]:
+    call = make_call("kda_decode_mtp", q.device, gate="safe" if lower_bound is not None else "softplus",
+                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                     output_per_token_states=output_per_token_states, **_decode_sizes(q, v, state_pool))
+    o, states = run(call, {"state_pool": state_pool, "v": v}, q, k, v, g, beta, state_pool, cache_idx, A_log,
+                    dt_bias, scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                    output_per_token_states=output_per_token_states)
+    return o, states if states is not None else absent_like(state_pool)
+
+
+@_kda_decode_mtp_op.register_fake
+def _(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale, lower_bound, use_qk_l2norm_in_kernel,
+      output_per_token_states):
+    o = torch.empty_like(v)
+    if not output_per_token_states:
+        return o, absent_like(state_pool)
+    N, T, HV = v.shape[:3]
+    return o, state_pool.new_empty((N, T, HV, *state_pool.shape[2:]))
+
+
+def kda_decode(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state_pool: Tensor,
+    cache_idx: Tensor,
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    scale: float | None = None,
+    lower_bound: float | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> Tensor:
+    r"""One decode token per request; updates the pool in place.
+
+    Args:
+        q, k: ``[N, 1, HQK, K]`` bf16 / fp16 / fp32. v: ``[N, 1, HV, V]``, q's dtype (``HV % HQK == 0``).
+        g: ``[N, 1, HV, K]``, the raw gate input (any float dtype).
+        beta: ``[N, 1, HV]``, post-sigmoid.
+        state_pool: ``[P, HV, K, V]`` fp32, contiguous; slot ``cache_idx[i]`` is read and overwritten
+            with the state after the token.
+        cache_idx: ``[N]`` int32; negative marks a padded slot (no read, no write, output zeros). Live
+            slots must be distinct.
+        A_log: ``[HV]``; dt_bias: ``[HV * K]`` (optional); lower_bound: selects the safe gate (see chunk_kda).
+        scale: multiplies q; default ``K ** -0.5``.
+        use_qk_l2norm_in_kernel: L2-normalise q and k first.
+
+    Returns:
+        o: ``[N, 1, HV, V]`` in v's dtype.
+    """
+    shapes, tensors, params, scale = validate_decode_call(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
+                                                          scale, lower_bound, single_token=True)
+    return torch.ops.cula.kda_decode(*tensors, state_pool, cache_idx, *params, scale,
+                                     None if lower_bound is None else float(lower_bound),
+                                     bool(use_qk_l2norm_in_kernel))
+
+
+def kda_decode_mtp(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state_pool: Tensor,
+    cache_idx: Tensor,
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    scale: float | None = None,
+    lower_bound: float | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    output_per_token_states: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    r"""Multi-token decode: the recurrence over T draft tokens per request (speculative decoding).
+
+    Args: as `kda_decode`, with ``T >= 1`` tokens: q, k ``[N, T, HQK, K]``, v ``[N, T, HV, V]``,
+        g ``[N, T, HV, K]``, beta ``[N, T, HV]``.
+        output_per_token_states: if True, return the state after each token, ``[N, T, HV, K, V]`` fp32, and
+            leave the pool untouched (the caller commits the accepted one); if False, write the state after
+            all T tokens into the pool and return None for it.
+
+    Returns:
+        ``(o, per_token_states)``: o ``[N, T, HV, V]`` in v's dtype; per_token_states as above or None.
+        Padded slots give zero outputs and zero states.
+    """
+    shapes, tensors, params, scale = validate_decode_call(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
+                                                          scale, lower_bound)
+    o, states = torch.ops.cula.kda_decode_mtp(*tensors, state_pool, cache_idx, *params, scale,
+                                              None if lower_bound is None else float(lower_bound),
+                                              bool(use_qk_l2norm_in_kernel), bool(output_per_token_states))
+    return o, (states if output_per_token_states else None)

@@ -1,0 +1,157 @@
+"""The verify/flush pair of speculative decoding: `kda_decode_mtp_kvbuffer` computes the outputs of T
+draft tokens without writing T per-token states, and `kda_flush_kvbuffer` later makes the pool hold the
+state after the accepted prefix of m tokens, as a rank-m update of the old state.
+
+The KVBuffer ``[N, T, HV, 2K + V]`` fp32 (2K + V numbers per token instead of K·V) holds, for request
+i, token t (1-based) and value head hv, with k_t the (normalised) key, g_t the log decay,
+G_t = g_1 + ... + g_t, D_t = diag(exp(g_t)) and S_t the state after t tokens:
+    [0:K]      k_t
+    [K:2K]     G_t
+    [2K:2K+V]  delta_t = beta_t * (v_t - (D_t S_{t-1})^T k_t)
+so that S_t = D_t S_{t-1} + k_t delta_t^T and, unrolled, for any accepted length m:
+    S_m = diag(exp(G_m)) S_0 + sum_{t <= m} (exp(G_m - G_t) * k_t) delta_t^T
+Every backend reads and writes this layout: verify and flush may run on different backends.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from cula_core.ops._common import make_call, run
+from cula_core.ops.decode import validate_decode_call
+from cula_core.validation import kvbuffer_shape, validate_kvbuffer
+
+
+@torch.library.custom_op("cula::kda_decode_mtp_kvbuffer", mutates_args=())
+def _kda_decode_mtp_kvbuffer_op(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor, cache_idx: Tensor,
+    A_log: Optional[Tensor], dt_bias: Optional[Tensor], scale: float, lower_bound: Optional[float],
+    use_qk_l2norm_in_kernel: bool,
+) -> tuple[Tensor, Tensor]:
+    call = make_call("kda_decode_mtp_kvbuffer", q.device, dtype=q.dtype, K=q.shape[3], V=v.shape[3],
+                     HQK=q.shape[2], HV=v.shape[2], T=q.shape[1],
+                     gate="safe" if lower_bound is not None else "softplus",
+                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return run(call, {"state_pool": state_pool, "v": v}, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
+               scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
+@_kda_decode_mtp_kvbuffer_op.register_fake
+def _(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale, lower_bound, use_qk_l2norm_in_kernel):
+    N, T, HV, V = v.shape
+    return torch.empty_like(v), state_pool.new_empty(kvbuffer_shape(N, T, HV, q.shape[3], V))
+
+
+@torch.library.custom_op("cula::kda_flush_kvbuffer", mutates_args=("state_pool",))
+def _kda_flush_kvbuffer_op(
+    state_pool: Tensor, cache_idx: Tensor, kvbuffer: Tensor, accept_len: Optional[Tensor], accept_len_all: int,
+) -> None:
+    _, HV, K, V = state_pool.shape
+    call = make_call("kda_flush_kvbuffer", state_pool.device, dtype=state_pool.dtype, K=K, V=V, HQK=HV, HV=HV,
+                     T=kvbuffer.shape[1], gate="precomputed")
+    run(call, {"state_pool": state_pool, "kvbuffer": kvbuffer}, state_pool, cache_idx, kvbuffer, accept_len,
+        accept_len_all)
+
+
+@_kda_flush_kvbuffer_op.register_fake
+def _(state_pool, cache_idx, kvbuffer, accept_len, accept_len_all):
+    return None
+
+
+@torch.library.custom_op("cula::kda_flush_kvbuffer_all_layers", mutates_args=("state_pools",))
+def _kda_flush_kvbuffer_all_layers_op(
+    state_pools: list[Tensor], cache_idx: Tensor, kvbuffers: list[Tensor], accept_len: Optional[Tensor],
+    accept_len_all: int,
+) -> None:
+    first = state_pools[0]
+    _, HV, K, V = first.shape
+    call = make_call("kda_flush_kvbuffer_all_layers", first.device, dtype=first.dtype, K=K, V=V, HQK=HV, HV=HV,
+                     T=kvbuffers[0].shape[1], gate="precomputed", layers=len(state_pools))
+    sizes = {f"state_pools[{i}]": p for i, p in enumerate(state_pools)}
+    run(call, sizes, state_pools, cache_idx, kvbuffers, accept_len, accept_len_all)
+
+
+@_kda_flush_kvbuffer_all_layers_op.register_fake
+def _(state_pools, cache_idx, kvbuffers, accept_len, accept_len_all):
+    return None
+
+
+def kda_decode_mtp_kvbuffer(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state_pool: Tensor,
+    cache_idx: Tensor,
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    scale: float | None = None,
+    lower_bound: float | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[Tensor, Tensor]:
+    r"""Verify T draft tokens per request: all T outputs, and the KVBuffer that `kda_flush_kvbuffer`
+    turns into the state after any accepted prefix. The pool is only read.
+
+    Args: as `kda_decode_mtp` (q, k ``[N, T, HQK, K]``; v ``[N, T, HV, V]``; raw g ``[N, T, HV, K]``;
+        beta ``[N, T, HV]``; state_pool ``[P, HV, K, V]`` fp32; cache_idx ``[N]`` int32, negative = padded).
+
+    Returns:
+        ``(o, kvbuffer)``: o ``[N, T, HV, V]`` in v's dtype; kvbuffer ``[N, T, HV, 2K + V]`` fp32 in the
+        layout of this module's docstring (zeros for padded slots).
+    """
+    shapes, tensors, params, scale = validate_decode_call(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
+                                                          scale, lower_bound)
+    return torch.ops.cula.kda_decode_mtp_kvbuffer(*tensors, state_pool, cache_idx, *params, scale,
+                                                  None if lower_bound is None else float(lower_bound),
+                                                  bool(use_qk_l2norm_in_kernel))
+
+
+def _split_accept_len(accept_len) -> tuple[Tensor | None, int]:
+    return (None, int(accept_len)) if isinstance(accept_len, int) else (accept_len, 0)
+
+
+def kda_flush_kvbuffer(state_pool: Tensor, cache_idx: Tensor, kvbuffer: Tensor, accept_len: Tensor | int) -> None:
+    r"""Commit the accepted prefix: for each live request i with m = accept_len[i] > 0, make
+    ``state_pool[cache_idx[i]]`` the state after its first m verified tokens; m = 0 and padded slots leave
+    the pool as it was. In place.
+
+    Args:
+        state_pool: ``[P, HV, K, V]`` fp32, the pool the verify step read (unchanged since).
+        cache_idx: ``[N]`` int32, the verify step's indices.
+        kvbuffer: ``[N, T, HV, 2K + V]`` fp32 from `kda_decode_mtp_kvbuffer`.
+        accept_len: an int in ``[0, T]`` for every request, or ``[N]`` int32 on the pool's device (read at
+            run time: one compiled kernel serves every accept length).
+    """
+    validate_kvbuffer("kvbuffer", kvbuffer, state_pool, cache_idx, accept_len)
+    torch.ops.cula.kda_flush_kvbuffer(state_pool, cache_idx, kvbuffer.contiguous(), *_split_accept_len(accept_len))
+
+
+def kda_flush_kvbuffer_all_layers(
+    state_pools: list[Tensor], cache_idx: Tensor, kvbuffers: list[Tensor], accept_len: Tensor | int
+) -> None:
+    r"""`kda_flush_kvbuffer` for all L layers in one call (one launch on the kernel backends).
+
+    Args:
+        state_pools: L pools ``[P, HV, K, V]`` fp32 (one per layer, same shape).
+        cache_idx: ``[N]`` int32, shared by the layers.
+        kvbuffers: L KVBuffers ``[N, T, HV, 2K + V]`` fp32, ``kvbuffers[l]`` from layer l's verify.
+        accept_len: int or ``[N]`` int32, shared by the layers.
+    """
+    if not isinstance(state_pools, (list, tuple)) or not isinstance(kvbuffers, (list, tuple)):
+        raise TypeError(f"state_pools and kvbuffers must be lists of tensors, got {type(state_pools).__name__} "
+                        f"and {type(kvbuffers).__name__}")
+    if len(state_pools) == 0 or len(state_pools) != len(kvbuffers):
+        raise ValueError(f"state_pools and kvbuffers must hold one tensor per layer (L >= 1), got "
+                         f"{len(state_pools)} pools and {len(kvbuffers)} buffers")
+    for layer, (pool, buf) in enumerate(zip(state_pools, kvbuffers)):
+        validate_kvbuffer(f"kvbuffers[{layer}]", buf, pool, cache_idx, accept_len)
+        if pool.shape != state_pools[0].shape or buf.shape != kvbuffers[0].shape:
+            raise ValueError(f"every layer must have the shapes of layer 0: state_pools[{layer}] "
+                             f"{list(pool.shape)}, kvbuffers[{layer}] {list(buf.shape)} vs "
+                             f"{list(state_pools[0].shape)}, {list(kvbuffers[0].shape)}")
+    torch.ops.cula.kda_flush_kvbuffer_all_layers(list(state_pools), cache_idx, [b.contiguous() for b in kvbuffers],
+                                                 *_split_accept_len(accept_len))

@@ -1,0 +1,137 @@
+"""The reference backend's kernels: one function per public op, with the calling convention every
+backend's `kernel(op)` follows (validated, contiguous arguments; see docs/backends.md). Each prepares
+the inputs (L2 norm, gate, beta activation) and runs `cula_core.reference` in fp32 (fp64 for fp64 inputs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cula_core import reference as ref
+from cula_core.ops._common import work_dtype
+from cula_core.reference.kvbuffer import flush_kvbuffer_reference, mtp_kvbuffer_reference
+
+
+def _log_decay(g, A_log, dt_bias, gate: str, lower_bound):
+    if gate == "precomputed":
+        return g
+    if gate == "softplus":
+        return ref.softplus_gate(g, A_log, dt_bias)
+    return ref.safe_gate(g, A_log, dt_bias, lower_bound)
+
+
+def _beta(beta, activation: str):
+    if activation == "sigmoid":
+        return torch.sigmoid(beta)
+    if activation == "2sigmoid":
+        return 2.0 * torch.sigmoid(beta)
+    return beta
+
+
+def _prepare(q, k, g, beta, A_log, dt_bias, *, dtype, use_qk_l2norm_in_kernel, gate, lower_bound,
+             beta_activation="none"):
+    q, k, g, beta = (t.to(dtype) for t in (q, k, g, beta))
+    if use_qk_l2norm_in_kernel:
+        q, k = ref.l2norm(q), ref.l2norm(k)
+    A_log = A_log.to(dtype) if A_log is not None else None
+    dt_bias = dt_bias.to(dtype) if dt_bias is not None else None
+    return q, k, _log_decay(g, A_log, dt_bias, gate, lower_bound), _beta(beta, beta_activation)
+
+
+def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *, scale, output_final_state,
+             use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation):
+    dtype = work_dtype(q.dtype)
+    qp, kp, gp, bp = _prepare(q, k, g, beta, A_log, dt_bias, dtype=dtype,
+                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate,
+                              lower_bound=lower_bound, beta_activation=beta_activation)
+    h0 = initial_state.to(dtype) if initial_state is not None else None
+    o, ht = ref.chunk_kda_reference(qp, kp, v.to(dtype), gp, bp, scale=scale, initial_state=h0,
+                                    output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+    return o.to(v.dtype), ht
+
+
+def chunk_kda(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *, scale,
+              output_final_state, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation):
+    with torch.no_grad():
+        return _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale=scale,
+                        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                        gate=gate, lower_bound=lower_bound, beta_activation=beta_activation)
+
+
+def kda_prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *, scale,
+                output_final_state, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, intracard_cp):
+    # The reference runs sequences whole: context parallel changes the schedule, not the result.
+    return chunk_kda(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale=scale,
+                     output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                     gate=gate, lower_bound=lower_bound, beta_activation=beta_activation)
+
+
+def chunk_kda_backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *,
+                       scale, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation):
+    """Gradients of (q, k, v, g, beta, A_log, dt_bias, initial_state) by a vector-Jacobian product through
+    the reference forward; None for an absent input.
+
+    torch.func.vjp rather than torch.autograd: this runs inside a custom op, where torch has switched the
+    autograd dispatch keys off; functorch's transforms work there."""
+    inputs = (q, k, v, g, beta, A_log, dt_bias, initial_state)
+    where = [i for i, t in enumerate(inputs) if t is not None]
+
+    def forward(*present):
+        args = list(inputs)
+        for i, t in zip(where, present):
+            args[i] = t
+        o, ht = _forward(*args, cu_seqlens, scale=scale, output_final_state=dht is not None,
+                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate, lower_bound=lower_bound,
+                         beta_activation=beta_activation)
+        return (o, ht) if dht is not None else (o,)
+
+    outputs, vjp = torch.func.vjp(forward, *(inputs[i] for i in where))
+    cotangents = (do.to(outputs[0].dtype),) + ((dht.to(outputs[1].dtype),) if dht is not None else ())
+    grads = iter(vjp(cotangents))
+    return tuple(next(grads).to(t.dtype) if t is not None else None for t in inputs)
+
+
+def _prepare_decode(q, k, g, beta, A_log, dt_bias, state_pool, *, lower_bound, use_qk_l2norm_in_kernel):
+    gate = "safe" if lower_bound is not None else "softplus"
+    return _prepare(q, k, g, beta, A_log, dt_bias, dtype=state_pool.dtype,
+                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate, lower_bound=lower_bound)
+
+
+def kda_decode_mtp(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, *, scale, lower_bound,
+                   use_qk_l2norm_in_kernel, output_per_token_states):
+    qp, kp, gp, bp = _prepare_decode(q, k, g, beta, A_log, dt_bias, state_pool, lower_bound=lower_bound,
+                                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    o, states = ref.decode_mtp_reference(qp, kp, v, gp, bp, state_pool, cache_idx, scale=scale)
+    if not output_per_token_states:
+        ref.commit_accepted_reference(state_pool, cache_idx, states, q.shape[1])
+        states = None
+    return o.to(v.dtype), states
+
+
+def kda_decode(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, *, scale, lower_bound,
+               use_qk_l2norm_in_kernel):
+    o, _ = kda_decode_mtp(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale=scale,
+                          lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                          output_per_token_states=False)
+    return o
+
+
+def kda_decode_mtp_kvbuffer(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, *, scale, lower_bound,
+                            use_qk_l2norm_in_kernel):
+    qp, kp, gp, bp = _prepare_decode(q, k, g, beta, A_log, dt_bias, state_pool, lower_bound=lower_bound,
+                                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    o, buf = mtp_kvbuffer_reference(qp, kp, v, gp, bp, state_pool, cache_idx, scale=scale)
+    return o.to(v.dtype), buf
+
+
+def _accept(accept_len, accept_len_all):
+    return accept_len if accept_len is not None else accept_len_all
+
+
+def kda_flush_kvbuffer(state_pool, cache_idx, kvbuffer, accept_len, accept_len_all):
+    flush_kvbuffer_reference(state_pool, cache_idx, kvbuffer, _accept(accept_len, accept_len_all))
+
+
+def kda_flush_kvbuffer_all_layers(state_pools, cache_idx, kvbuffers, accept_len, accept_len_all):
+    for pool, buf in zip(state_pools, kvbuffers):
+        flush_kvbuffer_reference(pool, cache_idx, buf, _accept(accept_len, accept_len_all))
