@@ -72,9 +72,9 @@ def kda_prefill(
 
     Args:
         intracard_cp: ``"auto"`` (default), ``True`` or ``False``. Intra-card context parallel: split long
-            sequences into pieces at chunk boundaries and run them concurrently (see
-            docs/intracard_cp.md). It never changes the result beyond fp32 rounding of the state; a backend
-            without CP runs the sequences whole. ``"auto"`` lets the backend decide from the SM count,
+            sequences into pieces at chunk boundaries and run them concurrently (the math:
+            `cula_core.reference.context_parallel_reference`). It never changes the result beyond fp32
+            rounding of the state; a backend without CP (the reference included) runs the sequences whole. ``"auto"`` lets the backend decide from the SM count,
             heads and lengths (taken from ``cu_seqlens_cpu`` when varlen, never by reading the device).
 
     Returns:

@@ -47,7 +47,8 @@ def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *, sca
     h0 = initial_state.to(dtype) if initial_state is not None else None
     o, ht = ref.chunk_kda_reference(qp, kp, v.to(dtype), gp, bp, scale=scale, initial_state=h0,
                                     output_final_state=output_final_state, cu_seqlens=cu_seqlens)
-    return o.to(v.dtype), ht
+    # Outputs are contiguous in the FLA layout: every backend returns them so (the fake ops say so).
+    return o.to(v.dtype).contiguous(), ht.contiguous() if ht is not None else None
 
 
 def chunk_kda(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *, scale,
@@ -105,7 +106,7 @@ def kda_decode_mtp(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, *, s
     if not output_per_token_states:
         ref.commit_accepted_reference(state_pool, cache_idx, states, q.shape[1])
         states = None
-    return o.to(v.dtype), states
+    return o.to(v.dtype).contiguous(), states
 
 
 def kda_decode(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, *, scale, lower_bound,
@@ -121,7 +122,7 @@ def kda_decode_mtp_kvbuffer(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_b
     qp, kp, gp, bp = _prepare_decode(q, k, g, beta, A_log, dt_bias, state_pool, lower_bound=lower_bound,
                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     o, buf = mtp_kvbuffer_reference(qp, kp, v, gp, bp, state_pool, cache_idx, scale=scale)
-    return o.to(v.dtype), buf
+    return o.to(v.dtype).contiguous(), buf
 
 
 def _accept(accept_len, accept_len_all):
