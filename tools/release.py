@@ -254,7 +254,7 @@ def check(root: Path = REPO_ROOT) -> list[str]:
     metas = [p for p in packages if p.role == "meta"]
     arches = [p for p in packages if p.role == "arch"]
     if len(cores) != 1 or len(metas) != 1:
-        return problems + [f"{TABLE}: needs exactly one core and one meta package"]
+        return [*problems, f"{TABLE}: needs exactly one core and one meta package"]
     core, meta = cores[0], metas[0]
     problems += [str(r) for r in range_problems(packages)]
 
@@ -337,13 +337,13 @@ def bump(root: Path, name: str, version: str, widen: bool, dry_run: bool, out=sy
     old = parse_version(pkg.version, f"{pkg.rel_path}/pyproject.toml: version")
     if new <= old:
         raise ReleaseError(f"{pkg.name} is at {old}: {new} is not newer")
-    problems = [r for r in range_problems(packages, {pkg.name: version}) if r.target == pkg.name
-                or canonicalize_name(r.target) == canonicalize_name(pkg.name)]
+    problems = [r for r in range_problems(packages, {pkg.name: version})
+                if canonicalize_name(r.target) == canonicalize_name(pkg.name)]
     if problems and not widen:
         print(f"{pkg.name} {version} is outside ranges that name it; nothing was changed:", file=out)
         for r in problems:
             print(f"  {r}", file=out)
-        print(f"Widen them (or rerun with --widen to apply the suggestions), then rerun.", file=out)
+        print("Widen them (or rerun with --widen to apply the suggestions), then rerun.", file=out)
         return 1
     verb = "would set" if dry_run else "set"
     print(f"{pkg.name}: {verb} version {old} -> {new} in {pkg.rel_path}/pyproject.toml", file=out)
@@ -410,7 +410,8 @@ def list_packages(root: Path) -> list[dict]:
              "build-tools": p.build_tools, "tag": p.tag} for p in load_packages(root)]
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; its --help is this module's docstring, which documents every option."""
     parser = argparse.ArgumentParser(
         prog="tools/release.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("name", nargs="?", metavar="NAME", help="package to bump (cula-core, cula-sm90, cula ...)")
@@ -418,14 +419,21 @@ def main(argv: list[str] | None = None) -> int:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--check", action="store_true", help="validate all versions, ranges and the package table")
     mode.add_argument("--list", action="store_true", help="list the packages")
-    mode.add_argument("--tag-info", metavar="TAG", help="the package a release tag releases, checked against its version")
+    mode.add_argument("--tag-info", metavar="TAG",
+                      help="the package a release tag releases, checked against its version")
     mode.add_argument("--gpu-matrix", action="store_true", help="GitHub Actions matrix (JSON) of the GPU CI jobs")
     parser.add_argument("--widen", action="store_true", help="with NAME VERSION: rewrite ranges that exclude VERSION")
-    parser.add_argument("--dry-run", action="store_true", help="with NAME VERSION: print what would change, write nothing")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="with NAME VERSION: print what would change, write nothing")
     parser.add_argument("--json", action="store_true", help="with --list: print JSON")
     parser.add_argument("--github-output", action="store_true",
                         help="with --tag-info: also append the key=value lines to $GITHUB_OUTPUT")
     parser.add_argument("--root", type=Path, default=REPO_ROOT, help="repository root (default: this checkout)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     root = args.root.resolve()
     bumping = args.name is not None

@@ -65,7 +65,7 @@ def test_errors_max_abs_and_relative_over_a_tuple_of_outputs():
     assert max_rel == pytest.approx(0.5 / 4.0)  # first: 0.5 / 4 beats second: 1 / 10
     assert harness.errors(ref, ref) == (0.0, 0.0)
     # bf16 against fp32 compares in fp64
-    a, r = harness.errors(torch.tensor([1.0], dtype=torch.bfloat16), torch.tensor([1.001]))
+    a, _r = harness.errors(torch.tensor([1.0], dtype=torch.bfloat16), torch.tensor([1.001]))
     assert a == pytest.approx(0.001, rel=1e-3)
 
 

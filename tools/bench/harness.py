@@ -192,7 +192,7 @@ def errors(ours: Any, reference: Any) -> tuple[float, float]:
     if [p for p, _ in a] != [p for p, _ in b]:
         raise ValueError(f"outputs differ in structure: {[p for p, _ in a]} vs {[p for p, _ in b]}")
     max_abs, max_rel = 0.0, 0.0
-    for (path, x), (_, y) in zip(a, b):
+    for (path, x), (_, y) in zip(a, b, strict=True):
         if x is None or y is None:
             if (x is None) != (y is None):
                 raise ValueError(f"{path}: one output is None, the other is not")
@@ -341,7 +341,7 @@ class Report:
         w = 0.4
         ax.bar([p - w / 2 for p in pos], [r.fla_ms or 0 for r in self.rows], w, label="FLA")
         ax.bar([p + w / 2 for p in pos], [r.cula_ms or 0 for r in self.rows], w, label="cula")
-        for p, r in zip(pos, self.rows):
+        for p, r in zip(pos, self.rows, strict=True):
             if r.speedup is not None:
                 ax.annotate(fmt_speedup(r.speedup), (p, max(r.fla_ms or 0, r.cula_ms or 0)),
                             ha="center", va="bottom", fontsize=8)
@@ -369,7 +369,8 @@ def environment(device: str | None = None) -> dict[str, Any]:
     if device is not None and str(device).startswith("cuda") and torch.cuda.is_available():
         d = torch.device(device)
         meta["gpu"] = torch.cuda.get_device_name(d)
-        meta["capability"] = "%d.%d" % torch.cuda.get_device_capability(d)
+        major, minor = torch.cuda.get_device_capability(d)
+        meta["capability"] = f"{major}.{minor}"
     for dist in ("cula-core", "cula-sm89", "cula-sm90", "cula-sm100", "fla-core", "flash-linear-attention",
                  "triton"):
         try:
@@ -466,10 +467,10 @@ def _chunk_kda_inputs(shape: Mapping[str, Any], seed: int, device: str | None) -
     def rnd(*s, scale=1.0):
         return (torch.randn(*s, generator=gen) * scale).to(device)
 
-    return dict(q=rnd(B, T, H, K).to(dtype), k=rnd(B, T, H, K).to(dtype), v=rnd(B, T, H, K).to(dtype),
-                g=-torch.rand(B, T, H, K, generator=gen).to(device) * 0.1,
-                beta=torch.rand(B, T, H, generator=gen).to(device).to(dtype),
-                use_qk_l2norm_in_kernel=True)
+    return {"q": rnd(B, T, H, K).to(dtype), "k": rnd(B, T, H, K).to(dtype), "v": rnd(B, T, H, K).to(dtype),
+            "g": -torch.rand(B, T, H, K, generator=gen).to(device) * 0.1,
+            "beta": torch.rand(B, T, H, generator=gen).to(device).to(dtype),
+            "use_qk_l2norm_in_kernel": True}
 
 
 def _cula_chunk_kda(**kw):
@@ -493,9 +494,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args("chunk_kda forward: cula (best backend here) vs FLA", argv)
     on_cuda = str(args.device).startswith("cuda")
     if args.smoke:
-        shapes = [dict(B=1, T=512 if on_cuda else 128, H=4, K=128 if on_cuda else 32)]
+        shapes = [{"B": 1, "T": 512 if on_cuda else 128, "H": 4, "K": 128 if on_cuda else 32}]
     else:
-        shapes = [dict(B=1, T=t, H=h, K=128) for t in (1024, 4096, 16384) for h in (16, 32)]
+        shapes = [{"B": 1, "T": t, "H": h, "K": 128} for t in (1024, 4096, 16384) for h in (16, 32)]
     report = compare(shapes, _chunk_kda_inputs, _cula_chunk_kda, _fla_chunk_kda, timing=args.timing,
                      device=args.device, title="chunk_kda forward (no grad): FLA vs cula")
     emit(report, args)

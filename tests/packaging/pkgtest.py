@@ -1,0 +1,161 @@
+"""Helpers of the packaging tests (imported by conftest.py and the test modules). The session-scoped
+fixtures in conftest.py use them:
+
+  packages     the package table (tools/packages.toml, read by tools/release.py) with each pyproject
+  dists        every package's sdist, and its wheel built from that sdist (`python -m build --no-isolation`),
+               built in parallel into one temporary folder; a package whose build tools are missing (nvcc
+               for cula-sm89) is not built and the tests that need it skip, saying why
+  wheelhouse   one folder holding every wheel that built
+  make_venv    a fresh venv from the base interpreter with --system-site-packages (so the machine's torch
+               is reused; torch==2.13.0 is installed into it only where the base has none), checked to
+               hold no cula distribution before the tests install theirs
+
+Nothing here reaches the network: our wheels install with --no-deps or --no-index --find-links.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BUILD_TIMEOUT_S = {"pure": 300, "native": 1800}
+
+
+def _load_release():
+    spec = importlib.util.spec_from_file_location("cula_release_tool", REPO_ROOT / "tools" / "release.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+release = _load_release()
+PACKAGES = release.load_packages(REPO_ROOT)  # at import: test modules parametrize over it
+
+
+def by_role(role: str) -> list:
+    return [p for p in PACKAGES if p.role == role]
+
+
+def tool(name: str) -> str:
+    """A command-line tool installed from tools/requirements-test.txt: next to this interpreter (the test
+    venv's bin/, which may not be on PATH), else on PATH. Missing is a failure, not a skip."""
+    here = Path(sys.executable).parent / name
+    if here.is_file() and os.access(here, os.X_OK):
+        return str(here)
+    found = shutil.which(name)
+    if found is None:
+        pytest.fail(f"{name} is not installed: pip install -r tools/requirements-test.txt")
+    return found
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment for a child process: nothing that would make it see this test venv's packages."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP", "PYTHONUSERBASE")
+           and not k.startswith("CIBW_")}
+    env.update(PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1", PYTHONNOUSERSITE="1", **extra)
+    return env
+
+
+def run(cmd: list, *, timeout: float = 600, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    kw.setdefault("env", clean_env())
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, **kw)
+    if check and proc.returncode != 0:
+        pytest.fail(f"command failed ({proc.returncode}): {' '.join(map(str, cmd))}\n"
+                    f"--- stdout (tail)\n{proc.stdout[-4000:]}\n--- stderr (tail)\n{proc.stderr[-4000:]}")
+    return proc
+
+
+# ---------------------------------------------------------------- building
+
+
+@dataclass
+class Built:
+    """The result of building one package: its files, or why it was not built or failed."""
+
+    package: object
+    wheel: Path | None = None
+    sdist: Path | None = None
+    skipped: str | None = None  # a build tool is missing: the tests that need it skip with this reason
+    failed: str | None = None  # the build ran and failed: the tests that need it fail with this log
+    seconds: float = 0.0
+
+    def require(self) -> Built:
+        """This package's files, or skip (missing build tool) / fail (build error) the calling test."""
+        if self.skipped:
+            pytest.skip(self.skipped)
+        if self.failed:
+            pytest.fail(self.failed)
+        return self
+
+
+def missing_build_tools(package) -> list[str]:
+    return [t for t in package.build_tools if shutil.which(t) is None]
+
+
+def build(package, outdir: Path) -> Built:
+    import time
+
+    missing = missing_build_tools(package)
+    if missing:
+        return Built(package, skipped=f"{package.name}: not built: {', '.join(missing)} not found on PATH "
+                                      f"(its wheel build needs {', '.join(package.build_tools)})")
+    outdir.mkdir(parents=True)
+    # No flags: the sdist first, then the wheel built from the unpacked sdist, which proves the sdist
+    # holds everything a build needs (and keeps build output out of the source tree).
+    cmd = [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(outdir), str(package.path)]
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(),
+                              timeout=BUILD_TIMEOUT_S["native" if package.native else "pure"])
+    except subprocess.TimeoutExpired as exc:
+        return Built(package, failed=f"{package.name}: build timed out after {exc.timeout} s")
+    seconds = time.monotonic() - t0
+    if proc.returncode != 0:
+        return Built(package, seconds=seconds, failed=(
+            f"{package.name}: `{' '.join(cmd)}` failed ({proc.returncode})\n"
+            f"--- stdout (tail)\n{proc.stdout[-6000:]}\n--- stderr (tail)\n{proc.stderr[-6000:]}"))
+    wheels, sdists = sorted(outdir.glob("*.whl")), sorted(outdir.glob("*.tar.gz"))
+    if len(wheels) != 1 or len(sdists) != 1:
+        got = sorted(p.name for p in outdir.iterdir())
+        return Built(package, seconds=seconds, failed=f"{package.name}: expected one wheel and one sdist, got {got}")
+    return Built(package, wheel=wheels[0], sdist=sdists[0], seconds=seconds)
+
+
+# ---------------------------------------------------------------- fresh venvs
+
+
+@dataclass
+class Venv:
+    path: Path
+
+    @property
+    def bin(self) -> Path:
+        return self.path / ("Scripts" if os.name == "nt" else "bin")
+
+    @property
+    def python(self) -> Path:
+        return self.bin / ("python.exe" if os.name == "nt" else "python")
+
+    def run(self, *args, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
+        return run([self.python, *args], check=check, timeout=timeout, cwd=self.path)
+
+    def pip_install(self, *args) -> subprocess.CompletedProcess:
+        return self.run("-m", "pip", "install", "--no-input", *args, timeout=900)
+
+    def cula_distributions(self) -> dict[str, str]:
+        """cula* distribution name -> the folder it is installed in."""
+        code = ("import json, importlib.metadata as m\n"
+                "print(json.dumps({d.metadata['Name']: str(d.locate_file('')) for d in m.distributions()"
+                " if d.metadata['Name'].lower().startswith('cula')}))")
+        return json.loads(self.run("-c", code).stdout)
