@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 def inputs(T, HQK, HV, K, seed, varlen):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")
     q, k, v = (r(1, T, HQK, K).bfloat16(), r(1, T, HQK, K).bfloat16(), r(1, T, HV, K).bfloat16())
     g = r(1, T, HV, K)
     beta = torch.rand(1, T, HV, generator=gen, device="cuda").bfloat16()

@@ -14,7 +14,7 @@ F64 = torch.float64
 
 def make_inputs(B=1, T=70, HQK=2, HV=4, K=8, V=8, dtype=F64, seed=0, raw_gate=False):
     gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)
     q, k, v = r(B, T, HQK, K), r(B, T, HQK, K), r(B, T, HV, V)
     g = r(B, T, HV, K) if raw_gate else -torch.rand(B, T, HV, K, generator=gen, dtype=F64)
     beta = torch.rand(B, T, HV, generator=gen, dtype=F64)
@@ -126,7 +126,7 @@ def per_request_reference(q, k, v, g, beta, A_log, dt_bias, pool, idx, lower_bou
             continue
         per_token = []
         for t in range(1, q.shape[1] + 1):
-            sl = lambda x: x[i : i + 1, :t]  # noqa: E731
+            sl = lambda x: x[i : i + 1, :t]
             o_t, s_t = expected(sl(q), sl(k), sl(v), sl(g), sl(beta), A_log, dt_bias, gate=gate,
                                 lower_bound=lower_bound, initial_state=pool[slot : slot + 1].clone(),
                                 output_final_state=True)
@@ -143,7 +143,7 @@ def test_decode_steps_equal_the_recurrence(lower_bound):
     padded_before = pool.clone()
     o_ref, states_ref = per_request_reference(q, k, v, g, beta, A_log, dt_bias, pool, idx, lower_bound)
     for t in range(4):
-        sl = lambda x: x[:, t : t + 1]  # noqa: E731
+        sl = lambda x: x[:, t : t + 1]
         o = cula_core.kda_decode(sl(q), sl(k), sl(v), sl(g), sl(beta), pool, idx, A_log=A_log, dt_bias=dt_bias,
                                  lower_bound=lower_bound, use_qk_l2norm_in_kernel=True)
         torch.testing.assert_close(o, o_ref[:, t : t + 1], rtol=1e-10, atol=1e-10)

@@ -16,18 +16,6 @@ DT = torch.float64
 TOL = 1e-12
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny CPU problems: intra-op threads only add overhead, and stall badly on a loaded machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(0)
 
 
 def make_tokens(N, T, HQK, HV, K, V, seed=0):

@@ -25,14 +25,14 @@ except _metadata.PackageNotFoundError:  # running from a source tree that is not
     __version__ = "0+unknown"
 
 __all__ = [
+    "BackendUnavailableError",
+    "CulaFallbackWarning",
     "chunk_kda",
-    "kda_prefill",
     "kda_decode",
     "kda_decode_mtp",
     "kda_decode_mtp_kvbuffer",
     "kda_flush_kvbuffer",
     "kda_flush_kvbuffer_all_layers",
+    "kda_prefill",
     "reference",
-    "BackendUnavailableError",
-    "CulaFallbackWarning",
 ]

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -49,7 +50,7 @@ class DeviceInfo:
     name: str = ""
 
     @staticmethod
-    def of(device: torch.device) -> "DeviceInfo":
+    def of(device: torch.device) -> DeviceInfo:
         if device.type != "cuda":
             return DeviceInfo(type=device.type, index=device.index)
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -61,7 +62,7 @@ class DeviceInfo:
         return f"{self.type}:{self.index} (sm_{self.capability[0]}{self.capability[1]}, {self.name})"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_device_info(index: int) -> DeviceInfo:
     # Cached: the properties of a device do not change in a process, and dispatch asks on every call.
     return DeviceInfo(

@@ -50,7 +50,7 @@ def _devices() -> list[DeviceInfo]:
 
 
 def info(out=sys.stdout) -> int:
-    p = lambda *a: print(*a, file=out)  # noqa: E731
+    p = lambda *a: print(*a, file=out)
     p("cula packages:")
     for dist in PACKAGES:
         p(f"  {dist:<12} {_version(dist)}")
@@ -108,12 +108,12 @@ def demo(out=sys.stdout, device: str | None = None) -> int:
     from cula_core import chunk_kda, kda_decode, kda_prefill
     from cula_core.ops import reference_impls as ref
 
-    p = lambda *a: print(*a, file=out)  # noqa: E731
+    p = lambda *a: print(*a, file=out)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     gen = torch.Generator(device="cpu").manual_seed(0)
     B, T, HQK, HV, K, V = 1, 256, 2, 4, 64, 64
-    rnd = lambda *shape: torch.randn(*shape, generator=gen).to(dev)  # noqa: E731
+    rnd = lambda *shape: torch.randn(*shape, generator=gen).to(dev)
     q, k, v = rnd(B, T, HQK, K).to(dtype), rnd(B, T, HQK, K).to(dtype), rnd(B, T, HV, V).to(dtype)
     g, beta = rnd(B, T, HV, K), torch.rand(B, T, HV, generator=gen).to(dev)
     A_log, dt_bias = rnd(HV) * 0.5, rnd(HV * K) * 0.1

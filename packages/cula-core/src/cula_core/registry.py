@@ -59,7 +59,7 @@ def _load(ep: metadata.EntryPoint) -> BackendEntry:
             raise TypeError(f"entry point {ep.value!r} gave {type(backend).__name__}, not a cula_core.backend.Backend")
         if not backend.name:
             raise TypeError(f"backend from {ep.value!r} has an empty name")
-    except Exception as exc:  # noqa: BLE001 - any failure of a third-party import is reported, not raised
+    except Exception as exc:
         return BackendEntry(
             entry_name=ep.name,
             value=ep.value,

@@ -248,7 +248,7 @@ def validate_cache_idx(cache_idx, N: int, P: int) -> None:
     if not values_checkable(cache_idx):
         return
     idx = cache_idx.cpu()
-    bad = ((idx >= P)).nonzero()
+    bad = (idx >= P).nonzero()
     if bad.numel():
         i = int(bad[0, 0])
         raise ValueError(f"cache_idx[{i}] = {int(idx[i])} is out of range for a state pool of P = {P} slots "

@@ -7,7 +7,7 @@ its extras install (`cula[sm89]`, `cula[sm90]`, `cula[sm100]`) and are found at 
 from importlib import metadata as _metadata
 
 import cula_core as _core
-from cula_core import *  # noqa: F401,F403 - the public API, listed in cula_core.__all__
+from cula_core import *  # noqa: F403 - the public API, listed in cula_core.__all__
 
 __all__ = list(_core.__all__)
 

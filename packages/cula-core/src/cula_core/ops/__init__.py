@@ -8,10 +8,10 @@ from cula_core.ops.prefill import kda_prefill
 
 __all__ = [
     "chunk_kda",
-    "kda_prefill",
     "kda_decode",
     "kda_decode_mtp",
     "kda_decode_mtp_kvbuffer",
     "kda_flush_kvbuffer",
     "kda_flush_kvbuffer_all_layers",
+    "kda_prefill",
 ]

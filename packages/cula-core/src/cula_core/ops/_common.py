@@ -19,7 +19,7 @@ def absent_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tens
 
 def present(t: torch.Tensor | None) -> torch.Tensor | None:
     """Inverse of `absent_like`: None for the placeholder, the tensor otherwise."""
-    return None if t is None or t.numel() == 0 and t.dim() == 1 else t
+    return None if t is None or (t.numel() == 0 and t.dim() == 1) else t
 
 
 def make_call(op: str, device: torch.device, *, dtype, K, V, HQK, HV, T, gate, varlen=False,

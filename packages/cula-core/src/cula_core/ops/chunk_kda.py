@@ -7,7 +7,6 @@ forward saves its inputs; the backward recomputes what it needs (FLA's default, 
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -54,10 +53,10 @@ def parse_fla_kwargs(kwargs: dict, fn: str) -> str:
 @torch.library.custom_op("cula::chunk_kda", mutates_args=())
 def _chunk_kda_op(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-    A_log: Optional[Tensor], dt_bias: Optional[Tensor], initial_state: Optional[Tensor],
-    cu_seqlens: Optional[Tensor], cu_seqlens_cpu: Optional[Tensor],
+    A_log: Tensor | None, dt_bias: Tensor | None, initial_state: Tensor | None,
+    cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None,
     scale: float, output_final_state: bool, use_qk_l2norm_in_kernel: bool, gate: str,
-    lower_bound: Optional[float], beta_activation: str, requires_grad: bool,
+    lower_bound: float | None, beta_activation: str, requires_grad: bool,
 ) -> tuple[Tensor, Tensor]:
     B, T, HQK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -74,11 +73,11 @@ def _chunk_kda_op(
     return o, final_state if final_state is not None else absent_like(q, torch.float32)
 
 
-def _num_seqs(q: Tensor, cu_seqlens: Optional[Tensor]) -> int:
+def _num_seqs(q: Tensor, cu_seqlens: Tensor | None) -> int:
     return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
 
-def _state_dtype(q: Tensor, initial_state: Optional[Tensor]) -> torch.dtype:
+def _state_dtype(q: Tensor, initial_state: Tensor | None) -> torch.dtype:
     # States are fp32; the fp64 reference path (gradcheck) keeps fp64 states.
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
@@ -95,10 +94,10 @@ def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cp
 
 @torch.library.custom_op("cula::chunk_kda_backward", mutates_args=())
 def _chunk_kda_backward_op(
-    do: Tensor, dht: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-    A_log: Optional[Tensor], dt_bias: Optional[Tensor], initial_state: Optional[Tensor],
-    cu_seqlens: Optional[Tensor], cu_seqlens_cpu: Optional[Tensor],
-    scale: float, use_qk_l2norm_in_kernel: bool, gate: str, lower_bound: Optional[float], beta_activation: str,
+    do: Tensor, dht: Tensor | None, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    A_log: Tensor | None, dt_bias: Tensor | None, initial_state: Tensor | None,
+    cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None,
+    scale: float, use_qk_l2norm_in_kernel: bool, gate: str, lower_bound: float | None, beta_activation: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     B, T, HQK, K = q.shape
     HV, V = v.shape[2], v.shape[3]

@@ -8,13 +8,12 @@ Carried by the torch custom ops ``cula::kda_decode`` and ``cula::kda_decode_mtp`
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 from torch import Tensor
 
 from cula_core.ops._common import absent_like, make_call, run
-from cula_core.validation import DecodeShapes, validate_decode
+from cula_core.validation import validate_decode
 
 
 def validate_decode_call(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale, lower_bound,
@@ -35,7 +34,7 @@ def _decode_sizes(q: Tensor, v: Tensor, state_pool: Tensor) -> dict:
 @torch.library.custom_op("cula::kda_decode", mutates_args=("state_pool",))
 def _kda_decode_op(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor, cache_idx: Tensor,
-    A_log: Optional[Tensor], dt_bias: Optional[Tensor], scale: float, lower_bound: Optional[float],
+    A_log: Tensor | None, dt_bias: Tensor | None, scale: float, lower_bound: float | None,
     use_qk_l2norm_in_kernel: bool,
 ) -> Tensor:
     call = make_call("kda_decode", q.device, gate="safe" if lower_bound is not None else "softplus",
@@ -52,7 +51,7 @@ def _(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale, lower_boun
 @torch.library.custom_op("cula::kda_decode_mtp", mutates_args=("state_pool",))
 def _kda_decode_mtp_op(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor, cache_idx: Tensor,
-    A_log: Optional[Tensor], dt_bias: Optional[Tensor], scale: float, lower_bound: Optional[float],
+    A_log: Tensor | None, dt_bias: Tensor | None, scale: float, lower_bound: float | None,
     use_qk_l2norm_in_kernel: bool, output_per_token_states: bool,
 ) -> tuple[Tensor, Tensor]:
     call = make_call("kda_decode_mtp", q.device, gate="safe" if lower_bound is not None else "softplus",

@@ -15,7 +15,6 @@ Every backend reads and writes this layout: verify and flush may run on differen
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -28,7 +27,7 @@ from cula_core.validation import kvbuffer_shape, validate_kvbuffer
 @torch.library.custom_op("cula::kda_decode_mtp_kvbuffer", mutates_args=())
 def _kda_decode_mtp_kvbuffer_op(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor, cache_idx: Tensor,
-    A_log: Optional[Tensor], dt_bias: Optional[Tensor], scale: float, lower_bound: Optional[float],
+    A_log: Tensor | None, dt_bias: Tensor | None, scale: float, lower_bound: float | None,
     use_qk_l2norm_in_kernel: bool,
 ) -> tuple[Tensor, Tensor]:
     call = make_call("kda_decode_mtp_kvbuffer", q.device, dtype=q.dtype, K=q.shape[3], V=v.shape[3],
@@ -47,7 +46,7 @@ def _(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale, lower_boun
 
 @torch.library.custom_op("cula::kda_flush_kvbuffer", mutates_args=("state_pool",))
 def _kda_flush_kvbuffer_op(
-    state_pool: Tensor, cache_idx: Tensor, kvbuffer: Tensor, accept_len: Optional[Tensor], accept_len_all: int,
+    state_pool: Tensor, cache_idx: Tensor, kvbuffer: Tensor, accept_len: Tensor | None, accept_len_all: int,
 ) -> None:
     _, HV, K, V = state_pool.shape
     call = make_call("kda_flush_kvbuffer", state_pool.device, dtype=state_pool.dtype, K=K, V=V, HQK=HV, HV=HV,
@@ -63,7 +62,7 @@ def _(state_pool, cache_idx, kvbuffer, accept_len, accept_len_all):
 
 @torch.library.custom_op("cula::kda_flush_kvbuffer_all_layers", mutates_args=("state_pools",))
 def _kda_flush_kvbuffer_all_layers_op(
-    state_pools: list[Tensor], cache_idx: Tensor, kvbuffers: list[Tensor], accept_len: Optional[Tensor],
+    state_pools: list[Tensor], cache_idx: Tensor, kvbuffers: list[Tensor], accept_len: Tensor | None,
     accept_len_all: int,
 ) -> None:
     first = state_pools[0]

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -16,10 +15,10 @@ from cula_core.validation import validate_kda
 @torch.library.custom_op("cula::kda_prefill", mutates_args=())
 def _kda_prefill_op(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-    A_log: Optional[Tensor], dt_bias: Optional[Tensor], initial_state: Optional[Tensor],
-    cu_seqlens: Optional[Tensor], cu_seqlens_cpu: Optional[Tensor],
+    A_log: Tensor | None, dt_bias: Tensor | None, initial_state: Tensor | None,
+    cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None,
     scale: float, output_final_state: bool, use_qk_l2norm_in_kernel: bool, gate: str,
-    lower_bound: Optional[float], beta_activation: str, intracard_cp: str,
+    lower_bound: float | None, beta_activation: str, intracard_cp: str,
 ) -> tuple[Tensor, Tensor]:
     B, T, HQK, K = q.shape
     HV, V = v.shape[2], v.shape[3]

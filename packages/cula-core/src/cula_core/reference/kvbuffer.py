@@ -14,7 +14,7 @@ import torch
 
 from .recurrent import _expand_qk_heads
 
-__all__ = ["mtp_kvbuffer_reference", "flush_kvbuffer_reference"]
+__all__ = ["flush_kvbuffer_reference", "mtp_kvbuffer_reference"]
 
 
 def _live_rows(cache_idx: torch.Tensor, P: int) -> torch.Tensor:
