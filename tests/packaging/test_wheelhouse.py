@@ -60,7 +60,7 @@ def test_info_lists_the_backend_installed_through_its_extra(dists, wheelhouse_ve
 def test_info_prints_the_installed_versions(wheelhouse_venv):
     _, installed, info = wheelhouse_venv
     section = info.split("cula packages:\n", 1)[1].split("\n", len(PACKAGES))[: len(PACKAGES)]
-    versions = dict(line.split() for line in section)
+    versions = dict(line.split(None, 1) for line in section)
     for p in PACKAGES:
         want = p.version if p in (*by_role("core"), *by_role("meta"), *installed) else "not installed"
         assert versions[p.name] == want, f"{p.name}: info says {versions[p.name]!r}, expected {want!r}"
