@@ -1,0 +1,252 @@
+// kda_inter.cu: the inter-chunk kernel of the fp32 KDA prefill (the state recurrence and the output), and the
+// small kernel that lays out varlen chunk slots. Per chunk, with the intra-chunk products of kda_intra.cu:
+//
+//   v_new = u - w h          o = qw h + ou          h' = diag(gl) h + kgT v_new
+//
+// Tiling: one block of 4 warps per (sequence, value head, BV-column tile of the state); the block walks its
+// sequence's chunks in order and keeps its [K, BV] slice of the state in registers (fp32), mirrored in shared
+// memory as the B operand of the next chunk. Columns of the state are independent, so the V / BV blocks of a
+// head run concurrently; they share w, qw and kgT through L2.
+//   phase 1: warps tile the [C, BV] outputs in 16 x 8*NTW pieces; A = rows of w and qw straight from global
+//            memory (16-byte loads, k-permuted fragments), B = h from shared memory; v_new goes to shared
+//            memory (as [BV][C]), o to global memory (rows past the sequence's end are not written).
+//   phase 2: each warp updates its K / 4 rows of the state: h = gl h + kgT v_new (A = rows of kgT from
+//            global memory, B = v_new from shared memory), then mirrors them into shared memory.
+// Two barriers per chunk. All products 3xTF32 (see kda_common.cuh).
+#include "kda_common.cuh"
+#ifndef CULA_SM89_EMULATE
+#include "kda_launch.h"
+#endif
+
+namespace cula_sm89 {
+
+// The state's column tile per block.
+constexpr int kInterBV = 32;
+
+template <int K_, int C_, int BV_>
+struct InterTiling {
+    static constexpr int K = K_, V = K_, C = C_, BV = BV_;
+    static constexpr int NW = 4, NT = 32 * NW;
+    static constexpr int MTC = C / 16;          // 16-row tiles of a chunk
+    static constexpr int WPM = NW / MTC;        // warps that share one (split over columns)
+    static constexpr int NTW = BV / 8 / WPM;    // 8-column tiles per warp in phase 1
+    static constexpr int MPW = K / 16 / NW;     // 16-row tiles of the state per warp
+    static constexpr int NTB = BV / 8;          // 8-column tiles of the state
+    static constexpr int LDH = K + 16;          // hT [BV][K]   (16 mod 32: conflict-free 16-byte fragment reads)
+    static constexpr int LDV = C + 16;          // vnT [BV][C]
+    static constexpr size_t SMEM_BYTES = size_t(BV * LDH + BV * LDV) * sizeof(float);
+    static_assert(NW % MTC == 0 && NTW >= 1 && MPW >= 1 && V % BV == 0, "tiling");
+};
+
+// The state tile in registers -> shared memory as hT[column][row].
+template <class Tl>
+__device__ __forceinline__ void mirror_state(float* hT, const float (&h)[Tl::MPW][Tl::NTB][4], int warp, int g, int t) {
+#pragma unroll
+    for (int mi = 0; mi < Tl::MPW; ++mi)
+#pragma unroll
+        for (int nt = 0; nt < Tl::NTB; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int k = 16 * (warp * Tl::MPW + mi) + g + 8 * (e >> 1), c = 8 * nt + 2 * t + (e & 1);
+                hT[c * Tl::LDH + k] = h[mi][nt][e];
+            }
+}
+
+template <int K_, int C_, int BV_>
+__global__ void __launch_bounds__(128) kda_inter_kernel(const KdaParams p) {
+    using Tl = InterTiling<K_, C_, BV_>;
+    constexpr int C = Tl::C, K = Tl::K, V = Tl::V, BV = Tl::BV, LDH = Tl::LDH, LDV = Tl::LDV;
+
+    CULA_DYNAMIC_SMEM(smem4);
+    float* hT = reinterpret_cast<float*>(smem4);
+    float* vnT = hT + BV * LDH;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+
+    constexpr int NVT = V / BV;
+    const int64_t bid = blockIdx.x;
+    const int v0 = int(bid % NVT) * BV;
+    const int64_t hv = (bid / NVT) % p.HV;
+    const int64_t n = bid / (NVT * p.HV);
+
+    int64_t row, s, e, cr0 = 0;
+    seq_range(p, n, s, e);
+    if (p.cu_seqlens != nullptr) {
+        row = 0;
+        cr0 = p.chunk_offsets[n];
+    } else {
+        row = n;
+    }
+    int64_t nch = (e - s + C - 1) / C;
+    if (cr0 + nch > p.slots) nch = p.slots > cr0 ? p.slots - cr0 : 0;  // only for inconsistent cu_seqlens
+    const int64_t slot0 = (row * p.HV + hv) * p.slots + cr0;
+    float* o_base = p.o + row * p.o_sb + hv * p.o_sh + v0;
+
+    // ---- initial state
+    float h[Tl::MPW][Tl::NTB][4];
+    const float* h0 = p.h0 != nullptr ? p.h0 + (n * p.HV + hv) * K * V + v0 : nullptr;
+#pragma unroll
+    for (int mi = 0; mi < Tl::MPW; ++mi)
+#pragma unroll
+        for (int nt = 0; nt < Tl::NTB; ++nt)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const int k = 16 * (warp * Tl::MPW + mi) + g + 8 * hh, c = 8 * nt + 2 * t;
+                const float2 x = h0 != nullptr ? ldg2(h0 + k * V + c) : make_float2(0.f, 0.f);
+                h[mi][nt][2 * hh] = x.x;
+                h[mi][nt][2 * hh + 1] = x.y;
+            }
+    mirror_state<Tl>(hT, h, warp, g, t);
+    __syncthreads();
+
+    const int mt = warp % Tl::MTC, i0 = 16 * mt;
+    const int n0 = (warp / Tl::MTC) * Tl::NTW * 8;
+    for (int64_t c = 0; c < nch; ++c) {
+        const int64_t slot = slot0 + c;
+        const float* wc = p.w + slot * C * K;
+        const float* qwc = p.qw + slot * C * K;
+        const float* uc = p.u + slot * C * V + v0;
+        const float* ouc = p.ou + slot * C * V + v0;
+        const float* kgc = p.kgT + slot * K * C;
+        const float* glc = p.gl + slot * K;
+
+        // ---- phase 1: P = w h, R = qw h on rows [i0, i0 + 16), columns [n0, n0 + 8 NTW)
+        float P[Tl::NTW][4], R[Tl::NTW][4];
+#pragma unroll
+        for (int j = 0; j < Tl::NTW; ++j)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) P[j][q] = R[j][q] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < K / 16; ++ks) {
+            const int kc = 16 * ks + 4 * t;
+            FragA w0, w1, q0, q1;
+            make_a2(ldg4(wc + (i0 + g) * K + kc), ldg4(wc + (i0 + g + 8) * K + kc), w0, w1);
+            make_a2(ldg4(qwc + (i0 + g) * K + kc), ldg4(qwc + (i0 + g + 8) * K + kc), q0, q1);
+#pragma unroll
+            for (int j = 0; j < Tl::NTW; ++j) {
+                FragB b0, b1;
+                make_b2(lds4(hT + (n0 + 8 * j + g) * LDH + kc), b0, b1);
+                mma3(P[j], w0, b0);
+                mma3(P[j], w1, b1);
+                mma3(R[j], q0, b0);
+                mma3(R[j], q1, b1);
+            }
+        }
+        const int64_t tok = s + c * C;  // the chunk's first token
+#pragma unroll
+        for (int j = 0; j < Tl::NTW; ++j) {
+            const int col = n0 + 8 * j + 2 * t;
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const int i = i0 + g + 8 * hh;
+                const float2 uu = ldg2(uc + i * V + col);
+                const float2 oo = ldg2(ouc + i * V + col);
+                vnT[col * LDV + i] = uu.x - P[j][2 * hh];
+                vnT[(col + 1) * LDV + i] = uu.y - P[j][2 * hh + 1];
+                if (tok + i < e) stg2(o_base + (tok + i) * p.o_st + col, oo.x + R[j][2 * hh], oo.y + R[j][2 * hh + 1]);
+            }
+        }
+        __syncthreads();  // v_new complete; every warp is done reading hT
+
+        // ---- phase 2: h = diag(gl) h + kgT v_new on this warp's rows
+#pragma unroll
+        for (int mi = 0; mi < Tl::MPW; ++mi) {
+            const int k0 = 16 * (warp * Tl::MPW + mi);
+            const float ga = __ldg(glc + k0 + g), gb = __ldg(glc + k0 + g + 8);
+#pragma unroll
+            for (int nt = 0; nt < Tl::NTB; ++nt) {
+                h[mi][nt][0] *= ga;
+                h[mi][nt][1] *= ga;
+                h[mi][nt][2] *= gb;
+                h[mi][nt][3] *= gb;
+            }
+#pragma unroll
+            for (int ks = 0; ks < C / 16; ++ks) {
+                const int kc = 16 * ks + 4 * t;
+                FragA a0, a1;
+                make_a2(ldg4(kgc + (k0 + g) * C + kc), ldg4(kgc + (k0 + g + 8) * C + kc), a0, a1);
+#pragma unroll
+                for (int nt = 0; nt < Tl::NTB; ++nt) mma3_k16(h[mi][nt], a0, a1, lds4(vnT + (8 * nt + g) * LDV + kc));
+            }
+        }
+        mirror_state<Tl>(hT, h, warp, g, t);
+        __syncthreads();  // hT complete for the next chunk; every warp is done reading vnT
+    }
+
+    if (p.ht != nullptr) {
+        float* ht = p.ht + (n * p.HV + hv) * K * V + v0;
+#pragma unroll
+        for (int mi = 0; mi < Tl::MPW; ++mi)
+#pragma unroll
+            for (int nt = 0; nt < Tl::NTB; ++nt)
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int k = 16 * (warp * Tl::MPW + mi) + g + 8 * hh, c = 8 * nt + 2 * t;
+                    stg2(ht + k * V + c, h[mi][nt][2 * hh], h[mi][nt][2 * hh + 1]);
+                }
+    }
+}
+
+// Varlen: chunk_offsets[n] = sum over m < n of ceil(len_m / C) (one block; a scan in tiles of its threads).
+__global__ void __launch_bounds__(256) kda_chunk_offsets_kernel(const KdaParams p, int C) {
+    __shared__ int32_t warp_sum[8];
+    __shared__ int32_t carry;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    if (tid == 0) {
+        carry = 0;
+        p.chunk_offsets[0] = 0;
+    }
+    __syncthreads();
+    for (int64_t base = 0; base < p.N; base += blockDim.x) {
+        const int64_t n = base + tid;
+        int32_t x = 0;
+        if (n < p.N) {
+            int64_t s, e;
+            seq_range(p, n, s, e);
+            x = int32_t((e - s + C - 1) / C);
+        }
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int32_t y = __shfl_up_sync(0xffffffffu, x, o);
+            if (lane >= o) x += y;
+        }
+        if (lane == 31) warp_sum[warp] = x;
+        __syncthreads();
+        int32_t before = carry;
+        for (int w = 0; w < warp; ++w) before += warp_sum[w];
+        if (n < p.N) p.chunk_offsets[n + 1] = before + x;
+        __syncthreads();
+        if (tid == blockDim.x - 1) carry = before + x;
+        __syncthreads();
+    }
+}
+
+#ifndef CULA_SM89_EMULATE
+cudaError_t launch_chunk_offsets(const KdaParams& p, int C, cudaStream_t stream, LaunchError& err) {
+    kda_chunk_offsets_kernel<<<1, 256, 0, stream>>>(p, C);
+    return check_launch("kda_chunk_offsets", err);
+}
+
+template <int K, int C>
+cudaError_t launch_inter(const KdaParams& p, cudaStream_t stream, LaunchError& err) {
+    using Tl = InterTiling<K, C, kInterBV>;
+    auto kernel = kda_inter_kernel<K, C, kInterBV>;
+    const int64_t blocks = p.N * p.HV * (K / kInterBV);
+    if (blocks == 0) return cudaSuccess;
+    cudaError_t e = set_dynamic_smem(reinterpret_cast<const void*>(kernel), Tl::SMEM_BYTES, kernel_name<K, C>("kda_inter"), err);
+    if (e != cudaSuccess) return e;
+    kernel<<<dim3(unsigned(blocks)), dim3(Tl::NT), Tl::SMEM_BYTES, stream>>>(p);
+    return check_launch(kernel_name<K, C>("kda_inter"), err);
+}
+
+#define CULA_SM89_INTER(K, C) \
+    template cudaError_t launch_inter<K, C>(const KdaParams&, cudaStream_t, LaunchError&);
+CULA_SM89_INTER(64, 32)
+CULA_SM89_INTER(64, 64)
+CULA_SM89_INTER(128, 32)
+CULA_SM89_INTER(128, 64)
+#undef CULA_SM89_INTER
+#endif  // CULA_SM89_EMULATE
+
+}  // namespace cula_sm89
