@@ -99,8 +99,20 @@ class Built:
         return self
 
 
+def find_build_tool(name: str) -> str | None:
+    """On PATH, or in the CUDA toolkit's bin/ ($CUDA_HOME, $CUDA_PATH, /usr/local/cuda) where build hooks
+    also look for nvcc."""
+    found = shutil.which(name)
+    if found:
+        return found
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home and (Path(home) / "bin" / name).is_file():
+            return str(Path(home) / "bin" / name)
+    return None
+
+
 def missing_build_tools(package) -> list[str]:
-    return [t for t in package.build_tools if shutil.which(t) is None]
+    return [t for t in package.build_tools if find_build_tool(t) is None]
 
 
 def build(package, outdir: Path) -> Built:
@@ -108,8 +120,8 @@ def build(package, outdir: Path) -> Built:
 
     missing = missing_build_tools(package)
     if missing:
-        return Built(package, skipped=f"{package.name}: not built: {', '.join(missing)} not found on PATH "
-                                      f"(its wheel build needs {', '.join(package.build_tools)})")
+        return Built(package, skipped=f"{package.name}: not built: {', '.join(missing)} not found on PATH or in "
+                                      f"$CUDA_HOME/bin (its wheel build needs {', '.join(package.build_tools)})")
     outdir.mkdir(parents=True)
     # No flags: the sdist first, then the wheel built from the unpacked sdist, which proves the sdist
     # holds everything a build needs (and keeps build output out of the source tree).

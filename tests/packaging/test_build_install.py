@@ -71,6 +71,14 @@ def test_wheel_and_sdist_hold_every_module(dists, package):
         in_sdist = {n.removeprefix(f"{top}/") for n in t.getnames()}
     assert {"pyproject.toml", "PKG-INFO", "README.md"} <= in_sdist
     assert {f"src/{m}" for m in modules} <= in_sdist
+    # build output never ships in an sdist (an editable build leaves .so files in src/), nor caches in either
+    compiled = (".so", ".o", ".pyc", ".pyd", ".dll")
+    assert not [n for n in in_sdist if n.endswith(compiled)], "sdist holds build output"
+    with zipfile.ZipFile(b.wheel) as z:
+        names = z.namelist()
+    assert not [n for n in names if n.endswith(".pyc") or "__pycache__" in n]
+    extensions = [n for n in names if n.startswith(f"{package.import_name}/") and n.endswith(".so")]
+    assert bool(extensions) == package.native, f"native={package.native} but compiled files: {extensions}"
 
 
 @pytest.mark.parametrize("package", PACKAGES, ids=IDS)
