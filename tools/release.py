@@ -330,7 +330,8 @@ def replace_requirement(pyproject_path: Path, old: str, new: str) -> None:
     pyproject_path.write_text(text.replace(f'"{old}"', f'"{new}"'))
 
 
-def bump(root: Path, name: str, version: str, widen: bool, dry_run: bool, out=sys.stdout) -> int:
+def bump(root: Path, name: str, version: str, widen: bool, dry_run: bool, out=None) -> int:
+    out = out if out is not None else sys.stdout
     packages = load_packages(root)
     pkg = by_name(packages, name)
     new = parse_version(version, "VERSION")

@@ -27,6 +27,10 @@ What it does:
   * a `Report` prints as a markdown table (one column per shape key, FLA ms, cula ms, speed-up = FLA / cula,
     the errors), writes JSON, and plots a PNG when matplotlib is installed (skipped, with a message, if not).
 
+A benchmark takes `--smoke` (one small shape, few repeats: `parse_args` provides it with the other options).
+List its module name under `benchmarks` in its package's entry of tools/packages.toml and the GPU CI job of
+that arch runs `python -m tools.bench.<name> --smoke --json ...` on every push.
+
 `python -m tools.bench.harness [--smoke]` runs it on cula's own chunk_kda and FLA's (the GPU CI smoke run).
 """
 
