@@ -227,3 +227,10 @@ def test_help_documents_every_option():
         assert f"{option}" in doc, f"{option} is not described in tools/release.py's docstring (its --help)"
         assert option in proc.stdout
     assert "tools/release.py NAME VERSION" in proc.stdout
+
+
+def test_benchmarks_named_in_the_table_exist():
+    """The GPU CI job runs `python -m tools.bench.<name> --smoke` for each: a typo would only show on a GPU."""
+    for p in PACKAGES:
+        for name in p.benchmarks:
+            assert (REPO_ROOT / "tools" / "bench" / f"{name}.py").is_file(), f"{p.name}: tools/bench/{name}.py"
