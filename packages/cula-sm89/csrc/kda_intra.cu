@@ -436,7 +436,9 @@ cudaError_t launch_intra(const KdaParams& p, cudaStream_t stream, LaunchError& e
     auto kernel = kda_intra_kernel<K, C>;
     const int64_t blocks = p.rows * p.HV * p.slots;
     if (blocks == 0) return cudaSuccess;
-    cudaError_t e = set_dynamic_smem(reinterpret_cast<const void*>(kernel), Tl::SMEM_BYTES, kernel_name<K, C>("kda_intra"), err);
+    static std::atomic<uint64_t> attribute_set{0};
+    cudaError_t e = set_dynamic_smem(reinterpret_cast<const void*>(kernel), Tl::SMEM_BYTES, kernel_name<K, C>("kda_intra"),
+                                     attribute_set, err);
     if (e != cudaSuccess) return e;
     kernel<<<dim3(unsigned(blocks)), dim3(Tl::NT), Tl::SMEM_BYTES, stream>>>(p);
     return check_launch(kernel_name<K, C>("kda_intra"), err);

@@ -6,7 +6,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include <cstdio>
+#include <atomic>
 #include <string>
 
 #include "kda_common.cuh"
@@ -23,14 +23,28 @@ inline std::string kernel_name(const char* base) {
     return std::string(base) + "<K=" + std::to_string(K) + ",V=" + std::to_string(K) + ",C=" + std::to_string(C) + ">";
 }
 
-// Raises the kernel's dynamic shared-memory limit to `bytes` (needed above 48 KiB, harmless below): on failure
-// the message names the kernel, the bytes asked for and the device's per-block limit.
-inline cudaError_t set_dynamic_smem(const void* kernel, size_t bytes, const std::string& name, LaunchError& err) {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-    if (e == cudaSuccess) return e;
-    int device = -1, limit = -1;
-    cudaGetLastError();  // clear the sticky-free error of the failed attribute call
-    if (cudaGetDevice(&device) != cudaSuccess || cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+// Raises the kernel's dynamic shared-memory limit to `bytes` on the current device (needed above 48 KiB, harmless
+// below), once per device: `done` holds a bit per device index already set (so a CUDA-graph capture after the
+// first call makes no attribute call). On failure the message names the kernel, the bytes asked for and the
+// device's per-block limit.
+inline cudaError_t set_dynamic_smem(const void* kernel, size_t bytes, const std::string& name, std::atomic<uint64_t>& done,
+                                    LaunchError& err) {
+    int device = -1;
+    cudaError_t e = cudaGetDevice(&device);
+    if (e != cudaSuccess) {
+        err.message = name + ": cudaGetDevice failed: " + cudaGetErrorString(e);
+        return e;
+    }
+    const uint64_t bit = device < 64 ? (uint64_t(1) << device) : 0;
+    if (bit != 0 && (done.load(std::memory_order_acquire) & bit)) return cudaSuccess;
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+    if (e == cudaSuccess) {
+        done.fetch_or(bit, std::memory_order_release);
+        return e;
+    }
+    int limit = -1;
+    cudaGetLastError();  // the failed attribute call leaves a (non-sticky) error behind
+    if (cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
         cudaGetLastError();
         limit = -1;
     }

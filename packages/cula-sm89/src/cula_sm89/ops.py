@@ -45,7 +45,7 @@ def _strides3(t: torch.Tensor) -> tuple[int, int, int]:
 
 
 def prefill(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-            chunk_size=0, return_intermediates=False, debug_scores=False):
+            chunk_size=0, out=None, return_intermediates=False, debug_scores=False):
     """fp32 KDA prefill on prepared inputs (q/k normalised if wanted, g the log decay, beta activated).
 
     Args:
@@ -56,6 +56,7 @@ def prefill(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_st
         output_final_state: also return the state after each sequence.
         cu_seqlens: ``[N + 1]`` int (converted to int32 on the device), B == 1.
         chunk_size: 32 or 64; 0 takes the library default for K.
+        out: optional preallocated o (float32, contiguous ``[B, T, HV, V]`` on q's device).
         return_intermediates: also return a dict with ``w [R, HV, NC, C, K]``, ``u [R, HV, NC, C, V]`` (R = B,
             NC = ceil(T / C); varlen: R = 1, NC = ceil(T / C) + N, chunk c of sequence n at slot
             ``sum_{m<n} ceil(len_m / C) + c``) and ``chunk_size``; with ``debug_scores`` also ``aqk`` (scaled
@@ -77,7 +78,12 @@ def prefill(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_st
         cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int32).contiguous()
     if initial_state is not None:
         initial_state = initial_state.to(torch.float32).contiguous()
-    o = torch.empty((B, T, HV, V), dtype=torch.float32, device=device)
+    if out is None:
+        o = torch.empty((B, T, HV, V), dtype=torch.float32, device=device)
+    else:
+        if out.shape != (B, T, HV, V) or out.dtype != torch.float32 or not out.is_contiguous() or out.device != device:
+            raise ValueError(f"out must be a contiguous float32 [B, T, HV, V] = {[B, T, HV, V]} tensor on {device}")
+        o = out
     final_state = torch.empty((N, HV, K, V), dtype=torch.float32, device=device) if output_final_state else None
 
     io = _C.KdaPrefillIO()
