@@ -90,7 +90,8 @@ class CudaBuildHook(BuildHookInterface):
             return
         editable = version == "editable"
         nvcc = find_nvcc()
-        common = ["-O3", "-DNDEBUG", "-std=c++17", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden", f"-I{CSRC}"]
+        common = ["-O3", "-DNDEBUG", "-std=c++17", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
+                  "--threads", "0", f"-I{CSRC}"]
         common += shlex.split(os.environ.get("CULA_SM89_NVCC_FLAGS", ""))
         device = gencode_flags(os.environ.get("CULA_SM89_ARCHS", DEFAULT_ARCHS))
         includes = pybind11_includes()
