@@ -150,6 +150,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="two shapes only (CI)")
     ap.add_argument("--chunks", action="store_true", help="also time each chunk size per K")
+    ap.add_argument("--chunks-only", action="store_true", help="only the chunk-size table (no FLA, no errors)")
     ap.add_argument("--out", type=Path, help="write the markdown report here")
     ap.add_argument("--json", type=Path, help="write the raw numbers here")
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
@@ -159,6 +160,9 @@ def main(argv=None) -> int:
         print("sm89_prefill: no CUDA device", file=sys.stderr)
         return 1
     timing = Timing(warmup=args.warmup, repeats=args.rep, method="auto")
+    if args.chunks_only:
+        print(chunk_table(timing))
+        return 0
     cula = cula_fn()
     try:
         fla = fla_fn()

@@ -111,6 +111,30 @@ __device__ __forceinline__ float2 ldg2(const float* p) { return __ldg(reinterpre
 __device__ __forceinline__ void stg2(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
 __device__ __forceinline__ void stg4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
 
+// ----------------------------------------------------------------------------------- async copies (sm_80+)
+
+// 16 bytes global -> shared without a register round trip; `valid == false` writes zeros (reads nothing).
+__device__ __forceinline__ void cp_async16(float* smem_dst, const float* gmem_src, bool valid) {
+#ifdef CULA_SM89_EMULATE
+    emu::cp_async16(smem_dst, gmem_src, valid);
+#else
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src), "r"(valid ? 16 : 0));
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#ifndef CULA_SM89_EMULATE
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#ifndef CULA_SM89_EMULATE
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+
 // ----------------------------------------------------------------------------------- 3xTF32 MMA
 
 struct FragA {  // a0 (row g, k slot t), a1 (row g+8, t), a2 (row g, t+4), a3 (row g+8, t+4)

@@ -3,14 +3,16 @@
 //
 //   v_new = u - w h          o = qw h + ou          h' = diag(gl) h + kgT v_new
 //
-// Tiling: one block of 4 warps per (sequence, value head, BV-column tile of the state); the block walks its
+// Tiling: one block of 8 warps per (sequence, value head, BV-column tile of the state); the block walks its
 // sequence's chunks in order and keeps its [K, BV] slice of the state in registers (fp32), mirrored in shared
 // memory as the B operand of the next chunk. Columns of the state are independent, so the V / BV blocks of a
-// head run concurrently; they share w, qw and kgT through L2.
+// head run concurrently; they share w, qw and kgT through L2. The per-chunk work is a dependent chain (the
+// state), so it is spread over 8 warps to keep each chunk short.
 //   phase 1: warps tile the [C, BV] outputs in 16 x 8*NTW pieces; A = rows of w and qw straight from global
-//            memory (16-byte loads, k-permuted fragments), B = h from shared memory; v_new goes to shared
-//            memory (as [BV][C]), o to global memory (rows past the sequence's end are not written).
-//   phase 2: each warp updates its K / 4 rows of the state: h = gl h + kgT v_new (A = rows of kgT from
+//            memory (16-byte loads, k-permuted fragments; warps sharing rows hit L1), B = h from shared memory;
+//            v_new goes to shared memory (as [BV][C]), o to global memory (rows past the sequence's end are
+//            not written).
+//   phase 2: each warp updates its 16 x 8*NTBW tiles of the state: h = gl h + kgT v_new (A = rows of kgT from
 //            global memory, B = v_new from shared memory), then mirrors them into shared memory.
 // Two barriers per chunk. All products 3xTF32 (see kda_common.cuh).
 #include "kda_common.cuh"
@@ -26,34 +28,47 @@ constexpr int kInterBV = 32;
 template <int K_, int C_, int BV_>
 struct InterTiling {
     static constexpr int K = K_, V = K_, C = C_, BV = BV_;
-    static constexpr int NW = 4, NT = 32 * NW;
-    static constexpr int MTC = C / 16;          // 16-row tiles of a chunk
-    static constexpr int WPM = NW / MTC;        // warps that share one (split over columns)
-    static constexpr int NTW = BV / 8 / WPM;    // 8-column tiles per warp in phase 1
-    static constexpr int MPW = K / 16 / NW;     // 16-row tiles of the state per warp
-    static constexpr int NTB = BV / 8;          // 8-column tiles of the state
-    static constexpr int LDH = K + 16;          // hT [BV][K]   (16 mod 32: conflict-free 16-byte fragment reads)
-    static constexpr int LDV = C + 16;          // vnT [BV][C]
+    static constexpr int NW = 8, NT = 32 * NW;
+    // phase 1, [C, BV]: 16-row tiles, warps per tile (split over columns), 8-column tiles per warp
+    static constexpr int MTC = C / 16;
+    static constexpr int WPM = NW / MTC;
+    static constexpr int NTW = BV / 8 / WPM;
+    // phase 2, [K, BV]: 16-row tiles per warp, warps per tile, 8-column tiles per warp
+    static constexpr int MTK = K / 16;
+    static constexpr int MPW = MTK >= NW ? MTK / NW : 1;
+    static constexpr int WPK = MTK >= NW ? 1 : NW / MTK;
+    static constexpr int NTBW = BV / 8 / WPK;
+    static constexpr int LDH = K + 16;  // hT [BV][K]   (16 mod 32: conflict-free 16-byte fragment reads)
+    static constexpr int LDV = C + 16;  // vnT [BV][C]
     static constexpr size_t SMEM_BYTES = size_t(BV * LDH + BV * LDV) * sizeof(float);
-    static_assert(NW % MTC == 0 && NTW >= 1 && MPW >= 1 && V % BV == 0, "tiling");
+    static_assert(NW % MTC == 0 && NTW >= 1 && NTBW >= 1 && V % BV == 0, "tiling");
+    static_assert(MPW * NW * NTBW == MTK * (BV / 8), "phase 2 covers the state once");
 };
 
-// The state tile in registers -> shared memory as hT[column][row].
+// Phase-2 ownership of warp `warp`: state rows 16 * (m0 + mi) + .., columns 8 * (n0 + nt) + ..
 template <class Tl>
-__device__ __forceinline__ void mirror_state(float* hT, const float (&h)[Tl::MPW][Tl::NTB][4], int warp, int g, int t) {
+__device__ __forceinline__ void state_tiles(int warp, int& m0, int& n0) {
+    m0 = (warp / Tl::WPK) * Tl::MPW;
+    n0 = (warp % Tl::WPK) * Tl::NTBW;
+}
+
+// The state tiles in registers -> shared memory as hT[column][row].
+template <class Tl>
+__device__ __forceinline__ void mirror_state(float* hT, const float (&h)[Tl::MPW][Tl::NTBW][4], int m0, int n0, int g,
+                                             int t) {
 #pragma unroll
     for (int mi = 0; mi < Tl::MPW; ++mi)
 #pragma unroll
-        for (int nt = 0; nt < Tl::NTB; ++nt)
+        for (int nt = 0; nt < Tl::NTBW; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int k = 16 * (warp * Tl::MPW + mi) + g + 8 * (e >> 1), c = 8 * nt + 2 * t + (e & 1);
+                const int k = 16 * (m0 + mi) + g + 8 * (e >> 1), c = 8 * (n0 + nt) + 2 * t + (e & 1);
                 hT[c * Tl::LDH + k] = h[mi][nt][e];
             }
 }
 
 template <int K_, int C_, int BV_>
-__global__ void __launch_bounds__(128) kda_inter_kernel(const KdaParams p) {
+__global__ void __launch_bounds__(256, 2) kda_inter_kernel(const KdaParams p) {
     using Tl = InterTiling<K_, C_, BV_>;
     constexpr int C = Tl::C, K = Tl::K, V = Tl::V, BV = Tl::BV, LDH = Tl::LDH, LDV = Tl::LDV;
 
@@ -84,20 +99,22 @@ __global__ void __launch_bounds__(128) kda_inter_kernel(const KdaParams p) {
     float* o_base = p.o + row * p.o_sb + hv * p.o_sh + v0;
 
     // ---- initial state
-    float h[Tl::MPW][Tl::NTB][4];
+    int m0, nb;
+    state_tiles<Tl>(warp, m0, nb);
+    float h[Tl::MPW][Tl::NTBW][4];
     const float* h0 = p.h0 != nullptr ? p.h0 + (n * p.HV + hv) * K * V + v0 : nullptr;
 #pragma unroll
     for (int mi = 0; mi < Tl::MPW; ++mi)
 #pragma unroll
-        for (int nt = 0; nt < Tl::NTB; ++nt)
+        for (int nt = 0; nt < Tl::NTBW; ++nt)
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
-                const int k = 16 * (warp * Tl::MPW + mi) + g + 8 * hh, c = 8 * nt + 2 * t;
+                const int k = 16 * (m0 + mi) + g + 8 * hh, c = 8 * (nb + nt) + 2 * t;
                 const float2 x = h0 != nullptr ? ldg2(h0 + k * V + c) : make_float2(0.f, 0.f);
                 h[mi][nt][2 * hh] = x.x;
                 h[mi][nt][2 * hh + 1] = x.y;
             }
-    mirror_state<Tl>(hT, h, warp, g, t);
+    mirror_state<Tl>(hT, h, m0, nb, g, t);
     __syncthreads();
 
     const int mt = warp % Tl::MTC, i0 = 16 * mt;
@@ -149,13 +166,13 @@ __global__ void __launch_bounds__(128) kda_inter_kernel(const KdaParams p) {
         }
         __syncthreads();  // v_new complete; every warp is done reading hT
 
-        // ---- phase 2: h = diag(gl) h + kgT v_new on this warp's rows
+        // ---- phase 2: h = diag(gl) h + kgT v_new on this warp's tiles
 #pragma unroll
         for (int mi = 0; mi < Tl::MPW; ++mi) {
-            const int k0 = 16 * (warp * Tl::MPW + mi);
+            const int k0 = 16 * (m0 + mi);
             const float ga = __ldg(glc + k0 + g), gb = __ldg(glc + k0 + g + 8);
 #pragma unroll
-            for (int nt = 0; nt < Tl::NTB; ++nt) {
+            for (int nt = 0; nt < Tl::NTBW; ++nt) {
                 h[mi][nt][0] *= ga;
                 h[mi][nt][1] *= ga;
                 h[mi][nt][2] *= gb;
@@ -167,10 +184,11 @@ __global__ void __launch_bounds__(128) kda_inter_kernel(const KdaParams p) {
                 FragA a0, a1;
                 make_a2(ldg4(kgc + (k0 + g) * C + kc), ldg4(kgc + (k0 + g + 8) * C + kc), a0, a1);
 #pragma unroll
-                for (int nt = 0; nt < Tl::NTB; ++nt) mma3_k16(h[mi][nt], a0, a1, lds4(vnT + (8 * nt + g) * LDV + kc));
+                for (int nt = 0; nt < Tl::NTBW; ++nt)
+                    mma3_k16(h[mi][nt], a0, a1, lds4(vnT + (8 * (nb + nt) + g) * LDV + kc));
             }
         }
-        mirror_state<Tl>(hT, h, warp, g, t);
+        mirror_state<Tl>(hT, h, m0, nb, g, t);
         __syncthreads();  // hT complete for the next chunk; every warp is done reading vnT
     }
 
@@ -179,10 +197,10 @@ __global__ void __launch_bounds__(128) kda_inter_kernel(const KdaParams p) {
 #pragma unroll
         for (int mi = 0; mi < Tl::MPW; ++mi)
 #pragma unroll
-            for (int nt = 0; nt < Tl::NTB; ++nt)
+            for (int nt = 0; nt < Tl::NTBW; ++nt)
 #pragma unroll
                 for (int hh = 0; hh < 2; ++hh) {
-                    const int k = 16 * (warp * Tl::MPW + mi) + g + 8 * hh, c = 8 * nt + 2 * t;
+                    const int k = 16 * (m0 + mi) + g + 8 * hh, c = 8 * (nb + nt) + 2 * t;
                     stg2(ht + k * V + c, h[mi][nt][2 * hh], h[mi][nt][2 * hh + 1]);
                 }
     }

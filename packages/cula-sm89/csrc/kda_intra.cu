@@ -9,17 +9,19 @@
 // so that the inter-chunk step is  v_new = u - w h,  o = qw h + ou,  h' = gl h + kgT v_new.
 //
 // Tiling: one block per (chunk, value head, batch row), C / 16 warps; warp p owns rows [16p, 16p + 16) of
-// every C x * product. K (and V) is streamed in slices of DS channels through three [C][DS] shared buffers:
-//   pass 1 (K slices): load q, k, g; Kahan cumsum of g (in log2 units); kgT and gl out; the score matrices
+// every C x * product. K (and V) is streamed in slices of DS channels. The block runs a pipeline of steps, each
+// on one slice held in one of two shared-memory buffer sets; the next step's slice is copied in (cp.async)
+// while the current one is computed:
+//   pass 1 (K slices): q, k, g; Kahan cumsum of g (in log2 units); kgT and gl out; the score matrices
 //          accumulate in registers (3xTF32 MMA). Decays never overflow: row block p factors every score
 //          through its first token r = 16p, exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j); for j < r both
 //          factors are <= 1, and on the diagonal tile the second is bounded by the block's decay span, which
 //          is checked (<= 2^120); a block whose span is larger computes its diagonal tile pairwise, exactly.
-//   solve: L and Aqk go to shared memory; 16 x 16 diagonal blocks are inverted by forward substitution,
-//          the off-diagonal blocks follow by block rows (fp32 SIMT, exact); each warp then keeps its rows of
-//          Akk and Aqk in registers as MMA fragments.
-//   pass 2 (K slices): reload q, k, g (L2-hot), cumsum again; w = Akk (beta k exp(G)), qw = qg - Aqk w.
-//   pass 3 (V slices): u = Akk (beta v), ou = Aqk u.
+//   solve (after the last pass-1 step): L and Aqk go to shared memory; 16 x 16 diagonal blocks are inverted
+//          by forward substitution, the off-diagonal blocks follow by block rows (fp32 SIMT, exact); each warp
+//          then keeps its rows of Akk and Aqk in registers as MMA fragments.
+//   pass 2 (K slices): q, k, g again (L2-hot), cumsum again; w = Akk (beta k exp(G)), qw = qg - Aqk w.
+//   pass 3 (V slices): v; u = Akk (beta v), ou = Aqk u.
 // Chunks are visited last-to-first so that the first chunks, which the inter-chunk kernel reads first, are
 // the ones still in L2 when it starts.
 //
@@ -40,6 +42,7 @@ struct IntraTiling {
     static constexpr int NT = 32 * RB;            // threads
     static constexpr int DS = C == 64 ? 32 : 64;  // channels per slice
     static constexpr int NSK = K / DS, NSV = V / DS;
+    static constexpr int STEPS = 2 * NSK + NSV;   // pass 1, pass 2, pass 3
     static constexpr int LD1 = DS + 16;  // pass 1 slices: 16-byte fragment reads (16 mod 32)
     static constexpr int LD2 = DS + 8;   // pass 2/3 slices: scalar B-fragment reads, float2 C-fragment writes (8 mod 32)
     static constexpr int LDT = C + 4;    // C x C matrices: scalar A-fragment reads (4 mod 32)
@@ -47,31 +50,35 @@ struct IntraTiling {
     static constexpr int LDM = C + 4;    // solve scratch
     static constexpr int TPC = NT / DS;  // cumsum: threads per channel (segments)
     static constexpr int SR = C / TPC;   // cumsum: rows per segment
-    static constexpr int SB = C * LD1;   // floats per slice buffer (pass 2 uses C * LD2 < SB of it)
-    static constexpr int SLICES = 3 * SB + DS * LDKG;
-    static constexpr int SOLVE = 2 * C * LDT + 16 * LDM;
-    static constexpr int REGION = SLICES > SOLVE ? SLICES : SOLVE;
+    static constexpr int SB = C * LD1;   // floats per slice buffer (pass 2/3 use C * LD2 < SB of it)
+    static constexpr int SET = 3 * SB;   // a buffer set: three slices
+    static constexpr int KG_OFF = 2 * SET;
+    static constexpr int SOLVE = 2 * C * LDT + 16 * LDM;  // L/Akk, Aqk, scratch: in the set of the last pass-1 step
+    static constexpr int SOLVE_SET = (NSK - 1) & 1;
+    static constexpr int REGION = KG_OFF + DS * LDKG;
     static constexpr int SMEM_FLOATS = REGION + C + TPC * DS;  // + beta + cumsum segment totals
     static constexpr size_t SMEM_BYTES = size_t(SMEM_FLOATS) * sizeof(float);
     static_assert(C == 32 || C == 64, "chunk size");
     static_assert(K % DS == 0 && DS % 16 == 0 && NT % DS == 0 && C % TPC == 0, "tiling");
-    static_assert((C * DS) % NT == 0, "elementwise split");
+    static_assert((C * DS) % NT == 0 && (C * DS / 4) % NT == 0, "elementwise split");
+    // the solve region must not reach the other set, which pass 2's first slice is being copied into
+    static_assert(SOLVE <= (SOLVE_SET == 0 ? SET : SET + DS * LDKG), "solve region");
 };
 
 // Above this decay span (log2 units) inside a 16-token block the factored diagonal scores could overflow:
 // the block's diagonal tile is then computed pairwise.
 constexpr float kSafeSpan = 120.f;
 
-// Loads rows [0, C) x channels [d0, d0 + DS) of a token-major tensor into dst (row stride LD); rows at or
-// past `len` are zero.
+// Starts copying rows [0, C) x channels [d0, d0 + DS) of a token-major tensor into dst (row stride LD); rows at
+// or past `len` become zeros. Completion: cp_async_wait + __syncthreads.
 template <class Tl, int LD>
-__device__ __forceinline__ void load_slice(float* dst, const float* base, int64_t st, int len, int d0) {
-    constexpr int V4 = Tl::DS / 4;
-    for (int idx = threadIdx.x; idx < Tl::C * V4; idx += Tl::NT) {
-        const int i = idx / V4, c4 = idx % V4;
-        float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (i < len) x = ldg4(base + i * st + d0 + 4 * c4);
-        sts4(dst + i * LD + 4 * c4, x);
+__device__ __forceinline__ void load_slice_async(float* dst, const float* base, int64_t st, int len, int d0) {
+    constexpr int V4 = Tl::DS / 4, ITER = Tl::C * V4 / Tl::NT;
+#pragma unroll
+    for (int it = 0; it < ITER; ++it) {
+        const int idx = threadIdx.x + it * Tl::NT, i = idx / V4, c4 = idx % V4;
+        const bool valid = i < len;
+        cp_async16(dst + i * LD + 4 * c4, valid ? base + i * st + d0 + 4 * c4 : base, valid);
     }
 }
 
@@ -124,22 +131,94 @@ __device__ __forceinline__ void gemm_rows_lower(float (&acc)[Tl::DS / 8][4], con
     }
 }
 
+// After pass 1: writes L (beta-scaled, strictly lower) and Aqk (scaled, lower with diagonal) from the score
+// accumulators into shared memory, inverts I + L in place into Akk (16 x 16 diagonal blocks by forward
+// substitution, then the off-diagonal blocks by block rows: Akk[p, :r] = -X_p (L[p, :r] Akk[:r, :r])), and leaves
+// each warp its rows of Akk and Aqk as A fragments (k = chunk row j): a0 (g, t), a1 (g+8, t), a2 (g, t+4),
+// a3 (g+8, t+4). Ends with a barrier: the region is free again afterwards.
+template <class Tl>
+__device__ __forceinline__ void solve_and_load(const KdaParams& p, const float (&acc_kk)[2 * Tl::RB][4],
+                                               const float (&acc_qk)[2 * Tl::RB][4], float (&fkk)[2 * Tl::RB][4],
+                                               float (&fqk)[2 * Tl::RB][4], float* sA, float* sAqk, float* sM,
+                                               const float* sBeta, int64_t slot, int warp, int lane) {
+    constexpr int C = Tl::C, RB = Tl::RB, NT = Tl::NT, LDT = Tl::LDT, LDM = Tl::LDM;
+    const int tid = threadIdx.x, g = lane >> 2, t = lane & 3, r = 16 * warp;
+#pragma unroll
+    for (int nt = 0; nt < 2 * RB; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int i = r + g + 8 * (e >> 1), j = 8 * nt + 2 * t + (e & 1);
+            const bool in = nt < 2 * (warp + 1);
+            sA[i * LDT + j] = (in && j < i) ? sBeta[i] * acc_kk[nt][e] : 0.f;
+            sAqk[i * LDT + j] = (in && j <= i) ? p.scale * acc_qk[nt][e] : 0.f;
+        }
+    }
+    __syncthreads();
+    if (p.dbg_aqk != nullptr) {
+        for (int idx = tid; idx < C * C; idx += NT) p.dbg_aqk[slot * C * C + idx] = sAqk[(idx / C) * LDT + idx % C];
+    }
+    {  // diagonal blocks: X = (I + L_pp)^-1, lane c < 16 owns column c
+        float x[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            float a = (i == lane) ? 1.f : 0.f;
+#pragma unroll
+            for (int j = 0; j < i; ++j) a = fmaf(-sA[(r + i) * LDT + r + j], x[j], a);
+            x[i] = a;
+        }
+        __syncwarp();
+        if (lane < 16) {
+#pragma unroll
+            for (int i = 0; i < 16; ++i) sA[(r + i) * LDT + r + lane] = x[i];
+        }
+    }
+    __syncthreads();
+    for (int pb = 1; pb < RB; ++pb) {  // off-diagonal blocks, by block rows
+        const int rr = 16 * pb;
+        for (int idx = tid; idx < 16 * rr; idx += NT) {
+            const int m = idx / rr, c = idx % rr;
+            float a = 0.f;
+            for (int j = c; j < rr; ++j) a = fmaf(sA[(rr + m) * LDT + j], sA[j * LDT + c], a);
+            sM[m * LDM + c] = a;
+        }
+        __syncthreads();
+        for (int idx = tid; idx < 16 * rr; idx += NT) {
+            const int m = idx / rr, c = idx % rr;
+            float a = 0.f;
+            for (int l = 0; l <= m; ++l) a = fmaf(sA[(rr + m) * LDT + rr + l], sM[l * LDM + c], a);
+            sA[(rr + m) * LDT + c] = -a;
+        }
+        __syncthreads();
+    }
+    if (p.dbg_akk != nullptr) {
+        for (int idx = tid; idx < C * C; idx += NT) p.dbg_akk[slot * C * C + idx] = sA[(idx / C) * LDT + idx % C];
+    }
+#pragma unroll
+    for (int kg = 0; kg < 2 * RB; ++kg) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int i = r + g + 8 * (e & 1), j = 8 * kg + t + 4 * (e >> 1);
+            fkk[kg][e] = kg < 2 * (warp + 1) ? sA[i * LDT + j] : 0.f;
+            fqk[kg][e] = kg < 2 * (warp + 1) ? sAqk[i * LDT + j] : 0.f;
+        }
+    }
+    __syncthreads();
+}
+
 template <int K_, int C_>
 __global__ void __launch_bounds__(IntraTiling<K_, C_>::NT)
 kda_intra_kernel(const KdaParams p) {
     using Tl = IntraTiling<K_, C_>;
-    constexpr int C = Tl::C, K = Tl::K, V = Tl::V, DS = Tl::DS, RB = Tl::RB, NT = Tl::NT;
-    constexpr int LD1 = Tl::LD1, LD2 = Tl::LD2, LDT = Tl::LDT, LDKG = Tl::LDKG, LDM = Tl::LDM;
+    constexpr int C = Tl::C, K = Tl::K, V = Tl::V, DS = Tl::DS, RB = Tl::RB, NT = Tl::NT, NSK = Tl::NSK;
+    constexpr int LD1 = Tl::LD1, LD2 = Tl::LD2, LDT = Tl::LDT, LDKG = Tl::LDKG;
+    constexpr int EPT = C * DS / NT;  // elements per thread of a [C][DS] slice
 
     CULA_DYNAMIC_SMEM(smem4);
     float* smem = reinterpret_cast<float*>(smem4);
-    float* P0 = smem;
-    float* P1 = smem + Tl::SB;
-    float* P2 = smem + 2 * Tl::SB;
-    float* KG = smem + 3 * Tl::SB;
-    float* sA = smem;              // solve phase: L, then Akk
-    float* sAqk = smem + C * LDT;  // solve phase: Aqk
-    float* sM = smem + 2 * C * LDT;
+    float* KG = smem + Tl::KG_OFF;
+    float* sA = smem + Tl::SOLVE_SET * Tl::SET;  // solve phase: L, then Akk
+    float* sAqk = sA + C * LDT;                   // solve phase: Aqk
+    float* sM = sA + 2 * C * LDT;
     float* sBeta = smem + Tl::REGION;
     float* sScan = sBeta + C;
 
@@ -183,22 +262,44 @@ kda_intra_kernel(const KdaParams p) {
     float* kg_out = p.kgT + slot * K * C;
     float* gl_out = p.gl + slot * K;
 
+    // Step s: pass 1 slice s (s < NSK), pass 2 slice s - NSK (s < 2 NSK), else pass 3 slice s - 2 NSK; its
+    // slice lives in buffer set s & 1. issue(s) starts its copies (one commit group per step).
+    auto issue = [&](int s) {
+        if (s < Tl::STEPS) {
+            float* P = smem + (s & 1) * Tl::SET;
+            if (s < NSK) {
+                load_slice_async<Tl, LD1>(P, qb, p.q_st, len, s * DS);
+                load_slice_async<Tl, LD1>(P + Tl::SB, kb, p.k_st, len, s * DS);
+                load_slice_async<Tl, LD1>(P + 2 * Tl::SB, gb, p.g_st, len, s * DS);
+            } else if (s < 2 * NSK) {
+                load_slice_async<Tl, LD2>(P, qb, p.q_st, len, (s - NSK) * DS);
+                load_slice_async<Tl, LD2>(P + Tl::SB, kb, p.k_st, len, (s - NSK) * DS);
+                load_slice_async<Tl, LD2>(P + 2 * Tl::SB, gb, p.g_st, len, (s - NSK) * DS);
+            } else {
+                load_slice_async<Tl, LD2>(P, vb, p.v_st, len, (s - 2 * NSK) * DS);
+            }
+        }
+        cp_async_commit();  // an empty group past the last step keeps the wait count uniform
+    };
+    issue(0);
     for (int i = tid; i < C; i += NT)
         sBeta[i] = i < len ? p.beta[row * p.b_sb + (t0 + i) * p.b_st + hv * p.b_sh] : 0.f;
 
     // ================================================================ pass 1: scores, kgT, gl
-    float acc_kk[2 * RB][4], acc_qk[2 * RB][4];
+    float acc_kk[2 * RB][4], acc_qk[2 * RB][4];  // this warp's rows of the scores
 #pragma unroll
     for (int nt = 0; nt < 2 * RB; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_kk[nt][e] = acc_qk[nt][e] = 0.f;
 
-    for (int sl = 0; sl < Tl::NSK; ++sl) {
-        const int d0 = sl * DS;
-        load_slice<Tl, LD1>(P0, qb, p.q_st, len, d0);
-        load_slice<Tl, LD1>(P1, kb, p.k_st, len, d0);
-        load_slice<Tl, LD1>(P2, gb, p.g_st, len, d0);
+    for (int s = 0; s < NSK; ++s) {
+        issue(s + 1);
+        cp_async_wait<1>();
         __syncthreads();
+        const float* P0 = smem + (s & 1) * Tl::SET;
+        const float* P1 = P0 + Tl::SB;
+        float* P2 = smem + (s & 1) * Tl::SET + 2 * Tl::SB;
+        const int d0 = s * DS;
         cumsum_log2<Tl, LD1>(P2, sScan);
 
         // decay span of this warp's 16-row block over the slice's channels
@@ -211,22 +312,24 @@ kda_intra_kernel(const KdaParams p) {
         const bool safe = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(span))) <= kSafeSpan;
 
         // kg = k exp(G_last - G), staged transposed, and gl = exp(G_last)
-        for (int idx = tid; idx < C * DS; idx += NT) {
-            const int i = idx / DS, d = idx % DS;
+#pragma unroll 4
+        for (int e = 0; e < EPT; ++e) {
+            const int idx = tid + e * NT, i = idx / DS, d = idx % DS;
             KG[d * LDKG + i] = P1[i * LD1 + d] * ex2(P2[(C - 1) * LD1 + d] - P2[i * LD1 + d]);
         }
         if (tid < DS) gl_out[d0 + tid] = ex2(P2[(C - 1) * LD1 + tid]);
         __syncthreads();
-        for (int idx = tid; idx < C * DS; idx += NT) {
-            const int d = idx / C, i = idx % C;
+#pragma unroll 4
+        for (int e = 0; e < EPT; ++e) {
+            const int idx = tid + e * NT, d = idx / C, i = idx % C;
             kg_out[(d0 + d) * C + i] = KG[d * LDKG + i];
         }
 
         // scores: rows of block `warp` against columns [0, r + 16) (the diagonal tile only if safe)
         const int ntiles = 2 * warp + (safe ? 2 : 0);
 #pragma unroll
-        for (int s = 0; s < DS / 16; ++s) {
-            const int kc = 16 * s + 4 * t;
+        for (int ks = 0; ks < DS / 16; ++ks) {
+            const int kc = 16 * ks + 4 * t;
             const float4 Gr = lds4(P2 + r * LD1 + kc);
             const float4 f0 = ex2(lds4(P2 + (r + g) * LD1 + kc) - Gr);
             const float4 f1 = ex2(lds4(P2 + (r + g + 8) * LD1 + kc) - Gr);
@@ -268,164 +371,94 @@ kda_intra_kernel(const KdaParams p) {
                 }
             }
         }
-        __syncthreads();  // the slice buffers are reloaded next
+        __syncthreads();  // this set is reloaded two steps on (or holds the solve next)
     }
 
     // ================================================================ solve
-    // L (beta-scaled, strictly lower) and Aqk (scaled, lower with diagonal); every column of the warp's rows.
-#pragma unroll
-    for (int nt = 0; nt < 2 * RB; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int i = r + g + 8 * (e >> 1), j = 8 * nt + 2 * t + (e & 1);
-            const bool in = nt < 2 * (warp + 1);
-            sA[i * LDT + j] = (in && j < i) ? sBeta[i] * acc_kk[nt][e] : 0.f;
-            sAqk[i * LDT + j] = (in && j <= i) ? p.scale * acc_qk[nt][e] : 0.f;
-        }
-    }
-    __syncthreads();
-    if (p.dbg_aqk != nullptr) {
-        for (int idx = tid; idx < C * C; idx += NT) p.dbg_aqk[slot * C * C + idx] = sAqk[(idx / C) * LDT + idx % C];
-    }
+    float fkk[2 * RB][4], fqk[2 * RB][4];  // this warp's rows of Akk and Aqk as A fragments
+    solve_and_load<Tl>(p, acc_kk, acc_qk, fkk, fqk, sA, sAqk, sM, sBeta, slot, warp, lane);
 
-    // diagonal blocks: X = (I + L_pp)^-1 by forward substitution, lane c < 16 owns column c
-    {
-        float x[16];
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            float a = (i == lane) ? 1.f : 0.f;
-#pragma unroll
-            for (int j = 0; j < i; ++j) a = fmaf(-sA[(r + i) * LDT + r + j], x[j], a);
-            x[i] = a;
-        }
-        __syncwarp();
-        if (lane < 16) {
-#pragma unroll
-            for (int i = 0; i < 16; ++i) sA[(r + i) * LDT + r + lane] = x[i];
-        }
-    }
-    __syncthreads();
-    // off-diagonal blocks, by block rows: Akk[pb, :rr] = -X_pb (L[pb, :rr] Akk[:rr, :rr])
-    for (int pb = 1; pb < RB; ++pb) {
-        const int rr = 16 * pb;
-        for (int idx = tid; idx < 16 * rr; idx += NT) {
-            const int m = idx / rr, c = idx % rr;
-            float a = 0.f;
-            for (int j = c; j < rr; ++j) a = fmaf(sA[(rr + m) * LDT + j], sA[j * LDT + c], a);
-            sM[m * LDM + c] = a;
-        }
+    // ================================================================ pass 2 (w, qw), pass 3 (u, ou)
+    for (int s = NSK; s < Tl::STEPS; ++s) {
+        issue(s + 1);
+        cp_async_wait<1>();
         __syncthreads();
-        for (int idx = tid; idx < 16 * rr; idx += NT) {
-            const int m = idx / rr, c = idx % rr;
-            float a = 0.f;
-            for (int l = 0; l <= m; ++l) a = fmaf(sA[(rr + m) * LDT + rr + l], sM[l * LDM + c], a);
-            sA[(rr + m) * LDT + c] = -a;
-        }
-        __syncthreads();
-    }
-    if (p.dbg_akk != nullptr) {
-        for (int idx = tid; idx < C * C; idx += NT) p.dbg_akk[slot * C * C + idx] = sA[(idx / C) * LDT + idx % C];
-    }
-    // this warp's rows of Akk and Aqk as A fragments (k = chunk row j): a0 (g, t), a1 (g+8, t), a2 (g, t+4), a3 (g+8, t+4)
-    float fkk[2 * RB][4], fqk[2 * RB][4];
-#pragma unroll
-    for (int kg = 0; kg < 2 * RB; ++kg) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int i = r + g + 8 * (e & 1), j = 8 * kg + t + 4 * (e >> 1);
-            fkk[kg][e] = kg < 2 * (warp + 1) ? sA[i * LDT + j] : 0.f;
-            fqk[kg][e] = kg < 2 * (warp + 1) ? sAqk[i * LDT + j] : 0.f;
-        }
-    }
-    __syncthreads();  // the solve region is reused as slice buffers
-
-    // ================================================================ pass 2: w, qw
-    constexpr int EPT = C * DS / NT;  // elements per thread of a [C][DS] slice
-    for (int sl = 0; sl < Tl::NSK; ++sl) {
-        const int d0 = sl * DS;
-        load_slice<Tl, LD2>(P0, qb, p.q_st, len, d0);
-        load_slice<Tl, LD2>(P1, kb, p.k_st, len, d0);
-        load_slice<Tl, LD2>(P2, gb, p.g_st, len, d0);
-        __syncthreads();
-        cumsum_log2<Tl, LD2>(P2, sScan);
-        // in place: P1 <- beta k exp(G), P0 <- scale q exp(G)
-#pragma unroll 4
-        for (int e = 0; e < EPT; ++e) {
-            const int idx = tid + e * NT, i = idx / DS, d = idx % DS;
-            const float eg = ex2(P2[i * LD2 + d]);
-            P1[i * LD2 + d] = sBeta[i] * P1[i * LD2 + d] * eg;
-            P0[i * LD2 + d] = p.scale * P0[i * LD2 + d] * eg;
-        }
-        __syncthreads();
+        float* P0 = smem + (s & 1) * Tl::SET;
+        float* P1 = P0 + Tl::SB;
+        float* P2 = P0 + 2 * Tl::SB;
         float acc[DS / 8][4];
 #pragma unroll
         for (int nt = 0; nt < DS / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-        gemm_rows_lower<Tl>(acc, fkk, P1, warp, g, t);
-        // w out, and w (row-major) into P2 for Aqk w
-#pragma unroll
-        for (int nt = 0; nt < DS / 8; ++nt) {
-            const int c = 8 * nt + 2 * t;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int i = r + g + 8 * h;
-                stg2(w_out + i * K + d0 + c, acc[nt][2 * h], acc[nt][2 * h + 1]);
-                *reinterpret_cast<float2*>(P2 + i * LD2 + c) = make_float2(acc[nt][2 * h], acc[nt][2 * h + 1]);
-                acc[nt][2 * h] = acc[nt][2 * h + 1] = 0.f;
-            }
-        }
-        __syncthreads();
-        gemm_rows_lower<Tl>(acc, fqk, P2, warp, g, t);
-#pragma unroll
-        for (int nt = 0; nt < DS / 8; ++nt) {
-            const int c = 8 * nt + 2 * t;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int i = r + g + 8 * h;
-                const float2 qg = *reinterpret_cast<const float2*>(P0 + i * LD2 + c);
-                stg2(qw_out + i * K + d0 + c, qg.x - acc[nt][2 * h], qg.y - acc[nt][2 * h + 1]);
-            }
-        }
-        __syncthreads();
-    }
-
-    // ================================================================ pass 3: u, ou
-    for (int sl = 0; sl < Tl::NSV; ++sl) {
-        const int d0 = sl * DS;
-        load_slice<Tl, LD2>(P0, vb, p.v_st, len, d0);
-        __syncthreads();
+        if (s < 2 * NSK) {
+            const int d0 = (s - NSK) * DS;
+            cumsum_log2<Tl, LD2>(P2, sScan);
+            // in place: P1 <- beta k exp(G), P0 <- scale q exp(G)
 #pragma unroll 4
-        for (int e = 0; e < EPT; ++e) {
-            const int idx = tid + e * NT, i = idx / DS, d = idx % DS;
-            P0[i * LD2 + d] *= sBeta[i];
-        }
-        __syncthreads();
-        float acc[DS / 8][4];
+            for (int e = 0; e < EPT; ++e) {
+                const int idx = tid + e * NT, i = idx / DS, d = idx % DS;
+                const float eg = ex2(P2[i * LD2 + d]);
+                P1[i * LD2 + d] = sBeta[i] * P1[i * LD2 + d] * eg;
+                P0[i * LD2 + d] = p.scale * P0[i * LD2 + d] * eg;
+            }
+            __syncthreads();
+            gemm_rows_lower<Tl>(acc, fkk, P1, warp, g, t);
+            // w out, and w (row-major) into P2 for Aqk w
 #pragma unroll
-        for (int nt = 0; nt < DS / 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-        gemm_rows_lower<Tl>(acc, fkk, P0, warp, g, t);
+            for (int nt = 0; nt < DS / 8; ++nt) {
+                const int c = 8 * nt + 2 * t;
 #pragma unroll
-        for (int nt = 0; nt < DS / 8; ++nt) {
-            const int c = 8 * nt + 2 * t;
+                for (int h = 0; h < 2; ++h) {
+                    const int i = r + g + 8 * h;
+                    stg2(w_out + i * K + d0 + c, acc[nt][2 * h], acc[nt][2 * h + 1]);
+                    *reinterpret_cast<float2*>(P2 + i * LD2 + c) = make_float2(acc[nt][2 * h], acc[nt][2 * h + 1]);
+                    acc[nt][2 * h] = acc[nt][2 * h + 1] = 0.f;
+                }
+            }
+            __syncthreads();
+            gemm_rows_lower<Tl>(acc, fqk, P2, warp, g, t);
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int i = r + g + 8 * h;
-                stg2(u_out + i * V + d0 + c, acc[nt][2 * h], acc[nt][2 * h + 1]);
-                *reinterpret_cast<float2*>(P1 + i * LD2 + c) = make_float2(acc[nt][2 * h], acc[nt][2 * h + 1]);
-                acc[nt][2 * h] = acc[nt][2 * h + 1] = 0.f;
+            for (int nt = 0; nt < DS / 8; ++nt) {
+                const int c = 8 * nt + 2 * t;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int i = r + g + 8 * h;
+                    const float2 qg = *reinterpret_cast<const float2*>(P0 + i * LD2 + c);
+                    stg2(qw_out + i * K + d0 + c, qg.x - acc[nt][2 * h], qg.y - acc[nt][2 * h + 1]);
+                }
+            }
+        } else {
+            const int d0 = (s - 2 * NSK) * DS;
+#pragma unroll 4
+            for (int e = 0; e < EPT; ++e) {
+                const int idx = tid + e * NT, i = idx / DS, d = idx % DS;
+                P0[i * LD2 + d] *= sBeta[i];
+            }
+            __syncthreads();
+            gemm_rows_lower<Tl>(acc, fkk, P0, warp, g, t);
+#pragma unroll
+            for (int nt = 0; nt < DS / 8; ++nt) {
+                const int c = 8 * nt + 2 * t;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int i = r + g + 8 * h;
+                    stg2(u_out + i * V + d0 + c, acc[nt][2 * h], acc[nt][2 * h + 1]);
+                    *reinterpret_cast<float2*>(P1 + i * LD2 + c) = make_float2(acc[nt][2 * h], acc[nt][2 * h + 1]);
+                    acc[nt][2 * h] = acc[nt][2 * h + 1] = 0.f;
+                }
+            }
+            __syncthreads();
+            gemm_rows_lower<Tl>(acc, fqk, P1, warp, g, t);
+#pragma unroll
+            for (int nt = 0; nt < DS / 8; ++nt) {
+                const int c = 8 * nt + 2 * t;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int i = r + g + 8 * h;
+                    stg2(ou_out + i * V + d0 + c, acc[nt][2 * h], acc[nt][2 * h + 1]);
+                }
             }
         }
-        __syncthreads();
-        gemm_rows_lower<Tl>(acc, fqk, P1, warp, g, t);
-#pragma unroll
-        for (int nt = 0; nt < DS / 8; ++nt) {
-            const int c = 8 * nt + 2 * t;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int i = r + g + 8 * h;
-                stg2(ou_out + i * V + d0 + c, acc[nt][2 * h], acc[nt][2 * h + 1]);
-            }
-        }
-        __syncthreads();
+        __syncthreads();  // this set is reloaded two steps on
     }
 }
 

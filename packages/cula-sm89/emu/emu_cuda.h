@@ -79,6 +79,10 @@ inline void mma_m16n8k8_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32
     for (int e = 0; e < 4; ++e) d[e] = out[e];
 }
 
+inline void cp_async16(float* dst, const float* src, bool valid) {
+    for (int i = 0; i < 4; ++i) dst[i] = valid ? src[i] : 0.f;
+}
+
 // Runs `body` as one block of `nthreads` threads with `smem_bytes` of dynamic shared memory (NaN-filled, so
 // that a read of something never written shows).
 inline void run_block(unsigned nthreads, unsigned bid, size_t smem_bytes, const std::function<void()>& body) {
