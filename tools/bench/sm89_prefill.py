@@ -171,6 +171,18 @@ def main(argv=None) -> int:
         fla = None
 
     shapes = SMOKE if args.smoke else SHAPES
+    if fla is not None:  # FLA autotunes on its first call per (dtype, K): pay that up front, and say how long
+        import time
+
+        for K in sorted({s["K"] for s in shapes}):
+            x = make_inputs(1, 256, 4, K)
+            for name, xx in (("fp32", x), ("bf16", bf16(*x))):
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    fla(*xx)
+                torch.cuda.synchronize()
+                print(f"FLA {name} K={K}: first call (Triton compile + autotune) {time.perf_counter() - t0:.1f} s",
+                      flush=True)
     errs = {}
     for T, K in sorted({(s["T"], s["K"]) for s in shapes}):
         errs[(T, K)] = errors(T, K, fla)
@@ -193,6 +205,10 @@ def main(argv=None) -> int:
         row.update({f"err_{k}": v for k, v in errs[(s["T"], s["K"])].items()})
         rows.append(row)
         print(row, flush=True)
+        if args.json:  # as it goes: a run cut short still leaves every finished row
+            import json
+
+            args.json.write_text(json.dumps({"rows": rows}, indent=2, default=str))
         del x
         torch.cuda.empty_cache()
 
@@ -237,6 +253,20 @@ def main(argv=None) -> int:
 
         args.json.write_text(json.dumps({"env": env, "rows": rows}, indent=2, default=str))
     return 0
+
+
+def render(json_path: Path) -> str:
+    """The markdown table of a (possibly partial) --json file (for a run that was cut short)."""
+    import json
+
+    rows = json.loads(json_path.read_text())["rows"]
+    out = []
+    for r in rows:
+        out.append("| " + " | ".join([
+            str(r["B"]), str(r["T"]), str(r["H"]), str(r["K"]), fmt_ms(r["fla32"]), fmt_ms(r["fla16"]),
+            fmt_ms(r["cula"]), fmt_x(r["fla32"], r["cula"]), fmt_x(r["fla16"], r["cula"]),
+            fmt_e(r.get("err_cula")), fmt_e(r.get("err_fla32")), fmt_e(r.get("err_fla16"))]) + " |")
+    return "\n".join(out) + "\n"
 
 
 if __name__ == "__main__":
