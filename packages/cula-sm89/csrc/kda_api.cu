@@ -1,6 +1,7 @@
 // kda_api.cu: the C ABI of libcula_sm89.so (declared in cula_sm89.h): checks a KdaPrefillIO, lays out the
 // workspace, and launches the kernels on the caller's stream: [varlen: chunk offsets] -> intra -> inter.
 // Host code only; no synchronisation, no allocation.
+#include <atomic>
 #include <cstring>
 #include <string>
 
@@ -19,10 +20,33 @@ int fail(int code, const std::string& message) {
     return code;
 }
 
-// Default chunk size per head dim, from the H100 measurements in docs/sm89.md: with K = 64 the smaller chunk
-// halves the intra-chunk work and wins where the GPU is full; with K = 128 the larger chunk halves the
-// inter-chunk steps and wins everywhere.
-int default_chunk(int64_t K) { return K == 64 ? 32 : 64; }
+int sm_count() {  // of the current device, cached per device (0 if unknown)
+    static std::atomic<int> cache[64];
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) {
+        cudaGetLastError();
+        return 0;
+    }
+    int n = cache[dev].load(std::memory_order_relaxed);
+    if (n == 0) {
+        if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+            cudaGetLastError();
+            return 0;
+        }
+        cache[dev].store(n, std::memory_order_relaxed);
+    }
+    return n;
+}
+
+// Default chunk size, from the H100 measurements in docs/sm89.md. K = 128: 64 (half the sequential
+// inter-chunk steps; it wins everywhere). K = 64: 32 (a quarter of the intra-chunk score work per token) when
+// the inter-chunk grid fills at least half the GPU; below that the sequential steps dominate and 64 wins.
+int default_chunk(const KdaPrefillIO* io) {
+    if (io->K != 64) return 64;
+    const int64_t inter_blocks = io->N * io->HV * (io->V / 32);
+    const int sms = sm_count();
+    return (sms == 0 || 2 * inter_blocks >= sms) ? 32 : 64;
+}
 
 constexpr size_t kAlign = 256;
 size_t round_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
@@ -44,7 +68,7 @@ int plan(const KdaPrefillIO* io, Plan& pl) {
     if (io->K != io->V || (io->K != 64 && io->K != 128))
         return fail(CULA_SM89_INVALID_ARGUMENT, "cula-sm89 serves K == V in (64, 128), got K = " + std::to_string(io->K) +
                                                    ", V = " + std::to_string(io->V));
-    pl.C = io->chunk_size == 0 ? default_chunk(io->K) : io->chunk_size;
+    pl.C = io->chunk_size == 0 ? default_chunk(io) : io->chunk_size;
     if (pl.C != 32 && pl.C != 64)
         return fail(CULA_SM89_INVALID_ARGUMENT, "chunk_size must be 0, 32 or 64, got " + std::to_string(io->chunk_size));
     if (io->B < 0 || io->T < 0 || io->HQK < 1 || io->HV < 1 || io->HV % io->HQK != 0)
@@ -180,7 +204,7 @@ CULA_SM89_API int kda_prefill_f32_abi_version(void) { return CULA_SM89_ABI_VERSI
 
 CULA_SM89_API int kda_prefill_f32_chunk_size(const KdaPrefillIO* io) {
     if (io == nullptr || io->K != io->V || (io->K != 64 && io->K != 128)) return 0;
-    return io->chunk_size == 0 ? default_chunk(io->K) : io->chunk_size;
+    return io->chunk_size == 0 ? default_chunk(io) : io->chunk_size;
 }
 
 CULA_SM89_API int kda_prefill_f32_chunk_slots(const KdaPrefillIO* io, int64_t* slots) {

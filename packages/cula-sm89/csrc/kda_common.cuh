@@ -195,6 +195,14 @@ __device__ __forceinline__ void mma3(float (&d)[4], const FragA& a, const FragB&
     mma_tf32(d, a.hi, b.hi);
 }
 
+// The three terms into three accumulators: independent chains, so a long k loop is not one chain of
+// dependent MMAs (the caller sums d0 + d1 + d2 at the end).
+__device__ __forceinline__ void mma3_split(float (&d0)[4], float (&d1)[4], float (&d2)[4], const FragA& a, const FragB& b) {
+    mma_tf32(d1, a.lo, b.hi);
+    mma_tf32(d2, a.hi, b.lo);
+    mma_tf32(d0, a.hi, b.hi);
+}
+
 // d += (16 x 16 k-step of A) * (16 x 8 k-step of B), both given as the k-permuted 4-float pieces.
 __device__ __forceinline__ void mma3_k16(float (&d)[4], const FragA& a0, const FragA& a1, float4 bcol) {
     FragB b0, b1;

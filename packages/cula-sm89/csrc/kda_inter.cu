@@ -128,12 +128,39 @@ __global__ void __launch_bounds__(256, 2) kda_inter_kernel(const KdaParams p) {
         const float* kgc = p.kgT + slot * K * C;
         const float* glc = p.gl + slot * K;
 
-        // ---- phase 1: P = w h, R = qw h on rows [i0, i0 + 16), columns [n0, n0 + 8 NTW)
-        float P[Tl::NTW][4], R[Tl::NTW][4];
+        // Loads that do not depend on the state go first, so their latency overlaps phase 1.
+        float2 uu[Tl::NTW][2], oo[Tl::NTW][2];
 #pragma unroll
         for (int j = 0; j < Tl::NTW; ++j)
 #pragma unroll
-            for (int q = 0; q < 4; ++q) P[j][q] = R[j][q] = 0.f;
+            for (int hh = 0; hh < 2; ++hh) {
+                const int i = i0 + g + 8 * hh, col = n0 + 8 * j + 2 * t;
+                uu[j][hh] = ldg2(uc + i * V + col);
+                oo[j][hh] = ldg2(ouc + i * V + col);
+            }
+        float gla[Tl::MPW][2];
+        float4 kga[Tl::MPW][C / 16][2];
+#pragma unroll
+        for (int mi = 0; mi < Tl::MPW; ++mi) {
+            const int k0 = 16 * (m0 + mi);
+            gla[mi][0] = __ldg(glc + k0 + g);
+            gla[mi][1] = __ldg(glc + k0 + g + 8);
+#pragma unroll
+            for (int ks = 0; ks < C / 16; ++ks) {
+                kga[mi][ks][0] = ldg4(kgc + (k0 + g) * C + 16 * ks + 4 * t);
+                kga[mi][ks][1] = ldg4(kgc + (k0 + g + 8) * C + 16 * ks + 4 * t);
+            }
+        }
+
+        // ---- phase 1: P = w h, R = qw h on rows [i0, i0 + 16), columns [n0, n0 + 8 NTW); each 3xTF32 term in
+        // its own accumulator (three short dependent chains instead of one long one)
+        float P[3][Tl::NTW][4], R[3][Tl::NTW][4];
+#pragma unroll
+        for (int x = 0; x < 3; ++x)
+#pragma unroll
+            for (int j = 0; j < Tl::NTW; ++j)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) P[x][j][q] = R[x][j][q] = 0.f;
 #pragma unroll
         for (int ks = 0; ks < K / 16; ++ks) {
             const int kc = 16 * ks + 4 * t;
@@ -144,10 +171,10 @@ __global__ void __launch_bounds__(256, 2) kda_inter_kernel(const KdaParams p) {
             for (int j = 0; j < Tl::NTW; ++j) {
                 FragB b0, b1;
                 make_b2(lds4(hT + (n0 + 8 * j + g) * LDH + kc), b0, b1);
-                mma3(P[j], w0, b0);
-                mma3(P[j], w1, b1);
-                mma3(R[j], q0, b0);
-                mma3(R[j], q1, b1);
+                mma3_split(P[0][j], P[1][j], P[2][j], w0, b0);
+                mma3_split(P[0][j], P[1][j], P[2][j], w1, b1);
+                mma3_split(R[0][j], R[1][j], R[2][j], q0, b0);
+                mma3_split(R[0][j], R[1][j], R[2][j], q1, b1);
             }
         }
         const int64_t tok = s + c * C;  // the chunk's first token
@@ -157,36 +184,48 @@ __global__ void __launch_bounds__(256, 2) kda_inter_kernel(const KdaParams p) {
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
                 const int i = i0 + g + 8 * hh;
-                const float2 uu = ldg2(uc + i * V + col);
-                const float2 oo = ldg2(ouc + i * V + col);
-                vnT[col * LDV + i] = uu.x - P[j][2 * hh];
-                vnT[(col + 1) * LDV + i] = uu.y - P[j][2 * hh + 1];
-                if (tok + i < e) stg2(o_base + (tok + i) * p.o_st + col, oo.x + R[j][2 * hh], oo.y + R[j][2 * hh + 1]);
+                const float p0 = P[1][j][2 * hh] + P[2][j][2 * hh] + P[0][j][2 * hh];
+                const float p1 = P[1][j][2 * hh + 1] + P[2][j][2 * hh + 1] + P[0][j][2 * hh + 1];
+                const float r0 = R[1][j][2 * hh] + R[2][j][2 * hh] + R[0][j][2 * hh];
+                const float r1 = R[1][j][2 * hh + 1] + R[2][j][2 * hh + 1] + R[0][j][2 * hh + 1];
+                vnT[col * LDV + i] = uu[j][hh].x - p0;
+                vnT[(col + 1) * LDV + i] = uu[j][hh].y - p1;
+                if (tok + i < e) stg2(o_base + (tok + i) * p.o_st + col, oo[j][hh].x + r0, oo[j][hh].y + r1);
             }
         }
         __syncthreads();  // v_new complete; every warp is done reading hT
 
-        // ---- phase 2: h = diag(gl) h + kgT v_new on this warp's tiles
+        // ---- phase 2: h = diag(gl) h + kgT v_new on this warp's tiles (the low-order terms in two side
+        // accumulators)
 #pragma unroll
         for (int mi = 0; mi < Tl::MPW; ++mi) {
-            const int k0 = 16 * (m0 + mi);
-            const float ga = __ldg(glc + k0 + g), gb = __ldg(glc + k0 + g + 8);
+            float d1[Tl::NTBW][4], d2[Tl::NTBW][4];
 #pragma unroll
             for (int nt = 0; nt < Tl::NTBW; ++nt) {
-                h[mi][nt][0] *= ga;
-                h[mi][nt][1] *= ga;
-                h[mi][nt][2] *= gb;
-                h[mi][nt][3] *= gb;
+                h[mi][nt][0] *= gla[mi][0];
+                h[mi][nt][1] *= gla[mi][0];
+                h[mi][nt][2] *= gla[mi][1];
+                h[mi][nt][3] *= gla[mi][1];
+#pragma unroll
+                for (int q = 0; q < 4; ++q) d1[nt][q] = d2[nt][q] = 0.f;
             }
 #pragma unroll
             for (int ks = 0; ks < C / 16; ++ks) {
                 const int kc = 16 * ks + 4 * t;
                 FragA a0, a1;
-                make_a2(ldg4(kgc + (k0 + g) * C + kc), ldg4(kgc + (k0 + g + 8) * C + kc), a0, a1);
+                make_a2(kga[mi][ks][0], kga[mi][ks][1], a0, a1);
 #pragma unroll
-                for (int nt = 0; nt < Tl::NTBW; ++nt)
-                    mma3_k16(h[mi][nt], a0, a1, lds4(vnT + (8 * (nb + nt) + g) * LDV + kc));
+                for (int nt = 0; nt < Tl::NTBW; ++nt) {
+                    FragB b0, b1;
+                    make_b2(lds4(vnT + (8 * (nb + nt) + g) * LDV + kc), b0, b1);
+                    mma3_split(h[mi][nt], d1[nt], d2[nt], a0, b0);
+                    mma3_split(h[mi][nt], d1[nt], d2[nt], a1, b1);
+                }
             }
+#pragma unroll
+            for (int nt = 0; nt < Tl::NTBW; ++nt)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) h[mi][nt][q] += d1[nt][q] + d2[nt][q];
         }
         mirror_state<Tl>(hT, h, m0, nb, g, t);
         __syncthreads();  // hT complete for the next chunk; every warp is done reading vnT

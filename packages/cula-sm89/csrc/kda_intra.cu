@@ -40,7 +40,7 @@ struct IntraTiling {
     static constexpr int K = K_, V = K_, C = C_;
     static constexpr int RB = C / 16;             // row blocks = warps
     static constexpr int NT = 32 * RB;            // threads
-    static constexpr int DS = C == 64 ? 32 : 64;  // channels per slice
+    static constexpr int DS = 32;                 // channels per slice
     static constexpr int NSK = K / DS, NSV = V / DS;
     static constexpr int STEPS = 2 * NSK + NSV;   // pass 1, pass 2, pass 3
     static constexpr int LD1 = DS + 16;  // pass 1 slices: 16-byte fragment reads (16 mod 32)

@@ -86,40 +86,40 @@ def prefill(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_st
         o = out
     final_state = torch.empty((N, HV, K, V), dtype=torch.float32, device=device) if output_final_state else None
 
-    io = _C.KdaPrefillIO()
-    io.B, io.T, io.HQK, io.HV, io.K, io.V, io.N = B, T, HQK, HV, K, V, N
-    io.chunk_size = int(chunk_size)
-    io.scale = float(K ** -0.5 if scale is None else scale)
-    io.q, io.q_stride = q.data_ptr(), _strides3(q)
-    io.k, io.k_stride = k.data_ptr(), _strides3(k)
-    io.v, io.v_stride = v.data_ptr(), _strides3(v)
-    io.g, io.g_stride = g.data_ptr(), _strides3(g)
-    io.beta, io.beta_stride = beta.data_ptr(), _strides3(beta)
-    io.o, io.o_stride = o.data_ptr(), _strides3(o)
-    if initial_state is not None:
-        io.initial_state = initial_state.data_ptr()
-    if final_state is not None:
-        io.final_state = final_state.data_ptr()
-    if cu_seqlens is not None:
-        io.cu_seqlens = cu_seqlens.data_ptr()
+    with torch.cuda.device(device):  # the library sizes and launches on the current device
+        io = _C.KdaPrefillIO()
+        io.B, io.T, io.HQK, io.HV, io.K, io.V, io.N = B, T, HQK, HV, K, V, N
+        io.chunk_size = int(chunk_size)
+        io.scale = float(K ** -0.5 if scale is None else scale)
+        io.q, io.q_stride = q.data_ptr(), _strides3(q)
+        io.k, io.k_stride = k.data_ptr(), _strides3(k)
+        io.v, io.v_stride = v.data_ptr(), _strides3(v)
+        io.g, io.g_stride = g.data_ptr(), _strides3(g)
+        io.beta, io.beta_stride = beta.data_ptr(), _strides3(beta)
+        io.o, io.o_stride = o.data_ptr(), _strides3(o)
+        if initial_state is not None:
+            io.initial_state = initial_state.data_ptr()
+        if final_state is not None:
+            io.final_state = final_state.data_ptr()
+        if cu_seqlens is not None:
+            io.cu_seqlens = cu_seqlens.data_ptr()
 
-    C = _C.chunk_size(io)
-    extras = None
-    aqk = akk = None
-    if return_intermediates:
-        slots = _C.chunk_slots(io)
-        R = 1 if cu_seqlens is not None else B
-        w = torch.empty((R, HV, slots, C, K), dtype=torch.float32, device=device)
-        u = torch.empty((R, HV, slots, C, V), dtype=torch.float32, device=device)
-        io.w, io.u = w.data_ptr(), u.data_ptr()
-        extras = {"w": w, "u": u, "chunk_size": C}
-        if debug_scores:
-            aqk = torch.empty((R, HV, slots, C, C), dtype=torch.float32, device=device)
-            akk = torch.empty((R, HV, slots, C, C), dtype=torch.float32, device=device)
-            extras.update(aqk=aqk, akk=akk)
-    workspace = torch.empty((max(_C.workspace_bytes(io), 1),), dtype=torch.uint8, device=device)
-    io.workspace, io.workspace_bytes = workspace.data_ptr(), workspace.numel()
-    with torch.cuda.device(device):
+        C = _C.chunk_size(io)
+        extras = None
+        aqk = akk = None
+        if return_intermediates:
+            slots = _C.chunk_slots(io)
+            R = 1 if cu_seqlens is not None else B
+            w = torch.empty((R, HV, slots, C, K), dtype=torch.float32, device=device)
+            u = torch.empty((R, HV, slots, C, V), dtype=torch.float32, device=device)
+            io.w, io.u = w.data_ptr(), u.data_ptr()
+            extras = {"w": w, "u": u, "chunk_size": C}
+            if debug_scores:
+                aqk = torch.empty((R, HV, slots, C, C), dtype=torch.float32, device=device)
+                akk = torch.empty((R, HV, slots, C, C), dtype=torch.float32, device=device)
+                extras.update(aqk=aqk, akk=akk)
+        workspace = torch.empty((max(_C.workspace_bytes(io), 1),), dtype=torch.uint8, device=device)
+        io.workspace, io.workspace_bytes = workspace.data_ptr(), workspace.numel()
         stream = torch.cuda.current_stream(device).cuda_stream
         _C.run(io, stream, aqk.data_ptr() if aqk is not None else 0, akk.data_ptr() if akk is not None else 0)
     if return_intermediates:
