@@ -15,9 +15,10 @@ def main():
         for T in (1, 63, 65):
             q, k, v, g, beta = make_inputs(2, T, 1, 2, K, seed=T)
             h0 = torch.randn(2, 2, K, K, device="cuda")
-            prefill(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=C,
-                    return_intermediates=True, debug_scores=True)
-            n += 1
+            for tile in (16, 32):
+                prefill(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=C,
+                        return_intermediates=True, debug_scores=True, state_tile=tile)
+                n += 1
         cu = torch.tensor([0, 1, 1, 64, 129], dtype=torch.int32, device="cuda")
         q, k, v, g, beta = make_inputs(1, 129, 1, 2, K, seed=C)
         prefill(q, k, v, g, beta, initial_state=torch.randn(4, 2, K, K, device="cuda"), output_final_state=True,

@@ -106,7 +106,8 @@ def test_extension_error_names_a_missing_build(monkeypatch):
 
     sm89_backend.extension_error.cache_clear()
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "cula_sm89._C" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "cula_sm89._C" else real(name, *a))
     try:
         assert sm89_backend.extension_error().startswith("cula-sm89 extension not built: no compiled cula_sm89._C")
     finally:

@@ -48,7 +48,11 @@ def test_kernels_compile_for_sm89(tmp_path):
 def test_public_header_is_c(tmp_path):
     src = tmp_path / "use_header.c"
     src.write_text('#include "cula_sm89.h"\n'
-                   "int main(void) { KdaPrefillIO io = {0}; io.K = io.V = 128; return kda_prefill_f32_chunk_size(&io) == 0; }\n")
+                   "int main(void) {\n"
+                   "  KdaPrefillIO io = {0};\n"
+                   "  io.K = io.V = 128;\n"
+                   "  return kda_prefill_f32_chunk_size(&io) == 0;\n"
+                   "}\n")
     proc = subprocess.run([NVCC, "-x", "c", "-c", f"-I{CSRC}", str(src), "-o", str(tmp_path / "use_header.o")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

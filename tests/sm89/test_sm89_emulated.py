@@ -27,9 +27,9 @@ def run_emu():
 
 @pytest.mark.parametrize("case", [
     dict(K=64, C=32, T=50, B=2, HQK=1, HV=2),                 # GVA, two batch rows, a partial chunk
-    dict(K=128, C=64, T=70, varlen=True),                     # K slices, segmented cumsum, varlen with an empty sequence
-    dict(K=64, C=64, T=40, strong=True, h0=False),            # the pairwise diagonal path, no initial state
-], ids=["k64c32-gva", "k128c64-varlen", "k64c64-extreme-decay"])
+    dict(K=128, C=64, T=70, varlen=True),  # K slices, segmented cumsum, varlen with an empty sequence
+    dict(K=64, C=64, T=40, strong=True, h0=False, tile=16),   # the pairwise diagonal path, the 16-column state tile
+], ids=["k64c32-gva", "k128c64-varlen", "k64c64-extreme-decay-tile16"])
 def test_emulated_kernels_match_reference(case, tmp_path):
     errs = run_emu().check(**case, exe=str(tmp_path / "emu"))
     bad = {k: v for k, v in errs.items() if not v <= REL_TOL}

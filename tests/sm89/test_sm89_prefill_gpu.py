@@ -64,6 +64,18 @@ def test_matches_reference(K, C, T, with_h0):
         assert torch.count_nonzero(x["u"][:, :, -1, C - pad:]) == 0
 
 
+@pytest.mark.parametrize("tile", [16, 32])
+@pytest.mark.parametrize(("K", "C"), CONFIGS, ids=[f"K{k}-C{c}" for k, c in CONFIGS])
+def test_both_state_tiles_match_reference(K, C, tile):
+    """The inter-chunk kernel's two variants (16 state columns x 4 warps, 32 x 8), forced."""
+    B, T, HQK, HV = 2, 1000, 2, 4
+    q, k, v, g, beta = make_inputs(B, T, HQK, HV, K, seed=tile + K + C)
+    h0 = torch.randn(B, HV, K, K, device="cuda")
+    o, ht = prefill(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=C, state_tile=tile)
+    o_r, ht_r = reference(q, k, v, g, beta, initial_state=h0, chunk_size=C)
+    assert rel_err(o, o_r) <= REL_TOL and rel_err(ht, ht_r) <= REL_TOL, (rel_err(o, o_r), rel_err(ht, ht_r))
+
+
 @pytest.mark.parametrize(("K", "C"), CONFIGS, ids=[f"K{k}-C{c}" for k, c in CONFIGS])
 def test_varlen_matches_reference(K, C):
     lengths = [1, 0, 63, 64, 65, 200, 0, 130]
@@ -150,9 +162,11 @@ def test_public_ops_route_to_sm89_and_match(monkeypatch):
     B, T, HQK, HV, K = 2, 777, 2, 4, 128
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k = (torch.randn(B, T, HQK, K, device="cuda", generator=gen) for _ in range(2))
-    v, g_raw = torch.randn(B, T, HV, K, device="cuda", generator=gen), torch.randn(B, T, HV, K, device="cuda", generator=gen)
+    v = torch.randn(B, T, HV, K, device="cuda", generator=gen)
+    g_raw = torch.randn(B, T, HV, K, device="cuda", generator=gen)
     beta_raw = torch.randn(B, T, HV, device="cuda", generator=gen)
-    A_log, dt_bias = torch.randn(HV, device="cuda", generator=gen) * 0.5, torch.randn(HV * K, device="cuda", generator=gen)
+    A_log = torch.randn(HV, device="cuda", generator=gen) * 0.5
+    dt_bias = torch.randn(HV * K, device="cuda", generator=gen)
     h0 = torch.randn(B, HV, K, K, device="cuda", generator=gen)
 
     call = make_call("kda_prefill", q.device, dtype=torch.float32, K=K, V=K, HQK=HQK, HV=HV, T=T, gate="softplus")
@@ -164,7 +178,7 @@ def test_public_ops_route_to_sm89_and_match(monkeypatch):
         g = g_raw if kwargs["use_gate_in_kernel"] else torch.nn.functional.logsigmoid(g_raw) / 4
         o, ht = cula_core.kda_prefill(q, k, v, g, beta_raw, initial_state=h0, output_final_state=True,
                                       use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, **kwargs)
-        gate = "precomputed" if not kwargs["use_gate_in_kernel"] else ("safe" if "lower_bound" in kwargs else "softplus")
+        gate = ("safe" if "lower_bound" in kwargs else "softplus") if kwargs["use_gate_in_kernel"] else "precomputed"
         d = torch.float64
         o_r, ht_r = reference_impls.kda_prefill(
             q.to(d), k.to(d), v.to(d), g.to(d), beta_raw.to(d), A_log if gate != "precomputed" else None,
@@ -206,10 +220,11 @@ def test_c_abi_matches_the_binding():
     h0 = torch.randn(3, 4, 128, 128, device="cuda")
     for chunk in (32, 64):
         for cu_seqlens in (None, cu):
-            o_c, ht_c = capi_ctypes.prefill_via_c_abi(q, k, v, g, beta, scale=0.1, initial_state=h0[:1] if cu_seqlens is None else h0,
+            state = h0[:1] if cu_seqlens is None else h0
+            o_c, ht_c = capi_ctypes.prefill_via_c_abi(q, k, v, g, beta, scale=0.1, initial_state=state,
                                                       cu_seqlens=cu_seqlens, chunk_size=chunk)
-            o_p, ht_p = prefill(q, k, v, g, beta, scale=0.1, initial_state=h0[:1] if cu_seqlens is None else h0,
-                                output_final_state=True, cu_seqlens=cu_seqlens, chunk_size=chunk)
+            o_p, ht_p = prefill(q, k, v, g, beta, scale=0.1, initial_state=state, output_final_state=True,
+                                cu_seqlens=cu_seqlens, chunk_size=chunk)
             torch.cuda.synchronize()
             assert torch.equal(o_c, o_p) and torch.equal(ht_c, ht_p)
     lib = capi_ctypes.load()

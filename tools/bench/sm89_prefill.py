@@ -81,11 +81,12 @@ def triton_cache_dir() -> Path:
     return Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
 
 
-def warm_fla(shapes) -> None:
+def warm_fla(shapes, keep_autotune=False) -> None:
     """FLA's first call per (H, K, dtype) compiles ~12 configurations of each kernel and autotunes among them:
     minutes in all. Compile them in parallel processes (one per (H, K, dtype)), then forget the autotuning
     those processes did (it ran with the GPU shared), so that this process autotunes alone, on compiled
-    kernels."""
+    kernels. With `keep_autotune` (results of an earlier run, tuned alone, already in Triton's cache) the
+    processes only compile the chosen configurations and the results are kept."""
     import subprocess
     import time
 
@@ -95,7 +96,7 @@ def warm_fla(shapes) -> None:
              for H, K in sorted({(s["H"], s["K"]) for s in shapes}) for dt in ("fp32", "bf16")]
     bad = [p.args for p in procs if p.wait() != 0]
     removed = 0
-    for f in triton_cache_dir().rglob("*.autotune.json"):
+    for f in [] if keep_autotune else triton_cache_dir().rglob("*.autotune.json"):
         f.unlink()
         removed += 1
     print(f"FLA warm-up: {len(procs)} processes compiled in {time.perf_counter() - t0:.0f} s "
@@ -184,6 +185,8 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="two shapes only (CI)")
     ap.add_argument("--chunks", action="store_true", help="also time each chunk size per K")
     ap.add_argument("--chunks-only", action="store_true", help="only the chunk-size table (no FLA, no errors)")
+    ap.add_argument("--keep-autotune", action="store_true",
+                    help="Triton's cache already holds FLA's autotuning results (of an earlier run): keep them")
     ap.add_argument("--out", type=Path, help="write the markdown report here")
     ap.add_argument("--json", type=Path, help="write the raw numbers here")
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
@@ -205,7 +208,8 @@ def main(argv=None) -> int:
 
     shapes = SMOKE if args.smoke else SHAPES
     if fla is not None:
-        warm_fla(shapes + [dict(H=4, K=K) for K in {s["K"] for s in shapes}])  # H = 4: the error runs
+        # H = 4: the error runs
+        warm_fla(shapes + [dict(H=4, K=K) for K in {s["K"] for s in shapes}], keep_autotune=args.keep_autotune)
     errs = {}
     for T, K in sorted({(s["T"], s["K"]) for s in shapes}):
         errs[(T, K)] = errors(T, K, fla)

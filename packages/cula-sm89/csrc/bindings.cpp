@@ -12,7 +12,8 @@
 
 #include "cula_sm89.h"
 
-extern "C" int cula_sm89_prefill_debug(const KdaPrefillIO* io, float* aqk, float* akk, cudaStream_t stream);
+extern "C" int cula_sm89_prefill_debug(const KdaPrefillIO* io, float* aqk, float* akk, int state_tile,
+                                       cudaStream_t stream);
 
 namespace py = pybind11;
 
@@ -103,16 +104,17 @@ PYBIND11_MODULE(_C, m) {
         "Bytes of device workspace the call needs.");
     m.def(
         "run",
-        [](const KdaPrefillIO& io, uintptr_t stream, uintptr_t aqk, uintptr_t akk) {
+        [](const KdaPrefillIO& io, uintptr_t stream, uintptr_t aqk, uintptr_t akk, int state_tile) {
             int rc;
             {
                 py::gil_scoped_release nogil;
                 rc = cula_sm89_prefill_debug(&io, reinterpret_cast<float*>(aqk), reinterpret_cast<float*>(akk),
-                                             reinterpret_cast<cudaStream_t>(stream));
+                                             state_tile, reinterpret_cast<cudaStream_t>(stream));
             }
             check(rc);
         },
-        py::arg("io"), py::arg("stream"), py::arg("aqk") = 0, py::arg("akk") = 0,
+        py::arg("io"), py::arg("stream"), py::arg("aqk") = 0, py::arg("akk") = 0, py::arg("state_tile") = 0,
         "Launch the prefill on `stream` (a cudaStream_t as int). aqk / akk: optional device buffers [R, HV, NC, C, C] "
-        "that receive the scaled causal scores and (I + L)^-1 (tests).");
+        "that receive the scaled causal scores and (I + L)^-1; state_tile: 0 (automatic), 16 or 32 columns of the "
+        "state per inter-chunk block (tests).");
 }

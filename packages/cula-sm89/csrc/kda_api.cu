@@ -38,14 +38,17 @@ int sm_count() {  // of the current device, cached per device (0 if unknown)
     return n;
 }
 
-// Default chunk size, from the H100 measurements in docs/sm89.md. K = 128: 64 (half the sequential
-// inter-chunk steps; it wins everywhere). K = 64: 32 (a quarter of the intra-chunk score work per token) when
-// the inter-chunk grid fills at least half the GPU; below that the sequential steps dominate and 64 wins.
-int default_chunk(const KdaPrefillIO* io) {
-    if (io->K != 64) return 64;
-    const int64_t inter_blocks = io->N * io->HV * (io->V / 32);
+// Default chunk size, from the H100 measurements in docs/sm89.md: 32 for both head dims (half the intra-chunk
+// score work per token of 64, and shorter sequential inter-chunk steps; 64 was slower on every shape measured).
+int default_chunk(const KdaPrefillIO*) { return 32; }
+
+// Columns of the state per inter-chunk block: 16 when the 32-column grid would leave SMs idle (few sequences
+// x heads), else 32 (less re-reading of w, qw, kgT). `forced` (16 or 32) overrides it (tests).
+int state_tile(const KdaPrefillIO* io, int forced) {
+    if (forced == 16 || forced == 32) return forced;
+    const int64_t blocks32 = io->N * io->HV * (io->V / 32);
     const int sms = sm_count();
-    return (sms == 0 || 2 * inter_blocks >= sms) ? 32 : 64;
+    return (sms > 0 && blocks32 < sms) ? 16 : 32;
 }
 
 constexpr size_t kAlign = 256;
@@ -133,7 +136,7 @@ int check_pointers(const KdaPrefillIO* io, const Plan& pl) {
 }
 
 template <int K, int C>
-cudaError_t launch_all(const KdaParams& p, cudaStream_t stream, LaunchError& err) {
+cudaError_t launch_all(const KdaParams& p, int tile, cudaStream_t stream, LaunchError& err) {
     cudaError_t e = cudaSuccess;
     if (p.cu_seqlens != nullptr) {
         e = cula_sm89::launch_chunk_offsets(p, C, stream, err);
@@ -141,10 +144,10 @@ cudaError_t launch_all(const KdaParams& p, cudaStream_t stream, LaunchError& err
     }
     e = cula_sm89::launch_intra<K, C>(p, stream, err);
     if (e != cudaSuccess) return e;
-    return cula_sm89::launch_inter<K, C>(p, stream, err);
+    return cula_sm89::launch_inter<K, C>(p, tile, stream, err);
 }
 
-int run(const KdaPrefillIO* io, float* dbg_aqk, float* dbg_akk, cudaStream_t stream) {
+int run(const KdaPrefillIO* io, float* dbg_aqk, float* dbg_akk, int forced_tile, cudaStream_t stream) {
     Plan pl;
     int rc = plan(io, pl);
     if (rc != CULA_SM89_OK) return rc;
@@ -185,11 +188,12 @@ int run(const KdaPrefillIO* io, float* dbg_aqk, float* dbg_akk, cudaStream_t str
     if (p.N * p.HV == 0) return CULA_SM89_OK;
     LaunchError err;
     cudaError_t e = cudaSuccess;
+    const int tile = state_tile(io, forced_tile);
     switch (io->K * 1000 + pl.C) {
-        case 64032: e = launch_all<64, 32>(p, stream, err); break;
-        case 64064: e = launch_all<64, 64>(p, stream, err); break;
-        case 128032: e = launch_all<128, 32>(p, stream, err); break;
-        case 128064: e = launch_all<128, 64>(p, stream, err); break;
+        case 64032: e = launch_all<64, 32>(p, tile, stream, err); break;
+        case 64064: e = launch_all<64, 64>(p, tile, stream, err); break;
+        case 128032: e = launch_all<128, 32>(p, tile, stream, err); break;
+        case 128064: e = launch_all<128, 64>(p, tile, stream, err); break;
         default: return fail(CULA_SM89_INVALID_ARGUMENT, "unreachable configuration");
     }
     if (e != cudaSuccess) return fail(CULA_SM89_CUDA_ERROR, err.message.empty() ? cudaGetErrorString(e) : err.message);
@@ -221,14 +225,16 @@ CULA_SM89_API int kda_prefill_f32_workspace_bytes(const KdaPrefillIO* io, size_t
     return rc;
 }
 
-CULA_SM89_API int kda_prefill_f32(const KdaPrefillIO* io, cudaStream_t stream) { return run(io, nullptr, nullptr, stream); }
+CULA_SM89_API int kda_prefill_f32(const KdaPrefillIO* io, cudaStream_t stream) { return run(io, nullptr, nullptr, 0, stream); }
 
 CULA_SM89_API const char* kda_prefill_f32_last_error(void) { return g_last_error.c_str(); }
 
 // Not part of the public header: the same call that also writes the scaled causal scores Aqk and the inverse
-// Akk ([R, HV, NC, C, C] each, either may be NULL) for the tests of the Python binding.
-CULA_SM89_API int cula_sm89_prefill_debug(const KdaPrefillIO* io, float* aqk, float* akk, cudaStream_t stream) {
-    return run(io, aqk, akk, stream);
+// Akk ([R, HV, NC, C, C] each, either may be NULL) and can force the state tile (0: automatic, 16 or 32), for
+// the tests of the Python binding.
+CULA_SM89_API int cula_sm89_prefill_debug(const KdaPrefillIO* io, float* aqk, float* akk, int state_tile,
+                                          cudaStream_t stream) {
+    return run(io, aqk, akk, state_tile, stream);
 }
 
 }  // extern "C"

@@ -3,11 +3,13 @@
 //
 //   v_new = u - w h          o = qw h + ou          h' = diag(gl) h + kgT v_new
 //
-// Tiling: one block of 8 warps per (sequence, value head, BV-column tile of the state); the block walks its
+// Tiling: one block of NW warps per (sequence, value head, BV-column tile of the state); the block walks its
 // sequence's chunks in order and keeps its [K, BV] slice of the state in registers (fp32), mirrored in shared
 // memory as the B operand of the next chunk. Columns of the state are independent, so the V / BV blocks of a
 // head run concurrently; they share w, qw and kgT through L2. The per-chunk work is a dependent chain (the
-// state), so it is spread over 8 warps to keep each chunk short.
+// state), so it is spread over several warps to keep each chunk short. Two variants: BV = 32 with 8 warps
+// (the default), and BV = 16 with 4 warps when the BV = 32 grid would not fill the GPU (long sequences, few
+// heads): twice the blocks, each with half the work per sequential chunk step.
 //   phase 1: warps tile the [C, BV] outputs in 16 x 8*NTW pieces; A = rows of w and qw straight from global
 //            memory (16-byte loads, k-permuted fragments; warps sharing rows hit L1), B = h from shared memory;
 //            v_new goes to shared memory (as [BV][C]), o to global memory (rows past the sequence's end are
@@ -22,13 +24,10 @@
 
 namespace cula_sm89 {
 
-// The state's column tile per block.
-constexpr int kInterBV = 32;
-
-template <int K_, int C_, int BV_>
+template <int K_, int C_, int BV_, int NW_>
 struct InterTiling {
     static constexpr int K = K_, V = K_, C = C_, BV = BV_;
-    static constexpr int NW = 8, NT = 32 * NW;
+    static constexpr int NW = NW_, NT = 32 * NW;
     // phase 1, [C, BV]: 16-row tiles, warps per tile (split over columns), 8-column tiles per warp
     static constexpr int MTC = C / 16;
     static constexpr int WPM = NW / MTC;
@@ -67,9 +66,9 @@ __device__ __forceinline__ void mirror_state(float* hT, const float (&h)[Tl::MPW
             }
 }
 
-template <int K_, int C_, int BV_>
-__global__ void __launch_bounds__(256, 2) kda_inter_kernel(const KdaParams p) {
-    using Tl = InterTiling<K_, C_, BV_>;
+template <int K_, int C_, int BV_, int NW_>
+__global__ void __launch_bounds__(32 * NW_, 2) kda_inter_kernel(const KdaParams p) {
+    using Tl = InterTiling<K_, C_, BV_, NW_>;
     constexpr int C = Tl::C, K = Tl::K, V = Tl::V, BV = Tl::BV, LDH = Tl::LDH, LDV = Tl::LDV;
 
     CULA_DYNAMIC_SMEM(smem4);
@@ -285,22 +284,28 @@ cudaError_t launch_chunk_offsets(const KdaParams& p, int C, cudaStream_t stream,
     return check_launch("kda_chunk_offsets", err);
 }
 
-template <int K, int C>
-cudaError_t launch_inter(const KdaParams& p, cudaStream_t stream, LaunchError& err) {
-    using Tl = InterTiling<K, C, kInterBV>;
-    auto kernel = kda_inter_kernel<K, C, kInterBV>;
-    const int64_t blocks = p.N * p.HV * (K / kInterBV);
+template <int K, int C, int BV, int NW>
+cudaError_t launch_inter_tiled(const KdaParams& p, cudaStream_t stream, LaunchError& err) {
+    using Tl = InterTiling<K, C, BV, NW>;
+    auto kernel = kda_inter_kernel<K, C, BV, NW>;
+    const int64_t blocks = p.N * p.HV * (K / BV);
     if (blocks == 0) return cudaSuccess;
     static std::atomic<uint64_t> attribute_set{0};
-    cudaError_t e = set_dynamic_smem(reinterpret_cast<const void*>(kernel), Tl::SMEM_BYTES, kernel_name<K, C>("kda_inter"),
-                                     attribute_set, err);
+    const std::string name = kernel_name<K, C>("kda_inter") + "[BV=" + std::to_string(BV) + "]";
+    cudaError_t e = set_dynamic_smem(reinterpret_cast<const void*>(kernel), Tl::SMEM_BYTES, name, attribute_set, err);
     if (e != cudaSuccess) return e;
     kernel<<<dim3(unsigned(blocks)), dim3(Tl::NT), Tl::SMEM_BYTES, stream>>>(p);
-    return check_launch(kernel_name<K, C>("kda_inter"), err);
+    return check_launch(name, err);
+}
+
+template <int K, int C>
+cudaError_t launch_inter(const KdaParams& p, int state_tile, cudaStream_t stream, LaunchError& err) {
+    return state_tile == 16 ? launch_inter_tiled<K, C, 16, 4>(p, stream, err)
+                            : launch_inter_tiled<K, C, 32, 8>(p, stream, err);
 }
 
 #define CULA_SM89_INTER(K, C) \
-    template cudaError_t launch_inter<K, C>(const KdaParams&, cudaStream_t, LaunchError&);
+    template cudaError_t launch_inter<K, C>(const KdaParams&, int, cudaStream_t, LaunchError&);
 CULA_SM89_INTER(64, 32)
 CULA_SM89_INTER(64, 64)
 CULA_SM89_INTER(128, 32)

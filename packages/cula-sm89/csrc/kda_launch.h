@@ -62,8 +62,9 @@ inline cudaError_t check_launch(const std::string& name, LaunchError& err) {
 
 template <int K, int C>
 cudaError_t launch_intra(const KdaParams& p, cudaStream_t stream, LaunchError& err);
+// state_tile: the columns of the state per block, 32 (8 warps) or 16 (4 warps; see kda_inter.cu).
 template <int K, int C>
-cudaError_t launch_inter(const KdaParams& p, cudaStream_t stream, LaunchError& err);
+cudaError_t launch_inter(const KdaParams& p, int state_tile, cudaStream_t stream, LaunchError& err);
 cudaError_t launch_chunk_offsets(const KdaParams& p, int C, cudaStream_t stream, LaunchError& err);
 
 }  // namespace cula_sm89

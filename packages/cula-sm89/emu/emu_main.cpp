@@ -67,9 +67,15 @@ static void run(const std::string& dir, std::map<std::string, double>& cfg) {
     using Ti = IntraTiling<K, C>;
     for (int64_t b = 0; b < rows * HV * slots; ++b)
         emu::run_block(Ti::NT, unsigned(b), Ti::SMEM_BYTES, [&] { kda_intra_kernel<K, C>(p); });
-    using Tn = InterTiling<K, C, kInterBV>;
-    for (int64_t b = 0; b < N * HV * (V / kInterBV); ++b)
-        emu::run_block(Tn::NT, unsigned(b), Tn::SMEM_BYTES, [&] { kda_inter_kernel<K, C, kInterBV>(p); });
+    if (int(cfg["tile"]) == 16) {
+        using Tn = InterTiling<K, C, 16, 4>;
+        for (int64_t b = 0; b < N * HV * (V / 16); ++b)
+            emu::run_block(Tn::NT, unsigned(b), Tn::SMEM_BYTES, [&] { kda_inter_kernel<K, C, 16, 4>(p); });
+    } else {
+        using Tn = InterTiling<K, C, 32, 8>;
+        for (int64_t b = 0; b < N * HV * (V / 32); ++b)
+            emu::run_block(Tn::NT, unsigned(b), Tn::SMEM_BYTES, [&] { kda_inter_kernel<K, C, 32, 8>(p); });
+    }
 
     write(dir + "/o.out", o.data(), o.size());
     write(dir + "/ht.out", ht.data(), ht.size());

@@ -36,7 +36,8 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
-def check(K=64, C=32, T=70, B=1, HQK=1, HV=2, varlen=False, strong=False, h0=True, exe="/tmp/cula_sm89_emu"):
+def check(K=64, C=32, T=70, B=1, HQK=1, HV=2, varlen=False, strong=False, h0=True, tile=32,
+          exe="/tmp/cula_sm89_emu"):
     """Runs the emulated kernels once; returns {name: relative error vs the fp64 reference}."""
     exe = Path(exe)
     build(exe)
@@ -66,7 +67,7 @@ def check(K=64, C=32, T=70, B=1, HQK=1, HV=2, varlen=False, strong=False, h0=Tru
         if cu is not None:
             cu.float().numpy().tofile(d / "cu.bin")
         cfg = dict(B=B, T=T, HQK=HQK, HV=HV, K=K, C=C, N=N, varlen=int(cu is not None), h0=int(h0 is not None),
-                   scale=scale)
+                   scale=scale, tile=tile)
         (d / "config.txt").write_text("".join(f"{kk} {vv}\n" for kk, vv in cfg.items()))
         subprocess.run([str(exe), str(d)], check=True)
         import numpy as np
@@ -112,11 +113,12 @@ def main():
     ap.add_argument("--varlen", action="store_true")
     ap.add_argument("--strong", action="store_true", help="decays strong enough for the pairwise diagonal path")
     ap.add_argument("--no-h0", action="store_true")
+    ap.add_argument("--tile", type=int, default=32, choices=(16, 32), help="state columns per inter-chunk block")
     ap.add_argument("--exe", default="/tmp/cula_sm89_emu")
     a = ap.parse_args()
     errs = check(K=a.K, C=a.C, T=a.T, B=a.B, HQK=a.HQK, HV=a.HV, varlen=a.varlen, strong=a.strong, h0=not a.no_h0,
-                 exe=a.exe)
-    print(f"K={a.K} C={a.C} T={a.T} B={a.B} HQK={a.HQK} HV={a.HV} varlen={a.varlen} strong={a.strong}")
+                 tile=a.tile, exe=a.exe)
+    print(f"K={a.K} C={a.C} T={a.T} B={a.B} HQK={a.HQK} HV={a.HV} varlen={a.varlen} strong={a.strong} tile={a.tile}")
     for name, e in errs.items():
         print(f"  {name:12s} rel err {e:.3e}")
     return 0

@@ -45,7 +45,7 @@ def _strides3(t: torch.Tensor) -> tuple[int, int, int]:
 
 
 def prefill(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-            chunk_size=0, out=None, return_intermediates=False, debug_scores=False):
+            chunk_size=0, out=None, return_intermediates=False, debug_scores=False, state_tile=0):
     """fp32 KDA prefill on prepared inputs (q/k normalised if wanted, g the log decay, beta activated).
 
     Args:
@@ -61,6 +61,8 @@ def prefill(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_st
             NC = ceil(T / C); varlen: R = 1, NC = ceil(T / C) + N, chunk c of sequence n at slot
             ``sum_{m<n} ceil(len_m / C) + c``) and ``chunk_size``; with ``debug_scores`` also ``aqk`` (scaled
             causal q-k scores) and ``akk`` ((I + L)^-1), ``[R, HV, NC, C, C]``.
+        state_tile: columns of the state per inter-chunk block, 16 or 32; 0 lets the library choose (16 when the
+            32-column grid would leave SMs idle). Tests force each.
 
     Returns:
         ``(o [B, T, HV, V], final_state [N, HV, K, V] or None)``, plus the dict when asked.
@@ -121,7 +123,8 @@ def prefill(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_st
         workspace = torch.empty((max(_C.workspace_bytes(io), 1),), dtype=torch.uint8, device=device)
         io.workspace, io.workspace_bytes = workspace.data_ptr(), workspace.numel()
         stream = torch.cuda.current_stream(device).cuda_stream
-        _C.run(io, stream, aqk.data_ptr() if aqk is not None else 0, akk.data_ptr() if akk is not None else 0)
+        _C.run(io, stream, aqk.data_ptr() if aqk is not None else 0, akk.data_ptr() if akk is not None else 0,
+               int(state_tile))
     if return_intermediates:
         return o, final_state, extras
     return o, final_state
