@@ -15,8 +15,8 @@
  * dimension must be contiguous). Varlen: cu_seqlens [N + 1] int32 on the device, B == 1, sequence n spans
  * tokens [cu_seqlens[n], cu_seqlens[n + 1]). States are [N, HV, K, V] contiguous (N = B without varlen).
  *
- * Supported: K == V in {64, 128}, chunk_size in {32, 64} (0 picks the library's default: 64 for K = 128; for
- * K = 64, 32 when N * HV * V / 32 is at least half the current device's SM count, else 64).
+ * Supported: K == V in {64, 128}, chunk_size in {32, 64} (0 picks the library's default: 32, except 64 for
+ * K = 128 when N * HV * V / 32 is at most half the current device's SM count).
  * Alignment: q, k, v, g must be 16-byte aligned with strides that are multiples of 4 elements; o, the states,
  * w and u 8-byte aligned with o's strides multiples of 2; workspace 256-byte aligned.
  *

@@ -38,10 +38,6 @@ int sm_count() {  // of the current device, cached per device (0 if unknown)
     return n;
 }
 
-// Default chunk size, from the H100 measurements in docs/sm89.md: 32 for both head dims (half the intra-chunk
-// score work per token of 64, and shorter sequential inter-chunk steps; 64 was slower on every shape measured).
-int default_chunk(const KdaPrefillIO*) { return 32; }
-
 // Columns of the state per inter-chunk block: 16 when the 32-column grid would leave SMs idle (few sequences
 // x heads), else 32 (less re-reading of w, qw, kgT). `forced` (16 or 32) overrides it (tests).
 int state_tile(const KdaPrefillIO* io, int forced) {
@@ -49,6 +45,16 @@ int state_tile(const KdaPrefillIO* io, int forced) {
     const int64_t blocks32 = io->N * io->HV * (io->V / 32);
     const int sms = sm_count();
     return (sms > 0 && blocks32 < sms) ? 16 : 32;
+}
+
+// Default chunk size, from the H100 measurements in docs/sm89.md: 32 (half the intra-chunk score work per token
+// of 64, shorter sequential inter-chunk steps), except K = 128 with the GPU at most half busy (the 32-column
+// grid at most half the SMs), where the sequential steps dominate and 64 (half as many of them) wins.
+int default_chunk(const KdaPrefillIO* io) {
+    if (io->K != 128) return 32;
+    const int64_t blocks32 = io->N * io->HV * (io->V / 32);
+    const int sms = sm_count();
+    return (sms > 0 && 2 * blocks32 <= sms) ? 64 : 32;
 }
 
 constexpr size_t kAlign = 256;

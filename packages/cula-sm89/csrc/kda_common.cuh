@@ -111,6 +111,13 @@ __device__ __forceinline__ float2 ldg2(const float* p) { return __ldg(reinterpre
 __device__ __forceinline__ void stg2(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
 __device__ __forceinline__ void stg4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
 
+// Brings the 128-byte line holding p into L2 (no register, no wait).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#ifndef CULA_SM89_EMULATE
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#endif
+}
+
 // ----------------------------------------------------------------------------------- async copies (sm_80+)
 
 // 16 bytes global -> shared without a register round trip; `valid == false` writes zeros (reads nothing).

@@ -126,6 +126,21 @@ __global__ void __launch_bounds__(32 * NW_, 2) kda_inter_kernel(const KdaParams 
         const float* ouc = p.ou + slot * C * V + v0;
         const float* kgc = p.kgT + slot * K * C;
         const float* glc = p.gl + slot * K;
+        if (c + 1 < nch) {
+            // The next chunk's inputs into L2 now: they were written by the intra-chunk kernel long ago and are
+            // usually in DRAM; one chunk step is longer than a DRAM round trip.
+            constexpr int LINES_CK = C * K / 32;  // 128-byte lines of a [C, K] slot; u and ou: one line per row
+            for (int l = tid; l < 3 * LINES_CK + 2 * C + K / 32; l += Tl::NT) {
+                const float* a;
+                if (l < LINES_CK) a = wc + C * K + 32 * l;
+                else if (l < 2 * LINES_CK) a = qwc + C * K + 32 * (l - LINES_CK);
+                else if (l < 3 * LINES_CK) a = kgc + K * C + 32 * (l - 2 * LINES_CK);
+                else if (l < 3 * LINES_CK + C) a = uc + C * V + (l - 3 * LINES_CK) * V;
+                else if (l < 3 * LINES_CK + 2 * C) a = ouc + C * V + (l - 3 * LINES_CK - C) * V;
+                else a = glc + K + 32 * (l - 3 * LINES_CK - 2 * C);
+                prefetch_l2(a);
+            }
+        }
 
         // Loads that do not depend on the state go first, so their latency overlaps phase 1.
         float2 uu[Tl::NTW][2], oo[Tl::NTW][2];
