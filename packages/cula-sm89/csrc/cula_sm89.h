@@ -15,8 +15,8 @@
  * dimension must be contiguous). Varlen: cu_seqlens [N + 1] int32 on the device, B == 1, sequence n spans
  * tokens [cu_seqlens[n], cu_seqlens[n + 1]). States are [N, HV, K, V] contiguous (N = B without varlen).
  *
- * Supported: K == V in {64, 128}, chunk_size in {32, 64} (0 picks the library's default: 32, except 64 for
- * K = 128 when N * HV * V / 32 is at most half the current device's SM count).
+ * Supported: K == V in {64, 128}, chunk_size in {32, 64} (0 picks the library's default, 32: faster on every
+ * shape measured on an H100, see docs/sm89.md).
  * Alignment: q, k, v, g must be 16-byte aligned with strides that are multiples of 4 elements; o, the states,
  * w and u 8-byte aligned with o's strides multiples of 2; workspace 256-byte aligned.
  *
@@ -56,7 +56,7 @@ typedef struct KdaPrefillIO {
     /* sizes */
     int64_t B, T, HQK, HV, K, V;
     int64_t N;          /* number of sequences: B, or (entries of cu_seqlens) - 1 with varlen */
-    int32_t chunk_size; /* 32 or 64; 0: the library's default for K and this problem on the current device */
+    int32_t chunk_size; /* 32 or 64; 0: the library's default (32) */
     float scale;        /* multiplies q (FLA's default is K ** -0.5) */
 
     /* inputs (device pointers, float32); strides in elements for the (batch, token, head) dimensions */
