@@ -59,7 +59,7 @@ def find_nvcc() -> str:
         return found
     raise CudaBuildError(
         "cula-sm89: nvcc (the CUDA compiler) was not found: looked for $CUDA_HOME/bin/nvcc, $CUDA_PATH/bin/nvcc "
-        "and nvcc on PATH. Install the CUDA toolkit (12.8 or newer) and set CUDA_HOME, or install cula without "
+        "and nvcc on PATH. Install the CUDA toolkit (tested with 13.0) and set CUDA_HOME, or install cula without "
         "the [sm89] extra."
     )
 
