@@ -16,7 +16,9 @@
 //            not written).
 //   phase 2: each warp updates its 16 x 8*NTBW tiles of the state: h = gl h + kgT v_new (A = rows of kgT from
 //            global memory, B = v_new from shared memory), then mirrors them into shared memory.
-// Two barriers per chunk. All products 3xTF32 (see kda_common.cuh).
+// Two barriers per chunk. All products 3xTF32 (see kda_common.cuh), each term in its own accumulator so that
+// no long chain of dependent MMAs forms. Latency: u, ou, kgT and gl do not depend on the state and are loaded
+// before phase 1; the next chunk's data is prefetched into L2 during the current chunk.
 #include "kda_common.cuh"
 #ifndef CULA_SM89_EMULATE
 #include "kda_launch.h"
