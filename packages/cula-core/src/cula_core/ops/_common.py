@@ -39,3 +39,13 @@ def run(call: CallConfig, tensors: dict[str, torch.Tensor | None], *args, **kwar
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
     """The reference computes in fp64 for fp64 inputs (gradcheck) and in fp32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def fake_forward_outputs(q: torch.Tensor, v: torch.Tensor, cu_seqlens, output_final_state: bool):
+    """Shapes of a forward's (o, final_state) for the fake ops of chunk_kda and kda_prefill: o like v; the
+    state [N, HV, K, V] in the reference's state dtype (fp64 only for fp64 inputs), or the absent marker."""
+    o = torch.empty_like(v)
+    if not output_final_state:
+        return o, absent_like(q, torch.float32)
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return o, q.new_empty((N, v.shape[2], q.shape[3], v.shape[3]), dtype=work_dtype(q.dtype))

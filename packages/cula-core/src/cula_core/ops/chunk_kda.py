@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cula_core.ops._common import absent_like, make_call, present, run
+from cula_core.ops._common import absent_like, fake_forward_outputs, make_call, present, run
 from cula_core.validation import validate_kda
 
 # FLA 0.6.0 keyword arguments beyond the named ones. Accepted with effect on the math:
@@ -73,23 +73,10 @@ def _chunk_kda_op(
     return o, final_state if final_state is not None else absent_like(q, torch.float32)
 
 
-def _num_seqs(q: Tensor, cu_seqlens: Tensor | None) -> int:
-    return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-
-
-def _state_dtype(q: Tensor, initial_state: Tensor | None) -> torch.dtype:
-    # States are fp32; the fp64 reference path (gradcheck) keeps fp64 states.
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
 @_chunk_kda_op.register_fake
 def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, output_final_state,
       use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, requires_grad):
-    o = torch.empty_like(v)
-    if not output_final_state:
-        return o, q.new_empty((0,), dtype=torch.float32)
-    N = _num_seqs(q, cu_seqlens)
-    return o, q.new_empty((N, v.shape[2], q.shape[3], v.shape[3]), dtype=_state_dtype(q, initial_state))
+    return fake_forward_outputs(q, v, cu_seqlens, output_final_state)
 
 
 @torch.library.custom_op("cula::chunk_kda_backward", mutates_args=())

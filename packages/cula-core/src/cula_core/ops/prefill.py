@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cula_core.ops._common import absent_like, make_call, run
+from cula_core.ops._common import absent_like, fake_forward_outputs, make_call, run
 from cula_core.ops.chunk_kda import parse_fla_kwargs
 from cula_core.validation import validate_kda
 
@@ -38,12 +38,7 @@ def _kda_prefill_op(
 @_kda_prefill_op.register_fake
 def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, output_final_state,
       use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, intracard_cp):
-    o = torch.empty_like(v)
-    if not output_final_state:
-        return o, q.new_empty((0,), dtype=torch.float32)
-    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return o, q.new_empty((N, v.shape[2], q.shape[3], v.shape[3]), dtype=state_dtype)
+    return fake_forward_outputs(q, v, cu_seqlens, output_final_state)
 
 
 def kda_prefill(
