@@ -1,10 +1,29 @@
 """The sm90 backend object that cula_core discovers through the `cula.backends` entry point.
 
-Kernels: none yet (prefill and MTP decode come in their own issues); until then this backend serves no op
-and every call it would take falls back to the reference with a warning that says so.
+The package holds two kernel families, each a subpackage that owns its ops:
+  * `cula_sm90.decode`:  kda_decode, kda_decode_mtp, kda_decode_mtp_kvbuffer, kda_flush_kvbuffer,
+                         kda_flush_kvbuffer_all_layers (multi-token-prediction decode for speculative decoding)
+  * `cula_sm90.prefill`: kda_prefill and the no-grad forward of chunk_kda, with intra-card context parallel
+
+Each subpackage's `__init__` exports `OPS` (the ops it serves), `unsupported_reason(call)` and `kernel(op)`, and
+imports no CuTe DSL at module level: importing the backend stays cheap and works without a GPU; the kernels
+are compiled on first use.
 """
 
-from cula_core.backend import Backend
+from __future__ import annotations
+
+from cula_core.backend import Backend, CallConfig
+
+from cula_sm90 import decode, prefill
+
+_FAMILIES = (decode, prefill)
+
+
+def _family(op: str):
+    for fam in _FAMILIES:
+        if op in fam.OPS:
+            return fam
+    return None
 
 
 class Sm90Backend(Backend):
@@ -12,7 +31,19 @@ class Sm90Backend(Backend):
     package = "cula-sm90"
     arch = (9, 0)
     capabilities = ((9, 0),)  # sm_90a instructions (wgmma, setmaxnreg) exist on Hopper only
-    ops = ()
+    ops = tuple(op for fam in _FAMILIES for op in fam.OPS)
+
+    def unsupported_reason(self, call: CallConfig) -> str | None:
+        fam = _family(call.op)
+        if fam is None:
+            return f"sm90 does not implement {call.op}"
+        return fam.unsupported_reason(call)
+
+    def kernel(self, op: str):
+        fam = _family(op)
+        if fam is None:
+            raise NotImplementedError(f"backend {self.name!r} has no kernel for {op}")
+        return fam.kernel(op)
 
 
 backend = Sm90Backend()
