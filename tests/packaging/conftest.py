@@ -43,6 +43,9 @@ def wheelhouse(dists, tmp_path_factory) -> Path:
     return folder
 
 
+RUNTIME_DEPENDENCIES = {"torch": "torch==2.13.0", "cutlass": "nvidia-cutlass-dsl==4.8.1"}
+
+
 @pytest.fixture(scope="session")
 def make_venv(tmp_path_factory):
     """Call make_venv(name) for a fresh venv (see the module docstring)."""
@@ -56,8 +59,12 @@ def make_venv(tmp_path_factory):
         run([base, "-m", "venv", "--system-site-packages", "--without-pip", venv.path], timeout=300)
         if venv.run("-m", "pip", "--version", check=False).returncode != 0:
             venv.run("-m", "ensurepip", timeout=300)
-        if venv.run("-c", "import torch", check=False).returncode != 0:
-            venv.pip_install("torch==2.13.0")
+        # The third-party runtime dependencies of our wheels (torch; CuTe DSL for sm90/sm100) are seen in
+        # the base interpreter's site-packages where it has them, else installed into this venv, so that the
+        # wheels under test then install with --no-index.
+        for module, requirement in RUNTIME_DEPENDENCIES.items():
+            if venv.run("-c", f"import {module}", check=False).returncode != 0:
+                venv.pip_install(requirement)
         leftovers = venv.cula_distributions()
         if leftovers:
             pytest.fail(f"the base interpreter {base} already has cula packages installed, which would shadow "

@@ -7,10 +7,11 @@ fixtures in conftest.py use them:
                for cula-sm89) is not built and the tests that need it skip, saying why
   wheelhouse   one folder holding every wheel that built
   make_venv    a fresh venv from the base interpreter with --system-site-packages (so the machine's torch
-               is reused; torch==2.13.0 is installed into it only where the base has none), checked to
+               and CuTe DSL are reused; conftest.RUNTIME_DEPENDENCIES are installed into it only where the
+               base has none), checked to
                hold no cula distribution before the tests install theirs
 
-Nothing here reaches the network: our wheels install with --no-deps or --no-index --find-links.
+Our wheels install with --no-deps or --no-index --find-links: only those third-party dependencies can be fetched.
 """
 
 from __future__ import annotations
