@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cula_core.reference import kda_gate, l2norm, recurrent_kda, safe_gate, softplus_gate
+from cula_core.reference import activate_beta, kda_gate, l2norm, log_decay, recurrent_kda, safe_gate, softplus_gate
 
 DT = torch.float64
 TOL = 1e-12  # fp64: the vectorised recurrence and the explicit loop differ only by summation order
@@ -122,6 +122,24 @@ def test_kda_gate_dispatch_follows_fla():
         kda_gate(g, A_log, dt_bias, safe_gate=True, lower_bound=-6.0)
     with pytest.raises(ValueError, match="dt_bias"):
         kda_gate(g, A_log, dt_bias[:-1])
+
+
+def test_calling_convention_gate_modes_and_beta_activations():
+    """log_decay / activate_beta: what a kernel receiving (gate, beta_activation) must compute."""
+    HV, K = 2, 4
+    g = torch.randn(3, HV, K, dtype=DT)
+    A_log, dt_bias = torch.randn(HV, dtype=DT), torch.randn(HV * K, dtype=DT)
+    assert log_decay(g, A_log, dt_bias, "precomputed", None) is g
+    assert torch.equal(log_decay(g, A_log, dt_bias, "softplus", None), softplus_gate(g, A_log, dt_bias))
+    assert torch.equal(log_decay(g, A_log, dt_bias, "safe", -2.0), safe_gate(g, A_log, dt_bias, -2.0))
+    with pytest.raises(ValueError, match="gate: expected one of"):
+        log_decay(g, A_log, dt_bias, "sigmoid", None)
+    beta = torch.randn(3, HV, dtype=DT)
+    assert activate_beta(beta, "none") is beta
+    assert torch.allclose(activate_beta(beta, "sigmoid"), 1 / (1 + torch.exp(-beta)), rtol=1e-15, atol=0)
+    assert torch.allclose(activate_beta(beta, "2sigmoid"), 2 / (1 + torch.exp(-beta)), rtol=1e-15, atol=0)
+    with pytest.raises(ValueError, match="beta_activation: expected one of"):
+        activate_beta(beta, "relu")
 
 
 def test_gate_fp32_params_with_fp64_input_compute_in_fp64():

@@ -130,23 +130,11 @@ def prefill(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_st
     return o, final_state
 
 
-def _beta(beta: torch.Tensor, activation: str) -> torch.Tensor:
-    beta = beta.to(torch.float32)
-    if activation == "sigmoid":
-        return torch.sigmoid(beta)
-    if activation == "2sigmoid":
-        return 2.0 * torch.sigmoid(beta)
-    return beta
-
-
 def _prepare(q, k, g, beta, A_log, dt_bias, *, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation):
     if use_qk_l2norm_in_kernel:
         q, k = ref.l2norm(q), ref.l2norm(k)
-    if gate == "softplus":
-        g = ref.softplus_gate(g, A_log, dt_bias)
-    elif gate == "safe":
-        g = ref.safe_gate(g, A_log, dt_bias, lower_bound)
-    return q, k, g.to(torch.float32), _beta(beta, beta_activation)
+    g = ref.log_decay(g, A_log, dt_bias, gate, lower_bound)
+    return q, k, g.to(torch.float32), ref.activate_beta(beta.to(torch.float32), beta_activation)
 
 
 def kda_prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *, scale,

@@ -12,22 +12,6 @@ from cula_core.ops._common import work_dtype
 from cula_core.reference.kvbuffer import flush_kvbuffer_reference, mtp_kvbuffer_reference
 
 
-def _log_decay(g, A_log, dt_bias, gate: str, lower_bound):
-    if gate == "precomputed":
-        return g
-    if gate == "softplus":
-        return ref.softplus_gate(g, A_log, dt_bias)
-    return ref.safe_gate(g, A_log, dt_bias, lower_bound)
-
-
-def _beta(beta, activation: str):
-    if activation == "sigmoid":
-        return torch.sigmoid(beta)
-    if activation == "2sigmoid":
-        return 2.0 * torch.sigmoid(beta)
-    return beta
-
-
 def _prepare(q, k, g, beta, A_log, dt_bias, *, dtype, use_qk_l2norm_in_kernel, gate, lower_bound,
              beta_activation="none"):
     q, k, g, beta = (t.to(dtype) for t in (q, k, g, beta))
@@ -35,7 +19,7 @@ def _prepare(q, k, g, beta, A_log, dt_bias, *, dtype, use_qk_l2norm_in_kernel, g
         q, k = ref.l2norm(q), ref.l2norm(k)
     A_log = A_log.to(dtype) if A_log is not None else None
     dt_bias = dt_bias.to(dtype) if dt_bias is not None else None
-    return q, k, _log_decay(g, A_log, dt_bias, gate, lower_bound), _beta(beta, beta_activation)
+    return q, k, ref.log_decay(g, A_log, dt_bias, gate, lower_bound), ref.activate_beta(beta, beta_activation)
 
 
 def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *, scale, output_final_state,

@@ -10,11 +10,12 @@ context_parallel  per-piece affine state maps and the split/scan/rerun scheme co
 from .chunk import ChunkIntermediates, chunk_kda_reference
 from .context_parallel import context_parallel_reference, piece_affine_map, split_at_chunks
 from .decode import commit_accepted_reference, decode_mtp_reference, decode_step_reference
-from .gates import kda_gate, l2norm, safe_gate, softplus_gate
+from .gates import activate_beta, kda_gate, l2norm, log_decay, safe_gate, softplus_gate
 from .recurrent import recurrent_kda
 
 __all__ = [
     "ChunkIntermediates",
+    "activate_beta",
     "chunk_kda_reference",
     "commit_accepted_reference",
     "context_parallel_reference",
@@ -22,6 +23,7 @@ __all__ = [
     "decode_step_reference",
     "kda_gate",
     "l2norm",
+    "log_decay",
     "piece_affine_map",
     "recurrent_kda",
     "safe_gate",

@@ -20,7 +20,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["L2NORM_EPS", "SAFE_GATE_MIN_LOWER_BOUND", "kda_gate", "l2norm", "safe_gate", "softplus_gate"]
+__all__ = [
+    "BETA_ACTIVATIONS", "GATE_MODES", "L2NORM_EPS", "SAFE_GATE_MIN_LOWER_BOUND", "activate_beta", "kda_gate", "l2norm",
+    "log_decay", "safe_gate", "softplus_gate",
+]
 
 #: eps added to the squared norm before the square root (FLA's ``l2norm_fwd`` default and the value the
 #: fused recurrent kernel hard-codes).
@@ -29,6 +32,12 @@ L2NORM_EPS = 1e-6
 #: FLA accepts ``lower_bound`` in ``[-5, 0)`` when ``safe_gate=True``: beyond -5 the per-chunk gate range
 #: overflows the fp32 exponentials its tensor-core path relies on.
 SAFE_GATE_MIN_LOWER_BOUND = -5.0
+
+#: The gate modes of the kernel calling convention (docs/backends.md): g is the log decay itself, or raw.
+GATE_MODES = ("precomputed", "softplus", "safe")
+
+#: The beta activations of the kernel calling convention (from FLA's extra keyword arguments).
+BETA_ACTIVATIONS = ("none", "sigmoid", "2sigmoid")
 
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
@@ -155,3 +164,27 @@ def kda_gate(
     if A_log is None:
         raise ValueError("A_log: required when lower_bound is None (softplus gate), got None")
     return softplus_gate(g, A_log, dt_bias)
+
+
+def log_decay(g: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, gate: str,
+              lower_bound: float | None) -> torch.Tensor:
+    """The log decay a kernel receiving the calling convention's ``gate`` mode must use (see GATE_MODES):
+    ``g`` itself when ``precomputed``, else :func:`softplus_gate` or :func:`safe_gate` of the raw ``g``."""
+    if gate == "precomputed":
+        return g
+    if gate == "softplus":
+        return softplus_gate(g, A_log, dt_bias)
+    if gate == "safe":
+        return _bounded_gate(g, A_log, dt_bias, lower_bound)
+    raise ValueError(f"gate: expected one of {GATE_MODES}, got {gate!r}")
+
+
+def activate_beta(beta: torch.Tensor, activation: str) -> torch.Tensor:
+    """``beta`` after the calling convention's ``beta_activation`` (see BETA_ACTIVATIONS), in its own dtype."""
+    if activation == "none":
+        return beta
+    if activation == "sigmoid":
+        return torch.sigmoid(beta)
+    if activation == "2sigmoid":
+        return 2.0 * torch.sigmoid(beta)
+    raise ValueError(f"beta_activation: expected one of {BETA_ACTIVATIONS}, got {activation!r}")
