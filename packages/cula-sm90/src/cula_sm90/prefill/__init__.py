@@ -1,11 +1,42 @@
-"""cula_sm90.prefill: no kernels yet; serves no op (see its issue)."""
+"""cula_sm90.prefill: Hopper KDA prefill (`kda_prefill`, and `chunk_kda` when no gradient is needed), with
+intra-card context parallel. Kernels: chunk_intra.py (stage 1, chunk-parallel), chunk_state.py (stage 2, the
+serial recurrence; also the CP affine-map pass); host side: forward.py. See docs/sm90_prefill.md.
 
-OPS: tuple[str, ...] = ()
+Nothing here imports CuTe DSL: the kernels compile on first use (forward.py caches them per configuration).
+"""
+
+from __future__ import annotations
+
+import torch
+
+OPS: tuple[str, ...] = ("kda_prefill", "chunk_kda")
+
+_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def unsupported_reason(call) -> str | None:
-    return f"sm90 does not implement {call.op}"
+    if call.op not in OPS:
+        return f"sm90 does not implement {call.op}"
+    if call.op == "chunk_kda" and call.requires_grad:
+        return "sm90 serves chunk_kda without autograd only (an input requires grad; cula-sm100 trains)"
+    if call.dtype not in _DTYPES:
+        return f"sm90 prefill serves bf16/fp16 q/k/v, got {str(call.dtype).replace('torch.', '')}"
+    if call.K != 128 or call.V != 128:
+        return f"sm90 prefill serves K=V=128 only, got K={call.K}, V={call.V}"
+    if call.HQK <= 0 or call.HV % call.HQK:
+        return f"sm90 prefill needs HV a multiple of HQK, got HQK={call.HQK}, HV={call.HV}"
+    return None
 
 
 def kernel(op: str):
-    raise NotImplementedError(f"sm90 has no kernel for {op}")
+    if op not in OPS:
+        raise NotImplementedError(f"sm90 has no kernel for {op}")
+    from cula_sm90.prefill import forward
+
+    if op == "kda_prefill":
+        return forward.prefill
+
+    def chunk_kda(*args, **kwargs):
+        return forward.prefill(*args, **kwargs, intracard_cp="off")
+
+    return chunk_kda

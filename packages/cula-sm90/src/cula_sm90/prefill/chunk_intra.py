@@ -1,0 +1,275 @@
+"""KDA prefill, stage 1 of 2: the chunk-parallel kernel (fused preprocessing + intra-chunk WY form).
+
+One CTA per (chunk of 64 tokens, q/k head), 256 threads; it loops over the G = HV / HQK value heads of its
+q/k head, so q and k are read and L2-normalised once per group (GVA). Per value head it computes, in fp32:
+
+    G      chunk-local cumulative sum of the log gate (gate from raw g in kernel: softplus or safe; or g as is)
+    Aqk    [i, j] = scale * sum_d q_i k_j exp(G_i - G_j)          (j <= i, else 0)
+    L      [i, j] = beta_i * sum_d k_i k_j exp(G_i - G_j)         (j < i)
+    w, u   (I + L)^{-1} [beta * k * exp(G) | beta * v]            (forward substitution, one column per thread)
+    qg     scale * q * exp(G)        kg = k * exp(G_last - G)      gl = G_last (the chunk's total log decay)
+
+and writes w, u, qg, kg, Aqk (token layout, [TT, HV, *], bf16) and gl ([NC, HV, K], fp32) for stage 2
+(`chunk_state.py`), which walks the chunks of a sequence serially.
+
+Numerics: every decay is exp of a difference of cumulative log gates that is <= 0 (for g <= 0). The score
+matrices go in 16-row blocks: inside a diagonal 16x16 block the decays are pairwise; a block p reaches the
+columns before it through the block's first token n = 16 p, as exp(G_i - G_n) * exp(G_n - G_j), both factors
+<= 1, so nothing overflows whatever the gate (the same factorisation as FLA and cula_core.reference).
+
+Tiling / schedule: BT = 64, K = V = 128, sub-blocks of 16. Shared memory holds q, k, G ([64, 128] fp32 each,
+rows padded to 129 words so that threads reading different rows of one column hit different banks), the
+score matrices ([64, 65]) and a scratch for one row block's factorised operands. Everything is SIMT fp32 (no
+tensor cores yet): the first, correct version. Assumes: contiguous inputs, q/k/v in one 16-bit dtype,
+K = V = 128, chunk starts at every sequence start (varlen through cu_seqlens and chunk_offsets, found by a
+binary search: no host synchronisation), a chunk index past the last chunk exits.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from cula_sm90.prefill import common
+
+BT = 64
+DK = 128
+BC = 16
+PAD = DK + 1  # fp32 row stride of the [64, 128] shared tiles (bank-conflict padding)
+APAD = BT + 1  # row stride of the [64, 64] score tiles
+
+
+class ChunkIntraKernel:
+    """Compile-time configuration: gate mode, beta activation, L2 norm, which gate parameters exist."""
+
+    threads = 256
+
+    def __init__(self, gate: str, beta_activation: str, l2norm: bool, has_a_log: bool, has_dt_bias: bool):
+        self.gate = gate
+        self.beta_activation = beta_activation
+        self.l2norm = l2norm
+        self.has_a_log = has_a_log
+        self.has_dt_bias = has_dt_bias
+
+    @cute.jit
+    def __call__(self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, v_ptr: cute.Pointer, g_ptr: cute.Pointer,
+                 beta_ptr: cute.Pointer, alog_ptr: cute.Pointer, dtb_ptr: cute.Pointer, cu_ptr: cute.Pointer,
+                 co_ptr: cute.Pointer, w_ptr: cute.Pointer, u_ptr: cute.Pointer, qg_ptr: cute.Pointer,
+                 kg_ptr: cute.Pointer, aqk_ptr: cute.Pointer, gl_ptr: cute.Pointer,
+                 TT: Int32, N: Int32, NC: Int32, search_steps: Int32, HQK: Int32, G: Int32,
+                 scale: Float32, lower_bound: Float32, stream):
+        HV = HQK * G
+        q = cute.make_tensor(q_ptr, cute.make_layout((TT, HQK, DK), stride=(HQK * DK, DK, 1)))
+        k = cute.make_tensor(k_ptr, cute.make_layout((TT, HQK, DK), stride=(HQK * DK, DK, 1)))
+        tok = cute.make_layout((TT, HV, DK), stride=(HV * DK, DK, 1))
+        v = cute.make_tensor(v_ptr, tok)
+        g = cute.make_tensor(g_ptr, tok)
+        beta = cute.make_tensor(beta_ptr, cute.make_layout((TT, HV), stride=(HV, 1)))
+        alog = cute.make_tensor(alog_ptr, cute.make_layout(HV))
+        dtb = cute.make_tensor(dtb_ptr, cute.make_layout((HV, DK), stride=(DK, 1)))
+        cu = cute.make_tensor(cu_ptr, cute.make_layout(N + 1))
+        co = cute.make_tensor(co_ptr, cute.make_layout(N + 1))
+        w = cute.make_tensor(w_ptr, tok)
+        u = cute.make_tensor(u_ptr, tok)
+        qg = cute.make_tensor(qg_ptr, tok)
+        kg = cute.make_tensor(kg_ptr, tok)
+        aqk = cute.make_tensor(aqk_ptr, cute.make_layout((TT, HV, BT), stride=(HV * BT, BT, 1)))
+        gl = cute.make_tensor(gl_ptr, cute.make_layout((NC, HV, DK), stride=(HV * DK, DK, 1)))
+        self.kernel(q, k, v, g, beta, alog, dtb, cu, co, w, u, qg, kg, aqk, gl, N, search_steps, G, scale,
+                    lower_bound).launch(grid=[NC, HQK, 1], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tensor, beta: cute.Tensor,
+               alog: cute.Tensor, dtb: cute.Tensor, cu: cute.Tensor, co: cute.Tensor, w: cute.Tensor,
+               u: cute.Tensor, qg: cute.Tensor, kg: cute.Tensor, aqk: cute.Tensor, gl: cute.Tensor,
+               N: Int32, search_steps: Int32, G: Int32, scale: Float32, lower_bound: Float32):
+        tid, _, _ = cute.arch.thread_idx()
+        chunk, h, _ = cute.arch.block_idx()
+        lane = tid % 32
+        warp = tid // 32
+
+        smem = cutlass.memory.SmemAllocator()
+        sQ = smem.allocate_tensor(Float32, cute.make_layout((BT, DK), stride=(PAD, 1)), 16)
+        sK = smem.allocate_tensor(Float32, cute.make_layout((BT, DK), stride=(PAD, 1)), 16)
+        sG = smem.allocate_tensor(Float32, cute.make_layout((BT, DK), stride=(PAD, 1)), 16)
+        sA = smem.allocate_tensor(Float32, cute.make_layout((BT, BT), stride=(APAD, 1)), 16)
+        sL = smem.allocate_tensor(Float32, cute.make_layout((BT, BT), stride=(APAD, 1)), 16)
+        # one row block's factorised operands: rows 0..15 q_i e^(G_i-G_n), 16..31 k_i e^(G_i-G_n),
+        # 32..79 k_j e^(G_n-G_j) for the columns j < n before the block
+        sX = smem.allocate_tensor(Float32, cute.make_layout((5 * BC, DK), stride=(PAD, 1)), 16)
+        sB = smem.allocate_tensor(Float32, cute.make_layout(BT), 16)
+
+        n, t0, L, valid = common.find_chunk(cu, co, chunk, N, search_steps)
+        if valid:
+            # ---- q, k rows (L2-normalised once for the whole group of value heads): a warp per row
+            for r in cutlass.range(warp, 2 * BT, 8):
+                row = r % BT
+                ss = Float32(0.0)
+                vals = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+                for e in cutlass.range_constexpr(4):
+                    x = Float32(0.0)
+                    if row < L:
+                        if r < BT:
+                            x = q[t0 + row, h, lane + 32 * e].to(Float32)
+                        else:
+                            x = k[t0 + row, h, lane + 32 * e].to(Float32)
+                    vals[e] = x
+                    ss += x * x
+                rs = Float32(1.0)
+                if const_expr(self.l2norm):
+                    ss = cute.arch.warp_reduction_sum(ss)
+                    rs = cute.math.rsqrt(ss + 1e-6)
+                for e in cutlass.range_constexpr(4):
+                    if r < BT:
+                        sQ[row, lane + 32 * e] = vals[e] * rs
+                    else:
+                        sK[row, lane + 32 * e] = vals[e] * rs
+
+            for j in cutlass.range(G):
+                hv = h * G + j
+                cute.arch.sync_threads()  # previous head done with sG/sA/sL/sB; q/k rows written
+                # ---- log gate (element-wise, all threads), beta
+                d = tid % DK
+                a_rate = Float32(1.0)
+                if const_expr(self.has_a_log):
+                    a_rate = cute.math.exp(alog[hv].to(Float32), fastmath=True)
+                bias = Float32(0.0)
+                if const_expr(self.has_dt_bias):
+                    bias = dtb[hv, d].to(Float32)
+                for t in cutlass.range(tid // DK, BT, 2):
+                    x = Float32(0.0)
+                    if t < L:
+                        x = self.log_gate(g[t0 + t, hv, d].to(Float32), a_rate, bias, lower_bound)
+                    sG[t, d] = x
+                if tid < BT:
+                    b = Float32(0.0)
+                    if tid < L:
+                        b = common.activate_beta(beta[t0 + tid, hv].to(Float32), self.beta_activation)
+                    sB[tid] = b
+                cute.arch.sync_threads()
+                # ---- chunk-local cumulative sum, one column per thread
+                if tid < DK:
+                    acc = Float32(0.0)
+                    for t in cutlass.range(BT, unroll=8):
+                        acc += sG[t, tid]
+                        sG[t, tid] = acc
+                cute.arch.sync_threads()
+                self.scores(sQ, sK, sG, sA, sL, sX, sB, tid, scale)
+                cute.arch.sync_threads()
+                self.solve_and_store(sQ, sK, sG, sA, sL, sX, sB, v, w, u, qg, kg, aqk, gl, tid, t0, L, hv, chunk,
+                                     scale)
+
+    @cute.jit
+    def log_gate(self, x: Float32, a_rate: Float32, bias: Float32, lower_bound: Float32) -> Float32:
+        """The per-element log decay from raw g (FLA's gates; see cula_core.reference.gates)."""
+        r = x
+        if const_expr(self.gate == "softplus"):
+            y = x + bias
+            sp = y
+            if y <= 20.0:
+                sp = cute.math.log1p(cute.math.exp(y, fastmath=True), fastmath=True)
+            r = -a_rate * sp
+        elif const_expr(self.gate == "safe"):
+            y = a_rate * (x + bias)
+            r = lower_bound / (1.0 + cute.math.exp(-y, fastmath=True))
+        return r
+
+    @cute.jit
+    def scores(self, sQ, sK, sG, sA, sL, sX, sB, tid, scale: Float32):
+        """Aqk (scaled, causal) into sA and beta-scaled strictly-lower L into sL, in 16-row blocks."""
+        ti = tid // BC
+        tj = tid % BC
+        # diagonal 16x16 blocks: pairwise decays (tj > ti gives zeros, also above the diagonal of sA)
+        for p in cutlass.range_constexpr(BT // BC):
+            i = p * BC + ti
+            jj = p * BC + tj
+            a = Float32(0.0)
+            lk = Float32(0.0)
+            if tj <= ti:
+                for dd in cutlass.range(DK, unroll=4):
+                    kd = sK[jj, dd] * cute.math.exp(sG[i, dd] - sG[jj, dd], fastmath=True)
+                    a += sQ[i, dd] * kd
+                    lk += sK[i, dd] * kd
+            sA[i, jj] = a * scale
+            lval = Float32(0.0)
+            if tj < ti:
+                lval = lk * sB[i]
+            sL[i, jj] = lval
+            # blocks above the diagonal of Aqk stay zero (Aqk is written out in full)
+            for pp in cutlass.range_constexpr(p + 1, BT // BC):
+                sA[i, pp * BC + tj] = Float32(0.0)
+        # off-diagonal blocks of row block p, through the block's first token n = 16 p
+        for p in cutlass.range_constexpr(1, BT // BC):
+            nref = p * BC
+            cute.arch.sync_threads()  # previous block's readers of sX are done
+            for e in cutlass.range(tid, (2 + p) * BC * DK, self.threads):
+                r = e // DK
+                dd = e % DK
+                if r < BC:
+                    sX[r, dd] = sQ[nref + r, dd] * cute.math.exp(sG[nref + r, dd] - sG[nref, dd], fastmath=True)
+                elif r < 2 * BC:
+                    sX[r, dd] = sK[nref + r - BC, dd] * cute.math.exp(sG[nref + r - BC, dd] - sG[nref, dd],
+                                                                      fastmath=True)
+                else:
+                    jc = r - 2 * BC
+                    sX[r, dd] = sK[jc, dd] * cute.math.exp(sG[nref, dd] - sG[jc, dd], fastmath=True)
+            cute.arch.sync_threads()
+            acc_a = cute.make_rmem_tensor(cute.make_layout(p), Float32)
+            acc_l = cute.make_rmem_tensor(cute.make_layout(p), Float32)
+            for qb in cutlass.range_constexpr(p):
+                acc_a[qb] = Float32(0.0)
+                acc_l[qb] = Float32(0.0)
+            for dd in cutlass.range(DK, unroll=4):
+                xq = sX[ti, dd]
+                xk = sX[BC + ti, dd]
+                for qb in cutlass.range_constexpr(p):
+                    kb = sX[2 * BC + qb * BC + tj, dd]
+                    acc_a[qb] += xq * kb
+                    acc_l[qb] += xk * kb
+            i = nref + ti
+            for qb in cutlass.range_constexpr(p):
+                sA[i, qb * BC + tj] = acc_a[qb] * scale
+                sL[i, qb * BC + tj] = acc_l[qb] * sB[i]
+
+    @cute.jit
+    def solve_and_store(self, sQ, sK, sG, sA, sL, sX, sB, v, w, u, qg, kg, aqk, gl, tid, t0: Int32, L: Int32,
+                        hv: Int32, chunk: Int32, scale: Float32):
+        """qg, kg, Aqk, gl out; then forward substitution (I + L) X = rhs for the columns of w, then of u."""
+        c = tid % DK
+        is_w = tid < DK
+        g_last = sG[BT - 1, c]  # rows past a partial chunk's end add nothing to G
+        for i in cutlass.range(L, unroll=4):
+            if is_w:
+                qg[t0 + i, hv, c] = (sQ[i, c] * scale * cute.math.exp(sG[i, c], fastmath=True)).to(qg.element_type)
+            else:
+                kg[t0 + i, hv, c] = (sK[i, c] * cute.math.exp(g_last - sG[i, c], fastmath=True)).to(
+                    kg.element_type)
+        if is_w:
+            gl[chunk, hv, c] = g_last
+        jc = tid % BT
+        for i in cutlass.range(tid // BT, L, self.threads // BT):
+            aqk[t0 + i, hv, jc] = sA[i, jc].to(aqk.element_type)
+        # Two threads per column (halves of the inner sum, joined by a shuffle); both keep the column in the
+        # operand scratch sX (dead after the scores), so each reads back only rows it wrote itself.
+        col = tid // 2
+        half = tid % 2
+        for part in cutlass.range_constexpr(2):  # 0: w, 1: u
+            cute.arch.sync_threads()  # the scratch's previous readers are done
+            for i in cutlass.range(L):
+                rhs = Float32(0.0)
+                if const_expr(part == 0):
+                    rhs = sB[i] * sK[i, col] * cute.math.exp(sG[i, col], fastmath=True)
+                else:
+                    rhs = sB[i] * v[t0 + i, hv, col].to(Float32)
+                acc = Float32(0.0)
+                for jj in cutlass.range(half, i, 2, unroll=4):
+                    acc += sL[i, jj] * sX[jj, col]
+                acc += cute.arch.shuffle_sync_bfly(acc, offset=1)
+                x = rhs - acc
+                sX[i, col] = x
+                if half == 0:
+                    if const_expr(part == 0):
+                        w[t0 + i, hv, col] = x.to(w.element_type)
+                    else:
+                        u[t0 + i, hv, col] = x.to(u.element_type)

@@ -1,0 +1,235 @@
+"""Host side of the sm90 prefill: compiles (once per configuration) and launches the two stages, with or
+without intra-card context parallel. Thin: validation happened in cula_core; the math is in the kernels.
+
+    stage 1  chunk_intra.ChunkIntraKernel   chunk-parallel: gate, cumsum, l2norm, Akk solve, w/u, Aqk, qg, kg
+    stage 2  chunk_state.ChunkStateKernel   per (segment, head, state slice): the serial recurrence and o
+
+CP (cula_core.cp_planner decides from host lengths): stage 2 in affine mode gives every piece's map (M, c),
+a scan over the pieces of each sequence (batched matmuls on the device, a loop over piece index on the host)
+gives their initial states, and stage 2 runs all pieces at once. Without `cu_seqlens_cpu` a varlen call runs
+without CP (the lengths are only on the device, and reading them would synchronise).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+BT = 64
+DK = 128
+
+_DTYPES = {}
+
+
+def _cutlass_dtype(dtype: torch.dtype):
+    if not _DTYPES:
+        import cutlass
+
+        _DTYPES.update({torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
+                        torch.float32: cutlass.Float32, torch.int32: cutlass.Int32})
+    return _DTYPES[dtype]
+
+
+def _ptr(t: torch.Tensor):
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    return make_ptr(_cutlass_dtype(t.dtype), t.data_ptr(), cute.AddressSpace.gmem)
+
+
+def _fake_ptr(dtype: torch.dtype):
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    return make_ptr(_cutlass_dtype(dtype), 0, cute.AddressSpace.gmem)
+
+
+def _stream():
+    import cuda.bindings.driver as cuda
+
+    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+
+
+@functools.cache
+def compile_intra(gate: str, beta_activation: str, l2norm: bool, has_a_log: bool, has_dt_bias: bool,
+                  qkv_dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype):
+    """Compiled stage 1 for one configuration (cached). Sizes are runtime arguments."""
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+
+    from cula_sm90.prefill.chunk_intra import ChunkIntraKernel
+
+    f32, i32, mid = torch.float32, torch.int32, torch.bfloat16
+    kern = ChunkIntraKernel(gate, beta_activation, l2norm, has_a_log, has_dt_bias)
+    return cute.compile(
+        kern, _fake_ptr(qkv_dtype), _fake_ptr(qkv_dtype), _fake_ptr(qkv_dtype), _fake_ptr(g_dtype),
+        _fake_ptr(beta_dtype), _fake_ptr(f32), _fake_ptr(f32), _fake_ptr(i32), _fake_ptr(i32),
+        _fake_ptr(mid), _fake_ptr(mid), _fake_ptr(mid), _fake_ptr(mid), _fake_ptr(mid), _fake_ptr(f32),
+        *(cutlass.Int32(1) for _ in range(6)), cutlass.Float32(1.0), cutlass.Float32(-5.0), cuda.CUstream(0))
+
+
+@functools.cache
+def compile_state(affine: bool, o_dtype: torch.dtype):
+    """Compiled stage 2 (normal or affine-map mode, cached)."""
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+
+    from cula_sm90.prefill.chunk_state import ChunkStateKernel
+
+    f32, i32, mid = torch.float32, torch.int32, torch.bfloat16
+    return cute.compile(
+        ChunkStateKernel(affine), _fake_ptr(mid), _fake_ptr(mid), _fake_ptr(mid), _fake_ptr(mid), _fake_ptr(mid),
+        _fake_ptr(f32), _fake_ptr(i32), _fake_ptr(f32), _fake_ptr(f32), _fake_ptr(o_dtype),
+        *(cutlass.Int32(1) for _ in range(6)), cuda.CUstream(0))
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _host_lengths(B, T, cu_seqlens, cu_seqlens_cpu):
+    if cu_seqlens is None:
+        return (T,) * B
+    if cu_seqlens_cpu is None:
+        return None
+    c = [int(x) for x in cu_seqlens_cpu.tolist()]
+    return tuple(b - a for a, b in zip(c[:-1], c[1:]))
+
+
+@functools.lru_cache(maxsize=64)
+def _host_tables(lengths: tuple[int, ...], num_heads: int, num_sms: int, mode: str):
+    """cu_seqlens, chunk offsets and the CP plan for host-known lengths (cached by lengths)."""
+    from cula_core import cp_planner
+
+    p = cp_planner.plan(lengths, num_heads, num_sms, mode, chunk_size=BT)
+    cu, co = [0], [0]
+    for L in lengths:
+        cu.append(cu[-1] + L)
+        co.append(co[-1] + -(-L // BT))
+    return cu, co, p
+
+
+def _device_int32(values, device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32).pin_memory().to(device, non_blocking=True) \
+        if torch.cuda.is_available() else torch.tensor(values, dtype=torch.int32, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_device_tables(lengths, num_heads, num_sms, mode, device, has_h0, want_ht):
+    cu, co, p = _host_tables(lengths, num_heads, num_sms, mode)
+    N = len(lengths)
+    tables = {"cu": _device_int32(cu, device), "co": _device_int32(co, device), "plan": p, "NC": co[-1]}
+    if not p.split:
+        tables["seg"] = _device_int32(
+            [[cu[n], cu[n + 1], co[n], n if has_h0 else -1, n if want_ht else -1] for n in range(N)], device)
+        return tables
+    segs = p.segments
+    # map pass: every piece but the last of its sequence; its map goes to row r of the maps buffer
+    need = [i for i, s in enumerate(segs) if not s.last]
+    tables["map_seg"] = _device_int32([[segs[i].start, segs[i].end, segs[i].chunk0, -1, r]
+                                       for r, i in enumerate(need)], device)
+    # main pass: piece i starts from row i of the starts buffer
+    tables["seg"] = _device_int32([[s.start, s.end, s.chunk0, i, s.seq if (s.last and want_ht) else -1]
+                                   for i, s in enumerate(segs)], device)
+    # scan steps: step r takes, for each sequence with > r + 1 pieces, piece (first + r) -> (first + r + 1)
+    firsts = [i for i, s in enumerate(segs) if s.first]
+    map_row = {i: r for r, i in enumerate(need)}
+    steps = []
+    for r in range(max(p.pieces) - 1):
+        src = [f + r for f, P in zip(firsts, p.pieces, strict=True) if P > r + 1]
+        steps.append((torch.tensor(src, device=device), torch.tensor([map_row[i] for i in src], device=device),
+                      torch.tensor([i + 1 for i in src], device=device)))
+    tables["steps"] = steps
+    tables["firsts"] = torch.tensor(firsts, device=device)
+    return tables
+
+
+def _device_tables(B, T, N, cu_seqlens, device, has_h0, want_ht):
+    """Tables from device data only (varlen without cu_seqlens_cpu): no host synchronisation, no CP."""
+    cu = cu_seqlens.to(torch.int32)
+    n_chunks = (cu[1:] - cu[:-1] + BT - 1) // BT
+    co = torch.zeros(N + 1, dtype=torch.int32, device=device)
+    co[1:] = torch.cumsum(n_chunks, 0)
+    ar = torch.arange(N, dtype=torch.int32, device=device)
+    none = torch.full_like(ar, -1)
+    seg = torch.stack([cu[:-1], cu[1:], co[:-1], ar if has_h0 else none, ar if want_ht else none], 1).contiguous()
+    # a chunk-count bound the host knows: every sequence adds at most one partial chunk
+    return {"cu": cu, "co": co, "seg": seg, "NC": -(-(B * T) // BT) + N, "plan": None}
+
+
+def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *, scale,
+            output_final_state, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, intracard_cp="off"):
+    B, T, HQK, K = q.shape
+    HV = v.shape[2]
+    device = q.device
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    TT = B * T
+    has_h0 = initial_state is not None
+    lengths = _host_lengths(B, T, cu_seqlens, cu_seqlens_cpu)
+    mode = os.environ.get("CULA_SM90_CP", intracard_cp)
+    if lengths is not None:
+        tables = _cached_device_tables(lengths, HV, _num_sms(device.index or 0), mode, device, has_h0,
+                                       bool(output_final_state))
+    else:
+        tables = _device_tables(B, T, N, cu_seqlens, device, has_h0, bool(output_final_state))
+    NC = max(tables["NC"], 1)
+
+    mid = torch.bfloat16
+    w = torch.empty(TT, HV, K, dtype=mid, device=device)
+    u = torch.empty(TT, HV, K, dtype=mid, device=device)
+    qg = torch.empty(TT, HV, K, dtype=mid, device=device)
+    kg = torch.empty(TT, HV, K, dtype=mid, device=device)
+    aqk = torch.empty(TT, HV, BT, dtype=mid, device=device)
+    gl = torch.empty(NC, HV, K, dtype=torch.float32, device=device)
+    o = torch.empty_like(v)
+    final = torch.empty(N, HV, K, K, dtype=torch.float32, device=device) if output_final_state else None
+    if TT == 0 or N == 0:
+        if final is not None:
+            final.copy_(initial_state) if has_h0 else final.zero_()
+        return o, final
+
+    dummy = torch.empty(1, dtype=torch.float32, device=device)
+    a_log = A_log.float() if A_log is not None else dummy
+    dtb = dt_bias.float() if dt_bias is not None else dummy
+    stream = _stream()
+    intra = compile_intra(gate, beta_activation, bool(use_qk_l2norm_in_kernel), A_log is not None,
+                          dt_bias is not None, q.dtype, g.dtype, beta.dtype)
+    lb = -5.0 if lower_bound is None else float(lower_bound)
+    intra(_ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(beta), _ptr(a_log), _ptr(dtb), _ptr(tables["cu"]),
+          _ptr(tables["co"]), _ptr(w), _ptr(u), _ptr(qg), _ptr(kg), _ptr(aqk), _ptr(gl), TT, N, NC,
+          max(N, 1).bit_length() + 1, HQK, HV // HQK, float(scale), lb, stream)
+
+    state = compile_state(False, v.dtype)
+    plan = tables["plan"]
+    seg = tables["seg"]
+    S = seg.shape[0]
+    ht = final if final is not None else dummy
+    if plan is None or not plan.split:
+        h0 = initial_state if has_h0 else dummy
+        state(_ptr(w), _ptr(u), _ptr(qg), _ptr(kg), _ptr(aqk), _ptr(gl), _ptr(seg), _ptr(h0), _ptr(ht), _ptr(o),
+              TT, NC, S, HV, max(h0.shape[0] if has_h0 else 1, 1), N if final is not None else 1, stream)
+        return o, final
+
+    # ---- context parallel: maps of the pieces, a scan, then every piece at once
+    map_seg = tables["map_seg"]
+    R = map_seg.shape[0]
+    maps = torch.empty(R, HV, K, 2 * K, dtype=torch.float32, device=device)
+    compile_state(True, v.dtype)(_ptr(w), _ptr(u), _ptr(qg), _ptr(kg), _ptr(aqk), _ptr(gl), _ptr(map_seg),
+                                 _ptr(dummy), _ptr(maps), _ptr(o), TT, NC, R, HV, 1, R, stream)
+    starts = torch.empty(S, HV, K, K, dtype=torch.float32, device=device)
+    if has_h0:
+        starts[tables["firsts"]] = initial_state
+    else:
+        starts[tables["firsts"]] = 0.0
+    for src, row, dst in tables["steps"]:
+        M = maps[row]
+        starts[dst] = torch.baddbmm(M[..., K:].flatten(0, 1), M[..., :K].flatten(0, 1),
+                                    starts[src].flatten(0, 1)).view(-1, HV, K, K)
+    state(_ptr(w), _ptr(u), _ptr(qg), _ptr(kg), _ptr(aqk), _ptr(gl), _ptr(seg), _ptr(starts), _ptr(ht), _ptr(o),
+          TT, NC, S, HV, S, N if final is not None else 1, stream)
+    return o, final

@@ -1,0 +1,40 @@
+"""Run under compute-sanitizer by test_prefill_gpu.py::test_memcheck_clean_on_odd_shapes: odd lengths (1, 63, 65)
+with GVA and states, a varlen batch with empty and 1-token sequences (host and device-only lengths), and a CP
+run with an uneven split. Prints "cases ok" at the end; memcheck reports any out-of-bounds access."""
+
+import os
+
+import torch
+
+from prefill_cases import gate_kwargs, make_raw
+
+
+def main():
+    os.environ["CULA_BACKEND"] = "sm90"
+    import cula
+
+    n = 0
+    for T in (1, 63, 65):
+        q, k, v, g, beta, A_log, dt_bias = make_raw(2, T, 1, 2, gate="safe", seed=T)
+        cula.kda_prefill(q, k, v, g, beta, initial_state=torch.randn(2, 2, 128, 128, device="cuda"),
+                         output_final_state=True, use_qk_l2norm_in_kernel=True, **gate_kwargs("safe", A_log, dt_bias))
+        n += 1
+    lens = [0, 1, 63, 0, 65, 130]
+    cu_cpu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    q, k, v, g, beta, A_log, dt_bias = make_raw(1, sum(lens), 2, 4, gate="softplus", seed=1)
+    for host in (cu_cpu, None):
+        cula.kda_prefill(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu_cpu.cuda(), cu_seqlens_cpu=host,
+                         use_qk_l2norm_in_kernel=True, **gate_kwargs("softplus", A_log, dt_bias))
+        n += 1
+    lens = [3000, 1, 0]
+    cu_cpu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    q, k, v, g, beta, A_log, dt_bias = make_raw(1, sum(lens), 2, 2, gate="safe", seed=2)
+    cula.kda_prefill(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu_cpu.cuda(), cu_seqlens_cpu=cu_cpu,
+                     intracard_cp=True, use_qk_l2norm_in_kernel=True, **gate_kwargs("safe", A_log, dt_bias))
+    n += 1
+    torch.cuda.synchronize()
+    print(f"{n} cases ok")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""CPU checks of the cula-sm90 prefill: every kernel compiles for sm_90a (fake pointers, no GPU), and the
+backend's serving predicate declines what it does not serve, with the reason."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _arch():
+    pytest.importorskip("cutlass")
+    old = os.environ.get("CUTE_DSL_ARCH")
+    os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+    yield
+    if old is None:
+        os.environ.pop("CUTE_DSL_ARCH", None)
+    else:
+        os.environ["CUTE_DSL_ARCH"] = old
+
+
+@pytest.mark.parametrize(("gate", "beta_act", "l2", "a_log", "dtb", "g_dtype", "b_dtype"), [
+    ("safe", "sigmoid", True, True, True, torch.bfloat16, torch.bfloat16),
+    ("softplus", "none", True, True, False, torch.float32, torch.float32),
+    ("precomputed", "2sigmoid", False, False, False, torch.float32, torch.bfloat16),
+])
+def test_stage1_compiles(gate, beta_act, l2, a_log, dtb, g_dtype, b_dtype):
+    from cula_sm90.prefill import forward
+
+    assert forward.compile_intra(gate, beta_act, l2, a_log, dtb, torch.bfloat16, g_dtype, b_dtype) is not None
+
+
+@pytest.mark.parametrize("affine", [False, True], ids=["main", "affine-map"])
+def test_stage2_compiles(affine):
+    from cula_sm90.prefill import forward
+
+    assert forward.compile_state(affine, torch.bfloat16) is not None
+
+
+def _call(**kw):
+    from cula_core.backend import CallConfig, DeviceInfo
+
+    base = dict(op="kda_prefill", device=DeviceInfo(type="cuda", capability=(9, 0), name="H100"),
+                dtype=torch.bfloat16, K=128, V=128, HQK=4, HV=8, T=64)
+    base.update(kw)
+    return CallConfig(**base)
+
+
+def test_serves_and_declines_with_reasons():
+    from cula_sm90 import prefill
+
+    assert prefill.unsupported_reason(_call()) is None
+    assert prefill.unsupported_reason(_call(op="chunk_kda")) is None
+    assert "without autograd" in prefill.unsupported_reason(_call(op="chunk_kda", requires_grad=True))
+    assert "K=V=128" in prefill.unsupported_reason(_call(K=64, V=64))
+    assert "bf16" in prefill.unsupported_reason(_call(dtype=torch.float32))
+    assert "does not implement" in prefill.unsupported_reason(_call(op="kda_decode"))

@@ -1,0 +1,156 @@
+"""GPU tests of the cula-sm90 prefill (kda_prefill and no-grad chunk_kda, forced onto the sm90 backend) against
+cula_core.reference in fp64 and FLA 0.6.0 on the same bf16 inputs: B in {1, 2}, T in {1, 63, 64, 65, 1000, 4096},
+varlen with 1, 3 and 20 sequences (lengths 0 and 1 included, with and without cu_seqlens_cpu), GVA 1/2/4, the
+three gate modes, with and without initial state; CP on == off; compute-sanitizer memcheck on odd shapes.
+
+Bounds (prefill_cases): REL_TOL = 1e-2 on ||ours - ref|| / ||ref|| for o and the final state; FLA_TOL = 2e-2
+against FLA; CP on vs off CP_TOL = 1e-4."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from prefill_cases import (CP_TOL, FLA_TOL, REL_TOL, fla_chunk_kda, gate_kwargs, make_raw, reference, rel_err,
+                           require_gpu)
+
+pytestmark = pytest.mark.gpu
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(autouse=True)
+def _gpu(monkeypatch):
+    require_gpu()
+    monkeypatch.setenv("CULA_BACKEND", "sm90")
+
+
+def run_ours(q, k, v, g, beta, gate_kw, *, op="kda_prefill", **kw):
+    import cula
+
+    fn = getattr(cula, op)
+    return fn(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              output_final_state=True, **gate_kw, **kw)
+
+
+def check(o, ht, o_r, ht_r, what):
+    errs = {"o": rel_err(o, o_r), "ht": rel_err(ht, ht_r)}
+    assert all(e <= REL_TOL for e in errs.values()), (what, errs)
+    return errs
+
+
+# T -> (B, HQK, HV)
+SHAPES = [(1, 1, 4, 4), (2, 1, 2, 4), (1, 63, 2, 8), (2, 64, 4, 4), (2, 65, 1, 4), (1, 1000, 2, 4),
+          (2, 1000, 4, 8), (1, 4096, 2, 2), (2, 4096, 1, 2)]
+
+
+@pytest.mark.parametrize("gate", ["safe", "softplus", "precomputed"])
+@pytest.mark.parametrize(("B", "T", "HQK", "HV"), SHAPES, ids=[f"B{b}-T{t}-H{h}x{v // h}" for b, t, h, v in SHAPES])
+def test_fixed_length_vs_reference(B, T, HQK, HV, gate):
+    q, k, v, g, beta, A_log, dt_bias = make_raw(B, T, HQK, HV, gate=gate, seed=T + 7 * B + HV)
+    gkw = gate_kwargs(gate, A_log, dt_bias)
+    with_h0 = (T + B) % 2 == 1 or T == 4096
+    h0 = torch.randn(B, HV, 128, 128, device="cuda") if with_h0 else None
+    o, ht = run_ours(q, k, v, g, beta, gkw, initial_state=h0)
+    o_r, ht_r = reference(q, k, v, g, beta, gate_kw=gkw, initial_state=h0)
+    check(o, ht, o_r, ht_r, "reference")
+
+
+@pytest.mark.parametrize("gate", ["safe", "softplus"])
+@pytest.mark.parametrize(("B", "T", "HQK", "HV"), [(2, 65, 2, 4), (1, 4096, 2, 4), (2, 1000, 2, 2)])
+def test_vs_fla(B, T, HQK, HV, gate):
+    fla = fla_chunk_kda()
+    if fla is None:
+        pytest.skip("FLA 0.6.0 not installed")
+    q, k, v, g, beta, A_log, dt_bias = make_raw(B, T, HQK, HV, gate=gate, seed=T + 3)
+    if HQK != HV:
+        pytest.skip("FLA 0.6.0 chunk_kda has no GVA")
+    gkw = gate_kwargs(gate, A_log, dt_bias)
+    h0 = torch.randn(B, HV, 128, 128, device="cuda")
+    o, ht = run_ours(q, k, v, g, beta, gkw, initial_state=h0)
+    o_f, ht_f = fla(q, k, v, g, beta.sigmoid(), initial_state=h0, output_final_state=True,
+                    use_qk_l2norm_in_kernel=True, **gkw)
+    o_r, ht_r = reference(q, k, v, g, beta, gate_kw=gkw, initial_state=h0)
+    errs = {"o": rel_err(o, o_f), "ht": rel_err(ht, ht_f)}
+    fla_errs = {"o": rel_err(o_f, o_r), "ht": rel_err(ht_f, ht_r)}
+    assert all(e <= FLA_TOL for e in errs.values()), (errs, fla_errs)
+    check(o, ht, o_r, ht_r, "reference")
+
+
+VARLEN = {
+    "1seq": [777],
+    "3seq": [1, 130, 64],
+    "20seq": [0, 1, 64, 65, 200, 0, 3, 128, 1000, 17, 63, 2, 0, 300, 129, 1, 90, 500, 33, 64],
+}
+
+
+@pytest.mark.parametrize("host_lengths", [True, False], ids=["cu_cpu", "device_only"])
+@pytest.mark.parametrize("case", list(VARLEN))
+def test_varlen_vs_reference(case, host_lengths):
+    lens = VARLEN[case]
+    T = sum(lens)
+    HQK, HV = 2, 4
+    q, k, v, g, beta, A_log, dt_bias = make_raw(1, T, HQK, HV, gate="safe", seed=len(lens))
+    gkw = gate_kwargs("safe", A_log, dt_bias)
+    cu_cpu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu = cu_cpu.cuda()
+    h0 = torch.randn(len(lens), HV, 128, 128, device="cuda")
+    o, ht = run_ours(q, k, v, g, beta, gkw, initial_state=h0, cu_seqlens=cu,
+                     cu_seqlens_cpu=cu_cpu if host_lengths else None)
+    o_r, ht_r = reference(q, k, v, g, beta, gate_kw=gkw, initial_state=h0, cu_seqlens=cu)
+    check(o, ht, o_r, ht_r, case)
+    # an empty sequence hands its initial state through unchanged
+    for n, L in enumerate(lens):
+        if L == 0:
+            assert torch.equal(ht[n], h0[n])
+
+
+def test_no_final_state_and_chunk_kda_no_grad():
+    import cula
+
+    q, k, v, g, beta, A_log, dt_bias = make_raw(2, 300, 2, 4, gate="softplus", seed=5)
+    gkw = gate_kwargs("softplus", A_log, dt_bias)
+    o, ht = cula.kda_prefill(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, **gkw)
+    assert ht is None
+    o2, ht2 = run_ours(q, k, v, g, beta, gkw, op="chunk_kda")
+    o_r, ht_r = reference(q, k, v, g, beta, gate_kw=gkw)
+    check(o2, ht2, o_r, ht_r, "chunk_kda")
+    assert torch.equal(o, o2)
+
+
+@pytest.mark.parametrize(("lens", "HV"), [([131072], 8), ([65536, 65536], 8), ([40000, 64, 1, 0, 3000], 8),
+                                          ([16384], 4)])
+def test_cp_on_equals_off(lens, HV):
+    T = sum(lens)
+    q, k, v, g, beta, A_log, dt_bias = make_raw(1, T, HV, HV, gate="safe", seed=T)
+    gkw = gate_kwargs("safe", A_log, dt_bias)
+    cu_cpu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu = cu_cpu.cuda()
+    h0 = torch.randn(len(lens), HV, 128, 128, device="cuda")
+    kw = dict(initial_state=h0, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+    o_on, ht_on = run_ours(q, k, v, g, beta, gkw, intracard_cp=True, **kw)
+    o_off, ht_off = run_ours(q, k, v, g, beta, gkw, intracard_cp=False, **kw)
+    from cula_core import cp_planner
+
+    plan = cp_planner.plan(tuple(lens), HV, torch.cuda.get_device_properties(0).multi_processor_count, "on")
+    assert plan.split
+    assert rel_err(ht_on, ht_off) <= CP_TOL
+    assert rel_err(o_on, o_off) <= CP_TOL
+    if T <= 20000:
+        o_r, ht_r = reference(q, k, v, g, beta, gate_kw=gkw, **{k_: kw[k_] for k_ in ("initial_state", "cu_seqlens")})
+        check(o_on, ht_on, o_r, ht_r, "cp")
+
+
+@pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not installed")
+def test_memcheck_clean_on_odd_shapes():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run(["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "1", sys.executable,
+                        str(HERE / "prefill_memcheck_case.py")], capture_output=True, text=True, env=env,
+                       timeout=900)
+    assert r.returncode == 0 and "cases ok" in r.stdout, (r.stdout[-3000:], r.stderr[-3000:])
+    assert "ERROR SUMMARY: 0 errors" in r.stdout + r.stderr
