@@ -1,11 +1,29 @@
-"""cula_sm90.decode: no kernels yet; serves no op (see its issue)."""
+"""cula_sm90.decode: multi-token-prediction decode for speculative decoding (CuTe DSL kernels).
 
-OPS: tuple[str, ...] = ()
+Ops: kda_decode, kda_decode_mtp (recurrent kernel: final state into the pool, or T per-token states),
+kda_decode_mtp_kvbuffer (the recurrent kernel in verify mode: outputs and the KVBuffer), kda_flush_kvbuffer and
+kda_flush_kvbuffer_all_layers (rank-m rebuild in place). Design: docs/sm90_decode.md.
+
+Nothing here imports CuTe DSL: `kernel(op)` returns functions that compile their kernels on first use.
+"""
+
+from __future__ import annotations
+
+from cula_sm90.decode import _config
+
+OPS: tuple[str, ...] = ("kda_decode", "kda_decode_mtp", "kda_decode_mtp_kvbuffer", "kda_flush_kvbuffer",
+                        "kda_flush_kvbuffer_all_layers")
 
 
 def unsupported_reason(call) -> str | None:
-    return f"sm90 does not implement {call.op}"
+    if call.op not in OPS:
+        return f"sm90 does not implement {call.op}"
+    return _config.unsupported_reason(call)
 
 
 def kernel(op: str):
-    raise NotImplementedError(f"sm90 has no kernel for {op}")
+    if op not in OPS:
+        raise NotImplementedError(f"sm90 has no kernel for {op}")
+    from cula_sm90.decode.ops import KERNELS
+
+    return KERNELS[op]

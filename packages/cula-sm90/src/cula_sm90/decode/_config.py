@@ -1,0 +1,39 @@
+"""What the decode kernels serve and how they are tiled: pure Python (no CuTe DSL), so the backend can answer
+`unsupported_reason` without importing a compiler."""
+
+from __future__ import annotations
+
+import torch
+
+MODE_FINAL, MODE_STATES, MODE_KVBUFFER = "final", "states", "kvbuffer"
+
+#: head dims the kernels are instantiated and tested for (K % 32 == 0 and V % 32 == 0 are what the tiling needs)
+HEAD_DIMS = (64, 128)
+#: tokens per request: the T per-token vectors of a head live in shared memory (4 T K floats) and the
+#: token loop is unrolled
+MAX_T = 16
+#: layers of one all-layers flush: two 8-byte offsets per layer travel as kernel parameters (4 KiB in all)
+MAX_LAYERS = 128
+INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def recurrent_tiling(N: int, T: int, HV: int) -> tuple[int, int, int]:
+    """(BV, lanes along V, warps) of the recurrent kernel for a batch; the table is in launch.py's docstring."""
+    return (32, 4, 4)
+
+
+def unsupported_reason(call) -> str | None:
+    """None if the decode kernels serve `call` (a cula_core CallConfig), else a short reason."""
+    if call.K not in HEAD_DIMS or call.V not in HEAD_DIMS:
+        return f"sm90 decode serves K, V in {HEAD_DIMS}, got K={call.K}, V={call.V}"
+    if call.op in ("kda_flush_kvbuffer", "kda_flush_kvbuffer_all_layers"):
+        if call.dtype != torch.float32:
+            return f"sm90 flush serves fp32 state pools and KVBuffers, got {call.dtype}"
+        layers = call.options.get("layers", 1) or 1
+        if layers > MAX_LAYERS:
+            return f"sm90 all-layers flush serves up to {MAX_LAYERS} layers in one launch, got {layers}"
+    elif call.dtype not in INPUT_DTYPES:
+        return f"sm90 decode serves bf16/fp16/fp32 q/k/v, got {call.dtype}"
+    if call.T > MAX_T:
+        return f"sm90 decode serves T <= {MAX_T} tokens per request, got T={call.T}"
+    return None

@@ -1,0 +1,260 @@
+"""Thin launch code of the decode kernels: the calling convention of docs/backends.md on one side, the compiled
+CuTe DSL kernels on the other. Compiled kernels are cached per compile-time key (head dims, T, dtypes, gate
+code, output mode, tiling, layer count); batch size N, pool size P, head counts, scale and lower_bound are
+runtime arguments, so one compilation serves every batch.
+
+Launch cost. Decode is launch-latency bound at small N, so a compiled kernel is not called through the DSL's
+generic argument binding (per-argument adapters, ~tens of microseconds for a dozen arguments) but through
+`FastLaunch`: the C argument array of the compiled host function is built once, over ctypes cells that each
+call refills (pointers, ints, floats, the stream) before calling the compiled function directly. The first
+call of each kernel goes through the DSL's own binding and checks that it passes the same bytes as the cells;
+if it ever does not, that kernel keeps using the DSL's path.
+
+No host synchronisation: nothing here reads a device tensor; accept lengths are read by the flush kernel.
+
+Dispatch between tilings of the recurrent kernel (measured on H100, tools/bench/mtp_decode.py; see
+docs/sm90_decode.md). CTAs per head = V / BV; the tiling only changes how the state of a head is split:
+
+| N * HV (heads in the batch) | BV (columns per CTA) | lanes along V | warps | why |
+| --- | --- | --- | --- | --- |
+| any                         | 32                   | 4             | 4     | 4 CTAs per head fill the 132 SMs from N * HV = 33 on |
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import torch
+
+from cula_sm90.decode import _config
+
+_DSL_TYPES = None
+_cache: dict[tuple, FastLaunch] = {}
+_cache_lock = threading.Lock()
+
+
+def _dsl():
+    """CuTe DSL modules, imported on first use (importing the package must stay cheap and GPU-free)."""
+    global _DSL_TYPES
+    if _DSL_TYPES is None:
+        import cuda.bindings.driver as cuda
+        import cutlass
+        import cutlass.cute as cute
+        from cutlass.cute.runtime import make_ptr
+
+        types = {torch.float32: cutlass.Float32, torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
+                 torch.float64: cutlass.Float64, torch.int32: cutlass.Int32}
+        _DSL_TYPES = (cutlass, cute, cuda, make_ptr, types)
+    return _DSL_TYPES
+
+
+# ---------------------------------------------------------------- compiled kernels and their fast calls
+
+_CELL = {"ptr": ctypes.c_void_p, "stream": ctypes.c_void_p, "i32": ctypes.c_int32, "i64": ctypes.c_int64,
+         "f32": ctypes.c_float}
+
+
+class FastLaunch:
+    """Calls one compiled kernel with a pre-built C argument array (see the module docstring).
+
+    `kinds` names each flattened argument's C type: "ptr" (an address), "i32", "i64", "f32", "stream"."""
+
+    def __init__(self, compiled, kinds: tuple[str, ...]):
+        self.compiled = compiled
+        self.kinds = kinds
+        self.cells = [_CELL[k]() for k in kinds]
+        self.exe_args = [ctypes.addressof(c) for c in self.cells]
+        self.fast: bool | None = None  # unknown until the first call has been checked
+        self.lock = threading.Lock()
+
+    def _fill(self, flat) -> None:
+        for cell, value in zip(self.cells, flat):
+            cell.value = value
+
+    def _check(self, dsl_args) -> bool:
+        """Whether the DSL's own binding of `dsl_args` passes exactly the bytes held in our cells."""
+        try:
+            exe_args, _ = self.compiled.generate_execution_args(*dsl_args)
+        except Exception:
+            return False
+        if len(exe_args) != len(self.cells):
+            return False
+        for addr, cell in zip(exe_args, self.cells):
+            addr = addr.value if isinstance(addr, ctypes.c_void_p) else int(addr)
+            if ctypes.string_at(addr, ctypes.sizeof(cell)) != bytes(cell):
+                return False
+        return True
+
+    def __call__(self, flat: list, dsl_args) -> None:
+        """flat: the argument values in `kinds` order; dsl_args: a callable giving the DSL-typed arguments
+        (used on the first call and whenever the fast path is off)."""
+        with self.lock:
+            if self.fast:
+                self._fill(flat)
+                self.compiled.run_compiled_program(self.exe_args)
+                return
+            args = dsl_args()
+            if self.fast is None:
+                self._fill(flat)
+                self.fast = self._check(args)
+            self.compiled(*args)
+
+
+def _compiled(key: tuple, build, kinds: tuple[str, ...]) -> FastLaunch:
+    fl = _cache.get(key)
+    if fl is None:
+        with _cache_lock:
+            fl = _cache.get(key)
+            if fl is None:
+                fl = _cache[key] = FastLaunch(build(), kinds)
+    return fl
+
+
+def _fake_ptr(dtype: torch.dtype, align: int = 16):
+    cutlass, cute, cuda, make_ptr, types = _dsl()
+    return make_ptr(types[dtype], 1 << 20, cute.AddressSpace.gmem, assumed_align=align)
+
+
+def _ptr(dtype: torch.dtype, address: int, align: int = 16):
+    cutlass, cute, cuda, make_ptr, types = _dsl()
+    return make_ptr(types[dtype], address, cute.AddressSpace.gmem, assumed_align=align)
+
+
+def _stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """The kernels load 16-byte vectors: an input view at an odd offset is copied (never the case for tensors
+    that own their storage)."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+# ---------------------------------------------------------------- recurrent kernel (decode, MTP, verify)
+
+_RECURRENT_KINDS = ("ptr",) * 11 + ("i32",) * 4 + ("f32",) * 2 + ("stream",)
+
+
+def _recurrent_kernel(mode: str, T: int, K: int, V: int, qkv, g, beta, A_log, dt_bias, safe: bool, l2norm: bool,
+                      tiling: tuple[int, int, int]) -> FastLaunch:
+    gdt, bdt = g.dtype, beta.dtype
+    adt = A_log.dtype if A_log is not None else None
+    ddt = dt_bias.dtype if dt_bias is not None else None
+    key = ("recurrent", mode, T, K, V, qkv, gdt, bdt, adt, ddt, safe, l2norm, tiling)
+
+    def build():
+        cutlass, cute, cuda, make_ptr, types = _dsl()
+        from cula_sm90.decode.recurrent import RecurrentDecode
+
+        bv, vl, nw = tiling
+        kern = RecurrentDecode(T=T, K=K, V=V, mode=mode, safe_gate=safe, has_A_log=adt is not None,
+                               has_dt_bias=ddt is not None, l2norm=l2norm, block_v=bv, lanes_v=vl, num_warps=nw)
+        f32 = torch.float32
+        args = (_fake_ptr(qkv), _fake_ptr(qkv), _fake_ptr(qkv), _fake_ptr(gdt), _fake_ptr(bdt, bdt.itemsize),
+                _fake_ptr(adt or f32, (adt or f32).itemsize), _fake_ptr(ddt or f32), _fake_ptr(f32),
+                _fake_ptr(torch.int32, 4), _fake_ptr(qkv), _fake_ptr(f32),
+                cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Float32(1.0),
+                cutlass.Float32(-1.0), cuda.CUstream(0))
+        return cute.compile(kern, *args)
+
+    return _compiled(key, build, _RECURRENT_KINDS)
+
+
+def _run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, *, scale, lower_bound,
+                   use_qk_l2norm_in_kernel):
+    N, T, HQK, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    P = state_pool.shape[0]
+    dev = q.device
+    o = torch.empty_like(v)
+    if mode == _config.MODE_STATES:
+        out = torch.empty((N, T, HV, K, V), device=dev, dtype=torch.float32)
+    elif mode == _config.MODE_KVBUFFER:
+        out = torch.empty((N, T, HV, 2 * K + V), device=dev, dtype=torch.float32)
+    else:
+        out = None
+    if N == 0:
+        return o, out
+    q, k, v, g = (_aligned(t) for t in (q, k, v, g))
+    A_log = A_log.contiguous() if A_log is not None else None
+    dt_bias = _aligned(dt_bias.contiguous()) if dt_bias is not None else None
+    safe = lower_bound is not None
+    tiling = _config.recurrent_tiling(N, T, HV)
+    fl = _recurrent_kernel(mode, T, K, V, q.dtype, g, beta, A_log, dt_bias, safe, bool(use_qk_l2norm_in_kernel),
+                           tiling)
+    pool_addr = state_pool.data_ptr()
+    addrs = [q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
+             A_log.data_ptr() if A_log is not None else pool_addr,        # never read without A_log
+             dt_bias.data_ptr() if dt_bias is not None else pool_addr,    # never read without dt_bias
+             pool_addr, cache_idx.data_ptr(), o.data_ptr(),
+             out.data_ptr() if out is not None else pool_addr]            # never written in MODE_FINAL
+    lb = float(lower_bound) if safe else 0.0
+    stream = _stream(dev)
+    flat = addrs + [N, HQK, HV, P, float(scale), lb, stream]
+
+    def dsl_args():
+        cutlass, cute, cuda, make_ptr, types = _dsl()
+        f32 = torch.float32
+        dts = [q.dtype, q.dtype, q.dtype, g.dtype, beta.dtype, A_log.dtype if A_log is not None else f32,
+               dt_bias.dtype if dt_bias is not None else f32, f32, torch.int32, o.dtype, f32]
+        aligns = [16, 16, 16, 16, beta.dtype.itemsize, (A_log.dtype if A_log is not None else f32).itemsize,
+                  16, 16, 4, 16, 16]
+        ptrs = [_ptr(dt, a, al) for dt, a, al in zip(dts, addrs, aligns)]
+        return (*ptrs, cutlass.Int32(N), cutlass.Int32(HQK), cutlass.Int32(HV), cutlass.Int32(P),
+                cutlass.Float32(float(scale)), cutlass.Float32(lb), cuda.CUstream(stream))
+
+    fl(flat, dsl_args)
+    return o, out
+
+
+# ---------------------------------------------------------------- flush kernel (one layer or all layers)
+
+def _flush_kernel(T: int, K: int, V: int, layers: int, per_request: bool) -> FastLaunch:
+    key = ("flush", T, K, V, layers, per_request)
+    kinds = ("ptr",) * 4 + ("i32",) + ("i64",) * (2 * layers) + ("i32",) * 3 + ("stream",)
+
+    def build():
+        cutlass, cute, cuda, make_ptr, types = _dsl()
+        from cula_sm90.decode.flush import FlushKVBuffer
+
+        kern = FlushKVBuffer(T=T, K=K, V=V, layers=layers, per_request=per_request)
+        offs = tuple(cutlass.Int64(0) for _ in range(layers))
+        f32 = torch.float32
+        return cute.compile(kern, _fake_ptr(f32), _fake_ptr(f32), _fake_ptr(torch.int32, 4),
+                            _fake_ptr(torch.int32, 4), cutlass.Int32(0), offs, offs, cutlass.Int32(1),
+                            cutlass.Int32(1), cutlass.Int32(1), cuda.CUstream(0))
+
+    return _compiled(key, build, kinds)
+
+
+def _run_flush(state_pools, cache_idx, kvbuffers, accept_len, accept_len_all) -> None:
+    pool0, buf0 = state_pools[0], kvbuffers[0]
+    P, HV, K, V = pool0.shape
+    N, T = buf0.shape[:2]
+    L = len(state_pools)
+    if N == 0:
+        return
+    per_request = accept_len is not None
+    fl = _flush_kernel(T, K, V, L, per_request)
+    # layer l = layer 0's pointer + 4 * offset elements (16-byte units; every pointer is 16-byte aligned)
+    p0, b0 = pool0.data_ptr(), buf0.data_ptr()
+    poffs = [(p.data_ptr() - p0) // 16 for p in state_pools]
+    boffs = [(b.data_ptr() - b0) // 16 for b in kvbuffers]
+    acc_addr = accept_len.data_ptr() if per_request else cache_idx.data_ptr()  # never read without the tensor
+    stream = _stream(pool0.device)
+    flat = [p0, b0, cache_idx.data_ptr(), acc_addr, int(accept_len_all), *poffs, *boffs, N, HV, P, stream]
+
+    def dsl_args():
+        cutlass, cute, cuda, make_ptr, types = _dsl()
+        f32 = torch.float32
+        return (_ptr(f32, p0), _ptr(f32, b0), _ptr(torch.int32, cache_idx.data_ptr(), 4),
+                _ptr(torch.int32, acc_addr, 4), cutlass.Int32(int(accept_len_all)),
+                tuple(cutlass.Int64(x) for x in poffs), tuple(cutlass.Int64(x) for x in boffs),
+                cutlass.Int32(N), cutlass.Int32(HV), cutlass.Int32(P), cuda.CUstream(stream))
+
+    fl(flat, dsl_args)
+
+
+def all_aligned(*tensors: torch.Tensor) -> bool:
+    return all(t.data_ptr() % 16 == 0 for t in tensors)

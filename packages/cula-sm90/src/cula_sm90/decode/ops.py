@@ -1,0 +1,68 @@
+"""The decode ops in the kernel calling convention of docs/backends.md (cula_core/ops/reference_impls.py is
+the executable specification): each prepares nothing core has not, and launches the kernels of launch.py.
+
+A state pool that is not fp32 or not 16-byte aligned (neither can be told from the CallConfig the backend
+answers) runs the reference implementation instead of a kernel."""
+
+from __future__ import annotations
+
+import torch
+
+from cula_core.ops import reference_impls
+from cula_sm90.decode import _config, launch
+
+
+def _kernel_can_take(state_pool: torch.Tensor) -> bool:
+    return state_pool.dtype == torch.float32 and state_pool.data_ptr() % 16 == 0
+
+
+def kda_decode_mtp(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, *, scale, lower_bound,
+                   use_qk_l2norm_in_kernel, output_per_token_states):
+    if not _kernel_can_take(state_pool):
+        return reference_impls.kda_decode_mtp(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale=scale,
+                                              lower_bound=lower_bound,
+                                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                              output_per_token_states=output_per_token_states)
+    mode = _config.MODE_STATES if output_per_token_states else _config.MODE_FINAL
+    return launch._run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale=scale,
+                                 lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
+def kda_decode(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, *, scale, lower_bound,
+               use_qk_l2norm_in_kernel):
+    o, _ = kda_decode_mtp(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale=scale,
+                          lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                          output_per_token_states=False)
+    return o
+
+
+def kda_decode_mtp_kvbuffer(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, *, scale, lower_bound,
+                            use_qk_l2norm_in_kernel):
+    if not _kernel_can_take(state_pool):
+        return reference_impls.kda_decode_mtp_kvbuffer(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
+                                                       scale=scale, lower_bound=lower_bound,
+                                                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return launch._run_recurrent(_config.MODE_KVBUFFER, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
+                                 scale=scale, lower_bound=lower_bound,
+                                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+
+def kda_flush_kvbuffer_all_layers(state_pools, cache_idx, kvbuffers, accept_len, accept_len_all):
+    kvbuffers = [launch._aligned(b) for b in kvbuffers]
+    if not all(_kernel_can_take(p) for p in state_pools):
+        return reference_impls.kda_flush_kvbuffer_all_layers(state_pools, cache_idx, kvbuffers, accept_len,
+                                                             accept_len_all)
+    launch._run_flush(list(state_pools), cache_idx, kvbuffers, accept_len, accept_len_all)
+
+
+def kda_flush_kvbuffer(state_pool, cache_idx, kvbuffer, accept_len, accept_len_all):
+    kda_flush_kvbuffer_all_layers([state_pool], cache_idx, [kvbuffer], accept_len, accept_len_all)
+
+
+KERNELS = {
+    "kda_decode": kda_decode,
+    "kda_decode_mtp": kda_decode_mtp,
+    "kda_decode_mtp_kvbuffer": kda_decode_mtp_kvbuffer,
+    "kda_flush_kvbuffer": kda_flush_kvbuffer,
+    "kda_flush_kvbuffer_all_layers": kda_flush_kvbuffer_all_layers,
+}

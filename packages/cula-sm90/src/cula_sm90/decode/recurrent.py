@@ -1,0 +1,184 @@
+"""Recurrent KDA decode over a state pool: T tokens per (request, value head), the state in registers.
+
+Serves `kda_decode` (T = 1), `kda_decode_mtp` (the state after all T tokens into the pool, or the T per-token
+states into a new tensor) and `kda_decode_mtp_kvbuffer` (the verify step: outputs and the KVBuffer
+[k_t, G_t, delta_t] per token, no state written), chosen by the compile-time `mode`.
+
+Tiling. One CTA = one (request n, value head hv, block of BV value columns); 32*NW threads. Warp w owns BV/NW
+columns; inside a warp, lane = kr * VL + vc: VL lanes along V (CW columns each), KL = 32 / VL lanes along K
+(RK = K / KL consecutive rows each). A lane holds its RK x CW piece of the fp32 state in registers. The
+reductions over K (S^T k, S^T q) are an in-lane sum over RK rows and a butterfly over the KL lanes of the
+warp (log2 KL shuffles per column): warps never talk to each other after the prologue.
+
+Pipeline. Prologue: the lane loads its state piece (the long-latency traffic), its v columns and beta for
+all T tokens, while the warps share out the per-token vectors of the head (q, k L2-normalised and q scaled,
+the gate computed from raw g, its exp) into shared memory; one barrier. Then the T tokens run back to back
+on registers and shared memory only: decay, S^T k, delta, rank-1 update, S^T q, stores of the outputs.
+
+Assumptions (checked on the host in launch.py): inputs contiguous, q/k/g/v/o/pool/states/buffer pointers
+16-byte aligned, K % 32 == 0, V % BV == 0; N, HV, HQK, P, scale and lower_bound are runtime values (one
+compilation serves every batch); cache_idx < 0 or >= P marks a slot that is skipped (outputs zero,
+nothing of the pool read or written).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+from cula_sm90.decode._dsl import l2_normalize, load_vec, log_decay, store_vec, store_zeros, xor_sum
+
+from cula_sm90.decode._config import MODE_FINAL, MODE_KVBUFFER, MODE_STATES  # noqa: F401
+
+
+class RecurrentDecode:
+    """Compile-time configuration of one recurrent decode kernel.
+
+    T: tokens per request; K, V: head dims; mode: MODE_FINAL (state after T tokens into the pool),
+    MODE_STATES (the T per-token states into `states`, pool untouched) or MODE_KVBUFFER (the KVBuffer into
+    `kvbuf`, pool untouched); safe_gate / has_A_log / has_dt_bias / l2norm select the gate code;
+    block_v (BV), lanes_v (VL), num_warps (NW): the tiling above."""
+
+    def __init__(self, *, T: int, K: int, V: int, mode: str, safe_gate: bool, has_A_log: bool, has_dt_bias: bool,
+                 l2norm: bool, block_v: int = 32, lanes_v: int = 4, num_warps: int = 4):
+        if K % 32 or 32 % lanes_v or V % block_v or block_v % (num_warps * lanes_v):
+            raise ValueError(f"bad tiling: K={K} V={V} BV={block_v} VL={lanes_v} NW={num_warps}")
+        self.T, self.K, self.V, self.mode = T, K, V, mode
+        self.safe_gate, self.has_A_log, self.has_dt_bias, self.l2norm = safe_gate, has_A_log, has_dt_bias, l2norm
+        self.BV, self.VL, self.NW = block_v, lanes_v, num_warps
+        self.KL = 32 // lanes_v                      # lanes along K
+        self.RK = K // self.KL                       # state rows per lane
+        self.CW = block_v // (num_warps * lanes_v)   # state columns per lane
+        self.NVB = V // block_v                      # CTAs per (request, head)
+        self.EPL = K // 32                           # elements per lane of a per-token K-vector
+        self.n_vec = 4 if mode == MODE_KVBUFFER else 3   # q, k, exp(g) [, g] per token in shared memory
+        self.smem_bytes = self.n_vec * T * K * 4
+
+    @cute.jit
+    def __call__(self, q: cute.Pointer, k: cute.Pointer, v: cute.Pointer, g: cute.Pointer, beta: cute.Pointer,
+                 A_log: cute.Pointer, dt_bias: cute.Pointer, pool: cute.Pointer, cache_idx: cute.Pointer,
+                 o: cute.Pointer, out: cute.Pointer, N: Int32, HQK: Int32, HV: Int32, P: Int32, scale: Float32,
+                 lower_bound: Float32, stream):
+        self.kernel(q, k, v, g, beta, A_log, dt_bias, pool, cache_idx, o, out, HQK, HV, P, scale,
+                    lower_bound).launch(grid=[N * HV * self.NVB, 1, 1], block=[32 * self.NW, 1, 1],
+                                        smem=self.smem_bytes, stream=stream)
+
+    @cute.kernel
+    def kernel(self, q: cute.Pointer, k: cute.Pointer, v: cute.Pointer, g: cute.Pointer, beta: cute.Pointer,
+               A_log: cute.Pointer, dt_bias: cute.Pointer, pool: cute.Pointer, cache_idx: cute.Pointer,
+               o: cute.Pointer, out: cute.Pointer, HQK: Int32, HV: Int32, P: Int32, scale: Float32,
+               lower_bound: Float32):
+        T, K, V, RK, CW, EPL = self.T, self.K, self.V, self.RK, self.CW, self.EPL
+        tid = cute.arch.thread_idx()[0]
+        warp = tid // 32
+        lane = tid % 32
+        kr = lane // self.VL
+        vc = lane % self.VL
+        bid = cute.arch.block_idx()[0]
+        vb = bid % self.NVB
+        head = bid // self.NVB          # n * HV + hv
+        hv = head % HV
+        n = head // HV
+        h = hv // (HV // HQK)           # GVA: q/k head of this value head
+        row0 = kr * RK
+        col0 = vb * self.BV + warp * (self.VL * CW) + vc * CW
+        idx = cute.make_tensor(cache_idx + Int64(n), cute.make_layout(1))[0]
+        live = (idx >= 0) & (idx < P)
+
+        smem = cutlass.memory.SmemAllocator()
+        vecs = smem.allocate_tensor(Float32, cute.make_layout((self.n_vec, T, K), stride=(T * K, K, 1)),
+                                    byte_alignment=16)
+        sv = vecs.iterator
+        KV = Int64(K * V)
+        tok0 = Int64(n) * T                 # first token row of this request
+        if live:
+            # --- prologue: state piece, v and beta into registers; per-token vectors into shared memory
+            sbase = (Int64(idx) * HV + hv) * KV + Int64(row0) * V + col0
+            S = [load_vec(pool, sbase + Int64(r * V), CW) for r in range(RK)]
+            vr = [load_vec(v, ((tok0 + t) * HV + hv) * V + col0, CW) for t in range(T)]
+            br = [cute.make_tensor(beta + ((tok0 + t) * HV + hv), cute.make_layout(1)).load().to(Float32)[0]
+                  for t in range(T)]
+            e0 = lane * EPL
+            for job in cutlass.range_constexpr(3 * T):
+                t, which = job // 3, job % 3
+                if warp == job % self.NW:
+                    if cutlass.const_expr(which < 2):
+                        src = q if cutlass.const_expr(which == 0) else k
+                        x = load_vec(src, ((tok0 + t) * HQK + h) * K + e0, EPL)
+                        if cutlass.const_expr(self.l2norm):
+                            x = l2_normalize(x, EPL)
+                        if cutlass.const_expr(which == 0):
+                            x = [xi * scale for xi in x]
+                        store_vec(sv, Int32((which * T + t) * K) + e0, x, EPL)
+                    else:
+                        x = load_vec(g, ((tok0 + t) * HV + hv) * K + e0, EPL)
+                        if cutlass.const_expr(self.has_dt_bias):
+                            b = load_vec(dt_bias, Int64(hv) * K + e0, EPL)
+                            x = [x[i] + b[i] for i in range(EPL)]
+                        rate = Float32(1.0)
+                        if cutlass.const_expr(self.has_A_log):
+                            rate = cute.math.exp(cute.make_tensor(A_log + Int64(hv), cute.make_layout(1))
+                                                 .load().to(Float32)[0])
+                        for i in cutlass.range_constexpr(EPL):
+                            gl = log_decay(x[i], rate, lower_bound, self.safe_gate)
+                            vecs[2, t, e0 + i] = cute.math.exp(gl)
+                            if cutlass.const_expr(self.mode == MODE_KVBUFFER):
+                                vecs[3, t, e0 + i] = gl
+            # live is the same for the whole CTA: every thread reaches this barrier
+            cute.arch.sync_threads()
+            G = [Float32(0.0) for _ in range(RK)]
+            for t in cutlass.range_constexpr(T):
+                qq = load_vec(sv, Int32((0 * T + t) * K) + row0, RK)
+                kk = load_vec(sv, Int32((1 * T + t) * K) + row0, RK)
+                dd = load_vec(sv, Int32((2 * T + t) * K) + row0, RK)
+                S = [[S[r][c] * dd[r] for c in range(CW)] for r in range(RK)]
+                delta = []
+                for c in cutlass.range_constexpr(CW):
+                    u = Float32(0.0)
+                    for r in cutlass.range_constexpr(RK):
+                        u = u + S[r][c] * kk[r]
+                    u = xor_sum(u, self.VL)
+                    delta.append(br[t] * (vr[t][c] - u))
+                S = [[S[r][c] + kk[r] * delta[c] for c in range(CW)] for r in range(RK)]
+                oc = []
+                for c in cutlass.range_constexpr(CW):
+                    acc = Float32(0.0)
+                    for r in cutlass.range_constexpr(RK):
+                        acc = acc + S[r][c] * qq[r]
+                    oc.append(xor_sum(acc, self.VL))
+                row = (tok0 + t) * HV + hv
+                if kr == 0:
+                    store_vec(o, row * V + col0, oc, CW)
+                if cutlass.const_expr(self.mode == MODE_STATES):
+                    for r in cutlass.range_constexpr(RK):
+                        store_vec(out, row * KV + Int64(row0) * V + col0 + (r * V), S[r], CW)
+                if cutlass.const_expr(self.mode == MODE_KVBUFFER):
+                    W = 2 * K + V
+                    if kr == 0:
+                        store_vec(out, row * W + (2 * K) + col0, delta, CW)
+                    gt = load_vec(sv, Int32((3 * T + t) * K) + row0, RK)
+                    G = [G[r] + gt[r] for r in range(RK)]
+                    if (vb == 0) & (warp == 0) & (vc == 0):
+                        store_vec(out, row * W + row0, kk, RK)
+                        store_vec(out, row * W + K + row0, G, RK)
+            if cutlass.const_expr(self.mode == MODE_FINAL):
+                sbase = (Int64(idx) * HV + hv) * KV + Int64(row0) * V + col0
+                for r in cutlass.range_constexpr(RK):
+                    store_vec(pool, sbase + Int64(r * V), S[r], CW)
+        else:
+            # padded slot: zero outputs (and zero per-token states / buffer), the pool is not touched
+            for t in cutlass.range_constexpr(T):
+                row = (tok0 + t) * HV + hv
+                if kr == 0:
+                    store_zeros(o, row * V + col0, CW)
+                if cutlass.const_expr(self.mode == MODE_STATES):
+                    for r in cutlass.range_constexpr(RK):
+                        store_zeros(out, row * KV + Int64(row0) * V + col0 + (r * V), CW)
+                if cutlass.const_expr(self.mode == MODE_KVBUFFER):
+                    W = 2 * K + V
+                    if kr == 0:
+                        store_zeros(out, row * W + (2 * K) + col0, CW)
+                    if (vb == 0) & (warp == 0) & (vc == 0):
+                        store_zeros(out, row * W + row0, RK)
+                        store_zeros(out, row * W + K + row0, RK)

@@ -1,0 +1,35 @@
+"""Run under compute-sanitizer by test_decode_gpu.py::test_memcheck_clean_on_odd_batches: every decode kernel
+(final state, per-token states, verify, flush with a per-request and a broadcast m, all-layers flush) on odd
+batches N in {1, 5} with padded slots (-1) and an out-of-range slot (= P), T in {1, 3}, K = V in {64, 128}, GVA 2.
+Prints "cases ok" at the end; memcheck reports any out-of-bounds or misaligned access."""
+
+import torch
+
+from decode_cases import backend, make_case
+
+import cula_core
+
+
+def main():
+    n = 0
+    with backend():
+        for K in (64, 128):
+            for N in (1, 5):
+                for T in (1, 3):
+                    kw = make_case(N, T, 1, 2, K=K, V=K, safe=bool(T % 2), out_of_range=True, extra_slots=1,
+                                   seed=N * 10 + T)
+                    cula_core.kda_decode_mtp(**kw)
+                    cula_core.kda_decode_mtp(**kw, output_per_token_states=True)
+                    _, buf = cula_core.kda_decode_mtp_kvbuffer(**kw)
+                    m = torch.arange(N, dtype=torch.int32, device="cuda") % (T + 1)
+                    cula_core.kda_flush_kvbuffer(kw["state_pool"], kw["cache_idx"], buf, m)
+                    cula_core.kda_flush_kvbuffer(kw["state_pool"], kw["cache_idx"], buf, T)
+                    pools = [kw["state_pool"], kw["state_pool"].clone()]
+                    cula_core.kda_flush_kvbuffer_all_layers(pools, kw["cache_idx"], [buf, buf.clone()], m)
+                    n += 1
+    torch.cuda.synchronize()
+    print(f"{n} cases ok")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""CPU tests of cula_sm90.decode: every decode kernel compiles for sm_90a with fake pointers (no GPU needed),
+the backend serves / declines the right calls with the right reasons, and importing the package pulls in no
+CuTe DSL."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cula_core.backend import CallConfig, DeviceInfo
+
+HOPPER = DeviceInfo(type="cuda", index=0, capability=(9, 0), name="NVIDIA H100")
+
+
+def call(op="kda_decode_mtp", *, dtype=torch.bfloat16, K=128, V=None, HQK=4, HV=8, T=4, gate="softplus", **options):
+    return CallConfig(op=op, device=HOPPER, dtype=dtype, K=K, V=K if V is None else V, HQK=HQK, HV=HV, T=T, gate=gate,
+                      varlen=False, requires_grad=False, options=options)
+
+
+def test_import_pulls_no_dsl():
+    code = ("import sys, cula_sm90.backend as b; import cula_sm90.decode as d; d.kernel('kda_decode'); "
+            "assert not any(m.startswith('cutlass') for m in sys.modules), 'CuTe DSL imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("op", ["kda_decode", "kda_decode_mtp", "kda_decode_mtp_kvbuffer"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("K", [64, 128])
+def test_serves_decode(op, dtype, K):
+    from cula_sm90.backend import backend
+
+    assert backend.unsupported_reason(call(op, dtype=dtype, K=K, T=1 if op == "kda_decode" else 8,
+                                           gate="safe")) is None
+
+
+def test_declines_with_reasons():
+    from cula_sm90.backend import backend
+
+    assert backend.unsupported_reason(call(K=256)) == "sm90 decode serves K, V in (64, 128), got K=256, V=256"
+    assert backend.unsupported_reason(call(T=17)) == "sm90 decode serves T <= 16 tokens per request, got T=17"
+    assert backend.unsupported_reason(call(dtype=torch.float64)) == \
+        "sm90 decode serves bf16/fp16/fp32 q/k/v, got torch.float64"
+    flush = call("kda_flush_kvbuffer", dtype=torch.float64, gate="precomputed")
+    assert backend.unsupported_reason(flush) == "sm90 flush serves fp32 state pools and KVBuffers, got torch.float64"
+    many = call("kda_flush_kvbuffer_all_layers", dtype=torch.float32, gate="precomputed", layers=129)
+    assert backend.unsupported_reason(many) == \
+        "sm90 all-layers flush serves up to 128 layers in one launch, got 129"
+    assert backend.unsupported_reason(call("kda_flush_kvbuffer_all_layers", dtype=torch.float32, layers=64)) is None
+
+
+@pytest.fixture
+def sm90a(monkeypatch):
+    pytest.importorskip("cutlass")
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+
+
+RECURRENT = [  # (mode, T, K, dtypes of q/k/v, g, beta, A_log?, dt_bias?, safe, l2norm)
+    ("final", 1, 128, torch.bfloat16, torch.bfloat16, torch.bfloat16, True, True, False, True),
+    ("final", 4, 64, torch.float16, torch.float32, torch.float16, False, True, True, True),
+    ("states", 3, 128, torch.float32, torch.float32, torch.float32, True, False, True, False),
+    ("kvbuffer", 6, 128, torch.bfloat16, torch.float32, torch.bfloat16, True, True, False, True),
+    ("kvbuffer", 2, 64, torch.float32, torch.float32, torch.float32, False, False, True, True),
+]
+
+
+@pytest.mark.parametrize("case", RECURRENT, ids=lambda c: f"{c[0]}-T{c[1]}-K{c[2]}")
+def test_recurrent_compiles_for_sm90a(sm90a, case):
+    from cula_sm90.decode import _config, launch
+
+    mode, T, K, qkv, gdt, bdt, has_a, has_b, safe, l2 = case
+    g = torch.empty(0, dtype=gdt)
+    beta = torch.empty(0, dtype=bdt)
+    A_log = torch.empty(0) if has_a else None
+    dt_bias = torch.empty(0) if has_b else None
+    fl = launch._recurrent_kernel(mode, T, K, K, qkv, g, beta, A_log, dt_bias, safe, l2,
+                                  _config.recurrent_tiling(1, T, 8))
+    assert fl.compiled is not None and len(fl.cells) == len(launch._RECURRENT_KINDS)
+
+
+@pytest.mark.parametrize(("T", "K", "layers", "per_request"), [(4, 128, 1, True), (3, 64, 1, False),
+                                                                (6, 128, 5, True)])
+def test_flush_compiles_for_sm90a(sm90a, T, K, layers, per_request):
+    from cula_sm90.decode import launch
+
+    fl = launch._flush_kernel(T, K, K, layers, per_request)
+    assert fl.compiled is not None and len(fl.cells) == 4 + 1 + 2 * layers + 3 + 1
