@@ -102,29 +102,33 @@ class ChunkIntraKernel:
 
         n, t0, L, valid = common.find_chunk(cu, co, chunk, N, search_steps)
         if valid:
-            # ---- q, k rows (L2-normalised once for the whole group of value heads): a warp per row
-            for r in cutlass.range(warp, 2 * BT, 8):
-                row = r % BT
-                ss = Float32(0.0)
-                vals = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+            # ---- q, k rows (L2-normalised once for the whole group of value heads): warp w owns q rows
+            # 8w..8w+7 and the same k rows; all 64 loads are issued before the first use (latency overlapped)
+            vals = cute.make_rmem_tensor(cute.make_layout((4, 16)), Float32)
+            for rr in cutlass.range_constexpr(16):
+                row = warp * 8 + rr % 8
                 for e in cutlass.range_constexpr(4):
                     x = Float32(0.0)
                     if row < L:
-                        if r < BT:
+                        if const_expr(rr < 8):
                             x = q[t0 + row, h, lane + 32 * e].to(Float32)
                         else:
                             x = k[t0 + row, h, lane + 32 * e].to(Float32)
-                    vals[e] = x
-                    ss += x * x
+                    vals[e, rr] = x
+            for rr in cutlass.range_constexpr(16):
+                row = warp * 8 + rr % 8
                 rs = Float32(1.0)
                 if const_expr(self.l2norm):
+                    ss = Float32(0.0)
+                    for e in cutlass.range_constexpr(4):
+                        ss += vals[e, rr] * vals[e, rr]
                     ss = cute.arch.warp_reduction_sum(ss)
                     rs = cute.math.rsqrt(ss + 1e-6)
                 for e in cutlass.range_constexpr(4):
-                    if r < BT:
-                        sQ[row, lane + 32 * e] = vals[e] * rs
+                    if const_expr(rr < 8):
+                        sQ[row, lane + 32 * e] = vals[e, rr] * rs
                     else:
-                        sK[row, lane + 32 * e] = vals[e] * rs
+                        sK[row, lane + 32 * e] = vals[e, rr] * rs
 
             for j in cutlass.range(G):
                 hv = h * G + j
@@ -137,23 +141,30 @@ class ChunkIntraKernel:
                 bias = Float32(0.0)
                 if const_expr(self.has_dt_bias):
                     bias = dtb[hv, d].to(Float32)
-                for t in cutlass.range(tid // DK, BT, 2):
+                # thread (half, d): rows 32 half .. 32 half + 31 of column d, loads issued together, the
+                # gate and a local cumulative sum in registers; the second half then adds the first's total
+                half = tid // DK
+                gv = cute.make_rmem_tensor(cute.make_layout(BT // 2), Float32)
+                for m in cutlass.range_constexpr(BT // 2):
                     x = Float32(0.0)
-                    if t < L:
-                        x = self.log_gate(g[t0 + t, hv, d].to(Float32), a_rate, bias, lower_bound)
-                    sG[t, d] = x
+                    if half * (BT // 2) + m < L:
+                        x = g[t0 + half * (BT // 2) + m, hv, d].to(Float32)
+                    gv[m] = x
+                acc = Float32(0.0)
+                for m in cutlass.range_constexpr(BT // 2):
+                    if half * (BT // 2) + m < L:  # rows past the end add nothing (identity transitions)
+                        acc += self.log_gate(gv[m], a_rate, bias, lower_bound)
+                    sG[half * (BT // 2) + m, d] = acc
                 if tid < BT:
                     b = Float32(0.0)
                     if tid < L:
                         b = common.activate_beta(beta[t0 + tid, hv].to(Float32), self.beta_activation)
                     sB[tid] = b
                 cute.arch.sync_threads()
-                # ---- chunk-local cumulative sum, one column per thread
-                if tid < DK:
-                    acc = Float32(0.0)
-                    for t in cutlass.range(BT, unroll=8):
-                        acc += sG[t, tid]
-                        sG[t, tid] = acc
+                if half == 1:
+                    first = sG[BT // 2 - 1, d]
+                    for m in cutlass.range_constexpr(BT // 2):
+                        sG[BT // 2 + m, d] = sG[BT // 2 + m, d] + first
                 cute.arch.sync_threads()
                 self.scores(sQ, sK, sG, sA, sL, sX, sB, tid, scale)
                 cute.arch.sync_threads()
@@ -250,23 +261,30 @@ class ChunkIntraKernel:
         jc = tid % BT
         for i in cutlass.range(tid // BT, L, self.threads // BT):
             aqk[t0 + i, hv, jc] = sA[i, jc].to(aqk.element_type)
-        # Two threads per column (halves of the inner sum, joined by a shuffle); both keep the column in the
-        # operand scratch sX (dead after the scores), so each reads back only rows it wrote itself.
+        # The right-hand sides go to the operand scratch sX (dead after the scores) first, all 256 threads
+        # loading together; then two threads per column (halves of the inner sum, joined by a shuffle) solve in
+        # place. Both threads of a column write every row, so each reads back only rows it wrote itself.
         col = tid // 2
         half = tid % 2
         for part in cutlass.range_constexpr(2):  # 0: w, 1: u
             cute.arch.sync_threads()  # the scratch's previous readers are done
-            for i in cutlass.range(L):
+            for m in cutlass.range_constexpr(BT * DK // self.threads):
+                i = m * (self.threads // DK) + tid // DK
                 rhs = Float32(0.0)
                 if const_expr(part == 0):
-                    rhs = sB[i] * sK[i, col] * cute.math.exp(sG[i, col], fastmath=True)
+                    rhs = sB[i] * sK[i, c] * cute.math.exp(sG[i, c], fastmath=True)
                 else:
-                    rhs = sB[i] * v[t0 + i, hv, col].to(Float32)
+                    if i < L:
+                        rhs = sB[i] * v[t0 + i, hv, c].to(Float32)
+                sX[i, c] = rhs
+            cute.arch.sync_threads()
+            for i in cutlass.range(L):
                 acc = Float32(0.0)
                 for jj in cutlass.range(half, i, 2, unroll=4):
                     acc += sL[i, jj] * sX[jj, col]
                 acc += cute.arch.shuffle_sync_bfly(acc, offset=1)
-                x = rhs - acc
+                x = sX[i, col] - acc
+                cute.arch.sync_warp()  # both threads of the column have read row i before it is replaced
                 sX[i, col] = x
                 if half == 0:
                     if const_expr(part == 0):

@@ -118,22 +118,25 @@ class ChunkStateKernel:
             if L > BT:
                 L = Int32(BT)
             cute.arch.sync_threads()  # the previous chunk's readers of the shared tiles are done
-            for i in cutlass.range(BT):
-                ok = i < L
-                xw = Float32(0.0)
-                xk = Float32(0.0)
-                xq = Float32(0.0)
-                if ok:
-                    xw = w[t0 + i, hv, tid].to(Float32)
-                    xk = kg[t0 + i, hv, tid].to(Float32)
-                    if const_expr(not self.affine):
-                        xq = qg[t0 + i, hv, tid].to(Float32)
-                sW[i, tid] = xw
-                sKg[i, tid] = xk
-                sQg[i, tid] = xq
-            for e in cutlass.range(tid, BT * BV, self.threads):
-                i = e // BV
-                c = e % BV
+            # loads unrolled in groups of 16 rows so that many are in flight at once (latency, not bandwidth,
+            # bounds this serial loop)
+            for grp in cutlass.range_constexpr(BT // 16):
+                for ii in cutlass.range_constexpr(16):
+                    i = grp * 16 + ii
+                    xw = Float32(0.0)
+                    xk = Float32(0.0)
+                    xq = Float32(0.0)
+                    if i < L:
+                        xw = w[t0 + i, hv, tid].to(Float32)
+                        xk = kg[t0 + i, hv, tid].to(Float32)
+                        if const_expr(not self.affine):
+                            xq = qg[t0 + i, hv, tid].to(Float32)
+                    sW[i, tid] = xw
+                    sKg[i, tid] = xk
+                    sQg[i, tid] = xq
+            for m in cutlass.range_constexpr(BT * BV // self.threads):
+                i = m * (self.threads // BV) + tid // BV
+                c = tid % BV
                 xu = Float32(0.0)
                 if i < L:
                     if const_expr(self.affine):
@@ -143,9 +146,9 @@ class ChunkStateKernel:
                         xu = u[t0 + i, hv, col0 + c].to(Float32)
                 sU[i, c] = xu
             if const_expr(not self.affine):
-                for e in cutlass.range(tid, BT * BT, self.threads):
-                    i = e // BT
-                    jc = e % BT
+                for m in cutlass.range_constexpr(BT * BT // self.threads):
+                    i = m * (self.threads // BT) + tid // BT
+                    jc = tid % BT
                     xa = Float32(0.0)
                     if i < L:
                         xa = aqk[t0 + i, hv, jc].to(Float32)
