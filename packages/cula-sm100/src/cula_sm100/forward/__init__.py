@@ -1,11 +1,60 @@
-"""cula_sm100.forward: no kernels yet; serves no op (see its issue)."""
+"""cula_sm100.forward: the chunk_kda training forward (bf16, K = V = 128, native GVA) in CuTe DSL.
 
-OPS: tuple[str, ...] = ()
+Kernels, one per file, launched in this order by `launch.forward` (`launch.py`: tables, buffers, cache):
+  l2norm.py         q/k L2 normalisation (use_qk_l2norm_in_kernel)
+  gate_cumsum.py    gate (precomputed / softplus / safe) and chunk-local cumsum G
+  chunk_intra.py    Aqk and Akk = (I + L)^-1 per chunk of 64
+  recompute_w_u.py  w, u and kg per chunk
+  chunk_delta_h.py  the inter-chunk state recurrence: per-chunk h, v_new, final state
+  fwd_o.py          o from qg, h, Aqk and v_new
+All multiply with warp-level mma.sync (bf16 -> fp32, `cute_utils.mma_atom`), so they run on sm_90 and sm_100.
+
+The forward saves nothing for the backward: `cula::chunk_kda_backward` dispatches on its own and, until
+cula-sm100 has a backward, runs on the reference (which recomputes the forward in fp32).
+This module imports no CuTe DSL: the kernels are compiled on first use.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+OPS: tuple[str, ...] = ("chunk_kda",)
+HEAD_DIM = 128
+BETA_ACTIVATIONS = ("none", "sigmoid", "2sigmoid")
+GATES = ("precomputed", "softplus", "safe")
+
+
+@functools.lru_cache(maxsize=1)
+def dsl_missing() -> str | None:
+    """Why the CuTe DSL cannot be used here, or None."""
+    if importlib.util.find_spec("cutlass") is None:
+        return "sm100 needs nvidia-cutlass-dsl (CuTe DSL), which is not installed"
+    return None
 
 
 def unsupported_reason(call) -> str | None:
-    return f"sm100 does not implement {call.op}"
+    if call.op not in OPS:
+        return f"sm100 does not implement {call.op}"
+    if call.device.type != "cuda":
+        return f"sm100 runs on CUDA devices, got {call.device.type}"
+    if call.dtype != torch.bfloat16:
+        return f"sm100 serves bf16 q/k/v only, got {str(call.dtype).replace('torch.', '')}"
+    if call.K != HEAD_DIM or call.V != HEAD_DIM:
+        return f"sm100 serves K=V=128 only, got K={call.K}, V={call.V}"
+    if call.gate not in GATES:
+        return f"sm100 does not serve gate {call.gate!r}"
+    act = call.options.get("beta_activation", "none")
+    if act not in BETA_ACTIVATIONS:
+        return f"sm100 does not serve beta_activation {act!r}"
+    return dsl_missing()
 
 
 def kernel(op: str):
-    raise NotImplementedError(f"sm100 has no kernel for {op}")
+    if op not in OPS:
+        raise NotImplementedError(f"sm100 has no kernel for {op}")
+    from cula_sm100.forward import launch
+
+    return launch.chunk_kda

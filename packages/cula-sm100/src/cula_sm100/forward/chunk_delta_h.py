@@ -1,0 +1,136 @@
+"""chunk_delta_h: the inter-chunk state recurrence, one (sequence, value head, 64-column slice of V) per CTA.
+
+For each chunk of the sequence, in order (h: the state [K = 128, 64] at the chunk start, fp32 registers):
+
+    h_out[chunk] = h                                  (saved, bf16 as FLA, for fwd_o and the backward)
+    v_new = u - w @ h                                 (bf16 out)
+    h     = diag(exp(G_last)) h + kg^T @ v_new
+
+starting from initial_state (or zeros) and ending in final_state (fp32) if asked. Sequences come from the
+sequence table (first token, end, first global chunk), so varlen and empty sequences need nothing more.
+Tiling: 128 threads (4 warps along M); `w @ h` is [64 x 128] @ [128 x 64] and `kg^T @ v_new` is
+[128 x 64] @ [64 x 64], both mma.sync m16n8k16 with bf16 operands (h and v_new rounded to bf16 as FLA) and
+fp32 accumulation; transposed operands read with ldmatrix.trans. Pipeline per chunk: cp.async w, kg
+(rows past the end zero) overlapped with the store of h; GEMM; v_new out; decay and GEMM into h.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cuda.bindings.driver as cuda
+
+from cula_sm100.forward.cute_utils import (copy_rows_g2s, g2s_tiled_copy, gemm_ss, head_rows, make_tiled_mma,
+                                          smem_layout, token_layout, transposed)
+
+
+class ChunkDeltaH:
+    BT = 64
+    K = 128
+    V = 128
+    BV = 64
+    threads = 128
+
+    def __init__(self, has_initial_state: bool, output_final_state: bool):
+        self.has_h0 = has_initial_state
+        self.store_ht = output_final_state
+
+    @cute.jit
+    def __call__(self, w_ptr: cute.Pointer, u_ptr: cute.Pointer, kg_ptr: cute.Pointer, G_ptr: cute.Pointer,
+                 h0_ptr: cute.Pointer, h_ptr: cute.Pointer, vnew_ptr: cute.Pointer, ht_ptr: cute.Pointer,
+                 seq_ptr: cute.Pointer, TT: cutlass.Int32, NT: cutlass.Int32, N: cutlass.Int32, HV: cutlass.Int32,
+                 stream: cuda.CUstream):
+        K, V = self.K, self.V
+        hv_k = token_layout(TT, HV, K)
+        hv_v = token_layout(TT, HV, V)
+        mW = cute.make_tensor(w_ptr, hv_k)
+        mU = cute.make_tensor(u_ptr, hv_v)
+        mKg = cute.make_tensor(kg_ptr, hv_k)
+        mG = cute.make_tensor(G_ptr, hv_k)
+        mVn = cute.make_tensor(vnew_ptr, hv_v)
+        # states [*, HV, K, V] viewed as (* HV K, 1, V) so head_rows tiles (state, head) with 64-bit offsets
+        state = cute.make_layout((N * HV * K, 1, V), stride=(V, V, 1))
+        mH0 = cute.make_tensor(h0_ptr, state)
+        mHt = cute.make_tensor(ht_ptr, state)
+        mH = cute.make_tensor(h_ptr, cute.make_layout((NT * HV * K, 1, V), stride=(V, V, 1)))
+        mS = cute.make_tensor(seq_ptr, cute.make_layout((N, 3), stride=(3, 1)))
+        self.kernel(mW, mU, mKg, mG, mH0, mH, mVn, mHt, mS, HV).launch(
+            grid=[N, HV, V // self.BV], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mW: cute.Tensor, mU: cute.Tensor, mKg: cute.Tensor, mG: cute.Tensor, mH0: cute.Tensor,
+               mH: cute.Tensor, mVn: cute.Tensor, mHt: cute.Tensor, mS: cute.Tensor, HV: cutlass.Int32):
+        K, BT, BV = self.K, self.BT, self.BV
+        tidx, _, _ = cute.arch.thread_idx()
+        s, hv, vb = cute.arch.block_idx()
+        v0 = vb * BV
+        bos = mS[s, 0]
+        eos = mS[s, 1]
+        first = mS[s, 2]
+        nchunks = (eos - bos + BT - 1) // BT
+
+        smem = cutlass.utils.SmemAllocator()
+        sW = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 128)
+        sKg = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 128)
+        sH = smem.allocate_tensor(cutlass.BFloat16, smem_layout(K, BV), 128)
+        sVn = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, BV), 128)
+        sGl = smem.allocate_tensor(cutlass.Float32, cute.make_layout((K,)), 16)
+
+        mma = make_tiled_mma(4)
+        thr = mma.get_slice(tidx)
+        acc_h = cute.make_rmem_tensor(thr.partition_shape_C((K, BV)), cutlass.Float32)
+        coord_h = thr.partition_C(cute.make_identity_tensor((K, BV)))
+        acc_v = cute.make_rmem_tensor(thr.partition_shape_C((BT, BV)), cutlass.Float32)
+        coord_v = thr.partition_C(cute.make_identity_tensor((BT, BV)))
+        sH_part = thr.partition_C(sH)
+        sVn_part = thr.partition_C(sVn)
+
+        if cutlass.const_expr(self.has_h0):
+            tH0 = head_rows(mH0, (s * HV + hv) * K, 0, K)
+            for i in cutlass.range_constexpr(cute.size(acc_h)):
+                k0, c0 = coord_h[i]
+                acc_h[i] = tH0[k0, v0 + c0]
+        else:
+            acc_h.fill(0.0)
+
+        cp = g2s_tiled_copy(K, self.threads)
+        for ci in cutlass.range(nchunks, unroll=1):
+            t0 = bos + ci * BT
+            n = cutlass.min(eos - t0, BT)
+            copy_rows_g2s(cp, head_rows(mW, t0, hv, BT), sW, n, tidx)
+            copy_rows_g2s(cp, head_rows(mKg, t0, hv, BT), sKg, n, tidx)
+            cute.arch.cp_async_commit_group()
+            sGl[tidx] = cute.math.exp(head_rows(mG, t0, hv, BT)[n - 1, tidx].to(cutlass.Float32), fastmath=True)
+            tH = head_rows(mH, ((first + ci) * HV + hv) * K, 0, K)
+            for i in cutlass.range_constexpr(cute.size(acc_h)):
+                k1, c1 = coord_h[i]
+                hb = acc_h[i].to(cutlass.BFloat16)
+                tH[k1, v0 + c1] = hb
+                sH_part[i] = hb
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()
+
+            tU = head_rows(mU, t0, hv, BT)
+            tVn = head_rows(mVn, t0, hv, BT)
+            acc_v.fill(0.0)
+            gemm_ss(mma, acc_v, sW, transposed(sH, K, BV), tidx, False, True)
+            for i in cutlass.range_constexpr(cute.size(acc_v)):
+                r2, c2 = coord_v[i]
+                x = cutlass.Float32(0.0)
+                if r2 < n:
+                    x = tU[r2, v0 + c2].to(cutlass.Float32) - acc_v[i]
+                    tVn[r2, v0 + c2] = x.to(mVn.element_type)
+                sVn_part[i] = x.to(cutlass.BFloat16)
+            cute.arch.sync_threads()
+
+            for i in cutlass.range_constexpr(cute.size(acc_h)):
+                k3, _ = coord_h[i]
+                acc_h[i] = acc_h[i] * sGl[k3]
+            gemm_ss(mma, acc_h, transposed(sKg, BT, K), transposed(sVn, BT, BV), tidx, True, True)
+            cute.arch.sync_threads()
+
+        if cutlass.const_expr(self.store_ht):
+            tHt = head_rows(mHt, (s * HV + hv) * K, 0, K)
+            for i in cutlass.range_constexpr(cute.size(acc_h)):
+                k4, c4 = coord_h[i]
+                tHt[k4, v0 + c4] = acc_h[i]

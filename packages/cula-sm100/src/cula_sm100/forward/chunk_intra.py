@@ -1,0 +1,240 @@
+"""chunk_intra: the intra-chunk score matrices of KDA for one (chunk of 64, value head) per CTA.
+
+    Aqk[i, j] = scale * sum_d q_i[d] k_j[d] exp(G_i[d] - G_j[d])       (j <= i, else 0)
+    L[i, j]   = beta_i * sum_d k_i[d] k_j[d] exp(G_i[d] - G_j[d])      (j <  i, else 0)
+    Akk       = (I + L)^{-1}                                           (unit lower triangular)
+
+GVA: the CTA of value head hv reads q/k at head hv // (HV // HQK); G and beta at hv; writes in HV space.
+
+Tiling (4 warps, warp w owns rows 16w..16w+15 of the chunk):
+  * columns before the warp's row block (j < 16w): one warp-level GEMM per warp,
+    [q_i e^{G_i - G_n}; k_i e^{G_i - G_n}] (32 x 128) @ [k_j e^{G_n - G_j}]^T (128 x 16w), n = 16w, with
+    bf16 operands and fp32 accumulation (mma.sync m16n8k16). Both exponents are <= 0 for decays, so
+    neither factor can overflow however strong the decay (the reference's factorisation);
+  * the 16 x 16 diagonal block: pairwise decays exp(G_i - G_j) in fp32 on CUDA cores, each lane four
+    channels, warp-butterfly sums (no factorisation there: the in-block span of G is unbounded);
+  * the solve, in fp32: each warp inverts its diagonal block by forward substitution (one lane per
+    column), then the off-diagonal blocks row block by row block, X_pq = -X_pp sum_r L_pr X_rq.
+Pipeline: cp.async q/k (zero rows past the chunk end) and G (rows past the end repeat the last valid one,
+so every exponent stays <= 0), build operands, MMA + pairwise, solve, coalesced bf16 stores of Akk, Aqk.
+Shared memory ~150 KB: one CTA per SM.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cuda.bindings.driver as cuda
+
+from cula_sm100.forward.cute_utils import (LOG2E, chunk_block, copy_rows_g2s, g2s_tiled_copy, gemm_ss, head_rows,
+                                          load_beta, make_tiled_mma, smem_layout, token_layout)
+
+
+class ChunkIntra:
+    BT = 64
+    BC = 16
+    K = 128
+    threads = 128
+
+    def __init__(self, beta_activation: str):
+        self.beta_activation = beta_activation
+
+    @cute.jit
+    def __call__(self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, G_ptr: cute.Pointer, beta_ptr: cute.Pointer,
+                 Aqk_ptr: cute.Pointer, Akk_ptr: cute.Pointer, table_ptr: cute.Pointer, TT: cutlass.Int32,
+                 NC: cutlass.Int32, HQK: cutlass.Int32, HV: cutlass.Int32, scale: cutlass.Float32,
+                 stream: cuda.CUstream):
+        K, BT = self.K, self.BT
+        mQ = cute.make_tensor(q_ptr, token_layout(TT, HQK, K))
+        mK = cute.make_tensor(k_ptr, token_layout(TT, HQK, K))
+        mG = cute.make_tensor(G_ptr, token_layout(TT, HV, K))
+        mBeta = cute.make_tensor(beta_ptr, token_layout(TT, HV, 1))
+        mAqk = cute.make_tensor(Aqk_ptr, token_layout(TT, HV, BT))
+        mAkk = cute.make_tensor(Akk_ptr, token_layout(TT, HV, BT))
+        mT = cute.make_tensor(table_ptr, cute.make_layout((NC, 2), stride=(2, 1)))
+        self.kernel(mQ, mK, mG, mBeta, mAqk, mAkk, mT, HV // HQK, scale).launch(
+            grid=[NC, HV, 1], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor, mAqk: cute.Tensor,
+               mAkk: cute.Tensor, mT: cute.Tensor, group: cutlass.Int32, scale: cutlass.Float32):
+        K, BT, BC = self.K, self.BT, self.BC
+        tidx, _, hv, t0, n = chunk_block(mT)
+        warp_i = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tidx % 32
+        hq = hv // group
+
+        smem = cutlass.utils.SmemAllocator()
+        sQ = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 128)
+        sK = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 128)
+        sG = smem.allocate_tensor(cutlass.Float32, cute.make_layout((BT, K), stride=(K, 1)), 128)
+        # per-warp GEMM operands: rows [q-side; k-side] of the row block, and the decayed earlier keys
+        sX1 = smem.allocate_tensor(cutlass.BFloat16, smem_layout(2 * BC, K), 128)
+        sX2 = smem.allocate_tensor(cutlass.BFloat16, smem_layout(2 * BC, K), 128)
+        sX3 = smem.allocate_tensor(cutlass.BFloat16, smem_layout(2 * BC, K), 128)
+        sY1 = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BC, K), 128)
+        sY2 = smem.allocate_tensor(cutlass.BFloat16, smem_layout(2 * BC, K), 128)
+        sY3 = smem.allocate_tensor(cutlass.BFloat16, smem_layout(3 * BC, K), 128)
+        # fp32 score matrices; odd row stride (65) keeps column walks conflict-free
+        sL = smem.allocate_tensor(cutlass.Float32, cute.make_layout((BT, BT), stride=(BT + 1, 1)), 16)
+        sA = smem.allocate_tensor(cutlass.Float32, cute.make_layout((BT, BT), stride=(BT + 1, 1)), 16)
+        sD = smem.allocate_tensor(cutlass.Float32, cute.make_layout((4, BC, BC), stride=(BC * (BC + 1), BC + 1, 1)), 16)
+        sTmp = smem.allocate_tensor(cutlass.Float32, cute.make_layout((BC, 3 * BC), stride=(3 * BC + 1, 1)), 16)
+        sBeta = smem.allocate_tensor(cutlass.Float32, cute.make_layout((BT,)), 16)
+
+        # ---- loads
+        cp_bf16 = g2s_tiled_copy(K, self.threads)
+        cp_f32 = g2s_tiled_copy(K, self.threads, cutlass.Float32)
+        gQ = head_rows(mQ, t0, hq, BT)
+        gK = head_rows(mK, t0, hq, BT)
+        gG = head_rows(mG, t0, hv, BT)
+        copy_rows_g2s(cp_bf16, gQ, sQ, n, tidx)
+        copy_rows_g2s(cp_bf16, gK, sK, n, tidx)
+        copy_rows_g2s(cp_f32, gG, sG, n, tidx)
+        cute.arch.cp_async_commit_group()
+        load_beta(sBeta, mBeta, t0, hv, n, tidx, self.beta_activation)
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+        # rows past the chunk end repeat the last valid G (their q/k are zero): exponents stay <= 0
+        for r in cutlass.range_constexpr(BT):
+            if r >= n:
+                sG[r, tidx] = sG[n - 1, tidx]
+        cute.arch.sync_threads()
+
+        # ---- build the per-warp GEMM operands (warp w >= 1), in log2 units
+        self.build_operands(1, sQ, sK, sG, sX1, sY1, warp_i, lane)
+        self.build_operands(2, sQ, sK, sG, sX2, sY2, warp_i, lane)
+        self.build_operands(3, sQ, sK, sG, sX3, sY3, warp_i, lane)
+
+        # ---- diagonal blocks, pairwise in fp32
+        r0 = warp_i * BC
+        for i in cutlass.range_constexpr(BC):
+            gi = cute.make_rmem_tensor((4,), cutlass.Float32)
+            qi = cute.make_rmem_tensor((4,), cutlass.Float32)
+            ki = cute.make_rmem_tensor((4,), cutlass.Float32)
+            for e in cutlass.range_constexpr(4):
+                d = lane * 4 + e
+                gi[e] = sG[r0 + i, d] * LOG2E
+                qi[e] = sQ[r0 + i, d].to(cutlass.Float32)
+                ki[e] = sK[r0 + i, d].to(cutlass.Float32)
+            bi = sBeta[r0 + i]
+            # a runtime loop over the columns keeps the unrolled code (and compile time) small
+            for j in cutlass.range(i + 1, unroll=1):
+                aq = cutlass.Float32(0.0)
+                ak = cutlass.Float32(0.0)
+                for e in cutlass.range_constexpr(4):
+                    d = lane * 4 + e
+                    kj = sK[r0 + j, d].to(cutlass.Float32)
+                    dec = cute.arch.exp2(gi[e] - sG[r0 + j, d] * LOG2E)
+                    aq += qi[e] * kj * dec
+                    ak += ki[e] * kj * dec
+                for s in cutlass.range_constexpr(5):
+                    aq += cute.arch.shuffle_sync_bfly(aq, 1 << s)
+                    ak += cute.arch.shuffle_sync_bfly(ak, 1 << s)
+                if lane == 0:
+                    sA[r0 + i, r0 + j] = aq * scale
+                    sL[r0 + i, r0 + j] = ak * bi  # the diagonal entry is written but never read
+        cute.arch.sync_threads()
+
+        # ---- off-diagonal columns by warp-level MMA
+        self.offdiag(1, sX1, sY1, sA, sL, sBeta, warp_i, lane, scale)
+        self.offdiag(2, sX2, sY2, sA, sL, sBeta, warp_i, lane, scale)
+        self.offdiag(3, sX3, sY3, sA, sL, sBeta, warp_i, lane, scale)
+        cute.arch.sync_threads()
+
+        # ---- solve: diagonal block inverses (lane = column), fp32
+        if lane < BC:
+            x = cute.make_rmem_tensor((BC,), cutlass.Float32)
+            for j in cutlass.range_constexpr(BC):
+                x[j] = cutlass.Float32(0.0)
+                if j == lane:
+                    x[j] = cutlass.Float32(1.0)
+            for i in cutlass.range_constexpr(1, BC):
+                s = cutlass.Float32(0.0)
+                for j in cutlass.range_constexpr(i):
+                    s += sL[r0 + i, r0 + j] * x[j]
+                if i > lane:
+                    x[i] = -s
+            for i in cutlass.range_constexpr(BC):
+                sD[warp_i, i, lane] = x[i]
+        cute.arch.sync_threads()
+
+        # ---- solve: off-diagonal blocks, row block p after row block p - 1 (X overwrites L there)
+        for p in cutlass.range_constexpr(1, 4):
+            for q in cutlass.range_constexpr(p):
+                for m in cutlass.range_constexpr(2):
+                    e = tidx + 128 * m
+                    i = e // BC
+                    jj = e % BC
+                    s = cutlass.Float32(0.0)
+                    for r in cutlass.range_constexpr(q, p):
+                        for xx in cutlass.range_constexpr(BC):
+                            if cutlass.const_expr(r == q):
+                                s += sL[p * BC + i, r * BC + xx] * sD[q, xx, jj]
+                            else:
+                                s += sL[p * BC + i, r * BC + xx] * sL[r * BC + xx, q * BC + jj]
+                    sTmp[i, q * BC + jj] = s
+            cute.arch.sync_threads()
+            for q in cutlass.range_constexpr(p):
+                for m in cutlass.range_constexpr(2):
+                    e = tidx + 128 * m
+                    i = e // BC
+                    jj = e % BC
+                    s = cutlass.Float32(0.0)
+                    for xx in cutlass.range_constexpr(BC):
+                        s += sD[p, i, xx] * sTmp[xx, q * BC + jj]
+                    sL[p * BC + i, q * BC + jj] = -s
+            cute.arch.sync_threads()
+
+        # ---- stores: rows < n, 64 columns each, zeros above the diagonal
+        tAqk = head_rows(mAqk, t0, hv, BT)
+        tAkk = head_rows(mAkk, t0, hv, BT)
+        for m in cutlass.range_constexpr(BT * BT // self.threads):
+            e = tidx + self.threads * m
+            i = e // BT
+            j = e % BT
+            if i < n:
+                a = cutlass.Float32(0.0)
+                x = cutlass.Float32(0.0)
+                if j <= i:
+                    a = sA[i, j]
+                    if i // BC == j // BC:
+                        x = sD[i // BC, i % BC, j % BC]
+                    else:
+                        x = sL[i, j]
+                tAqk[i, j] = a.to(mAqk.element_type)
+                tAkk[i, j] = x.to(mAkk.element_type)
+
+    @cute.jit
+    def build_operands(self, w: cutlass.Constexpr, sQ, sK, sG, sX, sY, warp_i, lane):
+        """Warp w: sX = [q_i; k_i] * exp(G_i - G_n) for its 16 rows, sY = k_j * exp(G_n - G_j), j < n = 16w."""
+        BC = self.BC
+        if warp_i == w:
+            for e in cutlass.range_constexpr(4):
+                d = lane * 4 + e
+                gref = sG[w * BC, d] * LOG2E
+                for i in cutlass.range_constexpr(BC):
+                    dec = cute.arch.exp2(sG[w * BC + i, d] * LOG2E - gref)
+                    sX[i, d] = (sQ[w * BC + i, d].to(cutlass.Float32) * dec).to(cutlass.BFloat16)
+                    sX[BC + i, d] = (sK[w * BC + i, d].to(cutlass.Float32) * dec).to(cutlass.BFloat16)
+                for j in cutlass.range_constexpr(w * BC):
+                    dec = cute.arch.exp2(gref - sG[j, d] * LOG2E)
+                    sY[j, d] = (sK[j, d].to(cutlass.Float32) * dec).to(cutlass.BFloat16)
+
+    @cute.jit
+    def offdiag(self, w: cutlass.Constexpr, sX, sY, sA, sL, sBeta, warp_i, lane, scale):
+        """Warp w: scores of its rows against columns j < 16w, [32 x 16w] = sX @ sY^T."""
+        BC = self.BC
+        if warp_i == w:
+            mma = make_tiled_mma(1)
+            thr = mma.get_slice(lane)
+            acc = cute.make_rmem_tensor(thr.partition_shape_C((2 * BC, w * BC)), cutlass.Float32)
+            acc.fill(0.0)
+            gemm_ss(mma, acc, sX, sY, lane, False, False)
+            coord = thr.partition_C(cute.make_identity_tensor((2 * BC, w * BC)))
+            for v in cutlass.range_constexpr(cute.size(acc)):
+                r, col = coord[v]
+                if r < BC:
+                    sA[w * BC + r, col] = acc[v] * scale
+                else:
+                    sL[w * BC + r - BC, col] = acc[v] * sBeta[w * BC + r - BC]

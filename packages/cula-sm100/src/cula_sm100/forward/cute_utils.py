@@ -1,0 +1,141 @@
+"""Shared CuTe DSL helpers of the sm100 forward kernels: the MMA atom (chosen here, in one place), swizzled
+shared-memory tiles, predicated global->shared copies, and shared-memory GEMMs through ldmatrix.
+
+Every kernel multiplies with warp-level `mma.sync.m16n8k16` (bf16 x bf16 -> fp32), which runs on sm_90 and
+sm_100 alike, so the H100 tests the code that serves Blackwell. A tcgen05/TMEM variant for sm_100 slots in
+by replacing `mma_atom` / `make_tiled_mma` and the GEMM helpers below for that arch (a later issue).
+
+Conventions: a GEMM computes `acc[M, N] += A[M, K] @ B[N, K]^T` with A and B views in shared memory whose
+*logical* shapes are `(M, K)` and `(N, K)`. An operand stored the other way round (the contraction dim
+not contiguous) is passed as a transposed view (`transposed(s)`) and loaded with `ldmatrix.trans`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync, warp
+
+LOG2E = math.log2(math.e)
+COPY_BITS = 128  # 16-byte cp.async / vector accesses
+
+
+def mma_atom(dtype=cutlass.BFloat16):
+    """The MMA instruction every forward kernel uses (the per-arch switch point)."""
+    return warp.MmaF16BF16Op(dtype, cutlass.Float32, (16, 8, 16))
+
+
+def make_tiled_mma(warps_m: int, dtype=cutlass.BFloat16):
+    """`warps_m` warps stacked along M (16 rows each); N in pairs of 8-column atoms so ldmatrix.x4 feeds B."""
+    return cute.make_tiled_mma(mma_atom(dtype), (warps_m, 1, 1), permutation_mnk=(warps_m * 16, 16, 16))
+
+
+def smem_layout(rows: int, cols: int):
+    """Row-major bf16 tile with an XOR swizzle so ldmatrix (plain and transposed) is bank-conflict free."""
+    atom_cols = 64 if cols % 64 == 0 else 32
+    bits = 3 if atom_cols == 64 else 2
+    atom = cute.make_composed_layout(cute.make_swizzle(bits, 3, 3), 0,
+                                     cute.make_layout((8, atom_cols), stride=(atom_cols, 1)))
+    return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+
+
+def transposed(s: cute.Tensor, rows: int, cols: int):
+    """View of a (rows, cols) tensor as (cols, rows): element (i, j) is s[j, i]."""
+    return cute.composition(s, cute.make_layout((cols, rows), stride=(rows, 1)))
+
+
+def g2s_tiled_copy(cols: int, num_threads: int, dtype=cutlass.BFloat16):
+    """cp.async of 16-byte vectors for a row-major (rows, cols) bf16 tile."""
+    vec = COPY_BITS // dtype.width
+    per_row = cols // vec
+    atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
+                               num_bits_per_copy=COPY_BITS)
+    return cute.make_tiled_copy_tv(atom, cute.make_layout((num_threads // per_row, per_row), stride=(per_row, 1)),
+                                   cute.make_layout((1, vec)))
+
+
+def head_rows(m: cute.Tensor, t0, h, rows: int):
+    """The (rows, D) tile of a (T, H, D) row-major tensor starting at token t0, head h. The offset is formed
+    in 64 bits (a tensor may exceed 2^31 elements; offsets inside a tile stay small) and, like the row
+    stride, is a multiple of D, asserted so 16-byte vector copies stay legal."""
+    H = m.shape[1]
+    D = m.shape[2]
+    off = cute.assume((cutlass.Int64(t0) * H + h) * D, divby=D)
+    ld = cute.assume(H * D, divby=D)
+    return cute.make_tensor(m.iterator + off, cute.make_layout((rows, D), stride=(ld, 1)))
+
+
+@cute.jit
+def copy_rows_g2s(tiled_copy: cute.TiledCopy, g: cute.Tensor, s: cute.Tensor, valid_rows, tidx):
+    """Copy rows [0, valid_rows) of the global tile `g` into `s` asynchronously; zero the rows past them
+    (they are never read from global memory, so a tile may hang over the end of its tensor)."""
+    thr = tiled_copy.get_slice(tidx)
+    src = thr.partition_S(g)
+    dst = thr.partition_D(s)
+    coord = thr.partition_S(cute.make_identity_tensor(g.shape))
+    for m in cutlass.range_constexpr(cute.size(dst.shape[1])):
+        if coord[0, m, 0][0] < valid_rows:
+            cute.copy(tiled_copy, src[None, m, None], dst[None, m, None])
+        else:
+            dst[None, m, None].fill(0)
+
+
+@cute.jit
+def gemm_ss(tiled_mma: cute.TiledMma, acc: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor, tidx,
+            a_trans: cutlass.Constexpr, b_trans: cutlass.Constexpr):
+    """acc += sA @ sB^T, operands loaded k-block by k-block with ldmatrix (`*_trans`: the view is transposed
+    with respect to storage, so the load transposes too)."""
+    thr_mma = tiled_mma.get_slice(tidx)
+    rA = thr_mma.make_fragment_A(thr_mma.partition_A(sA))
+    rB = thr_mma.make_fragment_B(thr_mma.partition_B(sB))
+    dtype = sA.element_type
+    cA = cute.make_tiled_copy_A(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(a_trans, 4), dtype), tiled_mma)
+    cB = cute.make_tiled_copy_B(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(b_trans, 4), dtype), tiled_mma)
+    tA = cA.get_slice(tidx)
+    tB = cB.get_slice(tidx)
+    sAp = tA.partition_S(sA)
+    rAv = tA.retile(rA)
+    sBp = tB.partition_S(sB)
+    rBv = tB.retile(rB)
+    for kb in cutlass.range_constexpr(cute.size(rA.shape[2])):
+        cute.copy(cA, sAp[None, None, kb], rAv[None, None, kb])
+        cute.copy(cB, sBp[None, None, kb], rBv[None, None, kb])
+        cute.gemm(tiled_mma, acc, rA[None, None, kb], rB[None, None, kb], acc)
+
+
+def exp2(x):
+    return cute.math.exp2(x, fastmath=True)
+
+
+def token_layout(TT, H, D):
+    """Row-major (T_total, H, D): FLA's [B, T, H, D] with batch and time packed."""
+    return cute.make_layout((TT, H, D), stride=(H * D, D, 1))
+
+
+def beta_act(x, act: str):
+    """beta after its activation ("none", "sigmoid", "2sigmoid"), fp32."""
+    if cutlass.const_expr(act == "sigmoid"):
+        return 1.0 / (1.0 + cute.math.exp(-x))
+    if cutlass.const_expr(act == "2sigmoid"):
+        return 2.0 / (1.0 + cute.math.exp(-x))
+    return x
+
+
+@cute.jit
+def chunk_block(mT: cute.Tensor):
+    """This CTA's (thread, chunk, value head, chunk's first token, chunk length) for grids (chunks, HV)."""
+    tidx, _, _ = cute.arch.thread_idx()
+    c, hv, _ = cute.arch.block_idx()
+    return tidx, c, hv, mT[c, 0], mT[c, 1]
+
+
+@cute.jit
+def load_beta(sBeta: cute.Tensor, mBeta: cute.Tensor, t0, hv, n, tidx, act: cutlass.Constexpr):
+    """sBeta[r] = activated beta of the chunk's row r (0 past its end); mBeta is (T_total, HV, 1)."""
+    if tidx < cute.size(sBeta):
+        b = cutlass.Float32(0.0)
+        if tidx < n:
+            b = beta_act(head_rows(mBeta, t0, hv, cute.size(sBeta))[tidx, 0].to(cutlass.Float32), act)
+        sBeta[tidx] = b

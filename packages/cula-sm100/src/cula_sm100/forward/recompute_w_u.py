@@ -1,0 +1,106 @@
+"""recompute_w_u: the WY factors of one (chunk of 64, value head) per CTA, and the key decayed to chunk end.
+
+    w  = Akk @ (beta * k * exp(G))        u = Akk @ (beta * v)        kg = k * exp(G_last - G)
+
+GVA: k is read at head hv // (HV // HQK); Akk, G, beta, v at hv; w, u, kg written in HV space.
+Tiling: 128 threads (4 warps stacked along the chunk's 64 rows); each product is [64 x 64] @ [64 x 128]
+through mma.sync m16n8k16 (bf16 operands, fp32 accumulation), the right operand read with ldmatrix.trans
+(it is stored token-major). Pipeline: cp.async Akk, k, v (rows past the chunk end zero); one thread per
+channel scales k and v in place (bf16, as FLA) and writes kg; two GEMMs; bf16 stores of rows < n.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cuda.bindings.driver as cuda
+
+from cula_sm100.forward.cute_utils import (chunk_block, copy_rows_g2s, g2s_tiled_copy, gemm_ss, head_rows,
+                                          load_beta, make_tiled_mma, smem_layout, token_layout, transposed)
+
+
+@cute.jit
+def store_acc_rows(acc, coord, tOut, n, col0):
+    """acc (fragment of a [rows, cols] tile at coordinates coord) -> tOut[r, col0 + c] for rows r < n."""
+    for v in cutlass.range_constexpr(cute.size(acc)):
+        r, col = coord[v]
+        if r < n:
+            tOut[r, col0 + col] = acc[v].to(tOut.element_type)
+
+
+class RecomputeWU:
+    BT = 64
+    K = 128
+    V = 128
+    threads = 128
+
+    def __init__(self, beta_activation: str):
+        self.beta_activation = beta_activation
+
+    @cute.jit
+    def __call__(self, k_ptr: cute.Pointer, v_ptr: cute.Pointer, G_ptr: cute.Pointer, beta_ptr: cute.Pointer,
+                 Akk_ptr: cute.Pointer, w_ptr: cute.Pointer, u_ptr: cute.Pointer, kg_ptr: cute.Pointer,
+                 table_ptr: cute.Pointer, TT: cutlass.Int32, NC: cutlass.Int32, HQK: cutlass.Int32,
+                 HV: cutlass.Int32, stream: cuda.CUstream):
+        K, V, BT = self.K, self.V, self.BT
+        mK = cute.make_tensor(k_ptr, token_layout(TT, HQK, K))
+        hv_k = token_layout(TT, HV, K)
+        hv_v = token_layout(TT, HV, V)
+        mV = cute.make_tensor(v_ptr, hv_v)
+        mG = cute.make_tensor(G_ptr, hv_k)
+        mBeta = cute.make_tensor(beta_ptr, token_layout(TT, HV, 1))
+        mAkk = cute.make_tensor(Akk_ptr, token_layout(TT, HV, BT))
+        mW = cute.make_tensor(w_ptr, hv_k)
+        mU = cute.make_tensor(u_ptr, hv_v)
+        mKg = cute.make_tensor(kg_ptr, hv_k)
+        mT = cute.make_tensor(table_ptr, cute.make_layout((NC, 2), stride=(2, 1)))
+        self.kernel(mK, mV, mG, mBeta, mAkk, mW, mU, mKg, mT, HV // HQK).launch(
+            grid=[NC, HV, 1], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor, mAkk: cute.Tensor,
+               mW: cute.Tensor, mU: cute.Tensor, mKg: cute.Tensor, mT: cute.Tensor, group: cutlass.Int32):
+        K, V, BT = self.K, self.V, self.BT
+        tidx, _, hv, t0, n = chunk_block(mT)
+        hq = hv // group
+
+        smem = cutlass.utils.SmemAllocator()
+        sA = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, BT), 128)
+        sK = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 128)
+        sV = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, V), 128)
+        sBeta = smem.allocate_tensor(cutlass.Float32, cute.make_layout((BT,)), 16)
+
+        copy_rows_g2s(g2s_tiled_copy(BT, self.threads), head_rows(mAkk, t0, hv, BT), sA, n, tidx)
+        cp = g2s_tiled_copy(K, self.threads)
+        copy_rows_g2s(cp, head_rows(mK, t0, hq, BT), sK, n, tidx)
+        copy_rows_g2s(cp, head_rows(mV, t0, hv, BT), sV, n, tidx)
+        cute.arch.cp_async_commit_group()
+        load_beta(sBeta, mBeta, t0, hv, n, tidx, self.beta_activation)
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+
+        # one thread per channel d: beta*k*exp(G) and beta*v in place, kg straight to global memory
+        d = tidx
+        tG = head_rows(mG, t0, hv, BT)
+        tKg = head_rows(mKg, t0, hv, BT)
+        g_last = tG[n - 1, d].to(cutlass.Float32)
+        for r in cutlass.range_constexpr(BT):
+            if r < n:
+                g = tG[r, d].to(cutlass.Float32)
+                b = sBeta[r]
+                kk = sK[r, d].to(cutlass.Float32)
+                tKg[r, d] = (kk * cute.math.exp(g_last - g, fastmath=True)).to(mKg.element_type)
+                sK[r, d] = (b * kk * cute.math.exp(g, fastmath=True)).to(cutlass.BFloat16)
+                sV[r, d] = (b * sV[r, d].to(cutlass.Float32)).to(cutlass.BFloat16)
+        cute.arch.sync_threads()
+
+        mma = make_tiled_mma(4)
+        thr = mma.get_slice(tidx)
+        coord = thr.partition_C(cute.make_identity_tensor((BT, K)))
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((BT, K)), cutlass.Float32)
+        acc.fill(0.0)
+        gemm_ss(mma, acc, sA, transposed(sK, BT, K), tidx, False, True)
+        store_acc_rows(acc, coord, head_rows(mW, t0, hv, BT), n, 0)
+        acc.fill(0.0)
+        gemm_ss(mma, acc, sA, transposed(sV, BT, V), tidx, False, True)
+        store_acc_rows(acc, coord, head_rows(mU, t0, hv, BT), n, 0)

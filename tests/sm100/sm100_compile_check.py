@@ -1,0 +1,31 @@
+"""Compile every cula-sm100 forward kernel with fake pointers, for the arch in CUTE_DSL_ARCH (no GPU needed).
+
+    CUTE_DSL_ARCH=sm_100a python tests/sm100/sm100_compile_check.py      # prints one line per kernel
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from cula_sm100.forward import launch
+
+bf, f32 = torch.bfloat16, torch.float32
+KERNELS = {
+    "l2norm": lambda: launch.l2norm_kernel(bf),
+    "gate_cumsum[precomputed]": lambda: launch.gate_kernel("precomputed", f32, f32, f32, False, False, None),
+    "gate_cumsum[softplus]": lambda: launch.gate_kernel("softplus", bf, f32, f32, True, True, None),
+    "gate_cumsum[safe]": lambda: launch.gate_kernel("safe", f32, f32, f32, False, True, -5.0),
+    "chunk_intra": lambda: launch.intra_kernel(bf, "sigmoid"),
+    "recompute_w_u": lambda: launch.wu_kernel(f32, "none"),
+    "chunk_delta_h": lambda: launch.delta_h_kernel(True, True),
+    "chunk_delta_h[no states]": lambda: launch.delta_h_kernel(False, False),
+    "fwd_o": lambda: launch.fwd_o_kernel(),
+}
+
+if __name__ == "__main__":
+    for name, build in KERNELS.items():
+        t = time.perf_counter()
+        build()
+        print(f"compiled {name} in {time.perf_counter() - t:.1f} s", flush=True)

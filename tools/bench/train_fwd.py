@@ -1,0 +1,210 @@
+"""Benchmark of cula-sm100's chunk_kda training forward (bf16, K = V = 128, native GVA) against FLA 0.6.0's
+chunk_kda forward with the same flags, plus per-kernel rows (chunk_intra, recompute_w_u) against FLA's.
+
+    python -m tools.bench.train_fwd [--smoke] [--out docs/benchmarks/train_fwd.md] [--json FILE]
+
+End to end (`chunk_kda`): B = 2, HQK = 64, HV in (64, 128, 256), T in (512 .. 32768), and varlen (B = 1, 8
+sequences, 16384 tokens, one of length 1). Inputs as in training: bf16 q, k, v; raw gate (fp32) with
+`use_gate_in_kernel=True` (softplus gate, A_log, dt_bias); `use_qk_l2norm_in_kernel=True`; beta bf16 in (0, 1);
+no initial state, no final state. cula runs through the public op `cula_core.chunk_kda` with CULA_BACKEND=sm100
+(validation, dispatch and the custom op included), FLA through `fla.ops.kda.chunk_kda` under no_grad.
+Per-kernel rows (at T = 8192 and varlen) time the stages on the same prepared inputs (normalised q/k, the
+chunk-local cumsum of the gate): ours `chunk_intra` and `recompute_w_u` against FLA's `chunk_kda_fwd_intra`
+(which runs its intra kernels *and* its recompute_w_u) and FLA's `recompute_w_u_fwd`; the `chunk_intra` row
+compares ours with FLA's difference of the two (FLA's intra part alone), labelled as derived.
+Timing: median of `triton.testing.do_bench` through tools/bench/harness.py, after warm-up. The errors column is
+||cula - FLA|| / ||FLA|| of o on the timed inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tools.bench.harness import Timing, environment, measure  # noqa: E402
+
+K = V = 128
+HQK = 64
+VARLEN = [4096, 512, 3000, 1, 2048, 777, 4000, 1950]  # 8 sequences, 16384 tokens
+E2E = [dict(B=2, T=t, HV=hv) for hv in (64, 128, 256) for t in (512, 1024, 4096, 8192, 16384, 32768)
+       if hv * t <= 128 * 32768]  # HV = 256 at T = 32768 needs > 80 GB for both implementations: trimmed
+E2E += [dict(B=1, T=sum(VARLEN), HV=hv, varlen=True) for hv in (64, 128, 256)]
+KERNEL_SHAPES = [dict(B=2, T=8192, HV=hv) for hv in (64, 128, 256)] + [dict(B=1, T=sum(VARLEN), HV=128, varlen=True)]
+SMOKE_E2E = [dict(B=2, T=1024, HV=64), dict(B=2, T=1024, HV=128), dict(B=1, T=sum(VARLEN), HV=64, varlen=True)]
+SMOKE_KERNELS = [dict(B=2, T=1024, HV=128)]
+
+
+def make_inputs(B, T, HV, varlen=False, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def r(*s):
+        return torch.randn(*s, generator=gen, device="cuda")
+
+    x = dict(q=r(B, T, HQK, K).bfloat16(), k=r(B, T, HQK, K).bfloat16(), v=r(B, T, HV, V).bfloat16(),
+             g=r(B, T, HV, K), beta=torch.sigmoid(r(B, T, HV)).bfloat16(),
+             A_log=torch.log(torch.rand(HV, generator=gen, device="cuda") * 15 + 1), dt_bias=0.1 * r(HV * K))
+    if varlen:
+        cu = torch.tensor([0, *torch.tensor(VARLEN).cumsum(0).tolist()], dtype=torch.int32)
+        x["cu_seqlens"], x["cu_seqlens_cpu"] = cu.cuda(), cu
+    return x
+
+
+FLAGS = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True)
+
+
+def cula_e2e(q, k, v, g, beta, A_log, dt_bias, cu_seqlens=None, cu_seqlens_cpu=None):
+    import cula_core
+
+    return cula_core.chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
+                               cu_seqlens_cpu=cu_seqlens_cpu, **FLAGS)[0]
+
+
+def fla_e2e(q, k, v, g, beta, A_log, dt_bias, cu_seqlens=None, cu_seqlens_cpu=None):
+    from fla.ops.kda import chunk_kda
+
+    with torch.no_grad():
+        return chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias,
+                         cu_seqlens=cu_seqlens.long() if cu_seqlens is not None else None, **FLAGS)[0]
+
+
+def stage_inputs(x):
+    """Prepared inputs of the intra/w_u stages, for both: normalised q/k, G (ours: natural log, [TT, HV, K];
+    FLA's: log2 units, [B, T, HV, K]), the chunk tables, and the Akk both stages take."""
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+
+    from cula_core.reference import l2norm, softplus_gate
+    from cula_sm100.forward import launch
+
+    B, T = x["q"].shape[:2]
+    HV = x["v"].shape[2]
+    q, k = (l2norm(x[n].float()).bfloat16() for n in ("q", "k"))
+    gate = softplus_gate(x["g"], x["A_log"], x["dt_bias"]).contiguous()
+    cu = x.get("cu_seqlens")
+    ctab, _ = launch.tables(B, T, cu, x.get("cu_seqlens_cpu"), q.device)
+    G = launch.gate_cumsum(gate.reshape(-1, HV, K), None, None, ctab, gate="precomputed", lower_bound=None)
+    gk = chunk_local_cumsum(gate, chunk_size=64, scale=RCP_LN2, cu_seqlens=cu.long() if cu is not None else None)
+    _, Akk = launch.chunk_intra(q, k, G, x["beta"], ctab, scale=K ** -0.5, beta_activation="none")
+    return dict(q=q, k=k, v=x["v"], beta=x["beta"], G=G, gk=gk, ctab=ctab, Akk=Akk,
+                cu=cu.long() if cu is not None else None)
+
+
+def kernel_fns(s):
+    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+    from fla.ops.kda.wy_fast import recompute_w_u_fwd
+
+    from cula_sm100.forward import launch
+
+    scale = K ** -0.5
+    B, T = s["q"].shape[:2]
+    akk4 = s["Akk"].reshape(B, T, -1, 64)
+    return {
+        "intra": lambda: launch.chunk_intra(s["q"], s["k"], s["G"], s["beta"], s["ctab"], scale=scale,
+                                            beta_activation="none"),
+        "w_u": lambda: launch.recompute_w_u(s["k"], s["v"], s["G"], s["beta"], s["Akk"], s["ctab"],
+                                            beta_activation="none"),
+        "intra+w_u": lambda: launch.recompute_w_u(s["k"], s["v"], s["G"], s["beta"],
+                                                  launch.chunk_intra(s["q"], s["k"], s["G"], s["beta"], s["ctab"],
+                                                                     scale=scale, beta_activation="none")[1],
+                                                  s["ctab"], beta_activation="none"),
+        "fla intra+w_u": lambda: chunk_kda_fwd_intra(q=s["q"], k=s["k"], v=s["v"], gk=s["gk"], beta=s["beta"],
+                                                     scale=scale, cu_seqlens=s["cu"], chunk_size=64),
+        "fla w_u": lambda: recompute_w_u_fwd(k=s["k"], v=s["v"], beta=s["beta"], A=akk4, gk=s["gk"],
+                                             cu_seqlens=s["cu"]),
+    }
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="three small shapes only (CI)")
+    ap.add_argument("--out", type=Path, help="write the markdown report here")
+    ap.add_argument("--json", type=Path, help="write the raw numbers here")
+    ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
+    ap.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("train_fwd: no CUDA device", file=sys.stderr)
+        return 1
+    os.environ["CULA_BACKEND"] = "sm100"  # fail loudly rather than time the reference
+    timing = Timing(warmup=args.warmup, repeats=args.rep, method="auto")
+    e2e, kshapes = (SMOKE_E2E, SMOKE_KERNELS) if args.smoke else (E2E, KERNEL_SHAPES)
+    rows = []
+
+    def save():
+        if args.json:
+            args.json.write_text(json.dumps({"env": environment("cuda"), "rows": rows}, indent=2, default=str))
+
+    for s in e2e:
+        x = make_inputs(**s)
+        o_c, o_f = cula_e2e(**x), fla_e2e(**x)
+        row = dict(kind="chunk_kda", **s, err=rel(o_c, o_f))
+        del o_c, o_f
+        row["cula_ms"] = measure(cula_e2e, [x], timing).median_ms
+        row["fla_ms"] = measure(fla_e2e, [x], timing).median_ms
+        rows.append(row)
+        print(row, flush=True)
+        save()
+        del x
+        torch.cuda.empty_cache()
+
+    for s in kshapes:
+        x = make_inputs(**s)
+        st = stage_inputs(x)
+        del x
+        fns = kernel_fns(st)
+        t = {name: measure(fn, [()], timing).median_ms for name, fn in fns.items()}
+        base = dict(s)
+        rows.append(dict(kind="chunk_intra (FLA: derived)", **base, cula_ms=t["intra"],
+                         fla_ms=t["fla intra+w_u"] - t["fla w_u"]))
+        rows.append(dict(kind="recompute_w_u", **base, cula_ms=t["w_u"], fla_ms=t["fla w_u"]))
+        rows.append(dict(kind="chunk_intra + recompute_w_u", **base, cula_ms=t["intra+w_u"],
+                         fla_ms=t["fla intra+w_u"]))
+        for r in rows[-3:]:
+            print(r, flush=True)
+        save()
+        del st, fns
+        torch.cuda.empty_cache()
+
+    env = environment("cuda")
+    head = ["op", "B", "T", "HQK", "HV", "varlen", "FLA ms", "cula ms", "speed-up", "o rel. diff vs FLA"]
+    lines = [
+        "# cula-sm100 chunk_kda training forward vs FLA 0.6.0",
+        "",
+        f"GPU: {env.get('gpu', '?')} (sm_{env.get('capability', '?').replace('.', '')}); torch {env.get('torch')}, "
+        f"CUDA {env.get('cuda')}, triton {env.get('triton', '?')}, "
+        f"FLA {env.get('fla-core', env.get('flash-linear-attention', '?'))}, cula-sm100 {env.get('cula-sm100', '?')}.",
+        "",
+        "Command: `python -m tools.bench.train_fwd --out docs/benchmarks/train_fwd.md` (inputs, flags and timing: "
+        "the module docstring). `speed-up` = FLA ms / cula ms.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|",
+    ]
+    for r in rows:
+        sp = r["fla_ms"] / r["cula_ms"] if r.get("fla_ms") and r.get("cula_ms") else None
+        err = f"{r['err']:.1e}" if "err" in r else ""
+        lines.append(f"| {r['kind']} | {r['B']} | {r['T']} | {HQK} | {r['HV']} | {'8 seqs' if r.get('varlen') else ''} "
+                     f"| {r['fla_ms']:.3f} | {r['cula_ms']:.3f} | {sp:.2f}x | {err} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
