@@ -162,6 +162,27 @@ def test_flush_broadcast_int_and_all_layers():
     assert rel_err(pool[kw["cache_idx"][rows].long()], st_ref[rows, 2]) < REL_TOL
 
 
+def test_every_tiling_of_the_recurrent_kernel():
+    """Each tiling the dispatch may pick (cula_sm90.decode._config.TILINGS), per-token-states and verify modes
+    (the final-state store is the per-token store's pattern), against the reference: the dispatch table can
+    change without leaving a tiling untested."""
+    from cula_sm90.decode import _config
+
+    kw = make_case(5, 3, 2, 4, out_of_range=True, seed=800)
+    o_ref, st_ref = reference_mtp(kw)
+    _, buf_ref = reference_kvbuffer(kw)
+    for tiling in _config.TILINGS:
+        _config.TILING_OVERRIDE = tiling
+        try:
+            with backend():
+                o, states = cula_core.kda_decode_mtp(**kw, output_per_token_states=True)
+                o2, buf = cula_core.kda_decode_mtp_kvbuffer(**kw)
+        finally:
+            _config.TILING_OVERRIDE = None
+        errs = (rel_err(o, o_ref), rel_err(states, st_ref), rel_err(o2, o_ref), rel_err(buf, buf_ref))
+        assert max(errs) < REL_TOL, (tiling, errs)
+
+
 def test_bitwise_deterministic():
     kw = make_case(64, 4, 2, 8, seed=500)
     with backend():
@@ -244,6 +265,7 @@ def test_memcheck_clean_on_odd_batches():
            sys.executable, str(HERE / "decode_memcheck_case.py")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=HERE)
     out = proc.stdout + proc.stderr
-    print(out[-3000:])
+    hits = sorted({line.strip() for line in out.splitlines() if "Program hit" in line or "Invalid" in line})
+    print("\n".join(hits[:20]))
     assert proc.returncode == 0 and "ERROR SUMMARY: 0 errors" in out, out[-6000:]
     assert "cases ok" in out

@@ -17,8 +17,16 @@ MAX_LAYERS = 128
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+#: tilings of the recurrent kernel, (BV columns per CTA, lanes along V, warps), that the benchmark compares
+TILINGS = ((32, 4, 4), (64, 4, 4), (16, 4, 4), (32, 4, 2), (16, 4, 2), (32, 2, 4), (64, 2, 4))
+#: a benchmarking hook (tools/bench/mtp_decode.py): when set, every recurrent launch uses this tiling
+TILING_OVERRIDE: tuple[int, int, int] | None = None
+
+
 def recurrent_tiling(N: int, T: int, HV: int) -> tuple[int, int, int]:
     """(BV, lanes along V, warps) of the recurrent kernel for a batch; the table is in launch.py's docstring."""
+    if TILING_OVERRIDE is not None:
+        return TILING_OVERRIDE
     return (32, 4, 4)
 
 

@@ -69,9 +69,9 @@ class FlushKVBuffer:
         # this layer's pool and buffer: layer 0's plus an offset picked from the kernel parameters
         poff = Int64(0)
         boff = Int64(0)
-        for l in cutlass.range_constexpr(self.L):
-            poff = cutlass.select_(layer == l, pool_offs[l], poff)
-            boff = cutlass.select_(layer == l, buf_offs[l], boff)
+        for layer_l in cutlass.range_constexpr(self.L):
+            poff = cutlass.select_(layer == layer_l, pool_offs[layer_l], poff)
+            boff = cutlass.select_(layer == layer_l, buf_offs[layer_l], boff)
         # offsets travel in units of 4 elements: the compiler then knows the 16-byte alignment survives
         pool_l = pool + poff * 4
         buf_l = buf + boff * 4

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from types import SimpleNamespace
 
 import torch
 
@@ -45,7 +46,7 @@ def _dsl():
 
         types = {torch.float32: cutlass.Float32, torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
                  torch.float64: cutlass.Float64, torch.int32: cutlass.Int32}
-        _DSL_TYPES = (cutlass, cute, cuda, make_ptr, types)
+        _DSL_TYPES = SimpleNamespace(cutlass=cutlass, cute=cute, cuda=cuda, make_ptr=make_ptr, types=types)
     return _DSL_TYPES
 
 
@@ -58,7 +59,9 @@ _CELL = {"ptr": ctypes.c_void_p, "stream": ctypes.c_void_p, "i32": ctypes.c_int3
 class FastLaunch:
     """Calls one compiled kernel with a pre-built C argument array (see the module docstring).
 
-    `kinds` names each flattened argument's C type: "ptr" (an address), "i32", "i64", "f32", "stream"."""
+    `kinds` names each flattened argument's C type: "ptr" (an address), "i32", "i64", "f32", "stream".
+    The cells' addresses never change, so neither does the packed array handed to the compiled host function:
+    a call refills the cells and calls it."""
 
     def __init__(self, compiled, kinds: tuple[str, ...]):
         self.compiled = compiled
@@ -66,10 +69,11 @@ class FastLaunch:
         self.cells = [_CELL[k]() for k in kinds]
         self.exe_args = [ctypes.addressof(c) for c in self.cells]
         self.fast: bool | None = None  # unknown until the first call has been checked
+        self.capi = None               # (host function, packed argument array, its error cell or None)
         self.lock = threading.Lock()
 
     def _fill(self, flat) -> None:
-        for cell, value in zip(self.cells, flat):
+        for cell, value in zip(self.cells, flat, strict=True):
             cell.value = value
 
     def _check(self, dsl_args) -> bool:
@@ -80,11 +84,22 @@ class FastLaunch:
             return False
         if len(exe_args) != len(self.cells):
             return False
-        for addr, cell in zip(exe_args, self.cells):
+        for addr, cell in zip(exe_args, self.cells, strict=True):
             addr = addr.value if isinstance(addr, ctypes.c_void_p) else int(addr)
             if ctypes.string_at(addr, ctypes.sizeof(cell)) != bytes(cell):
                 return False
         return True
+
+    def _bind_capi(self) -> None:
+        """The executor's host function and a private copy of its packed arguments (our cells, then the
+        executor's own trailing entries), so that a call skips the per-argument packing as well."""
+        try:
+            ex = self.compiled._default_executor
+            packed = ex._get_invoke_packed_args(self.exe_args)
+            own = (ctypes.c_void_p * len(packed))(*packed)
+            self.capi = (ex.capi_func, own, ex.cuda_result if ex._has_cuda_result else None)
+        except Exception:  # a DSL without these internals: keep run_compiled_program
+            self.capi = None
 
     def __call__(self, flat: list, dsl_args) -> None:
         """flat: the argument values in `kinds` order; dsl_args: a callable giving the DSL-typed arguments
@@ -92,13 +107,21 @@ class FastLaunch:
         with self.lock:
             if self.fast:
                 self._fill(flat)
-                self.compiled.run_compiled_program(self.exe_args)
+                if self.capi is None:
+                    self.compiled.run_compiled_program(self.exe_args)
+                    return
+                func, packed, result = self.capi
+                func(packed)
+                if result is not None and result.value != 0:
+                    raise RuntimeError(f"CUDA error {result.value} launching a cula-sm90 decode kernel")
                 return
             args = dsl_args()
             if self.fast is None:
                 self._fill(flat)
                 self.fast = self._check(args)
             self.compiled(*args)
+            if self.fast and self.capi is None:
+                self._bind_capi()
 
 
 def _compiled(key: tuple, build, kinds: tuple[str, ...]) -> FastLaunch:
@@ -111,14 +134,21 @@ def _compiled(key: tuple, build, kinds: tuple[str, ...]) -> FastLaunch:
     return fl
 
 
+def _compile(kern, *args):
+    """Compile for sm_90a explicitly: the DSL's own detection queries the driver (and picks sm_100 where it
+    cannot), and the kernels are Hopper's."""
+    d = _dsl()
+    return d.cute.compile[d.cute.GPUArch("sm_90a")](kern, *args)
+
+
 def _fake_ptr(dtype: torch.dtype, align: int = 16):
-    cutlass, cute, cuda, make_ptr, types = _dsl()
-    return make_ptr(types[dtype], 1 << 20, cute.AddressSpace.gmem, assumed_align=align)
+    d = _dsl()
+    return d.make_ptr(d.types[dtype], 1 << 20, d.cute.AddressSpace.gmem, assumed_align=align)
 
 
 def _ptr(dtype: torch.dtype, address: int, align: int = 16):
-    cutlass, cute, cuda, make_ptr, types = _dsl()
-    return make_ptr(types[dtype], address, cute.AddressSpace.gmem, assumed_align=align)
+    d = _dsl()
+    return d.make_ptr(d.types[dtype], address, d.cute.AddressSpace.gmem, assumed_align=align)
 
 
 def _stream(device: torch.device) -> int:
@@ -144,7 +174,7 @@ def _recurrent_kernel(mode: str, T: int, K: int, V: int, qkv, g, beta, A_log, dt
     key = ("recurrent", mode, T, K, V, qkv, gdt, bdt, adt, ddt, safe, l2norm, tiling)
 
     def build():
-        cutlass, cute, cuda, make_ptr, types = _dsl()
+        d = _dsl()
         from cula_sm90.decode.recurrent import RecurrentDecode
 
         bv, vl, nw = tiling
@@ -154,9 +184,9 @@ def _recurrent_kernel(mode: str, T: int, K: int, V: int, qkv, g, beta, A_log, dt
         args = (_fake_ptr(qkv), _fake_ptr(qkv), _fake_ptr(qkv), _fake_ptr(gdt), _fake_ptr(bdt, bdt.itemsize),
                 _fake_ptr(adt or f32, (adt or f32).itemsize), _fake_ptr(ddt or f32), _fake_ptr(f32),
                 _fake_ptr(torch.int32, 4), _fake_ptr(qkv), _fake_ptr(f32),
-                cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1), cutlass.Float32(1.0),
-                cutlass.Float32(-1.0), cuda.CUstream(0))
-        return cute.compile(kern, *args)
+                d.cutlass.Int32(1), d.cutlass.Int32(1), d.cutlass.Int32(1), d.cutlass.Int32(1), d.cutlass.Float32(1.0),
+                d.cutlass.Float32(-1.0), d.cuda.CUstream(0))
+        return _compile(kern, *args)
 
     return _compiled(key, build, _RECURRENT_KINDS)
 
@@ -191,18 +221,18 @@ def _run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias
              out.data_ptr() if out is not None else pool_addr]            # never written in MODE_FINAL
     lb = float(lower_bound) if safe else 0.0
     stream = _stream(dev)
-    flat = addrs + [N, HQK, HV, P, float(scale), lb, stream]
+    flat = [*addrs, N, HQK, HV, P, float(scale), lb, stream]
 
     def dsl_args():
-        cutlass, cute, cuda, make_ptr, types = _dsl()
+        d = _dsl()
         f32 = torch.float32
         dts = [q.dtype, q.dtype, q.dtype, g.dtype, beta.dtype, A_log.dtype if A_log is not None else f32,
                dt_bias.dtype if dt_bias is not None else f32, f32, torch.int32, o.dtype, f32]
         aligns = [16, 16, 16, 16, beta.dtype.itemsize, (A_log.dtype if A_log is not None else f32).itemsize,
                   16, 16, 4, 16, 16]
-        ptrs = [_ptr(dt, a, al) for dt, a, al in zip(dts, addrs, aligns)]
-        return (*ptrs, cutlass.Int32(N), cutlass.Int32(HQK), cutlass.Int32(HV), cutlass.Int32(P),
-                cutlass.Float32(float(scale)), cutlass.Float32(lb), cuda.CUstream(stream))
+        ptrs = [_ptr(dt, a, al) for dt, a, al in zip(dts, addrs, aligns, strict=True)]
+        return (*ptrs, d.cutlass.Int32(N), d.cutlass.Int32(HQK), d.cutlass.Int32(HV), d.cutlass.Int32(P),
+                d.cutlass.Float32(float(scale)), d.cutlass.Float32(lb), d.cuda.CUstream(stream))
 
     fl(flat, dsl_args)
     return o, out
@@ -215,15 +245,15 @@ def _flush_kernel(T: int, K: int, V: int, layers: int, per_request: bool) -> Fas
     kinds = ("ptr",) * 4 + ("i32",) + ("i64",) * (2 * layers) + ("i32",) * 3 + ("stream",)
 
     def build():
-        cutlass, cute, cuda, make_ptr, types = _dsl()
+        d = _dsl()
         from cula_sm90.decode.flush import FlushKVBuffer
 
         kern = FlushKVBuffer(T=T, K=K, V=V, layers=layers, per_request=per_request)
-        offs = tuple(cutlass.Int64(0) for _ in range(layers))
+        offs = tuple(d.cutlass.Int64(0) for _ in range(layers))
         f32 = torch.float32
-        return cute.compile(kern, _fake_ptr(f32), _fake_ptr(f32), _fake_ptr(torch.int32, 4),
-                            _fake_ptr(torch.int32, 4), cutlass.Int32(0), offs, offs, cutlass.Int32(1),
-                            cutlass.Int32(1), cutlass.Int32(1), cuda.CUstream(0))
+        return _compile(kern, _fake_ptr(f32), _fake_ptr(f32), _fake_ptr(torch.int32, 4),
+                            _fake_ptr(torch.int32, 4), d.cutlass.Int32(0), offs, offs, d.cutlass.Int32(1),
+                            d.cutlass.Int32(1), d.cutlass.Int32(1), d.cuda.CUstream(0))
 
     return _compiled(key, build, kinds)
 
@@ -246,12 +276,12 @@ def _run_flush(state_pools, cache_idx, kvbuffers, accept_len, accept_len_all) ->
     flat = [p0, b0, cache_idx.data_ptr(), acc_addr, int(accept_len_all), *poffs, *boffs, N, HV, P, stream]
 
     def dsl_args():
-        cutlass, cute, cuda, make_ptr, types = _dsl()
+        d = _dsl()
         f32 = torch.float32
         return (_ptr(f32, p0), _ptr(f32, b0), _ptr(torch.int32, cache_idx.data_ptr(), 4),
-                _ptr(torch.int32, acc_addr, 4), cutlass.Int32(int(accept_len_all)),
-                tuple(cutlass.Int64(x) for x in poffs), tuple(cutlass.Int64(x) for x in boffs),
-                cutlass.Int32(N), cutlass.Int32(HV), cutlass.Int32(P), cuda.CUstream(stream))
+                _ptr(torch.int32, acc_addr, 4), d.cutlass.Int32(int(accept_len_all)),
+                tuple(d.cutlass.Int64(x) for x in poffs), tuple(d.cutlass.Int64(x) for x in boffs),
+                d.cutlass.Int32(N), d.cutlass.Int32(HV), d.cutlass.Int32(P), d.cuda.CUstream(stream))
 
     fl(flat, dsl_args)
 

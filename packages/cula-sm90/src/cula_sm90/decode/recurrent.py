@@ -29,7 +29,7 @@ from cutlass import Float32, Int32, Int64
 
 from cula_sm90.decode._dsl import l2_normalize, load_vec, log_decay, store_vec, store_zeros, xor_sum
 
-from cula_sm90.decode._config import MODE_FINAL, MODE_KVBUFFER, MODE_STATES  # noqa: F401
+from cula_sm90.decode._config import MODE_FINAL, MODE_KVBUFFER, MODE_STATES
 
 
 class RecurrentDecode:

@@ -1,0 +1,377 @@
+"""Benchmark of cula-sm90's multi-token-prediction decode against FLA 0.6.0, on the H100.
+
+    python -m tools.bench.mtp_decode [--smoke] [--out docs/benchmarks/mtp_decode.md] [--json FILE]
+
+Inputs: K = V = 128, HQK = HV in (32, 64), bf16 q/k/v/g/beta (raw g, gate and L2 norm in kernel, softplus gate
+with A_log and dt_bias), fp32 state pool, every request live, accept length m = T.
+
+Tables:
+  1. the speculative-decoding chain "verify T draft tokens + commit the state after m = T of them":
+     cula = `kda_decode_mtp_kvbuffer` + `kda_flush_kvbuffer` (public ops: validation, dispatch and the torch
+     custom ops included); FLA = `fused_recurrent_kda_fwd` writing the T per-token states into pool slots
+     (`ssm_state_indices [N, T]`, slot 0 of each request its live state, as serving engines call it) + the
+     index-copy commit of the accepted one. N in (1, 2, 4, 8, 16, 32, 64, 128), T in (2, 3, 4, 6).
+     Also: cula's verify kernel alone, the per-token-states recurrent kernel (the drop-in of FLA's path), and
+     the bytes of the KVBuffer vs the T per-token states.
+  2. single-token decode (T = 1): `kda_decode` vs `fused_recurrent_kda_fwd` with `ssm_state_indices [N]`
+     (in place), and at N = 128 the fraction of the HBM bound (state read + write at the peak bandwidth).
+  3. host cost of one launch of a compiled kernel: the DSL's generic argument binding vs our pre-built
+     argument array (launch.FastLaunch) vs the whole public op, in microseconds per call (wall clock of
+     back-to-back calls at N = 1, T = 1: the host is the bottleneck there).
+Timing: device time per call, from 20 calls captured in one CUDA graph and replayed under `triton.testing.do_bench`
+(tools/bench/harness.py, median after warm-up); the eager columns time Python calls (host cost included).
+`--tilings` adds the sweep over the recurrent kernel's tilings that the dispatch table in launch.py comes from.
+Errors: max |o_cula - o_FLA| / max |o_FLA| on the first call of each cell (bf16 outputs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tools.bench.harness import Timing, environment, errors, measure  # noqa: E402
+
+NS = (1, 2, 4, 8, 16, 32, 64, 128)
+TS = (2, 3, 4, 6)
+HS = (32, 64)
+K = V = 128
+
+
+def make_inputs(N, T, H, seed=0, device="cuda"):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def r(*s, scale=1.0):
+        return (torch.randn(*s, generator=gen) * scale).to(device)
+
+    bf = torch.bfloat16
+    return dict(q=r(N, T, H, K).to(bf), k=r(N, T, H, K).to(bf), v=r(N, T, H, V).to(bf), g=r(N, T, H, K).to(bf),
+                beta=torch.sigmoid(r(N, T, H)).to(bf),
+                A_log=torch.log(torch.rand(H, generator=gen) * 15 + 1).to(device),
+                dt_bias=r(H * K, scale=0.5), state_pool=r(N, H, K, V, scale=0.1),
+                cache_idx=torch.randperm(N, generator=gen).to(torch.int32).to(device))
+
+
+def _op_args(x):
+    return (x["q"], x["k"], x["v"], x["g"], x["beta"], x["state_pool"], x["cache_idx"])
+
+
+def cula_chain(x, m):
+    import cula_core
+
+    o, buf = cula_core.kda_decode_mtp_kvbuffer(*_op_args(x), A_log=x["A_log"], dt_bias=x["dt_bias"],
+                                                use_qk_l2norm_in_kernel=True)
+    cula_core.kda_flush_kvbuffer(x["state_pool"], x["cache_idx"], buf, m)
+    return o
+
+
+def cula_verify(x):
+    import cula_core
+
+    return cula_core.kda_decode_mtp_kvbuffer(*_op_args(x), A_log=x["A_log"], dt_bias=x["dt_bias"],
+                                             use_qk_l2norm_in_kernel=True)[0]
+
+
+def cula_states(x):
+    import cula_core
+
+    return cula_core.kda_decode_mtp(*_op_args(x), A_log=x["A_log"], dt_bias=x["dt_bias"], use_qk_l2norm_in_kernel=True,
+                                    output_per_token_states=True)[0]
+
+
+def cula_decode(x):
+    import cula_core
+
+    return cula_core.kda_decode(*_op_args(x), A_log=x["A_log"], dt_bias=x["dt_bias"], use_qk_l2norm_in_kernel=True)
+
+
+def fla_setup(x, T):
+    """FLA's pool: each request's live state in slot indices[n, 0] (= its cache_idx), its other T - 1 tokens'
+    states in scratch slots after the N live ones."""
+    N = x["q"].shape[0]
+    pool = torch.empty(N * T, *x["state_pool"].shape[1:], device="cuda")
+    pool[:N] = x["state_pool"]
+    idx = torch.empty(N, T, device="cuda", dtype=torch.int32)
+    idx[:, 0] = x["cache_idx"]
+    idx[:, 1:] = N + torch.arange(N * (T - 1), device="cuda", dtype=torch.int32).view(N, T - 1)
+    return pool, idx
+
+
+def fla_chain(x, pool, idx, m):
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    o, _ = fused_recurrent_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                                   initial_state=pool, inplace_final_state=True, ssm_state_indices=idx,
+                                   use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True)
+    if m > 1:  # commit: the accepted token's state into the request's live slot
+        pool.index_copy_(0, idx[:, 0].long(), pool[idx[:, m - 1].long()])
+    return o
+
+
+def fla_decode(x, pool):
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    return fused_recurrent_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
+                                   initial_state=pool, inplace_final_state=True, ssm_state_indices=x["cache_idx"],
+                                   use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True)[0]
+
+
+def graph_ms(fn, args, timing, reps=20):
+    """Device time of one call: `reps` calls captured in one CUDA graph (after a warm-up call on a side stream),
+    the graph replayed under do_bench; ms per call. Serving engines run decode steps this way, so this is the
+    time without the host's share."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn(*args)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn(*args)
+    ms = measure(g.replay, [()], timing).median_ms / reps
+    del g
+    return ms
+
+
+def peak_hbm_gbs() -> float:
+    p = torch.cuda.get_device_properties(0)
+    clock = getattr(p, "memory_clock_rate", 0)  # kHz
+    bus = getattr(p, "memory_bus_width", 0)     # bits
+    if clock and bus:
+        return 2 * clock * 1e3 * bus / 8 / 1e9
+    return 3352.0  # H100 SXM5 HBM3
+
+
+def host_overhead(reps=2000):
+    """µs per call of back-to-back launches at N = 1, T = 1, H = 32 (host bound)."""
+    import cula_core  # noqa: F401
+    from cula_sm90.decode import launch
+
+    x = make_inputs(1, 1, 32, seed=5)
+    cula_decode(x)
+    torch.cuda.synchronize()
+    fl = next(f for key, f in launch._cache.items() if key[0] == "recurrent" and key[1] == "final" and key[2] == 1)
+    from cula_sm90.decode.ops import kda_decode
+
+    def direct():
+        kda_decode(*_op_args(x), x["A_log"], x["dt_bias"], scale=K ** -0.5, lower_bound=None,
+                   use_qk_l2norm_in_kernel=True)
+
+    def wall(fn):
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / reps * 1e6
+
+    out = {"fast path used": bool(fl.fast)}
+    out["public op (validation + dispatch + custom op + launch)"] = wall(lambda: cula_decode(x))
+    out["backend kernel, pre-built argument array"] = wall(direct)
+    saved = fl.fast
+    fl.fast = False
+    out["backend kernel, DSL generic argument binding"] = wall(direct)
+    fl.fast = saved
+    return out
+
+
+def tiling_sweep(timing, hs, ns=(1, 16, 128)):
+    """Device ms of the recurrent kernel per tiling: plain decode (T = 1) and verify (T = 4)."""
+    from cula_sm90.decode import _config
+
+    out = []
+    with torch.no_grad():
+        for H in hs:
+            for N in ns:
+                for T, fn in ((1, cula_decode), (4, cula_verify)):
+                    x = make_inputs(N, T, H, seed=N)
+                    row = dict(H=H, N=N, T=T)
+                    for tiling in _config.TILINGS:
+                        _config.TILING_OVERRIDE = tiling
+                        try:
+                            row[tiling] = graph_ms(fn, (x,), timing)
+                        finally:
+                            _config.TILING_OVERRIDE = None
+                    out.append(row)
+                    print(row, flush=True)
+                    del x
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="two cells only (CI)")
+    ap.add_argument("--tilings", action="store_true", help="also time every tiling of the recurrent kernel")
+    ap.add_argument("--only-tilings", action="store_true", help="only the tiling sweep")
+    ap.add_argument("--out", type=Path, help="write the markdown report here")
+    ap.add_argument("--json", type=Path, help="write the raw numbers here (as it goes)")
+    ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
+    ap.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("mtp_decode: no CUDA device", file=sys.stderr)
+        return 1
+    os.environ["CULA_BACKEND"] = "sm90"  # fail loudly rather than time the reference
+    timing = Timing(warmup=args.warmup, repeats=args.rep, method="auto")
+    ns, ts, hs = ((1, 64), (4,), (32,)) if args.smoke else (NS, TS, HS)
+    rows, dec = [], []
+    raw = {"chain": rows, "decode": dec}
+    if args.tilings or args.only_tilings:
+        raw["tilings"] = [{("x".join(map(str, k)) if isinstance(k, tuple) else k): v for k, v in r.items()}
+                          for r in tiling_sweep(timing, hs)]
+        if args.json:
+            args.json.write_text(json.dumps(raw, indent=2, default=str))
+        if args.only_tilings:
+            print(render_tilings(raw["tilings"]))
+            return 0
+
+    def dump():
+        if args.json:
+            args.json.write_text(json.dumps(raw, indent=2, default=str))
+
+    with torch.no_grad():
+        for H in hs:
+            for T in ts:
+                for N in ns:
+                    x = make_inputs(N, T, H, seed=N + T)
+                    pool, idx = fla_setup(x, T)
+                    xf = dict(x)
+                    ours = cula_chain(dict(x, state_pool=x["state_pool"].clone()), T)
+                    ref = fla_chain(xf, pool.clone(), idx, T)
+                    _, err = errors(ours.float(), ref.float())
+                    row = dict(N=N, T=T, H=H, err=err)
+                    row["cula"] = graph_ms(cula_chain, (x, T), timing)
+                    row["fla"] = graph_ms(fla_chain, (xf, pool, idx, T), timing)
+                    row["verify"] = graph_ms(cula_verify, (x,), timing)
+                    row["states"] = graph_ms(cula_states, (x,), timing)
+                    row["cula_eager"] = measure(cula_chain, [(x, T)], timing).median_ms
+                    row["fla_eager"] = measure(fla_chain, [(xf, pool, idx, T)], timing).median_ms
+                    row["buf_ratio"] = (K * V) / (2 * K + V)  # per token and head: T K V vs T (2K + V) floats
+                    rows.append(row)
+                    print(row, flush=True)
+                    dump()
+                    del x, pool, idx, xf
+                    torch.cuda.empty_cache()
+            for N in ns:
+                x = make_inputs(N, 1, H, seed=N)
+                pool = x["state_pool"].clone()
+                xf = dict(x)
+                _, err = errors(cula_decode(dict(x, state_pool=x["state_pool"].clone())).float(),
+                                fla_decode(xf, pool.clone()).float())
+                row = dict(N=N, H=H, err=err)
+                row["cula"] = graph_ms(cula_decode, (x,), timing)
+                row["fla"] = graph_ms(fla_decode, (xf, pool), timing)
+                row["cula_eager"] = measure(cula_decode, [(x,)], timing).median_ms
+                row["fla_eager"] = measure(fla_decode, [(xf, pool)], timing).median_ms
+                bytes_moved = 2 * N * H * K * V * 4 + N * H * (3 * K + V + 1) * 2 + N * H * V * 2
+                row["hbm_pct"] = bytes_moved / (row["cula"] * 1e-3) / 1e9 / peak_hbm_gbs() * 100
+                row["fla_hbm_pct"] = bytes_moved / (row["fla"] * 1e-3) / 1e9 / peak_hbm_gbs() * 100
+                dec.append(row)
+                print(row, flush=True)
+                dump()
+                del x, pool, xf
+                torch.cuda.empty_cache()
+    raw["host_us"] = host_overhead()
+    print(raw["host_us"], flush=True)
+    dump()
+    report = render(raw, environment("cuda"), peak_hbm_gbs())
+    if raw.get("tilings"):
+        report += render_tilings(raw["tilings"])
+    print(report)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(report)
+    return 0
+
+
+def render_tilings(rows) -> str:
+    keys = [k for k in rows[0] if "x" in k]
+    lines = ["", "## Recurrent kernel per tiling (device ms; tiling = BV x lanes along V x warps)", "",
+             "| H | N | T | " + " | ".join(keys) + " | best |", "|" + "---:|" * (len(keys) + 4)]
+    for r in rows:
+        best = min(keys, key=lambda k: r[k])
+        lines.append(f"| {r['H']} | {r['N']} | {r['T']} | " + " | ".join(f"{r[k]:.4f}" for k in keys) + f" | {best} |")
+    return "\n".join(lines) + "\n"
+
+
+def _x(a, b):
+    return "n/a" if not a or not b else f"{a / b:.2f}x"
+
+
+def render(raw, env, peak) -> str:
+    rows, dec = raw["chain"], raw["decode"]
+    lines = [
+        "# cula-sm90 MTP decode vs FLA 0.6.0",
+        "",
+        f"GPU: {env.get('gpu', '?')}; torch {env.get('torch')}, CUDA {env.get('cuda')}, "
+        f"triton {env.get('triton', '?')}, "
+        f"FLA {env.get('fla-core', env.get('flash-linear-attention', '?'))}, cula-sm90 {env.get('cula-sm90', '?')}. "
+        f"HBM peak taken as {peak:.0f} GB/s.",
+        "",
+        "Command: `python -m tools.bench.mtp_decode --out docs/benchmarks/mtp_decode.md` (inputs, timing and the "
+        "FLA chain: the module docstring). K = V = 128, bf16 inputs, fp32 state, m = T.",
+        "",
+        "## Verify + commit (m = T)",
+        "",
+        "Device time per chain, each captured 20 times in one CUDA graph and replayed (as serving engines run "
+        "decode). `speed-up` = FLA chain ms / cula chain ms. `verify` = cula's verify alone; `per-token states` = "
+        "cula's recurrent kernel writing the T states (FLA's output, without its commit). `eager` columns: the "
+        "same chains called from Python, host overhead included (cula: through the public ops, validation and "
+        "torch custom-op dispatch included). Buffer: the KVBuffer holds "
+        f"{(2 * K + V)} floats per token and head against {K * V} for a state: "
+        f"{K * V / (2 * K + V):.0f}x fewer bytes.",
+        "",
+        "| H | T | N | FLA ms | cula ms | speed-up | verify ms | per-token states ms | FLA eager ms | cula eager ms "
+        "| max rel err (o) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['H']} | {r['T']} | {r['N']} | {r['fla']:.4f} | {r['cula']:.4f} | {_x(r['fla'], r['cula'])} "
+                     f"| {r['verify']:.4f} | {r['states']:.4f} | {r['fla_eager']:.4f} | {r['cula_eager']:.4f} "
+                     f"| {r['err']:.1e} |")
+    if rows:
+        sp = [r["fla"] / r["cula"] for r in rows]
+        lines += ["", f"chain speed-up: min {min(sp):.2f}x, max {max(sp):.2f}x; at T >= 4: min "
+                      f"{min(r['fla'] / r['cula'] for r in rows if r['T'] >= 4):.2f}x."]
+        grow = []
+        for H in sorted({r["H"] for r in rows}):
+            for N in sorted({r["N"] for r in rows}):
+                a = [r for r in rows if r["H"] == H and r["N"] == N and r["T"] == 2]
+                b = [r for r in rows if r["H"] == H and r["N"] == N and r["T"] == 6]
+                if a and b:
+                    grow.append(b[0]["verify"] / a[0]["verify"])
+        if grow:
+            lines += [f"verify time T = 6 over T = 2: {min(grow):.2f}x to {max(grow):.2f}x (recurrent verify: "
+                      "it grows with T; the tensor-core verify is not built)."]
+    lines += ["", "## Single-token decode (T = 1)", "",
+              "Device time (CUDA graph, as above); eager: called from Python.", "",
+              "| H | N | FLA ms | cula ms | speed-up | cula % of HBM bound | FLA % of HBM bound | FLA eager ms "
+              "| cula eager ms | max rel err (o) |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in dec:
+        lines.append(f"| {r['H']} | {r['N']} | {r['fla']:.4f} | {r['cula']:.4f} | {_x(r['fla'], r['cula'])} | "
+                     f"{r['hbm_pct']:.0f}% | {r['fla_hbm_pct']:.0f}% | {r['fla_eager']:.4f} | {r['cula_eager']:.4f} "
+                     f"| {r['err']:.1e} |")
+    host = raw.get("host_us")
+    if host:
+        lines += ["", "## Host cost of one call (µs, N = 1, T = 1, H = 32, back-to-back)", "",
+                  "| path | µs per call |", "|---|---:|"]
+        for k, v in host.items():
+            lines.append(f"| {k} | {v if isinstance(v, bool) else f'{v:.1f}'} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
