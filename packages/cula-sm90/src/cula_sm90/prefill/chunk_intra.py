@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import BFloat16, Float32, Int32, const_expr
 
-from cula_sm90.prefill import common
+from cula_sm90.prefill import common, tc
 
 BT = 64
 DK = 128
@@ -45,7 +45,9 @@ class ChunkIntraKernel:
 
     threads = 256
 
-    def __init__(self, gate: str, beta_activation: str, l2norm: bool, has_a_log: bool, has_dt_bias: bool):
+    def __init__(self, gate: str, beta_activation: str, l2norm: bool, has_a_log: bool, has_dt_bias: bool,
+                 tc_solve: bool = True):
+        self.tc_solve = tc_solve
         self.gate = gate
         self.beta_activation = beta_activation
         self.l2norm = l2norm
@@ -99,6 +101,12 @@ class ChunkIntraKernel:
         # 32..79 k_j e^(G_n-G_j) for the columns j < n before the block
         sX = smem.allocate_tensor(Float32, cute.make_layout((5 * BC, DK), stride=(PAD, 1)), 16)
         sB = smem.allocate_tensor(Float32, cute.make_layout(BT), 16)
+        if const_expr(self.tc_solve):
+            # Akk = (I + L)^-1 split hi + lo (bf16) and the right-hand sides of w and u (bf16), for the GEMMs
+            sAkh = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BT), 128)
+            sAkl = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BT), 128)
+            sRw = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK), 128)
+            sRu = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK), 128)
 
         n, t0, L, valid = common.find_chunk(cu, co, chunk, N, search_steps)
         if valid:
@@ -168,8 +176,11 @@ class ChunkIntraKernel:
                 cute.arch.sync_threads()
                 self.scores(sQ, sK, sG, sA, sL, sX, sB, tid, scale)
                 cute.arch.sync_threads()
-                self.solve_and_store(sQ, sK, sG, sA, sL, sX, sB, v, w, u, qg, kg, aqk, gl, tid, t0, L, hv, chunk,
-                                     scale)
+                self.store_qk(sQ, sK, sG, sA, qg, kg, aqk, gl, tid, t0, L, hv, chunk, scale)
+                if const_expr(self.tc_solve):
+                    self.solve_tc(sK, sG, sA, sL, sB, sAkh, sAkl, sRw, sRu, v, w, u, tid, t0, L, hv)
+                else:
+                    self.solve_simt(sK, sG, sL, sX, sB, v, w, u, tid, t0, L, hv)
 
     @cute.jit
     def log_gate(self, x: Float32, a_rate: Float32, bias: Float32, lower_bound: Float32) -> Float32:
@@ -244,9 +255,9 @@ class ChunkIntraKernel:
                 sL[i, qb * BC + tj] = acc_l[qb] * sB[i]
 
     @cute.jit
-    def solve_and_store(self, sQ, sK, sG, sA, sL, sX, sB, v, w, u, qg, kg, aqk, gl, tid, t0: Int32, L: Int32,
-                        hv: Int32, chunk: Int32, scale: Float32):
-        """qg, kg, Aqk, gl out; then forward substitution (I + L) X = rhs for the columns of w, then of u."""
+    def store_qk(self, sQ, sK, sG, sA, qg, kg, aqk, gl, tid, t0: Int32, L: Int32, hv: Int32, chunk: Int32,
+                 scale: Float32):
+        """qg = scale q exp(G), kg = k exp(G_last - G), Aqk and gl out."""
         c = tid % DK
         is_w = tid < DK
         g_last = sG[BT - 1, c]  # rows past a partial chunk's end add nothing to G
@@ -261,6 +272,69 @@ class ChunkIntraKernel:
         jc = tid % BT
         for i in cutlass.range(tid // BT, L, self.threads // BT):
             aqk[t0 + i, hv, jc] = sA[i, jc].to(aqk.element_type)
+
+    @cute.jit
+    def solve_tc(self, sK, sG, sA, sL, sB, sAkh, sAkl, sRw, sRu, v, w, u, tid, t0: Int32, L: Int32, hv: Int32):
+        """Akk = (I + L)^-1 by forward substitution on the columns of I (fp32, 4 threads per column, in sA:
+        Aqk is out), then w = Akk @ (beta k exp(G)) on warps 0-3 and u = Akk @ (beta v) on warps 4-7 with
+        mma.sync (Akk split hi + lo, right-hand sides bf16)."""
+        cute.arch.sync_threads()  # Aqk has left sA
+        jcol = tid // 4
+        q4 = tid % 4
+        for i in cutlass.range(BT):
+            acc = Float32(0.0)
+            for m in cutlass.range(jcol + q4, i, 4, unroll=2):
+                acc += sL[i, m] * sA[m, jcol]
+            acc += cute.arch.shuffle_sync_bfly(acc, offset=1)
+            acc += cute.arch.shuffle_sync_bfly(acc, offset=2)
+            x = -acc
+            if i == jcol:
+                x = Float32(1.0)
+            if i < jcol:
+                x = Float32(0.0)
+            sA[i, jcol] = x  # the 4 threads of the column all write it: each reads back its own rows
+        # right-hand sides (rows past the end are zero: beta is 0 there), loads issued together
+        c = tid % DK
+        for m in cutlass.range_constexpr(BT * DK // self.threads):
+            i = m * (self.threads // DK) + tid // DK
+            vv = Float32(0.0)
+            if i < L:
+                vv = v[t0 + i, hv, c].to(Float32)
+            sRu[i, c] = (sB[i] * vv).to(BFloat16)
+            sRw[i, c] = (sB[i] * sK[i, c] * cute.math.exp(sG[i, c], fastmath=True)).to(BFloat16)
+        cute.arch.sync_threads()
+        for m in cutlass.range_constexpr(BT * BT // self.threads):
+            i = m * (self.threads // BT) + tid // BT
+            jj = tid % BT
+            x = sA[i, jj]
+            hi = x.to(BFloat16)
+            sAkh[i, jj] = hi
+            sAkl[i, jj] = (x - hi.to(Float32)).to(BFloat16)
+        cute.arch.sync_threads()
+        if tid < 128:
+            self.wu_gemm(sAkh, sAkl, sRw, w, tid, t0, L, hv)
+        else:
+            self.wu_gemm(sAkh, sAkl, sRu, u, tid - 128, t0, L, hv)
+
+    @cute.jit
+    def wu_gemm(self, sAkh, sAkl, sR, out, t, t0: Int32, L: Int32, hv: Int32):
+        """out[t0 + i, hv, :] = (Akk @ R)[i, :] for i < L, by the 4 warps of one warp group (thread t)."""
+        mma = tc.tiled_mma_m(4)
+        thr = mma.get_slice(t)
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((BT, DK)), Float32)
+        at = thr.partition_C(cute.make_identity_tensor((BT, DK)))
+        acc.fill(0.0)
+        tc.gemm(mma, acc, sAkh, tc.t_view(sR, BT, DK), t, False, True)
+        tc.gemm(mma, acc, sAkl, tc.t_view(sR, BT, DK), t, False, True)
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            r, c = at[e]
+            if r < L:
+                out[t0 + r, hv, c] = acc[e].to(out.element_type)
+
+    @cute.jit
+    def solve_simt(self, sK, sG, sL, sX, sB, v, w, u, tid, t0: Int32, L: Int32, hv: Int32):
+        """Forward substitution (I + L) X = rhs for the columns of w, then of u (fp32 FMA)."""
+        c = tid % DK
         # The right-hand sides go to the operand scratch sX (dead after the scores) first, all 256 threads
         # loading together; then two threads per column (halves of the inner sum, joined by a shuffle) solve in
         # place. Both threads of a column write every row, so each reads back only rows it wrote itself.

@@ -21,6 +21,8 @@ BT = 64
 DK = 128
 
 _DTYPES = {}
+# stage 2 variant: "tc" (mma.sync, the default) or "simt" (fp32 FMA, the first version; kept for comparison)
+STATE_KERNEL = os.environ.get("CULA_SM90_STATE_KERNEL", "tc")
 
 
 def _cutlass_dtype(dtype: torch.dtype):
@@ -32,18 +34,19 @@ def _cutlass_dtype(dtype: torch.dtype):
     return _DTYPES[dtype]
 
 
-def _ptr(t: torch.Tensor):
+def _ptr(t: torch.Tensor, align: int | None = None):
+    """A DSL pointer to t's data; `align` (bytes) only for buffers this module allocated (16-byte copies)."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_ptr
 
-    return make_ptr(_cutlass_dtype(t.dtype), t.data_ptr(), cute.AddressSpace.gmem)
+    return make_ptr(_cutlass_dtype(t.dtype), t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
 
 
-def _fake_ptr(dtype: torch.dtype):
+def _fake_ptr(dtype: torch.dtype, align: int | None = None):
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_ptr
 
-    return make_ptr(_cutlass_dtype(dtype), 0, cute.AddressSpace.gmem)
+    return make_ptr(_cutlass_dtype(dtype), 0, cute.AddressSpace.gmem, assumed_align=align)
 
 
 def _stream():
@@ -78,11 +81,13 @@ def compile_state(affine: bool, o_dtype: torch.dtype):
     import cutlass
     import cutlass.cute as cute
 
-    from cula_sm90.prefill.chunk_state import ChunkStateKernel
-
     f32, i32, mid = torch.float32, torch.int32, torch.bfloat16
+    if STATE_KERNEL == "simt":
+        from cula_sm90.prefill.chunk_state import ChunkStateKernel as Kernel
+    else:
+        from cula_sm90.prefill.chunk_state_tc import ChunkStateTCKernel as Kernel
     return cute.compile(
-        ChunkStateKernel(affine), _fake_ptr(mid), _fake_ptr(mid), _fake_ptr(mid), _fake_ptr(mid), _fake_ptr(mid),
+        Kernel(affine), *(_fake_ptr(mid, 16) for _ in range(5)),
         _fake_ptr(f32), _fake_ptr(i32), _fake_ptr(f32), _fake_ptr(f32), _fake_ptr(o_dtype),
         *(cutlass.Int32(1) for _ in range(6)), cuda.CUstream(0))
 
@@ -205,13 +210,14 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
           max(N, 1).bit_length() + 1, HQK, HV // HQK, float(scale), lb, stream)
 
     state = compile_state(False, v.dtype)
+    mids = [_ptr(t, 16) for t in (w, u, qg, kg, aqk)]
     plan = tables["plan"]
     seg = tables["seg"]
     S = seg.shape[0]
     ht = final if final is not None else dummy
     if plan is None or not plan.split:
         h0 = initial_state if has_h0 else dummy
-        state(_ptr(w), _ptr(u), _ptr(qg), _ptr(kg), _ptr(aqk), _ptr(gl), _ptr(seg), _ptr(h0), _ptr(ht), _ptr(o),
+        state(*mids, _ptr(gl), _ptr(seg), _ptr(h0), _ptr(ht), _ptr(o),
               TT, NC, S, HV, max(h0.shape[0] if has_h0 else 1, 1), N if final is not None else 1, stream)
         return o, final
 
@@ -219,7 +225,7 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     map_seg = tables["map_seg"]
     R = map_seg.shape[0]
     maps = torch.empty(R, HV, K, 2 * K, dtype=torch.float32, device=device)
-    compile_state(True, v.dtype)(_ptr(w), _ptr(u), _ptr(qg), _ptr(kg), _ptr(aqk), _ptr(gl), _ptr(map_seg),
+    compile_state(True, v.dtype)(*mids, _ptr(gl), _ptr(map_seg),
                                  _ptr(dummy), _ptr(maps), _ptr(o), TT, NC, R, HV, 1, R, stream)
     starts = torch.empty(S, HV, K, K, dtype=torch.float32, device=device)
     if has_h0:
@@ -230,6 +236,6 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
         M = maps[row]
         starts[dst] = torch.baddbmm(M[..., K:].flatten(0, 1), M[..., :K].flatten(0, 1),
                                     starts[src].flatten(0, 1)).view(-1, HV, K, K)
-    state(_ptr(w), _ptr(u), _ptr(qg), _ptr(kg), _ptr(aqk), _ptr(gl), _ptr(seg), _ptr(starts), _ptr(ht), _ptr(o),
+    state(*mids, _ptr(gl), _ptr(seg), _ptr(starts), _ptr(ht), _ptr(o),
           TT, NC, S, HV, S, N if final is not None else 1, stream)
     return o, final

@@ -1,0 +1,180 @@
+"""KDA prefill, stage 2 on tensor cores: the serial state recurrence over the chunks of a segment, and o.
+
+One CTA per (segment, value head, 32-column slice of the state), 128 threads (4 warps stacked along M). Per
+chunk of 64 tokens, with h the fp32 state slice [K = 128, 32] (registers, mma accumulator layout) and the
+stage-1 intermediates (chunk_intra.py; bf16):
+
+    v_new = u - w @ h                    [64 x 128] @ [128 x 32]
+    o     = qg @ h + Aqk @ v_new         (qg carries scale)
+    h     = diag(exp(gl)) h + kg^T @ v_new
+
+Products: mma.sync m16n8k16, bf16 operands, fp32 accumulation. h and v_new are fp32 values split as hi + lo
+bf16 pairs (tc.store_split), so they keep ~16 bits through the products: the state does not drift with its own
+bf16 rounding, and the CP path (stage 2 in affine mode, a scan, stage 2 again) matches the serial walk closely.
+Pipeline per chunk: cp.async of w, qg, kg, Aqk and the u slice (rows past the segment end zero-filled), the
+split h written to shared memory meanwhile; then the GEMMs. One CTA per SM pair (~80 KB shared memory).
+
+Modes (compile time), as chunk_state.py: normal (h0_idx / ht_idx from the segment table, o written) or affine
+(the CP map pass: slices 0..3 carry M from the identity with u = 0, slices 4..7 carry c from zero; no o).
+Segment table `seg` [S, 5] int32: (first token, end token, first global chunk, h0_idx, ht_idx).
+Assumes K = V = 128 and 16-byte aligned intermediates (allocated by forward.py).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, const_expr
+
+from cula_sm90.prefill import tc
+
+BT = 64
+DK = 128
+BV = 32
+
+
+class ChunkStateTCKernel:
+    threads = 128
+
+    def __init__(self, affine: bool):
+        self.affine = affine
+
+    @cute.jit
+    def __call__(self, w_ptr: cute.Pointer, u_ptr: cute.Pointer, qg_ptr: cute.Pointer, kg_ptr: cute.Pointer,
+                 aqk_ptr: cute.Pointer, gl_ptr: cute.Pointer, seg_ptr: cute.Pointer, h0_ptr: cute.Pointer,
+                 ht_ptr: cute.Pointer, o_ptr: cute.Pointer, TT: Int32, NC: Int32, S: Int32, HV: Int32,
+                 NH0: Int32, NHT: Int32, stream):
+        tok = cute.make_layout((TT, HV, DK), stride=(HV * DK, DK, 1))
+        w = cute.make_tensor(w_ptr, tok)
+        u = cute.make_tensor(u_ptr, tok)
+        qg = cute.make_tensor(qg_ptr, tok)
+        kg = cute.make_tensor(kg_ptr, tok)
+        o = cute.make_tensor(o_ptr, tok)
+        aqk = cute.make_tensor(aqk_ptr, cute.make_layout((TT, HV, BT), stride=(HV * BT, BT, 1)))
+        gl = cute.make_tensor(gl_ptr, cute.make_layout((NC, HV, DK), stride=(HV * DK, DK, 1)))
+        seg = cute.make_tensor(seg_ptr, cute.make_layout((S, 5), stride=(5, 1)))
+        h0 = cute.make_tensor(h0_ptr, cute.make_layout((NH0, HV, DK, DK), stride=(HV * DK * DK, DK * DK, DK, 1)))
+        width = DK
+        if const_expr(self.affine):
+            width = 2 * DK
+        ht = cute.make_tensor(ht_ptr, cute.make_layout((NHT, HV, DK, width),
+                                                       stride=(HV * DK * width, DK * width, width, 1)))
+        self.kernel(w, u, qg, kg, aqk, gl, seg, h0, ht, o).launch(
+            grid=[S, HV, width // BV], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, w: cute.Tensor, u: cute.Tensor, qg: cute.Tensor, kg: cute.Tensor, aqk: cute.Tensor,
+               gl: cute.Tensor, seg: cute.Tensor, h0: cute.Tensor, ht: cute.Tensor, o: cute.Tensor):
+        tid, _, _ = cute.arch.thread_idx()
+        s, hv, vs = cute.arch.block_idx()
+
+        smem = cutlass.memory.SmemAllocator()
+        sW = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK), 128)
+        sQg = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK), 128)
+        sKg = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK), 128)
+        sA = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BT), 128)
+        sU = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BV), 128)
+        sHh = smem.allocate_tensor(BFloat16, tc.bf16_tile(DK, BV), 128)
+        sHl = smem.allocate_tensor(BFloat16, tc.bf16_tile(DK, BV), 128)
+        sVh = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BV), 128)
+        sVl = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BV), 128)
+        sDecay = smem.allocate_tensor(Float32, cute.make_layout(DK), 16)
+
+        start = seg[s, 0]
+        end = seg[s, 1]
+        chunk0 = seg[s, 2]
+        h0_idx = seg[s, 3]
+        ht_idx = seg[s, 4]
+
+        col0 = vs * BV  # column of the state (normal) or of the augmented [M | c] (affine)
+        is_m = False
+        ucol0 = col0
+        if const_expr(self.affine):
+            is_m = vs < DK // BV
+            ucol0 = col0 - DK
+
+        mma = tc.tiled_mma_m(4)
+        thr = mma.get_slice(tid)
+        acc_h = cute.make_rmem_tensor(thr.partition_shape_C((DK, BV)), Float32)
+        at_h = thr.partition_C(cute.make_identity_tensor((DK, BV)))
+        acc_v = cute.make_rmem_tensor(thr.partition_shape_C((BT, BV)), Float32)
+        acc_o = cute.make_rmem_tensor(thr.partition_shape_C((BT, BV)), Float32)
+        at_v = thr.partition_C(cute.make_identity_tensor((BT, BV)))
+        pHh = thr.partition_C(sHh)
+        pHl = thr.partition_C(sHl)
+        pVh = thr.partition_C(sVh)
+        pVl = thr.partition_C(sVl)
+        pU = thr.partition_C(sU)
+
+        for i in cutlass.range_constexpr(cute.size(acc_h)):
+            kr, c = at_h[i]
+            x = Float32(0.0)
+            if const_expr(self.affine):
+                if is_m:
+                    if kr == col0 + c:
+                        x = Float32(1.0)
+            else:
+                if h0_idx >= 0:
+                    x = h0[h0_idx, hv, kr, col0 + c]
+            acc_h[i] = x
+
+        cp_k = tc.g2s_copy(DK, self.threads)
+        cp_a = tc.g2s_copy(BT, self.threads)
+        cp_u = tc.g2s_copy(BV, self.threads)
+        n_chunks = (end - start + BT - 1) // BT
+        for ci in cutlass.range(n_chunks, unroll=1):
+            t0 = start + ci * BT
+            n = cutlass.min(end - t0, BT)
+            tc.copy_rows(cp_k, tc.rows_at(w, t0, hv, 0, BT, DK), sW, n, tid)
+            tc.copy_rows(cp_k, tc.rows_at(kg, t0, hv, 0, BT, DK), sKg, n, tid)
+            if const_expr(not self.affine):
+                tc.copy_rows(cp_k, tc.rows_at(qg, t0, hv, 0, BT, DK), sQg, n, tid)
+                tc.copy_rows(cp_a, tc.rows_at(aqk, t0, hv, 0, BT, BT), sA, n, tid)
+                tc.copy_rows(cp_u, tc.rows_at(u, t0, hv, col0, BT, BV), sU, n, tid)
+            else:
+                if not is_m:  # the M columns see u = 0 (values [0 | v] of the augmented state)
+                    tc.copy_rows(cp_u, tc.rows_at(u, t0, hv, ucol0, BT, BV), sU, n, tid)
+            cute.arch.cp_async_commit_group()
+            sDecay[tid] = cute.math.exp(gl[chunk0 + ci, hv, tid], fastmath=True)
+            tc.store_split(acc_h, pHh, pHl)
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()
+
+            # v_new = u - w @ h and o = qg @ h (both against the split h)
+            acc_v.fill(0.0)
+            tc.gemm(mma, acc_v, sW, tc.t_view(sHh, DK, BV), tid, False, True)
+            tc.gemm(mma, acc_v, sW, tc.t_view(sHl, DK, BV), tid, False, True)
+            if const_expr(not self.affine):
+                acc_o.fill(0.0)
+                tc.gemm(mma, acc_o, sQg, tc.t_view(sHh, DK, BV), tid, False, True)
+                tc.gemm(mma, acc_o, sQg, tc.t_view(sHl, DK, BV), tid, False, True)
+            for i in cutlass.range_constexpr(cute.size(acc_v)):
+                uval = Float32(0.0)
+                if const_expr(self.affine):
+                    if not is_m:
+                        uval = pU[i].to(Float32)
+                else:
+                    uval = pU[i].to(Float32)
+                acc_v[i] = uval - acc_v[i]
+            tc.store_split(acc_v, pVh, pVl)  # rows past the end: u = w = 0 there, so v_new = 0
+            cute.arch.sync_threads()
+
+            if const_expr(not self.affine):
+                tc.gemm(mma, acc_o, sA, tc.t_view(sVh, BT, BV), tid, False, True)
+                tc.gemm(mma, acc_o, sA, tc.t_view(sVl, BT, BV), tid, False, True)
+                for i in cutlass.range_constexpr(cute.size(acc_o)):
+                    r, c = at_v[i]
+                    if r < n:
+                        o[t0 + r, hv, col0 + c] = acc_o[i].to(o.element_type)
+
+            for i in cutlass.range_constexpr(cute.size(acc_h)):
+                kr, _ = at_h[i]
+                acc_h[i] = acc_h[i] * sDecay[kr]
+            tc.gemm(mma, acc_h, tc.t_view(sKg, BT, DK), tc.t_view(sVh, BT, BV), tid, True, True)
+            tc.gemm(mma, acc_h, tc.t_view(sKg, BT, DK), tc.t_view(sVl, BT, BV), tid, True, True)
+            cute.arch.sync_threads()  # every reader of this chunk's tiles is done before the next copies
+
+        if ht_idx >= 0:
+            for i in cutlass.range_constexpr(cute.size(acc_h)):
+                kr, c = at_h[i]
+                ht[ht_idx, hv, kr, col0 + c] = acc_h[i]
