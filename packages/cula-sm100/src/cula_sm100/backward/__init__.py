@@ -1,11 +1,33 @@
-"""cula_sm100.backward: no kernels yet; serves no op (see its issue)."""
+"""cula_sm100.backward: the chunk_kda backward (bf16, K = V = 128, native GVA).
 
-OPS: tuple[str, ...] = ()
+  chunk_wy_dqkg.py  CuTe DSL kernel: the fused WY / state backward (dq, dk summed over each GVA group, dv,
+                    dbeta, dG, dL), one (chunk, q/k head) per CTA
+  torch_stages.py   the stages still in PyTorch (dAqk / local dv, the reverse state recurrence, the intra-chunk
+                    backward, the gate / L2-norm / beta backward) and the composition of the whole backward
+  launch.py         compiled-kernel cache; recomputes the forward with cula_sm100.forward's kernels, then runs
+                    the stages (docs/sm100_backward.md)
+This module imports no CuTe DSL: kernels compile on first use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+OPS: tuple[str, ...] = ("chunk_kda_backward",)
 
 
 def unsupported_reason(call) -> str | None:
-    return f"sm100 does not implement {call.op}"
+    """The backward recomputes the forward with cula_sm100.forward's kernels: it serves what they serve."""
+    if call.op not in OPS:
+        return f"sm100 does not implement {call.op}"
+    from cula_sm100 import forward
+
+    return forward.unsupported_reason(dataclasses.replace(call, op="chunk_kda"))
 
 
 def kernel(op: str):
-    raise NotImplementedError(f"sm100 has no kernel for {op}")
+    if op not in OPS:
+        raise NotImplementedError(f"sm100 has no kernel for {op}")
+    from cula_sm100.backward import launch
+
+    return launch.chunk_kda_backward

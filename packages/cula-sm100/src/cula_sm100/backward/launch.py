@@ -1,0 +1,86 @@
+"""Thin launch code of the sm100 chunk_kda backward: the compiled-kernel cache and the order of the stages.
+
+`chunk_kda_backward(...)` follows the kernel calling convention of docs/backends.md. Like FLA 0.6.0's
+`chunk_kda_bwd`, it recomputes the forward's intermediates (the forward saves only its inputs), here with
+cula-sm100's own forward kernels (`cula_sm100.forward.launch.forward`), then runs the backward stages:
+
+  1. dAqk = do @ v_new^T (causal), dv = Aqk^T @ do              PyTorch (`torch_stages.dav`)
+  2. reverse state recurrence: dh per chunk, dv += kg @ dh, dh0  PyTorch (`torch_stages.dhu`)
+  3. chunk_wy_dqkg: dq, dk (GVA-summed), dv, dbeta, dG, dL       CuTe DSL kernel (`chunk_wy_dqkg.py`)
+  4. intra-chunk backward of Aqk and L = beta k k^T decays        PyTorch (`torch_stages.intra`)
+  5. reverse chunk-local cumsum of dG, gate / beta / L2 backward  PyTorch (`torch_stages.finish`)
+
+The PyTorch stages run in fp32 on the GPU, batched over chunks and heads (no host synchronisation beyond the
+forward's chunk table). They are correct but not fast; each is a kernel still to write.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from cula_sm100.backward import torch_stages
+from cula_sm100.forward import launch as fwd
+
+
+@functools.cache
+def wy_dqkg_kernel():
+    """The compiled chunk_wy_dqkg (one compilation serves every size; nothing in it is a compile-time option)."""
+    import cutlass.cute as cute
+
+    from cula_sm100.backward.chunk_wy_dqkg import ChunkWyDqkg
+
+    bf, f32, fp = torch.bfloat16, torch.float32, fwd._fake_ptr
+    return cute.compile(ChunkWyDqkg(), fp(bf), fp(bf), fp(bf), fp(bf), fp(f32), fp(f32), fp(bf), fp(bf), fp(bf),
+                        fp(bf), fp(bf), fp(f32), fp(f32), fp(bf), fp(f32), fp(f32), fp(f32), fp(torch.int32),
+                        1, 1, 1, 1, 1.0, fwd._compile_stream())
+
+
+def chunk_wy_dqkg(q, k, v, v_new, G, beta, Akk, h, do, dh, dv, ctab, *, scale):
+    """The fused WY / state backward (kernel: chunk_wy_dqkg.py), over packed tokens.
+
+    Args (TT packed tokens, NC chunks of the chunk table `ctab` [NC, 2] int32):
+        q, k: [TT, HQK, K] bf16 (L2-normalised if the forward normalises); v, v_new, do, dv: [TT, HV, V] bf16
+        (dv: total gradient of v_new); G: [TT, HV, K] fp32 chunk-local cumsum (natural log); beta: [TT, HV]
+        fp32 after its activation; Akk: [TT, HV, 64] bf16; h, dh: [NC, HV, K, V] bf16 (state at the chunk
+        start; gradient of the state at the chunk end).
+
+    Returns:
+        dq, dk [TT, HQK, K] fp32 (summed over each group's value heads), dv [TT, HV, V] bf16 (gradient of v,
+        of beta * v: times beta), dbeta [TT, HV] fp32, dG [TT, HV, K] fp32 (before the reverse cumsum),
+        dL [TT, HV, 64] fp32 (gradient of the strictly lower L = beta_i k_i k_j decays).
+    """
+    TT, HQK, K = q.shape
+    HV = v.shape[1]
+    dq = torch.zeros(TT, HQK, K, device=q.device, dtype=torch.float32)
+    dk = torch.zeros_like(dq)
+    dv2 = torch.empty_like(v)
+    dg = torch.empty(TT, HV, K, device=q.device, dtype=torch.float32)
+    db = torch.empty(TT, HV, device=q.device, dtype=torch.float32)
+    dA = torch.empty(TT, HV, fwd.BT, device=q.device, dtype=torch.float32)
+    NC = ctab.shape[0]
+    if NC:
+        p = fwd._ptr
+        wy_dqkg_kernel()(p(q), p(k), p(v), p(v_new), p(G), p(beta), p(Akk), p(h), p(do), p(dh), p(dv), p(dq), p(dk),
+                         p(dv2), p(dg), p(db), p(dA), p(ctab), TT, NC, HQK, HV, float(scale), fwd._stream())
+    return dq, dk, dv2, db, dg, dA
+
+
+def chunk_kda_backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *,
+                       scale, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation):
+    """The backend's kernel for `chunk_kda_backward` (calling convention: docs/backends.md): gradients of
+    (q, k, v, g, beta, A_log, dt_bias, initial_state), None for absent inputs."""
+    B, T = q.shape[:2]
+    _, _, it = fwd.forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu,
+                           scale=scale, output_final_state=False, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                           gate=gate, lower_bound=lower_bound, beta_activation=beta_activation)
+    ctab, _ = fwd.tables(B, T, cu_seqlens, cu_seqlens_cpu, q.device)
+
+    def wy(*args, scale):
+        return chunk_wy_dqkg(*args[:-1], ctab, scale=scale)
+
+    return torch_stages.backward(it, do, dht, v, (q, k, g, beta, A_log, dt_bias, initial_state), wy=wy, scale=scale,
+                                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate, lower_bound=lower_bound,
+                                 beta_activation=beta_activation,
+                                 bounds=torch_stages.bounds_of(B, T, cu_seqlens, cu_seqlens_cpu))

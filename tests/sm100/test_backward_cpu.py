@@ -1,0 +1,122 @@
+"""CPU: the sm100 backward's composition (torch_stages: dAqk / local dv, the reverse state recurrence, the intra-chunk
+backward, the gate / L2-norm / beta backward) with chunk_wy_dqkg replaced by its fp64 autograd oracle, fed the
+reference's intermediates, against the reference backward (torch.func.vjp through the reference forward) in fp64.
+This checks the decomposition and every PyTorch stage; the kernel itself is checked on the GPU
+(test_backward_gpu.py). Also: the backend's declining reasons, and the kernel compiles for sm_90a and sm_100a."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backward_cases import reference_intermediates, wy_dqkg_expected
+from cula_core.ops import reference_impls
+from cula_sm100.backward import torch_stages
+
+HERE = Path(__file__).resolve().parent
+NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0")
+
+
+def _inputs(B, T, HQK, HV, *, gate, seed, h0, N=None):
+    gen = torch.Generator().manual_seed(seed)
+    d = torch.float64
+
+    def r(*s):
+        return torch.randn(*s, generator=gen, dtype=d)
+
+    q, k, v = r(B, T, HQK, 128), r(B, T, HQK, 128), r(B, T, HV, 128)
+    if gate == "precomputed":
+        g = F.logsigmoid(r(B, T, HV, 128)) / 4
+        A_log = dt_bias = None
+    else:
+        g, A_log, dt_bias = r(B, T, HV, 128), 0.3 * r(HV), 0.5 * r(HV * 128)
+    beta = r(B, T, HV)
+    init = 0.1 * r(N if N is not None else B, HV, 128, 128) if h0 else None
+    return q, k, v, g, beta, A_log, dt_bias, init
+
+
+CASES = [
+    # (B, T, HQK, HV, lengths or None, gate, l2norm, beta activation, h0 / dht)
+    (2, 100, 1, 2, None, "precomputed", False, "none", False),
+    (1, 64, 2, 2, None, "softplus", True, "sigmoid", True),
+    (1, 63, 1, 4, None, "safe", True, "2sigmoid", True),
+    (1, 200, 1, 2, [37, 0, 64, 99], "softplus", False, "sigmoid", True),
+]
+
+
+@pytest.mark.parametrize("B,T,HQK,HV,lengths,gate,l2,act,states", CASES)
+def test_composition_matches_reference(B, T, HQK, HV, lengths, gate, l2, act, states):
+    N = len(lengths) if lengths else None
+    q, k, v, g, beta, A_log, dt_bias, h0 = _inputs(B, T, HQK, HV, gate=gate, seed=B * T + HV, h0=states, N=N)
+    if not l2:  # inputs the forward takes as final: unit-norm keys keep the recurrence stable
+        from cula_core.reference import l2norm
+        q, k = l2norm(q), l2norm(k)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32) if lengths else None
+    if cu is not None:
+        assert int(cu[-1]) == T
+    gen = torch.Generator().manual_seed(7)
+    do = torch.randn(B, T, HV, 128, generator=gen, dtype=torch.float64)
+    dht = torch.randn(N or B, HV, 128, 128, generator=gen, dtype=torch.float64) if states else None
+    scale = 128 ** -0.5
+    kw = dict(scale=scale, use_qk_l2norm_in_kernel=l2, gate=gate, lower_bound=-5.0 if gate == "safe" else None,
+              beta_activation=act)
+    expected = reference_impls.chunk_kda_backward(do, dht, q, k, v, g, beta, A_log, dt_bias, h0, cu, cu, **kw)
+    it = reference_intermediates(q, k, v, g, beta, A_log, dt_bias, h0, cu, **kw)
+    kw.pop("scale")
+    ours = torch_stages.backward(it, do, dht, v, (q, k, g, beta, A_log, dt_bias, h0), wy=wy_dqkg_expected,
+                                 scale=scale, bounds=torch_stages.bounds_of(B, T, cu, cu), **kw)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0"), ours, expected):
+        assert (a is None) == (b is None), name
+        if a is None:
+            continue
+        assert a.shape == b.shape, (name, a.shape, b.shape)
+        err = ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+        assert err < 1e-4, f"{name}: rel err {err:.2e}"
+
+
+def test_chunks_roundtrip_and_recurrence_steps():
+    bounds = (0, 1, 1, 130, 194)
+    ch = torch_stages.Chunks(bounds, "cpu")
+    assert ch.NC == 1 + 3 + 1 and ch.N == 4
+    x = torch.randn(194, 2, 3)
+    assert torch.equal(ch.unchunk(ch.chunk(x)), x)
+    xc = ch.chunk(x)
+    assert torch.equal(xc[-1], torch.zeros_like(xc[-1]))          # the spare chunk is zero
+    assert torch.equal(ch.chunk(x, g_rows=True)[3, 10:], x[129].expand(54, 2, 3))  # 2-token chunk 128..129
+    # step 0 takes every sequence's last chunk; the empty sequence never has one
+    assert ch.steps[0].tolist() == [0, ch.NC, 3, 4]
+    assert ch.steps[2].tolist() == [ch.NC, ch.NC, 1, ch.NC]
+
+
+def test_declines_with_reasons():
+    from cula_core.backend import CallConfig, DeviceInfo
+    from cula_sm100 import backward
+
+    def call(**kw):
+        base = dict(op="chunk_kda_backward", device=DeviceInfo("cuda", 0, (9, 0)), dtype=torch.bfloat16, K=128, V=128,
+                    HQK=2, HV=4, gate="softplus", options={})
+        base.update(kw)
+        return CallConfig(**base)
+
+    assert "K=V=128" in backward.unsupported_reason(call(K=64))
+    assert "bf16" in backward.unsupported_reason(call(dtype=torch.float16))
+    assert "CUDA" in backward.unsupported_reason(call(device=DeviceInfo("cpu")))
+    assert "beta_activation" in backward.unsupported_reason(call(options={"beta_activation": "relu"}))
+    assert backward.unsupported_reason(call(op="kda_decode")) is not None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed")
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_kernels_compile(arch):
+    env = dict(os.environ, CUTE_DSL_ARCH=arch)
+    proc = subprocess.run([sys.executable, str(HERE / "backward_cases.py")], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert sum(line.startswith("compiled ") for line in proc.stdout.splitlines()) == 1, proc.stdout
