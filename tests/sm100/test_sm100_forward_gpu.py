@@ -194,10 +194,12 @@ def test_memcheck_clean_on_odd_shapes():
     if shutil.which("compute-sanitizer") is None:
         pytest.skip("compute-sanitizer not on PATH")
     here = Path(__file__).resolve().parent
+    # API errors are not reported: the DSL probes device attributes through calls that may fail by design;
+    # every access of every kernel launch is still checked.
     cmd = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9", "--leak-check", "no",
-           sys.executable, str(here / "sm100_memcheck_case.py")]
+           "--report-api-errors", "no", sys.executable, str(here / "sm100_memcheck_case.py")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=here)
     print(proc.stdout[-3000:])
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[:6000] + proc.stderr[-3000:]
     assert "cases ok" in proc.stdout
     assert "ERROR SUMMARY: 0 errors" in proc.stdout
