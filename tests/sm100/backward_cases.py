@@ -61,7 +61,7 @@ def wy_dqkg_expected(q, k, v, v_new, G, beta, Akk, h, do, dh, dv, ch, *, scale):
     u = A @ (bc * vc)
     w = A @ (bc * kc * torch.exp(Gc))
     loss = loss + (dvc * (u - w @ hc)).sum()
-    grads = torch.autograd.grad(loss, leaves + [L0])
+    grads = torch.autograd.grad(loss, [*leaves, L0])
     dq, dk, dvv, dG, db = grads[:5]
     dL = ch.unchunk((grads[5] * strict).permute(0, 2, 1, 3))
     return dq, dk, dvv, db, dG, dL
@@ -90,7 +90,94 @@ def kernels():
     return {"chunk_wy_dqkg": launch.wy_dqkg_kernel}
 
 
+def fla_one_config():
+    """Pin every Triton autotuner of the loaded FLA modules to its first configuration: FLA then compiles one
+    variant per kernel instead of autotuning for minutes. For correctness comparisons only (never timings)."""
+    import sys
+
+    from triton.runtime.autotuner import Autotuner
+
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("fla.") or mod is None:
+            continue
+        for obj in list(vars(mod).values()):
+            if isinstance(obj, Autotuner) and len(obj.configs) > 1:
+                obj.configs = obj.configs[:1]
+
+
+def wy_problem(B, T, HQK, HV, lengths=None, *, seed=0, device="cuda"):
+    """Inputs of chunk_wy_dqkg as the backward feeds it: the fp32 reference's intermediates of a random problem
+    rounded as the forward stores them, and random upstream gradients. Returns (args, chunks, ctab, scale)."""
+    from cula_sm100.backward import torch_stages
+    from cula_sm100.forward import launch as fwd
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def r(*s):
+        return torch.randn(*s, generator=gen, device=device)
+
+    if lengths is not None:
+        T = sum(lengths)
+        cu_cpu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        cu = cu_cpu.to(device)
+    else:
+        cu = cu_cpu = None
+    q, k = ref.l2norm(r(B, T, HQK, 128)).bfloat16(), ref.l2norm(r(B, T, HQK, 128)).bfloat16()
+    v = r(B, T, HV, 128).bfloat16()
+    g = torch.nn.functional.logsigmoid(r(B, T, HV, 128)) / 8
+    beta = torch.sigmoid(r(B, T, HV))
+    scale = 128 ** -0.5
+    it = reference_intermediates(q, k, v, g, beta, None, None, None, cu, scale=scale, use_qk_l2norm_in_kernel=False,
+                                 gate="precomputed", lower_bound=None, beta_activation="none", dtype=torch.float32)
+    bf = torch.bfloat16
+    TT = B * T
+    bounds = torch_stages.bounds_of(B, T, cu, cu_cpu)
+    ch = torch_stages.Chunks(bounds, device)
+    ctab, _ = fwd.tables(B, T, cu, cu_cpu, device)
+    NC = ctab.shape[0]
+    args = (it.q.to(bf).contiguous(), it.k.to(bf).contiguous(), v.reshape(TT, HV, 128), it.v_new.to(bf).contiguous(),
+            it.g_cumsum.contiguous(), beta.reshape(TT, HV).contiguous(), it.Akk.to(bf).contiguous(),
+            it.h.to(bf).contiguous(), r(TT, HV, 128).to(bf), (0.1 * r(NC, HV, 128, 128)).to(bf), r(TT, HV, 128).to(bf))
+    return args, ch, ctab, scale, (B, T, cu)
+
+
+def _memcheck():
+    """Odd shapes through the kernel and the whole backward (run under compute-sanitizer by the GPU tests)."""
+    import os
+
+    import cula_core
+
+    os.environ["CULA_BACKEND"] = "sm100"
+    from cula_sm100.backward import launch
+
+    for B, T, HQK, HV, lengths in [(1, 1, 1, 1, None), (1, 63, 1, 2, None), (2, 65, 2, 4, None),
+                                   (1, 0, 1, 2, [1, 0, 63, 64, 65, 0, 2])]:
+        args, _ch, ctab, scale, _ = wy_problem(B, T, HQK, HV, lengths, seed=1)
+        launch.chunk_wy_dqkg(*args, ctab, scale=scale)
+    T = 130
+    lengths = [1, 0, 64, 65]
+    cu_cpu = torch.tensor([0, 1, 1, 65, 130], dtype=torch.int32)
+    q, k = (torch.randn(1, T, 1, 128, device="cuda").bfloat16().requires_grad_() for _ in range(2))
+    v = torch.randn(1, T, 2, 128, device="cuda").bfloat16().requires_grad_()
+    g = torch.randn(1, T, 2, 128, device="cuda").requires_grad_()
+    beta = torch.rand(1, T, 2, device="cuda").bfloat16().requires_grad_()
+    A_log = torch.zeros(2, device="cuda").requires_grad_()
+    dt_bias = torch.zeros(256, device="cuda").requires_grad_()
+    h0 = torch.zeros(len(lengths), 2, 128, 128, device="cuda").requires_grad_()
+    o, ht = cula_core.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                                cu_seqlens=cu_cpu.cuda(), cu_seqlens_cpu=cu_cpu)
+    (o.float().sum() + ht.sum()).backward()
+    torch.cuda.synchronize()
+    print("memcheck cases done")
+
+
 if __name__ == "__main__":
+    import sys as _sys
+
+    if _sys.argv[1:] == ["memcheck"]:
+        _memcheck()
+        raise SystemExit(0)
     for name, build in kernels().items():
         t = time.perf_counter()
         build()

@@ -57,10 +57,10 @@ class Chunks:
         rows, rows_g, steps, nc = _host_tables(tuple(bounds))
         TT = bounds[-1]
         self.TT, self.NC, self.N = TT, nc, len(bounds) - 1
-        idx = torch.tensor(rows + [[-1] * BT], dtype=torch.long).reshape(-1, BT)
+        idx = torch.tensor([*rows, [-1] * BT], dtype=torch.long).reshape(-1, BT)
         self.mask = (idx >= 0).to(device)                                       # [NC + 1, 64]
         self.idx = torch.where(idx >= 0, idx, TT).to(device)
-        self.idx_g = torch.tensor(rows_g + [[TT] * BT], dtype=torch.long).reshape(-1, BT).to(device)
+        self.idx_g = torch.tensor([*rows_g, [TT] * BT], dtype=torch.long).reshape(-1, BT).to(device)
         self.token_pos = torch.nonzero(idx.reshape(-1) >= 0).squeeze(1).to(device)  # [TT]: chunk rows in order
         st = torch.tensor(steps, dtype=torch.long).reshape(len(steps), self.N)
         self.steps = torch.where(st >= 0, st, nc).to(device)                    # [S, N]

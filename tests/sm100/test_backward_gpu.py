@@ -1,0 +1,223 @@
+"""cula-sm100 chunk_kda backward on the GPU: the chunk_wy_dqkg kernel alone against fp64 autograd of the terms it
+differentiates (and against FLA 0.6.0's fused kernel on the same inputs), bitwise determinism, gradients of every
+input of the public op (CULA_BACKEND=sm100, loss.backward()) against fp64 autograd through cula_core.reference and
+against FLA 0.6.0, and compute-sanitizer on odd shapes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from backward_cases import fla_one_config, wy_dqkg_expected, wy_problem
+from sm100_cases import rel_err, require_gpu, seqlens_to_cu
+
+pytestmark = pytest.mark.gpu
+
+WY_NAMES = ("dq", "dk", "dv", "dbeta", "dG", "dL")
+# ||ours - fp64|| / ||fp64||: bf16 operands (2^-8) in a few chained products; dL passes two bf16 roundings of
+# the 64 x 64 intermediate (as FLA's kernel does)
+WY_TOL = dict(dq=1e-2, dk=1e-2, dv=1e-2, dbeta=1e-2, dG=2e-2, dL=2e-2)
+# whole backward vs fp64 autograd: the forward's bf16 intermediates (h, v_new, Akk) enter every gradient
+GRAD_TOL = 3e-2
+GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0")
+
+WY_CASES = [(1, 63, 2, 4, None), (2, 64, 1, 1, None), (1, 1000, 2, 4, None), (1, 130, 1, 4, None),
+            (1, 0, 2, 4, [17, 1, 64, 65, 0, 200])]
+
+
+def _wy(args, ctab, scale):
+    from cula_sm100.backward import launch
+
+    return launch.chunk_wy_dqkg(*args, ctab, scale=scale)
+
+
+def _fla_wy(args, shape, scale):
+    """FLA 0.6.0's chunk_kda_bwd_wy_dqkg_fused on the same inputs (its g in log2 units, dq/dk per value head)."""
+    from fla.ops.kda.chunk_bwd import chunk_kda_bwd_wy_dqkg_fused
+
+    fla_one_config()
+    q, k, v, vn, G, beta, A, h, do, dh, dv = args
+    B, T, cu = shape
+    HQK, HV = q.shape[1], v.shape[1]
+
+    def b(x):
+        return x.reshape(B, -1, *x.shape[1:])
+
+    dq, dk, dv2, db, dg, dA = chunk_kda_bwd_wy_dqkg_fused(
+        q=b(q), k=b(k), v=b(v), v_new=b(vn), g=b(G / math.log(2)), beta=b(beta), A=b(A), h=b(h), do=b(do),
+        dh=b(dh), dv=b(dv), scale=scale, cu_seqlens=cu.long() if cu is not None else None, chunk_size=64)
+    grp = HV // HQK
+
+    def s(x):
+        return x.reshape(B * T, HQK, grp, -1).sum(2)
+
+    return s(dq), s(dk), dv2.reshape(B * T, HV, -1), db.reshape(B * T, HV), dg.reshape(B * T, HV, -1), \
+        dA.reshape(B * T, HV, -1)
+
+
+@pytest.mark.parametrize("B,T,HQK,HV,lengths", WY_CASES)
+def test_chunk_wy_dqkg_vs_fp64_autograd(B, T, HQK, HV, lengths):
+    require_gpu()
+    args, ch, ctab, scale, shape = wy_problem(B, T, HQK, HV, lengths, seed=T + HV)
+    ours = _wy(args, ctab, scale)
+    exp = wy_dqkg_expected(*args, ch, scale=scale)
+    errs = {n: rel_err(o, e) for n, o, e in zip(WY_NAMES, ours, exp, strict=False)}
+    fla = {}
+    if (B, T, HQK, HV) == (1, 1000, 2, 4):
+        try:
+            fla = {n: rel_err(o, e) for n, o, e in zip(WY_NAMES, _fla_wy(args, shape, scale), exp, strict=False)}
+        except ImportError:
+            pass
+    print(f"\n{B=} {T=} {HQK=} {HV=} {lengths=}: " + " ".join(f"{n}={e:.2e}" for n, e in errs.items())
+          + ("" if not fla else " | FLA: " + " ".join(f"{n}={e:.2e}" for n, e in fla.items())))
+    for n in WY_NAMES:
+        bound = max(WY_TOL[n], 2 * fla[n]) if n in fla else WY_TOL[n]
+        assert errs[n] < bound, f"{n}: rel err {errs[n]:.3e} >= {bound:.1e}"
+
+
+def test_chunk_wy_dqkg_deterministic():
+    require_gpu()
+    args, _, ctab, scale, _ = wy_problem(1, 0, 1, 4, [300, 1, 500], seed=3)
+    a, b = _wy(args, ctab, scale), _wy(args, ctab, scale)
+    for n, x, y in zip(WY_NAMES, a, b, strict=False):
+        assert torch.equal(x, y), n
+
+
+def _problem(B, T, HQK, HV, lengths, gate, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def r(*s):
+        return torch.randn(*s, generator=gen, device="cuda")
+
+    if lengths:
+        T = sum(lengths)
+    q, k, v = (r(B, T, h, 128).bfloat16() for h in (HQK, HQK, HV))
+    if gate == "precomputed":
+        q, k = (torch.nn.functional.normalize(x.float(), dim=-1).bfloat16() for x in (q, k))
+        g = torch.nn.functional.logsigmoid(r(B, T, HV, 128)) / 8
+    else:
+        g = r(B, T, HV, 128)
+    beta = torch.sigmoid(r(B, T, HV)).bfloat16()
+    A_log = torch.log(torch.rand(HV, generator=gen, device="cuda") * 15 + 1)
+    dt_bias = 0.1 * r(HV * 128)
+    N = len(lengths) if lengths else B
+    h0 = 0.1 * r(N, HV, 128, 128)
+    do = r(B, T, HV, 128).bfloat16()
+    dht = 0.1 * r(N, HV, 128, 128)
+    return q, k, v, g, beta, A_log, dt_bias, h0, do, dht
+
+
+GRAD_CASES = [
+    # (B, T, HQK, HV, lengths, gate, l2norm)
+    (1, 63, 2, 4, None, "softplus", True),
+    (2, 64, 1, 1, None, "precomputed", False),
+    (1, 1000, 1, 2, None, "safe", True),
+    (1, 4096, 2, 4, None, "softplus", True),
+    (1, 0, 2, 4, [1, 100, 0, 64, 200], "softplus", True),
+    (1, 0, 1, 2, [63, 64, 65], "safe", False),
+]
+
+
+def _grads(backend, monkeypatch, q, k, v, g, beta, A_log, dt_bias, h0, do, dht, *, gate, l2, lengths):
+    import cula_core
+
+    monkeypatch.setenv("CULA_BACKEND", backend)
+    ins = [q, k, v, g, beta, h0] + ([A_log, dt_bias] if gate != "precomputed" else [])
+    ins = [x.detach().clone().requires_grad_() for x in ins]
+    kw = dict(initial_state=ins[5], output_final_state=True, use_qk_l2norm_in_kernel=l2)
+    if gate != "precomputed":
+        kw.update(use_gate_in_kernel=True, A_log=ins[6], dt_bias=ins[7])
+    if gate == "safe":
+        kw.update(safe_gate=True, lower_bound=-5.0)
+    if lengths:
+        kw["cu_seqlens"], kw["cu_seqlens_cpu"] = seqlens_to_cu(lengths)
+    o, ht = cula_core.chunk_kda(*ins[:5], **kw)
+    ((o.float() * do.float()).sum() + (ht * dht).sum()).backward()
+    grads = [x.grad for x in ins]
+    return dict(zip(["dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias"], grads, strict=False))
+
+
+def _expected(q, k, v, g, beta, A_log, dt_bias, h0, do, dht, *, gate, l2, lengths):
+    """fp64 autograd (vector-Jacobian product) through cula_core.reference on the same inputs."""
+    from cula_core.ops import reference_impls
+
+    d = torch.float64
+    cu = seqlens_to_cu(lengths)[0] if lengths else None
+    A, D = (A_log.to(d), dt_bias.to(d)) if gate != "precomputed" else (None, None)
+    out = reference_impls.chunk_kda_backward(
+        do.to(d), dht.to(d), q.to(d), k.to(d), v.to(d), g.to(d), beta.to(d), A, D, h0.to(d), cu, cu,
+        scale=128 ** -0.5, use_qk_l2norm_in_kernel=l2, gate=gate, lower_bound=-5.0 if gate == "safe" else None,
+        beta_activation="none")
+    return dict(zip(["dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0"], out, strict=False))
+
+
+def _fla_grads(q, k, v, g, beta, A_log, dt_bias, h0, do, dht, *, gate, l2, lengths):
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    fla_one_config()
+    ins = [q, k, v, g, beta, h0] + ([A_log, dt_bias] if gate != "precomputed" else [])
+    ins = [x.detach().clone().requires_grad_() for x in ins]
+    kw = dict(initial_state=ins[5], output_final_state=True, use_qk_l2norm_in_kernel=l2)
+    if gate != "precomputed":
+        kw.update(use_gate_in_kernel=True, A_log=ins[6], dt_bias=ins[7])
+    if gate == "safe":
+        kw.update(safe_gate=True, lower_bound=-5.0)
+    if lengths:
+        kw["cu_seqlens"] = seqlens_to_cu(lengths)[0].long()
+    o, ht = fla_chunk_kda(*ins[:5], **kw)
+    ((o.float() * do.float()).sum() + (ht * dht).sum()).backward()
+    fla_one_config()
+    names = ["dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias"]
+    return dict(zip(names, [x.grad for x in ins], strict=False))
+
+
+@pytest.mark.parametrize("B,T,HQK,HV,lengths,gate,l2", GRAD_CASES)
+def test_gradients_vs_reference(B, T, HQK, HV, lengths, gate, l2, monkeypatch):
+    require_gpu()
+    p = _problem(B, T, HQK, HV, lengths, gate, seed=T + HV + len(lengths or []))
+    ours = _grads("sm100", monkeypatch, *p, gate=gate, l2=l2, lengths=lengths)
+    exp = _expected(*p, gate=gate, l2=l2, lengths=lengths)
+    errs = {n: rel_err(ours[n], exp[n]) for n in GRAD_NAMES if exp.get(n) is not None}
+    fla = {}
+    if (B, T, gate) == (1, 1000, "safe"):
+        try:
+            f = _fla_grads(*p, gate=gate, l2=l2, lengths=lengths)
+            fla = {n: rel_err(f[n], exp[n]) for n in errs if f.get(n) is not None}
+        except ImportError:
+            pass
+    print(f"\n{B=} {T=} {HQK=} {HV=} {lengths=} {gate} l2={l2}: "
+          + " ".join(f"{n}={e:.2e}" for n, e in errs.items())
+          + ("" if not fla else " | FLA: " + " ".join(f"{n}={e:.2e}" for n, e in fla.items())))
+    for n, e in errs.items():
+        bound = max(GRAD_TOL, 2 * fla[n]) if n in fla else GRAD_TOL
+        assert e < bound, f"{n}: rel err {e:.3e} >= {bound:.1e}"
+    assert all(ours[n] is None for n in GRAD_NAMES if exp.get(n) is None)
+
+
+def test_backward_deterministic(monkeypatch):
+    require_gpu()
+    p = _problem(1, 0, 1, 4, [200, 1, 333], "softplus", seed=5)
+    a = _grads("sm100", monkeypatch, *p, gate="softplus", l2=True, lengths=[200, 1, 333])
+    b = _grads("sm100", monkeypatch, *p, gate="softplus", l2=True, lengths=[200, 1, 333])
+    for n in a:
+        assert torch.equal(a[n], b[n]), n
+
+
+def test_memcheck_clean_on_odd_shapes():
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    require_gpu()
+    if shutil.which("compute-sanitizer") is None:
+        pytest.skip("compute-sanitizer not on PATH")
+    here = Path(__file__).resolve().parent
+    cmd = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9", "--leak-check", "no",
+           sys.executable, str(here / "backward_cases.py"), "memcheck"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=here)
+    print(proc.stdout[-3000:])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ERROR SUMMARY: 0 errors" in proc.stdout
