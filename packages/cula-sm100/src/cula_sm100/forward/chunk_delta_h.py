@@ -10,8 +10,9 @@ starting from initial_state (or zeros) and ending in final_state (fp32) if asked
 sequence table (first token, end, first global chunk), so varlen and empty sequences need nothing more.
 Tiling: 128 threads (4 warps along M); `w @ h` is [64 x 128] @ [128 x 64] and `kg^T @ v_new` is
 [128 x 64] @ [64 x 64], both mma.sync m16n8k16 with bf16 operands (h and v_new rounded to bf16 as FLA) and
-fp32 accumulation; transposed operands read with ldmatrix.trans. Pipeline per chunk: cp.async w, kg
-(rows past the end zero) overlapped with the store of h; GEMM; v_new out; decay and GEMM into h.
+fp32 accumulation; transposed operands read with ldmatrix.trans. Pipeline: two shared-memory stages;
+chunk ci + 1's w, kg and u load (cp.async, rows past the end zero) while chunk ci stores h, multiplies,
+writes v_new and updates h.
 """
 
 from __future__ import annotations
@@ -70,8 +71,10 @@ class ChunkDeltaH:
         nchunks = (eos - bos + BT - 1) // BT
 
         smem = cutlass.utils.SmemAllocator()
-        sW = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 128)
-        sKg = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 128)
+        # two stages of the chunk inputs: chunk ci + 1 loads while chunk ci computes
+        sW = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K, 2), 128)
+        sKg = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K, 2), 128)
+        sU = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, BV, 2), 128)
         sH = smem.allocate_tensor(cutlass.BFloat16, smem_layout(K, BV), 128)
         sVn = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, BV), 128)
         sGl = smem.allocate_tensor(cutlass.Float32, cute.make_layout((K,)), 16)
@@ -93,12 +96,15 @@ class ChunkDeltaH:
         else:
             acc_h.fill(0.0)
 
-        cp = g2s_tiled_copy(K, self.threads)
+        if nchunks > 0:
+            self.load_chunk(mW, mKg, mU, sW, sKg, sU, bos, eos, 0, 0, hv, vb, tidx)
+        cute.arch.cp_async_commit_group()
         for ci in cutlass.range(nchunks, unroll=1):
+            stage = ci % 2
             t0 = bos + ci * BT
             n = cutlass.min(eos - t0, BT)
-            copy_rows_g2s(cp, head_rows(mW, t0, hv, BT), sW, n, tidx)
-            copy_rows_g2s(cp, head_rows(mKg, t0, hv, BT), sKg, n, tidx)
+            if ci + 1 < nchunks:
+                self.load_chunk(mW, mKg, mU, sW, sKg, sU, bos, eos, ci + 1, 1 - stage, hv, vb, tidx)
             cute.arch.cp_async_commit_group()
             sGl[tidx] = cute.math.exp(head_rows(mG, t0, hv, BT)[n - 1, tidx].to(cutlass.Float32), fastmath=True)
             tH = head_rows(mH, ((first + ci) * HV + hv) * K, 0, K)
@@ -107,18 +113,18 @@ class ChunkDeltaH:
                 hb = acc_h[i].to(cutlass.BFloat16)
                 tH[k1, v0 + c1] = hb
                 sH_part[i] = hb
-            cute.arch.cp_async_wait_group(0)
+            cute.arch.cp_async_wait_group(1)  # this chunk's stage has landed; the next one may still fly
             cute.arch.sync_threads()
 
-            tU = head_rows(mU, t0, hv, BT)
+            sU_s = sU[None, None, stage]
             tVn = head_rows(mVn, t0, hv, BT)
             acc_v.fill(0.0)
-            gemm_ss(mma, acc_v, sW, transposed(sH, K, BV), tidx, False, True)
+            gemm_ss(mma, acc_v, sW[None, None, stage], transposed(sH, K, BV), tidx, False, True)
             for i in cutlass.range_constexpr(cute.size(acc_v)):
                 r2, c2 = coord_v[i]
                 x = cutlass.Float32(0.0)
                 if r2 < n:
-                    x = tU[r2, v0 + c2].to(cutlass.Float32) - acc_v[i]
+                    x = sU_s[r2, c2].to(cutlass.Float32) - acc_v[i]
                     tVn[r2, v0 + c2] = x.to(mVn.element_type)
                 sVn_part[i] = x.to(cutlass.BFloat16)
             cute.arch.sync_threads()
@@ -126,7 +132,7 @@ class ChunkDeltaH:
             for i in cutlass.range_constexpr(cute.size(acc_h)):
                 k3, _ = coord_h[i]
                 acc_h[i] = acc_h[i] * sGl[k3]
-            gemm_ss(mma, acc_h, transposed(sKg, BT, K), transposed(sVn, BT, BV), tidx, True, True)
+            gemm_ss(mma, acc_h, transposed(sKg[None, None, stage], BT, K), transposed(sVn, BT, BV), tidx, True, True)
             cute.arch.sync_threads()
 
         if cutlass.const_expr(self.store_ht):
@@ -134,3 +140,15 @@ class ChunkDeltaH:
             for i in cutlass.range_constexpr(cute.size(acc_h)):
                 k4, c4 = coord_h[i]
                 tHt[k4, v0 + c4] = acc_h[i]
+
+    @cute.jit
+    def load_chunk(self, mW, mKg, mU, sW, sKg, sU, bos, eos, ci, stage, hv, vb, tidx):
+        """cp.async of chunk ci's w, kg and this CTA's columns of u into `stage` (rows past the end zero)."""
+        BT, K, BV = self.BT, self.K, self.BV
+        t0 = bos + ci * BT
+        n = cutlass.min(eos - t0, BT)
+        cp = g2s_tiled_copy(K, self.threads)
+        copy_rows_g2s(cp, head_rows(mW, t0, hv, BT), sW[None, None, stage], n, tidx)
+        copy_rows_g2s(cp, head_rows(mKg, t0, hv, BT), sKg[None, None, stage], n, tidx)
+        copy_rows_g2s(g2s_tiled_copy(BV, self.threads), cute.local_tile(head_rows(mU, t0, hv, BT), (BT, BV), (0, vb)),
+                      sU[None, None, stage], n, tidx)

@@ -32,13 +32,16 @@ def make_tiled_mma(warps_m: int, dtype=cutlass.BFloat16):
     return cute.make_tiled_mma(mma_atom(dtype), (warps_m, 1, 1), permutation_mnk=(warps_m * 16, 16, 16))
 
 
-def smem_layout(rows: int, cols: int):
-    """Row-major bf16 tile with an XOR swizzle so ldmatrix (plain and transposed) is bank-conflict free."""
+def smem_layout(rows: int, cols: int, stages: int = 1):
+    """Row-major bf16 tile with an XOR swizzle so ldmatrix (plain and transposed) is bank-conflict free;
+    with `stages` > 1, a third mode selects the stage."""
     atom_cols = 64 if cols % 64 == 0 else 32
     bits = 3 if atom_cols == 64 else 2
     atom = cute.make_composed_layout(cute.make_swizzle(bits, 3, 3), 0,
                                      cute.make_layout((8, atom_cols), stride=(atom_cols, 1)))
-    return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+    if stages == 1:
+        return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
 
 
 def transposed(s: cute.Tensor, rows: int, cols: int):
