@@ -11,8 +11,9 @@ Tiling (4 warps, warp w owns rows 16w..16w+15 of the chunk):
     [q_i e^{G_i - G_n}; k_i e^{G_i - G_n}] (32 x 128) @ [k_j e^{G_n - G_j}]^T (128 x 16w), n = 16w, with
     bf16 operands and fp32 accumulation (mma.sync m16n8k16). Both exponents are <= 0 for decays, so
     neither factor can overflow however strong the decay (the reference's factorisation);
-  * the 16 x 16 diagonal block: pairwise decays exp(G_i - G_j) in fp32 on CUDA cores, each lane four
-    channels, warp-butterfly sums (no factorisation there: the in-block span of G is unbounded);
+  * the 16 x 16 diagonal block in fp32 on CUDA cores (no factorisation there: the in-block span of G is
+    unbounded): exp(G_i - G_j) as the running product of per-step decays a_t = exp(g_t) <= 1, so one
+    multiply per (row step, channel) and no exp per pair; lane (column, half of the channels);
   * the solve, in fp32: each warp inverts its diagonal block by forward substitution (one lane per
     column), then the off-diagonal blocks row block by row block, X_pq = -X_pp sum_r L_pr X_rq.
 Pipeline: cp.async q/k (zero rows past the chunk end) and G (rows past the end repeat the last valid one,
@@ -106,34 +107,49 @@ class ChunkIntra:
         self.build_operands(2, sQ, sK, sG, sX2, sY2, warp_i, lane)
         self.build_operands(3, sQ, sK, sG, sX3, sY3, warp_i, lane)
 
-        # ---- diagonal blocks, pairwise in fp32
+        cute.arch.sync_threads()
+        # ---- per-step decays a_t = exp(g_t) = exp(G_t - G_{t-1}), in place of G (no longer needed); descending t
+        #      so that G_{t-1} is read before it is overwritten. Rows past the end repeat G: a = 1 there.
+        for tt in cutlass.range_constexpr(BT - 1):
+            t = BT - 1 - tt
+            sG[t, tidx] = cute.math.exp2((sG[t, tidx] - sG[t - 1, tidx]) * LOG2E, fastmath=True)
+        cute.arch.sync_threads()
+
+        # ---- diagonal blocks in fp32, exact for any decay: lane (jl, half) carries the decayed key of
+        #      column j = r0 + jl over its 64 channels, z_j(i) = k_j * a_{j+1} ... a_i (one multiply per row
+        #      step, no exp, every factor <= 1), and dots it with q_i and k_i; the halves add by one shuffle.
         r0 = warp_i * BC
-        for i in cutlass.range_constexpr(BC):
-            gi = cute.make_rmem_tensor((4,), cutlass.Float32)
-            qi = cute.make_rmem_tensor((4,), cutlass.Float32)
-            ki = cute.make_rmem_tensor((4,), cutlass.Float32)
-            for e in cutlass.range_constexpr(4):
-                d = lane * 4 + e
-                gi[e] = sG[r0 + i, d] * LOG2E
-                qi[e] = sQ[r0 + i, d].to(cutlass.Float32)
-                ki[e] = sK[r0 + i, d].to(cutlass.Float32)
-            bi = sBeta[r0 + i]
-            # a runtime loop over the columns keeps the unrolled code (and compile time) small
-            for j in cutlass.range(i + 1, unroll=1):
-                aq = cutlass.Float32(0.0)
-                ak = cutlass.Float32(0.0)
+        jl = lane % BC
+        half = lane // BC
+        z = cute.make_rmem_tensor((64,), cutlass.Float32)
+        z.fill(0.0)
+        for ii in cutlass.range(BC, unroll=1):  # runtime loop: small code, quick compilation
+            row = r0 + ii
+            # at ii = 0 every z is still 0, so multiplying by row r0's entry (G_0 itself when r0 = 0) is harmless
+            for m in cutlass.range_constexpr(16):
                 for e in cutlass.range_constexpr(4):
-                    d = lane * 4 + e
-                    kj = sK[r0 + j, d].to(cutlass.Float32)
-                    dec = cute.arch.exp2(gi[e] - sG[r0 + j, d] * LOG2E)
-                    aq += qi[e] * kj * dec
-                    ak += ki[e] * kj * dec
-                for s in cutlass.range_constexpr(5):
-                    aq += cute.arch.shuffle_sync_bfly(aq, 1 << s)
-                    ak += cute.arch.shuffle_sync_bfly(ak, 1 << s)
-                if lane == 0:
-                    sA[r0 + i, r0 + j] = aq * scale
-                    sL[r0 + i, r0 + j] = ak * bi  # the diagonal entry is written but never read
+                    z[4 * m + e] = z[4 * m + e] * sG[row, 8 * m + 4 * half + e]
+            if jl == ii:
+                for m in cutlass.range_constexpr(16):
+                    for e in cutlass.range_constexpr(4):
+                        z[4 * m + e] = sK[row, 8 * m + 4 * half + e].to(cutlass.Float32)
+            aq = cute.make_rmem_tensor((4,), cutlass.Float32)
+            ak = cute.make_rmem_tensor((4,), cutlass.Float32)
+            aq.fill(0.0)
+            ak.fill(0.0)
+            for m in cutlass.range_constexpr(16):
+                for e in cutlass.range_constexpr(4):
+                    d = 8 * m + 4 * half + e
+                    aq[e] += sQ[row, d].to(cutlass.Float32) * z[4 * m + e]
+                    ak[e] += sK[row, d].to(cutlass.Float32) * z[4 * m + e]
+            sq = (aq[0] + aq[1]) + (aq[2] + aq[3])
+            sk = (ak[0] + ak[1]) + (ak[2] + ak[3])
+            sq += cute.arch.shuffle_sync_bfly(sq, BC)
+            sk += cute.arch.shuffle_sync_bfly(sk, BC)
+            if half == 0:
+                if jl <= ii:
+                    sA[row, r0 + jl] = sq * scale
+                    sL[row, r0 + jl] = sk * sBeta[row]  # the diagonal entry is written but never read
         cute.arch.sync_threads()
 
         # ---- off-diagonal columns by warp-level MMA
