@@ -172,7 +172,15 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="write the raw numbers here")
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     ap.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
+    ap.add_argument("--render", type=Path, help="only render a saved --json file as markdown (to --out)")
     args = ap.parse_args(argv)
+    if args.render:
+        saved = json.loads(args.render.read_text())
+        text = render(saved["rows"], saved["env"])
+        print(text)
+        if args.out:
+            args.out.write_text(text)
+        return 0
     if not torch.cuda.is_available():
         print("train_fwd: no CUDA device", file=sys.stderr)
         return 1
@@ -218,7 +226,15 @@ def main(argv=None) -> int:
         del st, fns
         torch.cuda.empty_cache()
 
-    env = environment("cuda")
+    text = render(rows, environment("cuda"))
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+    return 0
+
+
+def render(rows, env) -> str:
+    """The markdown table of the rows (also from a saved --json: `python -m tools.bench.train_fwd --render F`)."""
     head = ["op", "B", "T", "HQK", "HV", "varlen", "FLA ms", "cula ms", "speed-up", "o rel. diff vs FLA"]
     lines = [
         "# cula-sm100 chunk_kda training forward vs FLA 0.6.0",
@@ -238,11 +254,7 @@ def main(argv=None) -> int:
         err = f"{r['err']:.1e}" if "err" in r else ""
         lines.append(f"| {r['kind']} | {r['B']} | {r['T']} | {HQK} | {r['HV']} | {'8 seqs' if r.get('varlen') else ''} "
                      f"| {r['fla_ms']:.3f} | {r['cula_ms']:.3f} | {sp:.2f}x | {err} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
-    return 0
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
