@@ -70,6 +70,8 @@ def make_inputs(B, T, HQK, HV, *, seed=0, device="cuda", decay="mild", h0=False,
         g = F.logsigmoid(r(B, T, HV, K)) / 8
     elif decay == "strong":
         g = -5.0 * torch.sigmoid(r(B, T, HV, K) + 1.0)
+    elif decay == "extreme":  # down to -30 per token: every diagonal block takes chunk_intra's exact fp32 path
+        g = -30.0 * torch.rand(B, T, HV, K, generator=gen, device=device)
     else:
         raise ValueError(decay)
     beta = torch.sigmoid(r(B, T, HV)).to(torch.bfloat16)

@@ -77,10 +77,12 @@ def test_kernels_varlen(lengths):
     _run_kernels(q, k, v, g, beta, h0, cu, cu_cpu, 1, T)
 
 
-def test_strong_decay():
-    """Decays down to -5 per token (FLA's safe-gate range): 64-token chunks span exp(-300)."""
+@pytest.mark.parametrize("decay", ["strong", "extreme"])
+def test_strong_decay(decay):
+    """Decays down to -5 per token (FLA's safe-gate range: chunk_intra's diagonal blocks by GEMM or by its fp32
+    path, by block) and down to -30 (the fp32 path everywhere)."""
     require_gpu()
-    q, k, v, g, beta, h0 = make_inputs(1, 300, 2, 4, seed=7, decay="strong", h0=True)
+    q, k, v, g, beta, h0 = make_inputs(1, 300, 2, 4, seed=7, decay=decay, h0=True)
     _run_kernels(q, k, v, g, beta, h0, None, None, 1, 300)
 
 

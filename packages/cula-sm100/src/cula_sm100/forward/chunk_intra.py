@@ -7,13 +7,14 @@
 GVA: the CTA of value head hv reads q/k at head hv // (HV // HQK); G and beta at hv; writes in HV space.
 
 Tiling (4 warps, warp w owns rows 16w..16w+15 of the chunk):
-  * columns before the warp's row block (j < 16w): one warp-level GEMM per warp,
-    [q_i e^{G_i - G_n}; k_i e^{G_i - G_n}] (32 x 128) @ [k_j e^{G_n - G_j}]^T (128 x 16w), n = 16w, with
-    bf16 operands and fp32 accumulation (mma.sync m16n8k16). Both exponents are <= 0 for decays, so
-    neither factor can overflow however strong the decay (the reference's factorisation);
-  * the 16 x 16 diagonal block in fp32 on CUDA cores (no factorisation there: the in-block span of G is
-    unbounded): exp(G_i - G_j) as the running product of per-step decays a_t = exp(g_t) <= 1, so one
-    multiply per (row step, channel) and no exp per pair; lane (column, half of the channels);
+  * one warp-level GEMM per warp, [q_i e^{G_i - G_n}; k_i e^{G_i - G_n}] (32 x 128) @
+    [k_j e^{G_n - G_j}]^T (128 x 16(w + 1)), n = 16w, bf16 operands, fp32 accumulation (mma.sync
+    m16n8k16). For the columns before the block both exponents are <= 0 (the reference's factorisation:
+    no overflow however strong the decay); for the block's own columns e^{G_n - G_j} >= 1 is bounded by
+    the block's decay span, so they are kept only when the span is under 2^100;
+  * otherwise (a block of extreme decay) the 16 x 16 diagonal block in fp32 on CUDA cores, exact for any
+    decay: exp(G_i - G_j) as the running product of per-step decays a_t = exp(g_t) <= 1, one multiply per
+    (row step, channel) and no exp per pair; lane (column, half of the channels);
   * the solve, in fp32: each warp inverts its diagonal block by forward substitution (one lane per
     column), then the off-diagonal blocks row block by row block, X_pq = -X_pp sum_r L_pr X_rq.
 Pipeline: cp.async q/k (zero rows past the chunk end) and G (rows past the end repeat the last valid one,
@@ -69,13 +70,15 @@ class ChunkIntra:
         sQ = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 128)
         sK = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 128)
         sG = smem.allocate_tensor(cutlass.Float32, cute.make_layout((BT, K), stride=(K, 1)), 128)
-        # per-warp GEMM operands: rows [q-side; k-side] of the row block, and the decayed earlier keys
+        # per-warp GEMM operands: rows [q-side; k-side] of the row block, and the decayed keys up to its end
+        sX0 = smem.allocate_tensor(cutlass.BFloat16, smem_layout(2 * BC, K), 128)
         sX1 = smem.allocate_tensor(cutlass.BFloat16, smem_layout(2 * BC, K), 128)
         sX2 = smem.allocate_tensor(cutlass.BFloat16, smem_layout(2 * BC, K), 128)
         sX3 = smem.allocate_tensor(cutlass.BFloat16, smem_layout(2 * BC, K), 128)
-        sY1 = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BC, K), 128)
-        sY2 = smem.allocate_tensor(cutlass.BFloat16, smem_layout(2 * BC, K), 128)
-        sY3 = smem.allocate_tensor(cutlass.BFloat16, smem_layout(3 * BC, K), 128)
+        sY0 = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BC, K), 128)
+        sY1 = smem.allocate_tensor(cutlass.BFloat16, smem_layout(2 * BC, K), 128)
+        sY2 = smem.allocate_tensor(cutlass.BFloat16, smem_layout(3 * BC, K), 128)
+        sY3 = smem.allocate_tensor(cutlass.BFloat16, smem_layout(4 * BC, K), 128)
         # fp32 score matrices; odd row stride (65) keeps column walks conflict-free
         sL = smem.allocate_tensor(cutlass.Float32, cute.make_layout((BT, BT), stride=(BT + 1, 1)), 16)
         sA = smem.allocate_tensor(cutlass.Float32, cute.make_layout((BT, BT), stride=(BT + 1, 1)), 16)
@@ -102,12 +105,27 @@ class ChunkIntra:
                 sG[r, tidx] = sG[n - 1, tidx]
         cute.arch.sync_threads()
 
-        # ---- build the per-warp GEMM operands (warp w >= 1), in log2 units
+        # ---- build the per-warp GEMM operands, in log2 units
+        self.build_operands(0, sQ, sK, sG, sX0, sY0, warp_i, lane)
         self.build_operands(1, sQ, sK, sG, sX1, sY1, warp_i, lane)
         self.build_operands(2, sQ, sK, sG, sX2, sY2, warp_i, lane)
         self.build_operands(3, sQ, sK, sG, sX3, sY3, warp_i, lane)
-
+        # the diagonal block may use the GEMM too when its decay span keeps exp(G_n - G_j) <= 2^100 (no
+        # overflow in bf16 / fp32; the factors of earlier columns are <= 1 anyway); else the fp32 path below
+        r0 = warp_i * BC
+        span = cutlass.Float32(0.0)
+        for e in cutlass.range_constexpr(4):
+            span = cute.arch.fmax(span, sG[r0, lane * 4 + e] - sG[r0 + BC - 1, lane * 4 + e])
+        for sh in cutlass.range_constexpr(5):
+            span = cute.arch.fmax(span, cute.arch.shuffle_sync_bfly(span, 1 << sh))
+        diag_by_mma = span * LOG2E < 100.0
         cute.arch.sync_threads()
+
+        # ---- scores of each row block against every column up to its end, by warp-level MMA
+        self.scores(0, sX0, sY0, sA, sL, sBeta, warp_i, lane, scale, diag_by_mma)
+        self.scores(1, sX1, sY1, sA, sL, sBeta, warp_i, lane, scale, diag_by_mma)
+        self.scores(2, sX2, sY2, sA, sL, sBeta, warp_i, lane, scale, diag_by_mma)
+        self.scores(3, sX3, sY3, sA, sL, sBeta, warp_i, lane, scale, diag_by_mma)
         # ---- per-step decays a_t = exp(g_t) = exp(G_t - G_{t-1}), in place of G (no longer needed); descending t
         #      so that G_{t-1} is read before it is overwritten. Rows past the end repeat G: a = 1 there.
         for tt in cutlass.range_constexpr(BT - 1):
@@ -118,12 +136,14 @@ class ChunkIntra:
         # ---- diagonal blocks in fp32, exact for any decay: lane (jl, half) carries the decayed key of
         #      column j = r0 + jl over its 64 channels, z_j(i) = k_j * a_{j+1} ... a_i (one multiply per row
         #      step, no exp, every factor <= 1), and dots it with q_i and k_i; the halves add by one shuffle.
-        r0 = warp_i * BC
         jl = lane % BC
         half = lane // BC
         z = cute.make_rmem_tensor((64,), cutlass.Float32)
         z.fill(0.0)
-        for ii in cutlass.range(BC, unroll=1):  # runtime loop: small code, quick compilation
+        n_diag = BC
+        if diag_by_mma:
+            n_diag = 0  # warp-uniform: this warp's diagonal block came from the GEMM
+        for ii in cutlass.range(n_diag, unroll=1):  # runtime loop: small code, quick compilation
             row = r0 + ii
             # at ii = 0 every z is still 0, so multiplying by row r0's entry (G_0 itself when r0 = 0) is harmless
             for m in cutlass.range_constexpr(16):
@@ -150,12 +170,6 @@ class ChunkIntra:
                 if jl <= ii:
                     sA[row, r0 + jl] = sq * scale
                     sL[row, r0 + jl] = sk * sBeta[row]  # the diagonal entry is written but never read
-        cute.arch.sync_threads()
-
-        # ---- off-diagonal columns by warp-level MMA
-        self.offdiag(1, sX1, sY1, sA, sL, sBeta, warp_i, lane, scale)
-        self.offdiag(2, sX2, sY2, sA, sL, sBeta, warp_i, lane, scale)
-        self.offdiag(3, sX3, sY3, sA, sL, sBeta, warp_i, lane, scale)
         cute.arch.sync_threads()
 
         # ---- solve: diagonal block inverses (lane = column), fp32
@@ -223,7 +237,8 @@ class ChunkIntra:
 
     @cute.jit
     def build_operands(self, w: cutlass.Constexpr, sQ, sK, sG, sX, sY, warp_i, lane):
-        """Warp w: sX = [q_i; k_i] * exp(G_i - G_n) for its 16 rows, sY = k_j * exp(G_n - G_j), j < n = 16w."""
+        """Warp w: sX = [q_i; k_i] * exp(G_i - G_n) for its 16 rows, sY = k_j * exp(G_n - G_j) for j < n + 16,
+        n = 16w (factors <= 1 for j < n; for the block's own columns bounded by its span, checked by the caller)."""
         BC = self.BC
         if warp_i == w:
             for e in cutlass.range_constexpr(4):
@@ -233,24 +248,29 @@ class ChunkIntra:
                     dec = cute.arch.exp2(sG[w * BC + i, d] * LOG2E - gref)
                     sX[i, d] = (sQ[w * BC + i, d].to(cutlass.Float32) * dec).to(cutlass.BFloat16)
                     sX[BC + i, d] = (sK[w * BC + i, d].to(cutlass.Float32) * dec).to(cutlass.BFloat16)
-                for j in cutlass.range_constexpr(w * BC):
+                for j in cutlass.range_constexpr((w + 1) * BC):
                     dec = cute.arch.exp2(gref - sG[j, d] * LOG2E)
                     sY[j, d] = (sK[j, d].to(cutlass.Float32) * dec).to(cutlass.BFloat16)
 
     @cute.jit
-    def offdiag(self, w: cutlass.Constexpr, sX, sY, sA, sL, sBeta, warp_i, lane, scale):
-        """Warp w: scores of its rows against columns j < 16w, [32 x 16w] = sX @ sY^T."""
+    def scores(self, w: cutlass.Constexpr, sX, sY, sA, sL, sBeta, warp_i, lane, scale, diag_by_mma):
+        """Warp w: scores of its rows against columns j < 16(w + 1), [32 x 16(w + 1)] = sX @ sY^T; the
+        diagonal block's columns are kept only when `diag_by_mma` (entries above the diagonal are never read)."""
         BC = self.BC
         if warp_i == w:
             mma = make_tiled_mma(1)
             thr = mma.get_slice(lane)
-            acc = cute.make_rmem_tensor(thr.partition_shape_C((2 * BC, w * BC)), cutlass.Float32)
+            acc = cute.make_rmem_tensor(thr.partition_shape_C((2 * BC, (w + 1) * BC)), cutlass.Float32)
             acc.fill(0.0)
             gemm_ss(mma, acc, sX, sY, lane, False, False)
-            coord = thr.partition_C(cute.make_identity_tensor((2 * BC, w * BC)))
+            coord = thr.partition_C(cute.make_identity_tensor((2 * BC, (w + 1) * BC)))
             for v in cutlass.range_constexpr(cute.size(acc)):
                 r, col = coord[v]
-                if r < BC:
-                    sA[w * BC + r, col] = acc[v] * scale
-                else:
-                    sL[w * BC + r - BC, col] = acc[v] * sBeta[w * BC + r - BC]
+                keep = diag_by_mma
+                if col < w * BC:
+                    keep = True
+                if keep:
+                    if r < BC:
+                        sA[w * BC + r, col] = acc[v] * scale
+                    else:
+                        sL[w * BC + r - BC, col] = acc[v] * sBeta[w * BC + r - BC]
