@@ -173,6 +173,11 @@ def _fla_grads(q, k, v, g, beta, A_log, dt_bias, h0, do, dht, *, gate, l2, lengt
     return dict(zip(names, [x.grad for x in ins], strict=False))
 
 
+def _report(label, errs, fla=None):
+    print(f"\n{label}: " + " ".join(f"{n}={e:.2e}" for n, e in errs.items())
+          + ("" if not fla else " | FLA: " + " ".join(f"{n}={e:.2e}" for n, e in fla.items())))
+
+
 @pytest.mark.parametrize("B,T,HQK,HV,lengths,gate,l2", GRAD_CASES)
 def test_gradients_vs_reference(B, T, HQK, HV, lengths, gate, l2, monkeypatch):
     require_gpu()
@@ -180,20 +185,30 @@ def test_gradients_vs_reference(B, T, HQK, HV, lengths, gate, l2, monkeypatch):
     ours = _grads("sm100", monkeypatch, *p, gate=gate, l2=l2, lengths=lengths)
     exp = _expected(*p, gate=gate, l2=l2, lengths=lengths)
     errs = {n: rel_err(ours[n], exp[n]) for n in GRAD_NAMES if exp.get(n) is not None}
-    fla = {}
-    if (B, T, gate) == (1, 1000, "safe"):
-        try:
-            f = _fla_grads(*p, gate=gate, l2=l2, lengths=lengths)
-            fla = {n: rel_err(f[n], exp[n]) for n in errs if f.get(n) is not None}
-        except ImportError:
-            pass
-    print(f"\n{B=} {T=} {HQK=} {HV=} {lengths=} {gate} l2={l2}: "
-          + " ".join(f"{n}={e:.2e}" for n, e in errs.items())
-          + ("" if not fla else " | FLA: " + " ".join(f"{n}={e:.2e}" for n, e in fla.items())))
+    _report(f"{B=} {T=} {HQK=} {HV=} {lengths=} {gate} l2={l2}", errs)
+    for n, e in errs.items():
+        assert e < GRAD_TOL, f"{n}: rel err {e:.3e} >= {GRAD_TOL:.1e}"
+    assert all(ours[n] is None for n in GRAD_NAMES if exp.get(n) is None)
+
+
+def test_gradients_vs_fla(monkeypatch):
+    """FLA 0.6.0's chunk_kda backward on the same inputs (its kernels pinned to one configuration each: this
+    compares values, not speed): ours as accurate as FLA against fp64 (to a margin) and close to it."""
+    require_gpu()
+    pytest.importorskip("fla")
+    B, T, HQK, HV, lengths, gate, l2 = 1, 1000, 1, 2, None, "softplus", True
+    p = _problem(B, T, HQK, HV, lengths, gate, seed=17)
+    ours = _grads("sm100", monkeypatch, *p, gate=gate, l2=l2, lengths=lengths)
+    exp = _expected(*p, gate=gate, l2=l2, lengths=lengths)
+    f = _fla_grads(*p, gate=gate, l2=l2, lengths=lengths)
+    errs = {n: rel_err(ours[n], exp[n]) for n in GRAD_NAMES if exp.get(n) is not None}
+    fla = {n: rel_err(f[n], exp[n]) for n in errs if f.get(n) is not None}
+    _report(f"vs FLA {B=} {T=} {HQK=} {HV=} {gate} l2={l2}", errs, fla)
     for n, e in errs.items():
         bound = max(GRAD_TOL, 2 * fla[n]) if n in fla else GRAD_TOL
         assert e < bound, f"{n}: rel err {e:.3e} >= {bound:.1e}"
-    assert all(ours[n] is None for n in GRAD_NAMES if exp.get(n) is None)
+        if n in fla:
+            assert rel_err(ours[n], f[n]) < GRAD_TOL, n
 
 
 def test_backward_deterministic(monkeypatch):
@@ -216,6 +231,7 @@ def test_memcheck_clean_on_odd_shapes():
         pytest.skip("compute-sanitizer not on PATH")
     here = Path(__file__).resolve().parent
     cmd = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9", "--leak-check", "no",
+           "--report-api-errors", "no",  # the DSL probes driver entry points that do not exist
            sys.executable, str(here / "backward_cases.py"), "memcheck"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=here)
     print(proc.stdout[-3000:])
