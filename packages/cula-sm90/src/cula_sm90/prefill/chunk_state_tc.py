@@ -69,11 +69,15 @@ class ChunkStateTCKernel:
         s, hv, vs = cute.arch.block_idx()
 
         smem = cutlass.memory.SmemAllocator()
-        sW = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK), 128)
-        sQg = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK), 128)
-        sKg = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK), 128)
-        sA = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BT), 128)
-        sU = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BV), 128)
+        # two stages of the per-chunk inputs: chunk ci + 1 loads while chunk ci is computed
+        sW2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK, 2), 128)
+        sKg2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK, 2), 128)
+        sU2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BV, 2), 128)
+        sQg2 = sW2
+        sA2 = sU2
+        if const_expr(not self.affine):
+            sQg2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK, 2), 128)
+            sA2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BT, 2), 128)
         sHh = smem.allocate_tensor(BFloat16, tc.bf16_tile(DK, BV), 128)
         sHl = smem.allocate_tensor(BFloat16, tc.bf16_tile(DK, BV), 128)
         sVh = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BV), 128)
@@ -104,7 +108,6 @@ class ChunkStateTCKernel:
         pHl = thr.partition_C(sHl)
         pVh = thr.partition_C(sVh)
         pVl = thr.partition_C(sVl)
-        pU = thr.partition_C(sU)
 
         for i in cutlass.range_constexpr(cute.size(acc_h)):
             kr, c = at_h[i]
@@ -118,27 +121,28 @@ class ChunkStateTCKernel:
                     x = h0[h0_idx, hv, kr, col0 + c]
             acc_h[i] = x
 
-        cp_k = tc.g2s_copy(DK, self.threads)
-        cp_a = tc.g2s_copy(BT, self.threads)
-        cp_u = tc.g2s_copy(BV, self.threads)
         n_chunks = (end - start + BT - 1) // BT
+        if n_chunks > 0:
+            self.load_chunk(w, u, qg, kg, aqk, sW2, sKg2, sQg2, sA2, sU2, start, end, hv, col0, ucol0, is_m, 0, tid)
+        cute.arch.cp_async_commit_group()
         for ci in cutlass.range(n_chunks, unroll=1):
             t0 = start + ci * BT
             n = cutlass.min(end - t0, BT)
-            tc.copy_rows(cp_k, tc.rows_at(w, t0, hv, 0, BT, DK), sW, n, tid)
-            tc.copy_rows(cp_k, tc.rows_at(kg, t0, hv, 0, BT, DK), sKg, n, tid)
-            if const_expr(not self.affine):
-                tc.copy_rows(cp_k, tc.rows_at(qg, t0, hv, 0, BT, DK), sQg, n, tid)
-                tc.copy_rows(cp_a, tc.rows_at(aqk, t0, hv, 0, BT, BT), sA, n, tid)
-                tc.copy_rows(cp_u, tc.rows_at(u, t0, hv, col0, BT, BV), sU, n, tid)
-            else:
-                if not is_m:  # the M columns see u = 0 (values [0 | v] of the augmented state)
-                    tc.copy_rows(cp_u, tc.rows_at(u, t0, hv, ucol0, BT, BV), sU, n, tid)
-            cute.arch.cp_async_commit_group()
+            st = ci % 2
+            if ci + 1 < n_chunks:
+                self.load_chunk(w, u, qg, kg, aqk, sW2, sKg2, sQg2, sA2, sU2, t0 + BT, end, hv, col0, ucol0, is_m,
+                                1 - st, tid)
+            cute.arch.cp_async_commit_group()  # (possibly empty) group: the counting stays uniform
             sDecay[tid] = cute.math.exp(gl[chunk0 + ci, hv, tid], fastmath=True)
             tc.store_split(acc_h, pHh, pHl)
-            cute.arch.cp_async_wait_group(0)
+            cute.arch.cp_async_wait_group(1)  # chunk ci has landed; ci + 1 may still be in flight
             cute.arch.sync_threads()
+            sW = sW2[None, None, st]
+            sKg = sKg2[None, None, st]
+            sU = sU2[None, None, st]
+            sQg = sQg2[None, None, st]
+            sA = sA2[None, None, st]
+            pU = thr.partition_C(sU)
 
             # v_new = u - w @ h and o = qg @ h (both against the split h)
             acc_v.fill(0.0)
@@ -178,3 +182,20 @@ class ChunkStateTCKernel:
             for i in cutlass.range_constexpr(cute.size(acc_h)):
                 kr, c = at_h[i]
                 ht[ht_idx, hv, kr, col0 + c] = acc_h[i]
+
+    @cute.jit
+    def load_chunk(self, w, u, qg, kg, aqk, sW2, sKg2, sQg2, sA2, sU2, t0, end, hv, col0, ucol0, is_m, st, tid):
+        """cp.async of one chunk's tiles into stage `st` (rows past `end` zero-filled, never read)."""
+        n = cutlass.min(end - t0, BT)
+        cp_k = tc.g2s_copy(DK, self.threads)
+        tc.copy_rows(cp_k, tc.rows_at(w, t0, hv, 0, BT, DK), sW2[None, None, st], n, tid)
+        tc.copy_rows(cp_k, tc.rows_at(kg, t0, hv, 0, BT, DK), sKg2[None, None, st], n, tid)
+        cp_u = tc.g2s_copy(BV, self.threads)
+        if const_expr(not self.affine):
+            tc.copy_rows(cp_k, tc.rows_at(qg, t0, hv, 0, BT, DK), sQg2[None, None, st], n, tid)
+            tc.copy_rows(tc.g2s_copy(BT, self.threads), tc.rows_at(aqk, t0, hv, 0, BT, BT), sA2[None, None, st], n,
+                         tid)
+            tc.copy_rows(cp_u, tc.rows_at(u, t0, hv, col0, BT, BV), sU2[None, None, st], n, tid)
+        else:
+            if not is_m:  # the M columns see u = 0 (values [0 | v] of the augmented state)
+                tc.copy_rows(cp_u, tc.rows_at(u, t0, hv, ucol0, BT, BV), sU2[None, None, st], n, tid)

@@ -27,13 +27,16 @@ def tiled_mma_m(warps: int):
     return cute.make_tiled_mma(atom, (warps, 1, 1), permutation_mnk=(warps * 16, 16, 16))
 
 
-def bf16_tile(rows: int, cols: int):
+def bf16_tile(rows: int, cols: int, stages: int = 0):
     """Row-major bf16 (rows, cols) tile, XOR-swizzled in 8x(32|64) atoms: ldmatrix (plain and .trans) reads it
-    without bank conflicts, and 16-byte cp.async writes stay contiguous."""
+    without bank conflicts, and 16-byte cp.async writes stay contiguous. `stages` > 0: that many such tiles,
+    indexed by a third mode (a multi-buffered pipeline)."""
     wide = cols % 64 == 0
     atom_cols = 64 if wide else 32
     sw = cute.make_swizzle(3 if wide else 2, 3, 3)
     atom = cute.make_composed_layout(sw, 0, cute.make_layout((8, atom_cols), stride=(atom_cols, 1)))
+    if stages:
+        return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
     return cute.tile_to_shape(atom, (rows, cols), (0, 1))
 
 
