@@ -40,6 +40,7 @@ def run_ours(q, k, v, g, beta, gate_kw, *, op="kda_prefill", **kw):
 
 def check(o, ht, o_r, ht_r, what):
     errs = {"o": rel_err(o, o_r), "ht": rel_err(ht, ht_r)}
+    print(f"REL_ERR {what} o={errs['o']:.3e} ht={errs['ht']:.3e}")  # the log's largest: the bound actually seen
     assert all(e <= REL_TOL for e in errs.values()), (what, errs)
     return errs
 
@@ -62,14 +63,14 @@ def test_fixed_length_vs_reference(B, T, HQK, HV, gate):
 
 
 @pytest.mark.parametrize("gate", ["safe", "softplus"])
-@pytest.mark.parametrize(("B", "T", "HQK", "HV"), [(2, 65, 2, 4), (1, 4096, 2, 4), (2, 1000, 2, 2)])
+@pytest.mark.parametrize(("B", "T", "HQK", "HV"), [(2, 65, 64, 64), (1, 1000, 64, 64), (1, 4096, 64, 64)])
 def test_vs_fla(B, T, HQK, HV, gate):
+    """FLA 0.6.0's chunk_kda has no GVA: HQK == HV here (H = 64, the benchmark's head count, whose Triton
+    autotuning the benchmark caches)."""
     fla = fla_chunk_kda()
     if fla is None:
         pytest.skip("FLA 0.6.0 not installed")
     q, k, v, g, beta, A_log, dt_bias = make_raw(B, T, HQK, HV, gate=gate, seed=T + 3)
-    if HQK != HV:
-        pytest.skip("FLA 0.6.0 chunk_kda has no GVA")
     gkw = gate_kwargs(gate, A_log, dt_bias)
     h0 = torch.randn(B, HV, 128, 128, device="cuda")
     o, ht = run_ours(q, k, v, g, beta, gkw, initial_state=h0)
@@ -78,6 +79,7 @@ def test_vs_fla(B, T, HQK, HV, gate):
     o_r, ht_r = reference(q, k, v, g, beta, gate_kw=gkw, initial_state=h0)
     errs = {"o": rel_err(o, o_f), "ht": rel_err(ht, ht_f)}
     fla_errs = {"o": rel_err(o_f, o_r), "ht": rel_err(ht_f, ht_r)}
+    print(f"FLA_ERR o={errs['o']:.3e} ht={errs['ht']:.3e} (FLA vs ref: o={fla_errs['o']:.3e} ht={fla_errs['ht']:.3e})")
     assert all(e <= FLA_TOL for e in errs.values()), (errs, fla_errs)
     check(o, ht, o_r, ht_r, "reference")
 
@@ -139,8 +141,9 @@ def test_cp_on_equals_off(lens, HV):
 
     plan = cp_planner.plan(tuple(lens), HV, torch.cuda.get_device_properties(0).multi_processor_count, "on")
     assert plan.split
-    assert rel_err(ht_on, ht_off) <= CP_TOL
-    assert rel_err(o_on, o_off) <= CP_TOL
+    e_ht, e_o = rel_err(ht_on, ht_off), rel_err(o_on, o_off)
+    print(f"CP_ERR {lens} o={e_o:.3e} ht={e_ht:.3e}")
+    assert e_ht <= CP_TOL and e_o <= CP_TOL, (e_o, e_ht)
     if T <= 20000:
         o_r, ht_r = reference(q, k, v, g, beta, gate_kw=gkw, **{k_: kw[k_] for k_ in ("initial_state", "cu_seqlens")})
         check(o_on, ht_on, o_r, ht_r, "cp")

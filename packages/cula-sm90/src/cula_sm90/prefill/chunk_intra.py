@@ -105,38 +105,37 @@ class ChunkIntraKernel:
             # Akk = (I + L)^-1 split hi + lo (bf16) and the right-hand sides of w and u (bf16), for the GEMMs
             sAkh = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BT), 128)
             sAkl = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BT), 128)
-            sRw = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK), 128)
-            sRu = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK), 128)
+            sR2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK, 2), 128)
 
         n, t0, L, valid = common.find_chunk(cu, co, chunk, N, search_steps)
         if valid:
             # ---- q, k rows (L2-normalised once for the whole group of value heads): warp w owns q rows
-            # 8w..8w+7 and the same k rows; all 64 loads are issued before the first use (latency overlapped)
-            vals = cute.make_rmem_tensor(cute.make_layout((4, 16)), Float32)
-            for rr in cutlass.range_constexpr(16):
-                row = warp * 8 + rr % 8
+            # 8w..8w+7 and the same k rows. A dynamic loop (small code: this kernel's straight-line code is
+            # fetched once per CTA, so its length costs time) with 8 loads in flight per step.
+            for rr in cutlass.range(8, unroll=1):
+                row = warp * 8 + rr
+                vals = cute.make_rmem_tensor(cute.make_layout((4, 2)), Float32)
                 for e in cutlass.range_constexpr(4):
-                    x = Float32(0.0)
+                    xq = Float32(0.0)
+                    xk = Float32(0.0)
                     if row < L:
-                        if const_expr(rr < 8):
-                            x = q[t0 + row, h, lane + 32 * e].to(Float32)
-                        else:
-                            x = k[t0 + row, h, lane + 32 * e].to(Float32)
-                    vals[e, rr] = x
-            for rr in cutlass.range_constexpr(16):
-                row = warp * 8 + rr % 8
-                rs = Float32(1.0)
-                if const_expr(self.l2norm):
-                    ss = Float32(0.0)
+                        xq = q[t0 + row, h, lane + 32 * e].to(Float32)
+                        xk = k[t0 + row, h, lane + 32 * e].to(Float32)
+                    vals[e, 0] = xq
+                    vals[e, 1] = xk
+                for which in cutlass.range_constexpr(2):
+                    rs = Float32(1.0)
+                    if const_expr(self.l2norm):
+                        ss = Float32(0.0)
+                        for e in cutlass.range_constexpr(4):
+                            ss += vals[e, which] * vals[e, which]
+                        ss = cute.arch.warp_reduction_sum(ss)
+                        rs = cute.math.rsqrt(ss + 1e-6)
                     for e in cutlass.range_constexpr(4):
-                        ss += vals[e, rr] * vals[e, rr]
-                    ss = cute.arch.warp_reduction_sum(ss)
-                    rs = cute.math.rsqrt(ss + 1e-6)
-                for e in cutlass.range_constexpr(4):
-                    if const_expr(rr < 8):
-                        sQ[row, lane + 32 * e] = vals[e, rr] * rs
-                    else:
-                        sK[row, lane + 32 * e] = vals[e, rr] * rs
+                        if const_expr(which == 0):
+                            sQ[row, lane + 32 * e] = vals[e, which] * rs
+                        else:
+                            sK[row, lane + 32 * e] = vals[e, which] * rs
 
             for j in cutlass.range(G):
                 hv = h * G + j
@@ -152,17 +151,19 @@ class ChunkIntraKernel:
                 # thread (half, d): rows 32 half .. 32 half + 31 of column d, loads issued together, the
                 # gate and a local cumulative sum in registers; the second half then adds the first's total
                 half = tid // DK
-                gv = cute.make_rmem_tensor(cute.make_layout(BT // 2), Float32)
-                for m in cutlass.range_constexpr(BT // 2):
-                    x = Float32(0.0)
-                    if half * (BT // 2) + m < L:
-                        x = g[t0 + half * (BT // 2) + m, hv, d].to(Float32)
-                    gv[m] = x
+                r0 = half * (BT // 2)
                 acc = Float32(0.0)
-                for m in cutlass.range_constexpr(BT // 2):
-                    if half * (BT // 2) + m < L:  # rows past the end add nothing (identity transitions)
-                        acc += self.log_gate(gv[m], a_rate, bias, lower_bound)
-                    sG[half * (BT // 2) + m, d] = acc
+                for mb in cutlass.range(BT // 16, unroll=1):
+                    gv = cute.make_rmem_tensor(cute.make_layout(8), Float32)
+                    for mm in cutlass.range_constexpr(8):
+                        x = Float32(0.0)
+                        if r0 + mb * 8 + mm < L:
+                            x = g[t0 + r0 + mb * 8 + mm, hv, d].to(Float32)
+                        gv[mm] = x
+                    for mm in cutlass.range_constexpr(8):
+                        if r0 + mb * 8 + mm < L:  # rows past the end add nothing (identity transitions)
+                            acc += self.log_gate(gv[mm], a_rate, bias, lower_bound)
+                        sG[r0 + mb * 8 + mm, d] = acc
                 if tid < BT:
                     b = Float32(0.0)
                     if tid < L:
@@ -171,14 +172,14 @@ class ChunkIntraKernel:
                 cute.arch.sync_threads()
                 if half == 1:
                     first = sG[BT // 2 - 1, d]
-                    for m in cutlass.range_constexpr(BT // 2):
+                    for m in cutlass.range(BT // 2, unroll=4):
                         sG[BT // 2 + m, d] = sG[BT // 2 + m, d] + first
                 cute.arch.sync_threads()
                 self.scores(sQ, sK, sG, sA, sL, sX, sB, tid, scale)
                 cute.arch.sync_threads()
                 self.store_qk(sQ, sK, sG, sA, qg, kg, aqk, gl, tid, t0, L, hv, chunk, scale)
                 if const_expr(self.tc_solve):
-                    self.solve_tc(sK, sG, sA, sL, sB, sAkh, sAkl, sRw, sRu, v, w, u, tid, t0, L, hv)
+                    self.solve_tc(sK, sG, sA, sL, sB, sAkh, sAkl, sR2, v, w, u, tid, t0, L, hv)
                 else:
                     self.solve_simt(sK, sG, sL, sX, sB, v, w, u, tid, t0, L, hv)
 
@@ -202,8 +203,9 @@ class ChunkIntraKernel:
         """Aqk (scaled, causal) into sA and beta-scaled strictly-lower L into sL, in 16-row blocks."""
         ti = tid // BC
         tj = tid % BC
-        # diagonal 16x16 blocks: pairwise decays (tj > ti gives zeros, also above the diagonal of sA)
-        for p in cutlass.range_constexpr(BT // BC):
+        # diagonal 16x16 blocks: pairwise decays (tj > ti gives zeros, also above the diagonal of sA); a
+        # dynamic loop over the blocks keeps the code short
+        for p in cutlass.range(BT // BC, unroll=1):
             i = p * BC + ti
             jj = p * BC + tj
             a = Float32(0.0)
@@ -219,7 +221,7 @@ class ChunkIntraKernel:
                 lval = lk * sB[i]
             sL[i, jj] = lval
             # blocks above the diagonal of Aqk stay zero (Aqk is written out in full)
-            for pp in cutlass.range_constexpr(p + 1, BT // BC):
+            for pp in cutlass.range(p + 1, BT // BC, unroll=1):
                 sA[i, pp * BC + tj] = Float32(0.0)
         # off-diagonal blocks of row block p, through the block's first token n = 16 p
         for p in cutlass.range_constexpr(1, BT // BC):
@@ -274,7 +276,7 @@ class ChunkIntraKernel:
             aqk[t0 + i, hv, jc] = sA[i, jc].to(aqk.element_type)
 
     @cute.jit
-    def solve_tc(self, sK, sG, sA, sL, sB, sAkh, sAkl, sRw, sRu, v, w, u, tid, t0: Int32, L: Int32, hv: Int32):
+    def solve_tc(self, sK, sG, sA, sL, sB, sAkh, sAkl, sR2, v, w, u, tid, t0: Int32, L: Int32, hv: Int32):
         """Akk = (I + L)^-1 by forward substitution on the columns of I (fp32, 4 threads per column, in sA:
         Aqk is out), then w = Akk @ (beta k exp(G)) on warps 0-3 and u = Akk @ (beta v) on warps 4-7 with
         mma.sync (Akk split hi + lo, right-hand sides bf16)."""
@@ -293,17 +295,17 @@ class ChunkIntraKernel:
             if i < jcol:
                 x = Float32(0.0)
             sA[i, jcol] = x  # the 4 threads of the column all write it: each reads back its own rows
-        # right-hand sides (rows past the end are zero: beta is 0 there), loads issued together
+        # right-hand sides (rows past the end are zero: beta is 0 there): stage 0 for w, stage 1 for u
         c = tid % DK
-        for m in cutlass.range_constexpr(BT * DK // self.threads):
+        for m in cutlass.range(BT * DK // self.threads, unroll=4):
             i = m * (self.threads // DK) + tid // DK
             vv = Float32(0.0)
             if i < L:
                 vv = v[t0 + i, hv, c].to(Float32)
-            sRu[i, c] = (sB[i] * vv).to(BFloat16)
-            sRw[i, c] = (sB[i] * sK[i, c] * cute.math.exp(sG[i, c], fastmath=True)).to(BFloat16)
+            sR2[i, c, 1] = (sB[i] * vv).to(BFloat16)
+            sR2[i, c, 0] = (sB[i] * sK[i, c] * cute.math.exp(sG[i, c], fastmath=True)).to(BFloat16)
         cute.arch.sync_threads()
-        for m in cutlass.range_constexpr(BT * BT // self.threads):
+        for m in cutlass.range(BT * BT // self.threads, unroll=4):
             i = m * (self.threads // BT) + tid // BT
             jj = tid % BT
             x = sA[i, jj]
@@ -311,25 +313,28 @@ class ChunkIntraKernel:
             sAkh[i, jj] = hi
             sAkl[i, jj] = (x - hi.to(Float32)).to(BFloat16)
         cute.arch.sync_threads()
-        if tid < 128:
-            self.wu_gemm(sAkh, sAkl, sRw, w, tid, t0, L, hv)
-        else:
-            self.wu_gemm(sAkh, sAkl, sRu, u, tid - 128, t0, L, hv)
-
-    @cute.jit
-    def wu_gemm(self, sAkh, sAkl, sR, out, t, t0: Int32, L: Int32, hv: Int32):
-        """out[t0 + i, hv, :] = (Akk @ R)[i, :] for i < L, by the 4 warps of one warp group (thread t)."""
+        # warps 0-3: w = Akk @ R0, warps 4-7: u = Akk @ R1; one code path, the operand picked by warp group
+        wg = tid // 128
+        t = tid % 128
+        sR = sR2[None, None, wg]
         mma = tc.tiled_mma_m(4)
         thr = mma.get_slice(t)
         acc = cute.make_rmem_tensor(thr.partition_shape_C((BT, DK)), Float32)
-        at = thr.partition_C(cute.make_identity_tensor((BT, DK)))
         acc.fill(0.0)
         tc.gemm(mma, acc, sAkh, tc.t_view(sR, BT, DK), t, False, True)
         tc.gemm(mma, acc, sAkl, tc.t_view(sR, BT, DK), t, False, True)
+        cute.arch.sync_threads()  # both groups are done reading their right-hand sides
+        pR = thr.partition_C(sR)
         for e in cutlass.range_constexpr(cute.size(acc)):
-            r, c = at[e]
-            if r < L:
-                out[t0 + r, hv, c] = acc[e].to(out.element_type)
+            pR[e] = acc[e].to(BFloat16)
+        cute.arch.sync_threads()
+        # out, coalesced: a dynamic loop over rows (thread = column)
+        if wg == 0:
+            for i in cutlass.range(L, unroll=2):
+                w[t0 + i, hv, t] = sR2[i, t, 0]
+        else:
+            for i in cutlass.range(L, unroll=2):
+                u[t0 + i, hv, t] = sR2[i, t, 1]
 
     @cute.jit
     def solve_simt(self, sK, sG, sL, sX, sB, v, w, u, tid, t0: Int32, L: Int32, hv: Int32):
