@@ -260,8 +260,12 @@ def test_matches_fla_fused_recurrent():
 
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not on PATH")
 def test_memcheck_clean_on_odd_batches():
-    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")  # exact allocations: overruns are visible
-    cmd = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9", "--leak-check", "no",
+    # exact allocations (overruns are visible); the arch named, so the DSL does not probe the driver for it
+    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1", CUTE_DSL_ARCH="sm_90a")
+    # --report-api-errors no: the CuTe DSL runtime probes driver entry points that this driver lacks
+    # (cuGetProcAddress_v2 answers CUDA_ERROR_INVALID_VALUE, 34 times): API results, not memory accesses
+    cmd = ["compute-sanitizer", "--tool", "memcheck", "--report-api-errors", "no", "--error-exitcode", "9",
+           "--leak-check", "no",
            sys.executable, str(HERE / "decode_memcheck_case.py")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=HERE)
     out = proc.stdout + proc.stderr
