@@ -12,12 +12,14 @@ if it ever does not, that kernel keeps using the DSL's path.
 
 No host synchronisation: nothing here reads a device tensor; accept lengths are read by the flush kernel.
 
-Dispatch between tilings of the recurrent kernel (measured on H100, tools/bench/mtp_decode.py; see
-docs/sm90_decode.md). CTAs per head = V / BV; the tiling only changes how the state of a head is split:
+Dispatch between tilings of the recurrent kernel (`_config.recurrent_tiling`). CTAs per head = V / BV; the
+tiling only changes how a head's state is split over lanes and warps. Every tiling in `_config.TILINGS` is
+tested against the reference (test_every_tiling_of_the_recurrent_kernel); none but the default has a valid
+measurement yet (the first sweep of tools/bench/mtp_decode.py --tilings was timed on the host's clock by mistake):
 
-| N * HV (heads in the batch) | BV (columns per CTA) | lanes along V | warps | why |
-| --- | --- | --- | --- | --- |
-| any                         | 32                   | 4             | 4     | 4 CTAs per head fill the 132 SMs from N * HV = 33 on |
+| N * HV | T   | BV (columns per CTA) | lanes along V | warps | measured |
+| ------ | --- | -------------------- | ------------- | ----- | -------- |
+| any    | any | 32                   | 4             | 4     | yes: docs/benchmarks/mtp_decode.md |
 """
 
 from __future__ import annotations
