@@ -82,7 +82,7 @@ def make_case(N, T, HQK, HV, K=128, V=128, *, dtype=torch.float32, safe=False, p
 
 def reference_args(kw):
     """The reference kernels' positional arguments and flags, on fp64 copies (pool copied: never aliased)."""
-    d = lambda t: None if t is None else t.double()  # noqa: E731
+    d = lambda t: None if t is None else t.double()
     idx = kw["cache_idx"].clone()
     P = kw["state_pool"].shape[0]
     idx[idx >= P] = -1  # the reference rejects out-of-range slots; the kernels skip them like padded ones

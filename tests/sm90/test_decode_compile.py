@@ -4,7 +4,6 @@ CuTe DSL."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -88,3 +87,46 @@ def test_flush_compiles_for_sm90a(sm90a, T, K, layers, per_request):
 
     fl = launch._flush_kernel(T, K, K, layers, per_request)
     assert fl.compiled is not None and len(fl.cells) == 4 + 1 + 2 * layers + 3 + 1
+
+
+class _FakeCompiled:
+    """Stands in for a compiled DSL function: binds arguments the way the DSL does (one C value per argument,
+    passed by address) and records what each launch received."""
+
+    def __init__(self, kinds, corrupt=False):
+        import ctypes
+
+        from cula_sm90.decode.launch import _CELL
+
+        self.types = [_CELL[k] for k in kinds]
+        self.corrupt = corrupt
+        self.launches = []
+        self.ctypes = ctypes
+
+    def generate_execution_args(self, *args):
+        vals = [t(a + 1 if self.corrupt and i == 0 else a)
+                for i, (t, a) in enumerate(zip(self.types, args, strict=True))]
+        self._keep = vals
+        return [self.ctypes.addressof(v) for v in vals], []
+
+    def run_compiled_program(self, exe_args):
+        self.launches.append([t.from_address(a).value for t, a in zip(self.types, exe_args, strict=True)])
+
+    def __call__(self, *args):
+        self.launches.append(list(args))
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_fast_launch_checks_its_binding(corrupt):
+    """FastLaunch takes its pre-built path only when the DSL's own binding passes the same bytes; otherwise every
+    call keeps going through the DSL. Either way each launch receives that call's values."""
+    from cula_sm90.decode.launch import FastLaunch
+
+    kinds = ("ptr", "i32", "i64", "f32", "stream")
+    fake = _FakeCompiled(kinds, corrupt=corrupt)
+    fl = FastLaunch(fake, kinds)
+    calls = [[4096, 7, -3, 0.5, 1234], [8192, 9, 11, -2.0, 99]]
+    for flat in calls:
+        fl(flat, lambda flat=flat: tuple(flat))
+    assert fl.fast is (not corrupt)
+    assert fake.launches == calls

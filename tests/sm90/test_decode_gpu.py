@@ -147,10 +147,10 @@ def test_flush_broadcast_int_and_all_layers():
         together = [kw["state_pool"].clone() for kw in cases]
         idx = cases[0]["cache_idx"]
         with backend():
-            for pool, buf in zip(per_layer, bufs):
+            for pool, buf in zip(per_layer, bufs, strict=True):
                 cula_core.kda_flush_kvbuffer(pool, idx, buf, accept)
             cula_core.kda_flush_kvbuffer_all_layers(together, idx, bufs, accept)
-        for a, b in zip(per_layer, together):
+        for a, b in zip(per_layer, together, strict=True):
             assert torch.equal(a, b)
     # int 3 against the reference state after 3 tokens (layer 0, its own cache_idx = idx)
     kw = cases[0]
@@ -230,7 +230,7 @@ def test_cuda_graph_capture_and_replay():
         o_e, buf_e = cula_core.kda_decode_mtp_kvbuffer(**eager)
         cula_core.kda_flush_kvbuffer(eager["state_pool"], eager["cache_idx"], buf_e, accept)
         o2_e, _ = cula_core.kda_decode_mtp(**eager)
-    for a, b in zip(got, (o_e, buf_e, o2_e, eager["state_pool"])):
+    for a, b in zip(got, (o_e, buf_e, o2_e, eager["state_pool"]), strict=True):
         assert torch.equal(a, b)
 
 
