@@ -107,3 +107,14 @@ def reference_kvbuffer(kw):
 def live_rows(kw) -> torch.Tensor:
     idx = kw["cache_idx"]
     return ((idx >= 0) & (idx < kw["state_pool"].shape[0])).nonzero().squeeze(1)
+
+
+def kernel_call(op: str, kw, **flags):
+    """Run the sm90 kernel of `op` directly (the calling convention of docs/backends.md, no validation, no
+    dispatch): for configurations the backend does not serve yet (K = V = 64)."""
+    from cula_sm90.decode.ops import KERNELS
+
+    args = (kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], kw["state_pool"], kw["cache_idx"], kw["A_log"],
+            kw["dt_bias"])
+    return KERNELS[op](*args, scale=kw["q"].shape[-1] ** -0.5, lower_bound=kw["lower_bound"],
+                       use_qk_l2norm_in_kernel=kw["use_qk_l2norm_in_kernel"], **flags)

@@ -1,13 +1,35 @@
 """Run under compute-sanitizer by test_decode_gpu.py::test_memcheck_clean_on_odd_batches: every decode kernel
 (final state, per-token states, verify, flush with a per-request and a broadcast m, all-layers flush) on odd
-batches N in {1, 5} with padded slots (-1) and an out-of-range slot (= P), T in {1, 3}, K = V in {64, 128}, GVA 2.
+batches N in {1, 5} with padded slots (-1) and an out-of-range slot (= P), T in {1, 3}, K = V in {64, 128}, GVA 2
+(K = V = 64 through the kernels directly: the backend does not serve it yet).
 Prints "cases ok" at the end; memcheck reports any out-of-bounds or misaligned access."""
 
 import torch
 
-from decode_cases import backend, make_case
+from decode_cases import backend, kernel_call, make_case
 
 import cula_core
+from cula_sm90.decode.ops import KERNELS
+
+
+def run_case(kw, T, N, public: bool):
+    """Every kernel once: through the public ops (K = V = 128, served) or the kernels directly (K = V = 64)."""
+    m = torch.arange(N, dtype=torch.int32, device="cuda") % (T + 1)
+    pools = [kw["state_pool"], kw["state_pool"].clone()]
+    if public:
+        cula_core.kda_decode_mtp(**kw)
+        cula_core.kda_decode_mtp(**kw, output_per_token_states=True)
+        _, buf = cula_core.kda_decode_mtp_kvbuffer(**kw)
+        cula_core.kda_flush_kvbuffer(kw["state_pool"], kw["cache_idx"], buf, m)
+        cula_core.kda_flush_kvbuffer(kw["state_pool"], kw["cache_idx"], buf, T)
+        cula_core.kda_flush_kvbuffer_all_layers(pools, kw["cache_idx"], [buf, buf.clone()], m)
+    else:
+        kernel_call("kda_decode_mtp", kw, output_per_token_states=False)
+        kernel_call("kda_decode_mtp", kw, output_per_token_states=True)
+        _, buf = kernel_call("kda_decode_mtp_kvbuffer", kw)
+        KERNELS["kda_flush_kvbuffer"](kw["state_pool"], kw["cache_idx"], buf, m, 0)
+        KERNELS["kda_flush_kvbuffer"](kw["state_pool"], kw["cache_idx"], buf, None, T)
+        KERNELS["kda_flush_kvbuffer_all_layers"](pools, kw["cache_idx"], [buf, buf.clone()], m, 0)
 
 
 def main():
@@ -18,14 +40,7 @@ def main():
                 for T in (1, 3):
                     kw = make_case(N, T, 1, 2, K=K, V=K, safe=bool(T % 2), out_of_range=True, extra_slots=1,
                                    seed=N * 10 + T)
-                    cula_core.kda_decode_mtp(**kw)
-                    cula_core.kda_decode_mtp(**kw, output_per_token_states=True)
-                    _, buf = cula_core.kda_decode_mtp_kvbuffer(**kw)
-                    m = torch.arange(N, dtype=torch.int32, device="cuda") % (T + 1)
-                    cula_core.kda_flush_kvbuffer(kw["state_pool"], kw["cache_idx"], buf, m)
-                    cula_core.kda_flush_kvbuffer(kw["state_pool"], kw["cache_idx"], buf, T)
-                    pools = [kw["state_pool"], kw["state_pool"].clone()]
-                    cula_core.kda_flush_kvbuffer_all_layers(pools, kw["cache_idx"], [buf, buf.clone()], m)
+                    run_case(kw, T, N, public=K == 128)
                     n += 1
     torch.cuda.synchronize()
     print(f"{n} cases ok")

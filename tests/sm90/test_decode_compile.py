@@ -28,18 +28,18 @@ def test_import_pulls_no_dsl():
 
 @pytest.mark.parametrize("op", ["kda_decode", "kda_decode_mtp", "kda_decode_mtp_kvbuffer"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("K", [64, 128])
-def test_serves_decode(op, dtype, K):
+def test_serves_decode(op, dtype):
     from cula_sm90.backend import backend
 
-    assert backend.unsupported_reason(call(op, dtype=dtype, K=K, T=1 if op == "kda_decode" else 8,
+    assert backend.unsupported_reason(call(op, dtype=dtype, K=128, T=1 if op == "kda_decode" else 8,
                                            gate="safe")) is None
 
 
 def test_declines_with_reasons():
     from cula_sm90.backend import backend
 
-    assert backend.unsupported_reason(call(K=256)) == "sm90 decode serves K, V in (64, 128), got K=256, V=256"
+    assert backend.unsupported_reason(call(K=256)) == "sm90 decode serves K, V = 128, got K=256, V=256"
+    assert backend.unsupported_reason(call(K=64)) == "sm90 decode serves K, V = 128, got K=64, V=64"
     assert backend.unsupported_reason(call(T=17)) == "sm90 decode serves T <= 16 tokens per request, got T=17"
     assert backend.unsupported_reason(call(dtype=torch.float64)) == \
         "sm90 decode serves bf16/fp16/fp32 q/k/v, got torch.float64"

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import cula_core
-from decode_cases import (REL_TOL, REL_TOL_BF16_OUT, backend, live_rows, make_case, reference_kvbuffer,
-                          reference_mtp, rel_err, require_sm90)
+from decode_cases import (REL_TOL, REL_TOL_BF16_OUT, backend, kernel_call, live_rows, make_case,
+                          reference_kvbuffer, reference_mtp, rel_err, require_sm90)
 
 pytestmark = pytest.mark.gpu
 
@@ -181,6 +181,31 @@ def test_every_tiling_of_the_recurrent_kernel():
             _config.TILING_OVERRIDE = None
         errs = (rel_err(o, o_ref), rel_err(states, st_ref), rel_err(o2, o_ref), rel_err(buf, buf_ref))
         assert max(errs) < REL_TOL, (tiling, errs)
+
+
+def test_kernels_at_head_dim_64():
+    """K = V = 64 through the kernels directly (the backend declines it until this has passed on a GPU): every
+    mode and the flush against the reference."""
+    from cula_sm90.decode.ops import KERNELS
+
+    T = 3
+    kw = make_case(7, T, 2, 4, K=64, V=64, out_of_range=True, seed=900)
+    o_ref, st_ref = reference_mtp(kw)
+    _, buf_ref = reference_kvbuffer(kw)
+    o, states = kernel_call("kda_decode_mtp", kw, output_per_token_states=True)
+    o2, buf = kernel_call("kda_decode_mtp_kvbuffer", kw)
+    pool = kw["state_pool"].clone()
+    kernel_call("kda_decode_mtp", dict(kw, state_pool=pool), output_per_token_states=False)
+    rows = live_rows(kw)
+    slots = kw["cache_idx"][rows].long()
+    m = torch.arange(7, dtype=torch.int32, device="cuda") % (T + 1)
+    flushed = kw["state_pool"].clone()
+    KERNELS["kda_flush_kvbuffer"](flushed, kw["cache_idx"], buf, m, 0)
+    acc = rows[m[rows] > 0]
+    errs = (rel_err(o, o_ref), rel_err(states, st_ref), rel_err(o2, o_ref), rel_err(buf, buf_ref),
+            rel_err(pool[slots], st_ref[rows, -1]),
+            rel_err(flushed[kw["cache_idx"][acc].long()], st_ref[acc, m[acc].long() - 1]))
+    assert max(errs) < REL_TOL, errs
 
 
 def test_bitwise_deterministic():
