@@ -112,6 +112,21 @@ def test_declines_with_reasons():
     assert backward.unsupported_reason(call(op="kda_decode")) is not None
 
 
+@pytest.mark.parametrize("gate", ["precomputed", "softplus", "safe"])
+@pytest.mark.parametrize(("HQK", "HV"), [(1, 1), (2, 4), (4, 16)])
+def test_serves_what_the_forward_serves(gate, HQK, HV, monkeypatch):
+    from cula_core.backend import CallConfig, DeviceInfo
+    from cula_sm100 import forward
+    from cula_sm100.backend import backend
+
+    monkeypatch.setattr(forward, "dsl_missing", lambda: None)
+    for cap in ((9, 0), (10, 0)):
+        c = CallConfig(op="chunk_kda_backward", device=DeviceInfo("cuda", 0, cap), dtype=torch.bfloat16, K=128,
+                       V=128, HQK=HQK, HV=HV, T=1000, gate=gate, varlen=True, requires_grad=True,
+                       options=dict(use_qk_l2norm_in_kernel=True, beta_activation="sigmoid"))
+        assert backend.unsupported_reason(c) is None
+
+
 @pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed")
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_kernels_compile(arch):

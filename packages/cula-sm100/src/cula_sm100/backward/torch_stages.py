@@ -65,7 +65,6 @@ class Chunks:
         st = torch.tensor(steps, dtype=torch.long).reshape(len(steps), self.N)
         self.steps = torch.where(st >= 0, st, nc).to(device)                    # [S, N]
         self.step_valid = (st >= 0).to(device)
-        self.last = (self.mask.sum(1) - 1).clamp(min=0)                         # [NC + 1] last row of each chunk
 
     def chunk(self, x, *, g_rows=False):
         """[TT, H, D] -> [NC + 1, 64, H, D]; absent rows zero (or, with g_rows, the chunk's last G)."""
@@ -75,6 +74,13 @@ class Chunks:
     def unchunk(self, xc):
         """[NC + 1, 64, H, D] -> [TT, H, D]."""
         return xc.reshape(-1, *xc.shape[2:])[self.token_pos]
+
+
+@functools.lru_cache(maxsize=32)
+def chunks_for(bounds: tuple[int, ...], device) -> Chunks:
+    """Chunks per (sequence bounds, device), cached: a training step re-uses its shapes, so the index tables
+    are built and copied to the device once (no host-to-device copy on the hot path)."""
+    return Chunks(bounds, device)
 
 
 def bounds_of(B: int, T: int, cu_seqlens, cu_seqlens_cpu) -> tuple[int, ...]:
@@ -204,7 +210,7 @@ def backward(it, do, dht, v, raw, *, wy, scale, use_qk_l2norm_in_kernel, gate, l
     Returns the gradients of (q, k, v, g, beta, A_log, dt_bias, initial_state)."""
     q, k, g, beta, A_log, dt_bias, initial_state = raw
     HQK, HV, V = q.shape[2], v.shape[2], v.shape[3]
-    ch = Chunks(bounds, do.device)
+    ch = chunks_for(tuple(bounds), do.device)
     TT = ch.TT
     do_f = do.reshape(TT, HV, V)
     beta_act = ref.activate_beta(beta.reshape(TT, HV).float(), beta_activation)
