@@ -55,7 +55,7 @@ def test_declines_other_head_dims(backend, K, V):
     assert backend.unsupported_reason(call(K=K, V=V)) == f"sm100 serves K=V=128 only, got K={K}, V={V}"
 
 
-@pytest.mark.parametrize("op", ["kda_prefill", "kda_decode", "chunk_kda_backward"])
+@pytest.mark.parametrize("op", ["kda_prefill", "kda_decode", "kda_decode_mtp"])
 def test_declines_other_ops(backend, op):
     assert backend.unsupported_reason(call(op)) == f"sm100 does not implement {op}"
 

@@ -170,7 +170,8 @@ def test_public_op_vs_reference_and_fla(cfg, varlen, monkeypatch):
 
 
 def test_requires_grad_forward_then_backward(monkeypatch):
-    """With requires_grad the forward runs on sm100 and the backward (no sm100 kernel yet) on the reference."""
+    """With requires_grad the forward runs on sm100 (forced), then backward runs wherever dispatch sends
+    `chunk_kda_backward` (cula_sm100.backward, or the reference where it declines)."""
     require_gpu()
     q, k, v, g, beta, _ = make_inputs(1, 130, 2, 4, seed=5)
     q = q.clone().requires_grad_(True)

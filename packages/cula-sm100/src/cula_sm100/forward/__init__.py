@@ -9,8 +9,8 @@ Kernels, one per file, launched in this order by `launch.forward` (`launch.py`: 
   fwd_o.py          o from qg, h, Aqk and v_new
 All multiply with warp-level mma.sync (bf16 -> fp32, `cute_utils.mma_atom`), so they run on sm_90 and sm_100.
 
-The forward saves nothing for the backward: `cula::chunk_kda_backward` dispatches on its own and, until
-cula-sm100 has a backward, runs on the reference (which recomputes the forward in fp32).
+The forward saves nothing for the backward: `cula::chunk_kda_backward` dispatches on its own
+(cula_sm100.backward recomputes the forward with `launch`'s stage functions).
 This module imports no CuTe DSL: the kernels are compiled on first use.
 """
 
