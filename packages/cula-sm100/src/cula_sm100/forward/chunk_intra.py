@@ -19,7 +19,7 @@ Tiling (4 warps, warp w owns rows 16w..16w+15 of the chunk):
     column), then the off-diagonal blocks row block by row block, X_pq = -X_pp sum_r L_pr X_rq.
 Pipeline: cp.async q/k (zero rows past the chunk end) and G (rows past the end repeat the last valid one,
 so every exponent stays <= 0), build operands, MMA + pairwise, solve, coalesced bf16 stores of Akk, Aqk.
-Shared memory ~150 KB: one CTA per SM.
+Shared memory ~180 KB: one CTA per SM (the first thing to cut for speed, docs/sm100.md).
 """
 
 from __future__ import annotations
