@@ -256,3 +256,34 @@ def test_torch_compile_fullgraph():
     o_ref, ht_ref = layer(q, k, v, g, beta)
     torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
     torch.testing.assert_close(ht, ht_ref, rtol=0, atol=0)
+
+
+def test_eager_decode_calls_skip_the_dispatcher_with_the_ops_effects():
+    """Eager calls run the op's implementation directly (ops/_common.call_op): same outputs and pool as
+    the custom op, and the pool's version counter bumped as the op bumps it."""
+    (q, k, v, g, beta), A_log, dt_bias, pool = decode_inputs()
+    idx = torch.tensor([3, -1, 0, 6, 2], dtype=torch.int32)
+    pool_op = pool.clone()
+    v0, v0_op = pool._version, pool_op._version
+    o = cula_core.kda_decode_mtp(q, k, v, g, beta, pool, idx, A_log=A_log, dt_bias=dt_bias, scale=0.3)[0]
+    o_op, _ = torch.ops.cula.kda_decode_mtp(q, k, v, g, beta, pool_op, idx, A_log, dt_bias, 0.3, None, False, False)
+    assert torch.equal(o, o_op) and torch.equal(pool, pool_op)
+    assert pool._version > v0 and pool_op._version > v0_op
+    before = pool._version
+    cula_core.kda_flush_kvbuffer_all_layers([pool], idx, [torch.zeros(5, 3, 4, 24, dtype=F64)], 0)
+    assert pool._version > before
+
+
+def test_traced_decode_calls_go_through_the_op():
+    """Under tracing (make_fx: a dispatch mode is active) the graph holds the op, not its internals."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    (q, k, v, g, beta), A_log, dt_bias, pool = decode_inputs()
+    idx = torch.tensor([3, -1, 0, 6, 2], dtype=torch.int32)
+
+    def step(q, k, v, g, beta, pool, idx):
+        return cula_core.kda_decode_mtp_kvbuffer(q, k, v, g, beta, pool, idx, A_log=A_log, dt_bias=dt_bias)
+
+    graph = make_fx(step)(q, k, v, g, beta, pool, idx)
+    targets = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
+    assert "cula.kda_decode_mtp_kvbuffer.default" in targets, targets

@@ -4,6 +4,7 @@ the conventions of the torch custom ops (an absent optional output travels as an
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from cula_core import dispatch
 from cula_core.backend import CallConfig, DeviceInfo
@@ -34,6 +35,33 @@ def run(call: CallConfig, tensors: dict[str, torch.Tensor | None], *args, **kwar
     if backend.int32_indexing:
         check_int32_indexing({n: t.numel() for n, t in tensors.items() if t is not None}, f"the {backend.name} kernels")
     return backend.kernel(call.op)(*args, **kwargs)
+
+
+def _plain_tensors(args) -> bool:
+    for arg in args:
+        for t in arg if isinstance(arg, (list, tuple)) else (arg,):
+            if isinstance(t, torch.Tensor) and type(t) not in (torch.Tensor, torch.nn.Parameter):
+                return False
+    return True
+
+
+def call_op(op, impl, *args, mutated: tuple = ()):
+    """Run the custom op `op` (`torch.ops.cula.*`) on `args`, or, in plain eager mode, its implementation
+    `impl` directly.
+
+    The dispatcher round trip of a custom op costs tens of microseconds of host time per call (argument
+    binding, the autograd and ADInplaceOrView layers), as much as a whole small decode step on the GPU.
+    Serving loops call the decode ops eagerly and often, so there the implementation is called directly, and
+    the mutated tensors' version counters are bumped as the op would. Whenever anything may be tracing
+    (torch.compile, make_fx, functionalization, fake or other tensor subclasses, a dispatch mode), the call
+    goes through the op, so graphs see one opaque node with its fake implementation."""
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None or not _plain_tensors(args):
+        return op(*args)
+    out = impl(*args)
+    for arg in mutated:
+        for t in arg if isinstance(arg, (list, tuple)) else (arg,):
+            torch.autograd.graph.increment_version(t)
+    return out
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cula_core.ops._common import absent_like, make_call, run
+from cula_core.ops._common import absent_like, call_op, make_call, run
 from cula_core.validation import validate_decode
 
 
@@ -31,8 +31,7 @@ def _decode_sizes(q: Tensor, v: Tensor, state_pool: Tensor) -> dict:
     return dict(dtype=q.dtype, K=q.shape[3], V=v.shape[3], HQK=q.shape[2], HV=v.shape[2], T=q.shape[1])
 
 
-@torch.library.custom_op("cula::kda_decode", mutates_args=("state_pool",))
-def _kda_decode_op(
+def _kda_decode(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor, cache_idx: Tensor,
     A_log: Tensor | None, dt_bias: Tensor | None, scale: float, lower_bound: float | None,
     use_qk_l2norm_in_kernel: bool,
@@ -43,13 +42,15 @@ def _kda_decode_op(
                scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
 
+_kda_decode_op = torch.library.custom_op("cula::kda_decode", _kda_decode, mutates_args=("state_pool",))
+
+
 @_kda_decode_op.register_fake
 def _(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale, lower_bound, use_qk_l2norm_in_kernel):
     return torch.empty_like(v)
 
 
-@torch.library.custom_op("cula::kda_decode_mtp", mutates_args=("state_pool",))
-def _kda_decode_mtp_op(
+def _kda_decode_mtp(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor, cache_idx: Tensor,
     A_log: Tensor | None, dt_bias: Tensor | None, scale: float, lower_bound: float | None,
     use_qk_l2norm_in_kernel: bool, output_per_token_states: bool,
@@ -61,6 +62,9 @@ def _kda_decode_mtp_op(
                     dt_bias, scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                     output_per_token_states=output_per_token_states)
     return o, states if states is not None else absent_like(state_pool)
+
+
+_kda_decode_mtp_op = torch.library.custom_op("cula::kda_decode_mtp", _kda_decode_mtp, mutates_args=("state_pool",))
 
 
 @_kda_decode_mtp_op.register_fake
@@ -106,9 +110,9 @@ def kda_decode(
     """
     shapes, tensors, params, scale = validate_decode_call(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
                                                           scale, lower_bound, single_token=True)
-    return torch.ops.cula.kda_decode(*tensors, state_pool, cache_idx, *params, scale,
-                                     None if lower_bound is None else float(lower_bound),
-                                     bool(use_qk_l2norm_in_kernel))
+    return call_op(torch.ops.cula.kda_decode, _kda_decode, *tensors, state_pool, cache_idx, *params, scale,
+                   None if lower_bound is None else float(lower_bound), bool(use_qk_l2norm_in_kernel),
+                   mutated=(state_pool,))
 
 
 def kda_decode_mtp(
@@ -140,7 +144,7 @@ def kda_decode_mtp(
     """
     shapes, tensors, params, scale = validate_decode_call(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
                                                           scale, lower_bound)
-    o, states = torch.ops.cula.kda_decode_mtp(*tensors, state_pool, cache_idx, *params, scale,
-                                              None if lower_bound is None else float(lower_bound),
-                                              bool(use_qk_l2norm_in_kernel), bool(output_per_token_states))
+    o, states = call_op(torch.ops.cula.kda_decode_mtp, _kda_decode_mtp, *tensors, state_pool, cache_idx, *params,
+                        scale, None if lower_bound is None else float(lower_bound), bool(use_qk_l2norm_in_kernel),
+                        bool(output_per_token_states), mutated=(state_pool,))
     return o, (states if output_per_token_states else None)

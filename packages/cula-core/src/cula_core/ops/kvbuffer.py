@@ -19,13 +19,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cula_core.ops._common import make_call, run
+from cula_core.ops._common import call_op, make_call, run
 from cula_core.ops.decode import validate_decode_call
 from cula_core.validation import kvbuffer_shape, validate_kvbuffer
 
 
-@torch.library.custom_op("cula::kda_decode_mtp_kvbuffer", mutates_args=())
-def _kda_decode_mtp_kvbuffer_op(
+def _kda_decode_mtp_kvbuffer(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor, cache_idx: Tensor,
     A_log: Tensor | None, dt_bias: Tensor | None, scale: float, lower_bound: float | None,
     use_qk_l2norm_in_kernel: bool,
@@ -38,14 +37,17 @@ def _kda_decode_mtp_kvbuffer_op(
                scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
 
+_kda_decode_mtp_kvbuffer_op = torch.library.custom_op("cula::kda_decode_mtp_kvbuffer", _kda_decode_mtp_kvbuffer,
+                                                          mutates_args=())
+
+
 @_kda_decode_mtp_kvbuffer_op.register_fake
 def _(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale, lower_bound, use_qk_l2norm_in_kernel):
     N, T, HV, V = v.shape
     return torch.empty_like(v), state_pool.new_empty(kvbuffer_shape(N, T, HV, q.shape[3], V))
 
 
-@torch.library.custom_op("cula::kda_flush_kvbuffer", mutates_args=("state_pool",))
-def _kda_flush_kvbuffer_op(
+def _kda_flush_kvbuffer(
     state_pool: Tensor, cache_idx: Tensor, kvbuffer: Tensor, accept_len: Tensor | None, accept_len_all: int,
 ) -> None:
     _, HV, K, V = state_pool.shape
@@ -55,13 +57,16 @@ def _kda_flush_kvbuffer_op(
         accept_len_all)
 
 
+_kda_flush_kvbuffer_op = torch.library.custom_op("cula::kda_flush_kvbuffer", _kda_flush_kvbuffer,
+                                                     mutates_args=("state_pool",))
+
+
 @_kda_flush_kvbuffer_op.register_fake
 def _(state_pool, cache_idx, kvbuffer, accept_len, accept_len_all):
     return None
 
 
-@torch.library.custom_op("cula::kda_flush_kvbuffer_all_layers", mutates_args=("state_pools",))
-def _kda_flush_kvbuffer_all_layers_op(
+def _kda_flush_kvbuffer_all_layers(
     state_pools: list[Tensor], cache_idx: Tensor, kvbuffers: list[Tensor], accept_len: Tensor | None,
     accept_len_all: int,
 ) -> None:
@@ -71,6 +76,10 @@ def _kda_flush_kvbuffer_all_layers_op(
                      T=kvbuffers[0].shape[1], gate="precomputed", layers=len(state_pools))
     sizes = {f"state_pools[{i}]": p for i, p in enumerate(state_pools)}
     run(call, sizes, state_pools, cache_idx, kvbuffers, accept_len, accept_len_all)
+
+
+_kda_flush_kvbuffer_all_layers_op = torch.library.custom_op(
+    "cula::kda_flush_kvbuffer_all_layers", _kda_flush_kvbuffer_all_layers, mutates_args=("state_pools",))
 
 
 @_kda_flush_kvbuffer_all_layers_op.register_fake
@@ -104,9 +113,9 @@ def kda_decode_mtp_kvbuffer(
     """
     shapes, tensors, params, scale = validate_decode_call(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
                                                           scale, lower_bound)
-    return torch.ops.cula.kda_decode_mtp_kvbuffer(*tensors, state_pool, cache_idx, *params, scale,
-                                                  None if lower_bound is None else float(lower_bound),
-                                                  bool(use_qk_l2norm_in_kernel))
+    return call_op(torch.ops.cula.kda_decode_mtp_kvbuffer, _kda_decode_mtp_kvbuffer, *tensors, state_pool,
+                   cache_idx, *params, scale, None if lower_bound is None else float(lower_bound),
+                   bool(use_qk_l2norm_in_kernel))
 
 
 def _split_accept_len(accept_len) -> tuple[Tensor | None, int]:
@@ -126,7 +135,8 @@ def kda_flush_kvbuffer(state_pool: Tensor, cache_idx: Tensor, kvbuffer: Tensor, 
             run time: one compiled kernel serves every accept length).
     """
     validate_kvbuffer("kvbuffer", kvbuffer, state_pool, cache_idx, accept_len)
-    torch.ops.cula.kda_flush_kvbuffer(state_pool, cache_idx, kvbuffer.contiguous(), *_split_accept_len(accept_len))
+    call_op(torch.ops.cula.kda_flush_kvbuffer, _kda_flush_kvbuffer, state_pool, cache_idx, kvbuffer.contiguous(),
+            *_split_accept_len(accept_len), mutated=(state_pool,))
 
 
 def kda_flush_kvbuffer_all_layers(
@@ -152,5 +162,6 @@ def kda_flush_kvbuffer_all_layers(
             raise ValueError(f"every layer must have the shapes of layer 0: state_pools[{layer}] "
                              f"{list(pool.shape)}, kvbuffers[{layer}] {list(buf.shape)} vs "
                              f"{list(state_pools[0].shape)}, {list(kvbuffers[0].shape)}")
-    torch.ops.cula.kda_flush_kvbuffer_all_layers(list(state_pools), cache_idx, [b.contiguous() for b in kvbuffers],
-                                                 *_split_accept_len(accept_len))
+    pools = list(state_pools)
+    call_op(torch.ops.cula.kda_flush_kvbuffer_all_layers, _kda_flush_kvbuffer_all_layers, pools, cache_idx,
+            [b.contiguous() for b in kvbuffers], *_split_accept_len(accept_len), mutated=(pools,))
