@@ -237,3 +237,43 @@ def test_memcheck_clean_on_odd_shapes():
     print(proc.stdout[-3000:])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "ERROR SUMMARY: 0 errors" in proc.stdout
+
+
+@pytest.mark.parametrize("lengths,states", [(None, True), ([17, 1, 64, 65, 0, 200], True), (None, False)])
+def test_chunk_bwd_dhu_matches_torch_stage(lengths, states):
+    """chunk_bwd_dhu (the kernel meant to replace torch_stages.dhu; not on the live path until this passes)
+    against torch_stages.dhu in fp32 on the same inputs."""
+    require_gpu()
+    from cula_sm100.backward import launch, torch_stages
+    from cula_sm100.forward import launch as fwd
+
+    B, T, HQK, HV = 1, 1000, 2, 4
+    if lengths:
+        T = sum(lengths)
+    cu, cu_cpu = seqlens_to_cu(lengths) if lengths else (None, None)
+    gen = torch.Generator(device="cuda").manual_seed(21)
+
+    def r(*s):
+        return torch.randn(*s, generator=gen, device="cuda")
+
+    unit = torch.nn.functional.normalize
+    q = unit(r(T, HQK, 128), dim=-1).bfloat16()
+    kg, w = (unit(r(T, HV, 128), dim=-1).bfloat16() for _ in range(2))
+    ctab, stab = fwd.tables(B, T, cu, cu_cpu, "cuda")
+    ch = torch_stages.Chunks(torch_stages.bounds_of(B, T, cu, cu_cpu), "cuda")
+    G = ch.unchunk(ch.chunk(torch.nn.functional.logsigmoid(r(T, HV, 128)) / 8).cumsum(1))
+    do, dv = r(T, HV, 128).bfloat16(), r(T, HV, 128).bfloat16()
+    N = stab.shape[0]
+    dht = 0.1 * r(N, HV, 128, 128) if states else None
+    scale = 128 ** -0.5
+    dh, dv2, dh0 = launch.chunk_bwd_dhu(q, kg, w, G.contiguous(), do, dv, dht, ctab, stab, scale=scale,
+                                        want_dh0=states)
+    qg = q.float().repeat_interleave(HV // HQK, dim=1) * torch.exp(G)
+    e_dh, e_h0, e_dv = torch_stages.dhu(qg, kg, w, G, do, ch.chunk(dv).float(), dht, ch, scale=scale,
+                                        want_dh0=states)
+    errs = dict(dh=rel_err(dh, e_dh), dv=rel_err(dv2, e_dv))
+    if states:
+        errs["dh0"] = rel_err(dh0, e_h0)
+    print(f"\nchunk_bwd_dhu {lengths=} {states=}: " + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+    for n, e in errs.items():
+        assert e < 2e-2, f"{n}: rel err {e:.3e}"

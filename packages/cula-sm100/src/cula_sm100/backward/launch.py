@@ -37,6 +37,37 @@ def wy_dqkg_kernel():
                         1, 1, 1, 1, 1.0, fwd._compile_stream())
 
 
+@functools.cache
+def dhu_kernel(has_dht: bool, want_dh0: bool):
+    """The compiled chunk_bwd_dhu (compiled and tested on the CPU only: not on the live path yet)."""
+    import cutlass.cute as cute
+
+    from cula_sm100.backward.chunk_bwd_dhu import ChunkBwdDhu
+
+    bf, f32, fp = torch.bfloat16, torch.float32, fwd._fake_ptr
+    return cute.compile(ChunkBwdDhu(has_dht, want_dh0), fp(bf), fp(bf), fp(bf), fp(f32), fp(bf), fp(bf), fp(f32),
+                        fp(bf), fp(bf), fp(f32), fp(torch.int32), 1, 1, 1, 1, 1, 1.0, fwd._compile_stream())
+
+
+def chunk_bwd_dhu(q, kg, w, G, do, dv, dht, ctab, stab, *, scale, want_dh0):
+    """The reverse state recurrence as a kernel (chunk_bwd_dhu.py; NOT on the live path: it has not run on a
+    GPU yet, the backward uses torch_stages.dhu). q [TT, HQK, K] bf16; kg, w [TT, HV, K] bf16; G [TT, HV, K]
+    fp32; do, dv [TT, HV, V] bf16 (dv: gradient of v_new through o); dht [N, HV, K, V] fp32 or None.
+    Returns dh [NC, HV, K, V] bf16, dv_tot [TT, HV, V] bf16, dh0 [N, HV, K, V] fp32 or None."""
+    TT, HV, K = G.shape
+    HQK, V = q.shape[1], do.shape[-1]
+    NC, N = ctab.shape[0], stab.shape[0]
+    dh = torch.empty(NC, HV, K, V, device=G.device, dtype=torch.bfloat16)
+    dv2 = torch.empty_like(dv)
+    dh0 = torch.empty(N, HV, K, V, device=G.device, dtype=torch.float32) if want_dh0 else None
+    if N:
+        p = fwd._ptr
+        dhu_kernel(dht is not None, want_dh0)(
+            p(q), p(kg), p(w), p(G), p(do), p(dv), p(dht, torch.float32), p(dh), p(dv2), p(dh0, torch.float32),
+            p(stab), TT, NC, N, HQK, HV, float(scale), fwd._stream())
+    return dh, dv2, dh0
+
+
 def chunk_wy_dqkg(q, k, v, v_new, G, beta, Akk, h, do, dh, dv, ctab, *, scale):
     """The fused WY / state backward (kernel: chunk_wy_dqkg.py), over packed tokens.
 
