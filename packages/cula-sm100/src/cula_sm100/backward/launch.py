@@ -5,7 +5,8 @@
 cula-sm100's own forward kernels (`cula_sm100.forward.launch.forward`), then runs the backward stages:
 
   1. dAqk = do @ v_new^T (causal), dv = Aqk^T @ do              PyTorch (`torch_stages.dav`)
-  2. reverse state recurrence: dh per chunk, dv += kg @ dh, dh0  PyTorch (`torch_stages.dhu`)
+  2. reverse state recurrence: dh per chunk, dv += kg @ dh, dh0  PyTorch (`torch_stages.dhu`; the kernel
+     `chunk_bwd_dhu` below is compiled but not yet run on a GPU, so not used)
   3. chunk_wy_dqkg: dq, dk (GVA-summed), dv, dbeta, dG, dL       CuTe DSL kernel (`chunk_wy_dqkg.py`)
   4. intra-chunk backward of Aqk and L = beta k k^T decays        PyTorch (`torch_stages.intra`)
   5. reverse chunk-local cumsum of dG, gate / beta / L2 backward  PyTorch (`torch_stages.finish`)
