@@ -71,3 +71,9 @@ def test_bad_arguments():
         cp_planner.plan_pieces((-1,), 1, SMS, "on")
     with pytest.raises(ValueError, match="num_heads"):
         cp_planner.plan_pieces((10,), 0, SMS, "on")
+
+
+def test_auto_threshold_from_measurements():
+    # H100: CP lost at 16384 tokens (H = 4) and won at 65536 (H = 8): auto splits from 65536 on
+    assert cp_planner.plan_pieces((32768,), 4, SMS, "auto") == (1,)
+    assert cp_planner.plan_pieces((65536,), 8, SMS, "auto")[0] > 1

@@ -14,8 +14,11 @@ import torch.nn.functional as F
 REL_TOL = 1e-2
 # against FLA 0.6.0 on the same inputs (both carry bf16 roundings of their own)
 FLA_TOL = 2e-2
-# CP on vs off: the same kernels with a different schedule; the states differ by fp32 rounding of the scan
-CP_TOL = 1e-4
+# CP on vs off: the same kernels with a different order of operations on the state (maps, scan). The state's
+# products carry ~16 bits (split bf16 hi + lo operands, fp32 accumulation), so the fp32 final states may differ
+# by a few 1e-5 relative; o is bf16, where such a difference flips the rounding of a few elements by 1 ulp.
+CP_TOL_STATE = 5e-4
+CP_TOL_O = 2e-3
 
 
 def require_gpu():

@@ -25,6 +25,8 @@ def unsupported_reason(call) -> str | None:
         return f"sm90 prefill serves K=V=128 only, got K={call.K}, V={call.V}"
     if call.HQK <= 0 or call.HV % call.HQK:
         return f"sm90 prefill needs HV a multiple of HQK, got HQK={call.HQK}, HV={call.HV}"
+    if call.T * call.HV * call.K >= 2**31:  # per batch row; the whole tensor is core's int32_indexing check
+        return f"sm90 prefill indexes tokens in int32: T * HV * K must stay under 2^31, got T={call.T}, HV={call.HV}"
     return None
 
 

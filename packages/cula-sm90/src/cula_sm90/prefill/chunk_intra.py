@@ -1,28 +1,31 @@
 """KDA prefill, stage 1 of 2: the chunk-parallel kernel (fused preprocessing + intra-chunk WY form).
 
-One CTA per (chunk of 64 tokens, q/k head), 256 threads; it loops over the G = HV / HQK value heads of its
-q/k head, so q and k are read and L2-normalised once per group (GVA). Per value head it computes, in fp32:
+One CTA per (chunk of 64 tokens, q/k head), 256 threads (8 warps); it loops over the G = HV / HQK value heads
+of its q/k head, so q and k are read and L2-normalised once per group (GVA). Per value head:
 
-    G      chunk-local cumulative sum of the log gate (gate from raw g in kernel: softplus or safe; or g as is)
+    G      chunk-local cumulative sum of the log gate (from raw g in kernel: softplus or safe; or g as given)
     Aqk    [i, j] = scale * sum_d q_i k_j exp(G_i - G_j)          (j <= i, else 0)
     L      [i, j] = beta_i * sum_d k_i k_j exp(G_i - G_j)         (j < i)
-    w, u   (I + L)^{-1} [beta * k * exp(G) | beta * v]            (forward substitution, one column per thread)
+    Akk    (I + L)^{-1}                w, u = Akk @ [beta * k * exp(G) | beta * v]
     qg     scale * q * exp(G)        kg = k * exp(G_last - G)      gl = G_last (the chunk's total log decay)
 
-and writes w, u, qg, kg, Aqk (token layout, [TT, HV, *], bf16) and gl ([NC, HV, K], fp32) for stage 2
-(`chunk_state.py`), which walks the chunks of a sequence serially.
+and writes w, u, qg, kg, Aqk (token layout [TT, HV, *], bf16) and gl ([NC, HV, K], fp32) for stage 2
+(`chunk_state_tc.py`), which walks the chunks of a segment serially.
 
 Numerics: every decay is exp of a difference of cumulative log gates that is <= 0 (for g <= 0). The score
 matrices go in 16-row blocks: inside a diagonal 16x16 block the decays are pairwise; a block p reaches the
 columns before it through the block's first token n = 16 p, as exp(G_i - G_n) * exp(G_n - G_j), both factors
-<= 1, so nothing overflows whatever the gate (the same factorisation as FLA and cula_core.reference).
+<= 1, so nothing overflows whatever the gate (the factorisation of cula_core.reference). Scores, Akk (forward
+substitution on the columns of I, 4 threads per column) and the gate are fp32 FMA; w and u are mma.sync
+m16n8k16 GEMMs (Akk split into bf16 hi + lo, right-hand sides bf16, fp32 accumulation): warps 0-3 compute w,
+warps 4-7 u, through one code path.
 
-Tiling / schedule: BT = 64, K = V = 128, sub-blocks of 16. Shared memory holds q, k, G ([64, 128] fp32 each,
-rows padded to 129 words so that threads reading different rows of one column hit different banks), the
-score matrices ([64, 65]) and a scratch for one row block's factorised operands. Everything is SIMT fp32 (no
-tensor cores yet): the first, correct version. Assumes: contiguous inputs, q/k/v in one 16-bit dtype,
-K = V = 128, chunk starts at every sequence start (varlen through cu_seqlens and chunk_offsets, found by a
-binary search: no host synchronisation), a chunk index past the last chunk exits.
+Shared memory (~220 KB: one CTA per SM): q, k, G as [64, 128] fp32 with rows padded to 129 words (threads
+reading one column of different rows hit different banks), the score matrices [64, 65] fp32, a scratch for one
+row block's factorised operands, Akk hi/lo and the two right-hand sides as swizzled bf16 tiles. Loops are
+dynamic where they can be (short code). Assumes contiguous inputs, q/k/v in one 16-bit dtype, K = V = 128,
+chunks starting at every sequence start (varlen through cu_seqlens and the chunk offsets, found by a binary
+search: no host synchronisation); a chunk index past the last chunk exits.
 """
 
 from __future__ import annotations
@@ -45,9 +48,7 @@ class ChunkIntraKernel:
 
     threads = 256
 
-    def __init__(self, gate: str, beta_activation: str, l2norm: bool, has_a_log: bool, has_dt_bias: bool,
-                 tc_solve: bool = True):
-        self.tc_solve = tc_solve
+    def __init__(self, gate: str, beta_activation: str, l2norm: bool, has_a_log: bool, has_dt_bias: bool):
         self.gate = gate
         self.beta_activation = beta_activation
         self.l2norm = l2norm
@@ -101,11 +102,10 @@ class ChunkIntraKernel:
         # 32..79 k_j e^(G_n-G_j) for the columns j < n before the block
         sX = smem.allocate_tensor(Float32, cute.make_layout((5 * BC, DK), stride=(PAD, 1)), 16)
         sB = smem.allocate_tensor(Float32, cute.make_layout(BT), 16)
-        if const_expr(self.tc_solve):
-            # Akk = (I + L)^-1 split hi + lo (bf16) and the right-hand sides of w and u (bf16), for the GEMMs
-            sAkh = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BT), 128)
-            sAkl = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BT), 128)
-            sR2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK, 2), 128)
+        # Akk = (I + L)^-1 split hi + lo (bf16) and the right-hand sides of w and u (bf16), for the GEMMs
+        sAkh = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BT), 128)
+        sAkl = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BT), 128)
+        sR2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK, 2), 128)
 
         n, t0, L, valid = common.find_chunk(cu, co, chunk, N, search_steps)
         if valid:
@@ -178,10 +178,7 @@ class ChunkIntraKernel:
                 self.scores(sQ, sK, sG, sA, sL, sX, sB, tid, scale)
                 cute.arch.sync_threads()
                 self.store_qk(sQ, sK, sG, sA, qg, kg, aqk, gl, tid, t0, L, hv, chunk, scale)
-                if const_expr(self.tc_solve):
-                    self.solve_tc(sK, sG, sA, sL, sB, sAkh, sAkl, sR2, v, w, u, tid, t0, L, hv)
-                else:
-                    self.solve_simt(sK, sG, sL, sX, sB, v, w, u, tid, t0, L, hv)
+                self.solve_tc(sK, sG, sA, sL, sB, sAkh, sAkl, sR2, v, w, u, tid, t0, L, hv)
 
     @cute.jit
     def log_gate(self, x: Float32, a_rate: Float32, bias: Float32, lower_bound: Float32) -> Float32:
@@ -335,38 +332,3 @@ class ChunkIntraKernel:
         else:
             for i in cutlass.range(L, unroll=2):
                 u[t0 + i, hv, t] = sR2[i, t, 1]
-
-    @cute.jit
-    def solve_simt(self, sK, sG, sL, sX, sB, v, w, u, tid, t0: Int32, L: Int32, hv: Int32):
-        """Forward substitution (I + L) X = rhs for the columns of w, then of u (fp32 FMA)."""
-        c = tid % DK
-        # The right-hand sides go to the operand scratch sX (dead after the scores) first, all 256 threads
-        # loading together; then two threads per column (halves of the inner sum, joined by a shuffle) solve in
-        # place. Both threads of a column write every row, so each reads back only rows it wrote itself.
-        col = tid // 2
-        half = tid % 2
-        for part in cutlass.range_constexpr(2):  # 0: w, 1: u
-            cute.arch.sync_threads()  # the scratch's previous readers are done
-            for m in cutlass.range_constexpr(BT * DK // self.threads):
-                i = m * (self.threads // DK) + tid // DK
-                rhs = Float32(0.0)
-                if const_expr(part == 0):
-                    rhs = sB[i] * sK[i, c] * cute.math.exp(sG[i, c], fastmath=True)
-                else:
-                    if i < L:
-                        rhs = sB[i] * v[t0 + i, hv, c].to(Float32)
-                sX[i, c] = rhs
-            cute.arch.sync_threads()
-            for i in cutlass.range(L):
-                acc = Float32(0.0)
-                for jj in cutlass.range(half, i, 2, unroll=4):
-                    acc += sL[i, jj] * sX[jj, col]
-                acc += cute.arch.shuffle_sync_bfly(acc, offset=1)
-                x = sX[i, col] - acc
-                cute.arch.sync_warp()  # both threads of the column have read row i before it is replaced
-                sX[i, col] = x
-                if half == 0:
-                    if const_expr(part == 0):
-                        w[t0 + i, hv, col] = x.to(w.element_type)
-                    else:
-                        u[t0 + i, hv, col] = x.to(u.element_type)
