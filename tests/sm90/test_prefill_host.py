@@ -1,0 +1,123 @@
+"""CPU tests of the host side of the cula-sm90 prefill (cula_sm90/prefill/forward.py) with the two kernels replaced
+by torch emulations of their contracts: the varlen tables, the CP plan's segments, the affine-map pass's rows,
+the scan over pieces and the hand-over of initial and final states, on any machine.
+
+Stage 1's emulation takes its numbers from cula_core.reference (ChunkIntermediates); stage 2's walks the segment
+table as the kernel does (normal or affine mode), in fp64. So these tests check the bookkeeping around the
+kernels (which chunk, which state row, which piece starts where), not the kernels: those are the GPU tests'.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cula_core.ops import reference_impls as R
+from cula_core.reference import chunk_kda_reference
+
+BT, K = 64, 128
+
+
+def _intra_emulator(gate, beta_activation, l2norm, has_a_log, has_dt_bias, *_dtypes):
+    def run(q, k, v, g, beta, a_log, dtb, cu, co, w, u, qg, kg, aqk, gl, TT, N, NC, steps, HQK, G, scale, lb, _s):
+        HV = HQK * G
+        flat = [t.reshape(1, TT, *t.shape[2:]) for t in (q, k, v, g, beta)]
+        qp, kp, gp, bp = R._prepare(flat[0], flat[1], flat[3], flat[4], a_log if has_a_log else None,
+                                    dtb if has_dt_bias else None, dtype=torch.float64,
+                                    use_qk_l2norm_in_kernel=l2norm, gate=gate, lower_bound=lb,
+                                    beta_activation=beta_activation)
+        _, _, x = chunk_kda_reference(qp, kp, flat[2].double(), gp, bp, scale=scale, cu_seqlens=cu.long(),
+                                      return_intermediates=True)
+        for dst, src in ((w, x.w), (u, x.u), (qg, scale * x.qg), (kg, x.kg), (aqk, x.Aqk)):
+            dst.copy_(src[0].to(dst.dtype))
+        ends = cu.long()[1:]
+        for c, (n, _), t0 in zip(range(x.chunk_indices.shape[0]), x.chunk_indices.tolist(),
+                                 x.chunk_token_start.tolist()):
+            last = min(t0 + BT, int(ends[n])) - 1
+            gl[c] = x.g_cumsum[0, last].float()
+    return run
+
+
+def _state_emulator(affine, _o_dtype):
+    def run(w, u, qg, kg, aqk, gl, seg, h0, ht, o, TT, NC, S, HV, NH0, NHT, _s):
+        d = torch.float64
+        o = o.view(TT, HV, K)  # [B, T, HV, V] as the kernel indexes it
+        for s_ in range(S):
+            start, end, chunk0, h0_idx, ht_idx = (int(x) for x in seg[s_])
+            for hv in range(HV):
+                if affine:
+                    h = torch.cat([torch.eye(K, dtype=d), torch.zeros(K, K, dtype=d)], 1)
+                else:
+                    h = h0[h0_idx, hv].double() if h0_idx >= 0 else torch.zeros(K, K, dtype=d)
+                for ci, t0 in enumerate(range(start, end, BT)):
+                    t1 = min(t0 + BT, end)
+                    uu = u[t0:t1, hv].double()
+                    if affine:
+                        uu = torch.cat([torch.zeros_like(uu), uu], 1)
+                    vn = uu - w[t0:t1, hv].double() @ h
+                    if not affine:
+                        A = aqk[t0:t1, hv, : t1 - t0].double()
+                        o[t0:t1, hv] = (qg[t0:t1, hv].double() @ h + A @ vn).to(o.dtype)
+                    h = torch.exp(gl[chunk0 + ci, hv].double())[:, None] * h + kg[t0:t1, hv].double().T @ vn
+                if ht_idx >= 0:
+                    ht[ht_idx, hv] = h.float()
+    return run
+
+
+@pytest.fixture
+def fwd(monkeypatch):
+    from cula_sm90.prefill import forward
+
+    monkeypatch.setattr(forward, "compile_intra", _intra_emulator)
+    monkeypatch.setattr(forward, "compile_state", _state_emulator)
+    monkeypatch.setattr(forward, "_ptr", lambda t, align=None: t)
+    monkeypatch.setattr(forward, "_stream", lambda: None)
+    monkeypatch.setattr(forward, "_num_sms", lambda index: 132)
+    forward._cached_device_tables.cache_clear()
+    return forward
+
+
+def _inputs(lens, HV, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    q, k, v = (torch.randn(1, T, HV, K, generator=gen).bfloat16() for _ in range(3))
+    g = (F.logsigmoid(torch.randn(1, T, HV, K, generator=gen)) / 800).bfloat16()  # mild: M matters
+    beta = torch.rand(1, T, HV, generator=gen).bfloat16()
+    h0 = torch.randn(len(lens), HV, K, K, generator=gen)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, g, beta, h0, cu
+
+
+def _call(fwd, x, cp, host=True):
+    q, k, v, g, beta, h0, cu = x
+    return fwd.prefill(q, k, v, g, beta, None, None, h0, cu, cu if host else None, scale=K ** -0.5,
+                       output_final_state=True, use_qk_l2norm_in_kernel=True, gate="precomputed", lower_bound=None,
+                       beta_activation="none", intracard_cp=cp)
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("lens", [[3000], [1300, 0, 1, 2600], [5000, 64, 65]])
+def test_cp_host_path_equals_serial_and_reference(fwd, lens):
+    HV = 2
+    x = _inputs(lens, HV, seed=len(lens))
+    from cula_core import cp_planner
+
+    assert cp_planner.plan(tuple(lens), HV, 132, "on").split
+    o_on, ht_on = _call(fwd, x, "on")
+    o_off, ht_off = _call(fwd, x, "off")
+    o_dev, ht_dev = _call(fwd, x, "auto", host=False)  # device-only tables (no CP)
+    assert _rel(ht_on, ht_off) < 1e-6 and _rel(o_on.float(), o_off.float()) < 1e-2
+    assert torch.equal(ht_dev, ht_off) and torch.equal(o_dev, o_off)
+    q, k, v, g, beta, h0, cu = x
+    o_r, ht_r = R._forward(q.double(), k.double(), v.double(), g.double(), beta.double(), None, None, h0.double(),
+                           cu, scale=K ** -0.5, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                           gate="precomputed", lower_bound=None, beta_activation="none")
+    assert _rel(ht_on, ht_r) < 1e-2 and _rel(o_on.float(), o_r) < 1e-2
+    for n, L in enumerate(lens):
+        if L == 0:
+            assert torch.equal(ht_on[n], h0[n])
