@@ -21,7 +21,6 @@ BT, K = 64, 128
 
 def _intra_emulator(gate, beta_activation, l2norm, has_a_log, has_dt_bias, *_dtypes):
     def run(q, k, v, g, beta, a_log, dtb, cu, co, w, u, qg, kg, aqk, gl, TT, N, NC, steps, HQK, G, scale, lb, _s):
-        HV = HQK * G
         flat = [t.reshape(1, TT, *t.shape[2:]) for t in (q, k, v, g, beta)]
         qp, kp, gp, bp = R._prepare(flat[0], flat[1], flat[3], flat[4], a_log if has_a_log else None,
                                     dtb if has_dt_bias else None, dtype=torch.float64,
@@ -33,7 +32,7 @@ def _intra_emulator(gate, beta_activation, l2norm, has_a_log, has_dt_bias, *_dty
             dst.copy_(src[0].to(dst.dtype))
         ends = cu.long()[1:]
         for c, (n, _), t0 in zip(range(x.chunk_indices.shape[0]), x.chunk_indices.tolist(),
-                                 x.chunk_token_start.tolist()):
+                                 x.chunk_token_start.tolist(), strict=True):
             last = min(t0 + BT, int(ends[n])) - 1
             gl[c] = x.g_cumsum[0, last].float()
     return run

@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     fla = None
     if not args.no_fla:
         try:
-            import fla.ops.kda  # noqa: F401
+            import fla.ops.kda
 
             fla = fla_cp
             pb.warm_fla({(s["H"], True) for s in shapes}, args.keep_autotune, module="tools.bench.intracard_cp")

@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     fla = None
     if not args.no_fla:
         try:
-            import fla.ops.kda  # noqa: F401
+            import fla.ops.kda
 
             fla = fla_chunk_kda
             warm_fla({(s["H"], "N" in s) for s in shapes}, args.keep_autotune)

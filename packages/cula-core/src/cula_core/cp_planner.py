@@ -112,7 +112,7 @@ def plan_pieces(lengths: tuple[int, ...], num_heads: int, num_sms: int, mode: st
     heapq.heapify(heap)
     total = len(long)
     while heap and total < budget:
-        neg, i = heapq.heappop(heap)
+        _, i = heapq.heappop(heap)
         n_chunks = _chunks(lengths[i], chunk_size)
         if n_chunks // (pieces[i] + 1) < min_piece_chunks:
             continue  # this sequence cannot be cut finer; the others may

@@ -107,7 +107,7 @@ class ChunkIntraKernel:
         sAkl = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BT), 128)
         sR2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK, 2), 128)
 
-        n, t0, L, valid = common.find_chunk(cu, co, chunk, N, search_steps)
+        _, t0, L, valid = common.find_chunk(cu, co, chunk, N, search_steps)
         if valid:
             # ---- q, k rows (L2-normalised once for the whole group of value heads): warp w owns q rows
             # 8w..8w+7 and the same k rows. A dynamic loop (small code: this kernel's straight-line code is

@@ -13,6 +13,7 @@ without CP (the lengths are only on the device, and reading them would synchroni
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 
 import torch
@@ -103,7 +104,7 @@ def _host_lengths(B, T, cu_seqlens, cu_seqlens_cpu):
     if cu_seqlens_cpu is None:
         return None
     c = [int(x) for x in cu_seqlens_cpu.tolist()]
-    return tuple(b - a for a, b in zip(c[:-1], c[1:]))
+    return tuple(b - a for a, b in itertools.pairwise(c))
 
 
 @functools.lru_cache(maxsize=64)
