@@ -56,5 +56,6 @@ def test_serves_and_declines_with_reasons():
     assert "without autograd" in prefill.unsupported_reason(_call(op="chunk_kda", requires_grad=True))
     assert "K=V=128" in prefill.unsupported_reason(_call(K=64, V=64))
     assert "bf16" in prefill.unsupported_reason(_call(dtype=torch.float32))
+    assert "bf16" in prefill.unsupported_reason(_call(dtype=torch.float16))
     assert "does not implement" in prefill.unsupported_reason(_call(op="kda_decode"))
     assert "int32" in prefill.unsupported_reason(_call(T=2**20, HV=16, HQK=16))

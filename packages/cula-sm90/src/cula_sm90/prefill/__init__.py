@@ -11,7 +11,7 @@ import torch
 
 OPS: tuple[str, ...] = ("kda_prefill", "chunk_kda")
 
-_DTYPES = (torch.bfloat16, torch.float16)
+_DTYPES = (torch.bfloat16,)  # fp16 would compile, but no GPU test has run it
 
 
 def unsupported_reason(call) -> str | None:
@@ -20,7 +20,7 @@ def unsupported_reason(call) -> str | None:
     if call.op == "chunk_kda" and call.requires_grad:
         return "sm90 serves chunk_kda without autograd only (an input requires grad; cula-sm100 trains)"
     if call.dtype not in _DTYPES:
-        return f"sm90 prefill serves bf16/fp16 q/k/v, got {str(call.dtype).replace('torch.', '')}"
+        return f"sm90 prefill serves bf16 q/k/v, got {str(call.dtype).replace('torch.', '')}"
     if call.K != 128 or call.V != 128:
         return f"sm90 prefill serves K=V=128 only, got K={call.K}, V={call.V}"
     if call.HQK <= 0 or call.HV % call.HQK:

@@ -199,6 +199,9 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
             final.copy_(initial_state) if has_h0 else final.zero_()
         return o, final
 
+    # g and beta are read in their own dtype when it is bf16 or fp32 (one compiled variant each), else as fp32
+    g = g if g.dtype in (torch.bfloat16, torch.float32) else g.float()
+    beta = beta if beta.dtype in (torch.bfloat16, torch.float32) else beta.float()
     dummy = torch.empty(1, dtype=torch.float32, device=device)
     a_log = A_log.float() if A_log is not None else dummy
     dtb = dt_bias.float() if dt_bias is not None else dummy
