@@ -1,13 +1,15 @@
 """Host side of the sm90 prefill: compiles (once per configuration) and launches the two stages, with or
 without intra-card context parallel. Thin: validation happened in cula_core; the math is in the kernels.
 
-    stage 1  chunk_intra.ChunkIntraKernel   chunk-parallel: gate, cumsum, l2norm, Akk solve, w/u, Aqk, qg, kg
-    stage 2  chunk_state.ChunkStateKernel   per (segment, head, state slice): the serial recurrence and o
+    stage 1  chunk_intra.ChunkIntraKernel        chunk-parallel: gate, cumsum, l2norm, Akk, w/u, Aqk, qg, kg
+    stage 2  chunk_state_tc.ChunkStateTCKernel   per (segment, head, state slice): the serial recurrence and o
+             (chunk_state.ChunkStateKernel: the first, SIMT version, with CULA_SM90_STATE_KERNEL=simt)
 
 CP (cula_core.cp_planner decides from host lengths): stage 2 in affine mode gives every piece's map (M, c),
-a scan over the pieces of each sequence (batched matmuls on the device, a loop over piece index on the host)
-gives their initial states, and stage 2 runs all pieces at once. Without `cu_seqlens_cpu` a varlen call runs
-without CP (the lengths are only on the device, and reading them would synchronise).
+a scan over the pieces of each sequence (batched fp64 matmuls on the device, immune to a global TF32 setting;
+a loop over piece index on the host) gives their initial states, and stage 2 runs all pieces at once. Without
+`cu_seqlens_cpu` a varlen call runs without CP (the lengths are only on the device; reading them would
+synchronise).
 """
 
 from __future__ import annotations
@@ -237,9 +239,8 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     else:
         starts[tables["firsts"]] = 0.0
     for src, row, dst in tables["steps"]:
-        M = maps[row]
-        starts[dst] = torch.baddbmm(M[..., K:].flatten(0, 1), M[..., :K].flatten(0, 1),
-                                    starts[src].flatten(0, 1)).view(-1, HV, K, K)
+        M = maps[row].double()
+        starts[dst] = (M[..., :K] @ starts[src].double() + M[..., K:]).float()
     state(*mids, _ptr(gl), _ptr(seg), _ptr(starts), _ptr(ht), _ptr(o),
           TT, NC, S, HV, S, N if final is not None else 1, stream)
     return o, final
