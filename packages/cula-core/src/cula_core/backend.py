@@ -110,8 +110,13 @@ class Backend:
     capabilities: tuple[tuple[int, int], ...] = ()  # every compute capability it runs on
     ops: tuple[str, ...] = ()  # the public ops it implements (for some configurations)
     # Kernels that compute element offsets in int32 set this: core then rejects tensors of 2**31 or more
-    # elements with a ValueError before the kernel runs, instead of letting offsets wrap.
+    # elements with a ValueError before the kernel runs, instead of letting offsets wrap. A backend whose
+    # kernel families differ overrides `indexes_in_int32` instead.
     int32_indexing: bool = False
+
+    def indexes_in_int32(self, op: str) -> bool:
+        """Whether the kernel of `op` computes element offsets in int32 (default: `int32_indexing`)."""
+        return self.int32_indexing
 
     def runs_on(self, device: DeviceInfo) -> bool:
         return device.type == "cuda" and device.capability in self.capabilities

@@ -5,8 +5,9 @@ The package holds two kernel families, each a subpackage that owns its ops:
                          kda_flush_kvbuffer_all_layers (multi-token-prediction decode for speculative decoding)
   * `cula_sm90.prefill`: kda_prefill and the no-grad forward of chunk_kda, with intra-card context parallel
 
-Each subpackage's `__init__` exports `OPS` (the ops it serves), `unsupported_reason(call)` and `kernel(op)`, and
-imports no CuTe DSL at module level: importing the backend stays cheap and works without a GPU; the kernels
+Each subpackage's `__init__` exports `OPS` (the ops it serves), `INT32_INDEXING` (whether its kernels compute
+element offsets in int32: the prefill kernels do, the decode kernels use 64-bit offsets for pools of any
+size), `unsupported_reason(call)` and `kernel(op)`, and imports no CuTe DSL at module level: importing the backend stays cheap and works without a GPU; the kernels
 are compiled on first use.
 """
 
@@ -32,6 +33,10 @@ class Sm90Backend(Backend):
     arch = (9, 0)
     capabilities = ((9, 0),)  # sm_90a instructions (wgmma, setmaxnreg) exist on Hopper only
     ops = tuple(op for fam in _FAMILIES for op in fam.OPS)
+
+    def indexes_in_int32(self, op: str) -> bool:
+        fam = _family(op)
+        return fam is not None and fam.INT32_INDEXING
 
     def unsupported_reason(self, call: CallConfig) -> str | None:
         fam = _family(call.op)

@@ -32,7 +32,7 @@ def make_call(op: str, device: torch.device, *, dtype, K, V, HQK, HV, T, gate, v
 def run(call: CallConfig, tensors: dict[str, torch.Tensor | None], *args, **kwargs):
     """Select the backend for `call`, apply its indexing limit to `tensors`, and run its kernel."""
     backend = dispatch.select(call)
-    if backend.int32_indexing:
+    if backend.indexes_in_int32(call.op):
         check_int32_indexing({n: t.numel() for n, t in tensors.items() if t is not None}, f"the {backend.name} kernels")
     return backend.kernel(call.op)(*args, **kwargs)
 

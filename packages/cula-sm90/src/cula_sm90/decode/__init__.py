@@ -13,6 +13,7 @@ from cula_sm90.decode import _config
 
 OPS: tuple[str, ...] = ("kda_decode", "kda_decode_mtp", "kda_decode_mtp_kvbuffer", "kda_flush_kvbuffer",
                         "kda_flush_kvbuffer_all_layers")
+INT32_INDEXING = False  # 64-bit offsets: state pools may hold 2**31 elements or more
 
 
 def unsupported_reason(call) -> str | None:

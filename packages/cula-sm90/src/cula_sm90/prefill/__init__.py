@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 OPS: tuple[str, ...] = ("kda_prefill", "chunk_kda")
+INT32_INDEXING = True  # element offsets are int32: core rejects tensors of 2**31 elements or more
 
 _DTYPES = (torch.bfloat16,)  # fp16 would compile, but no GPU test has run it
 
