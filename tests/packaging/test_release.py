@@ -234,3 +234,14 @@ def test_benchmarks_named_in_the_table_exist():
     for p in PACKAGES:
         for name in p.benchmarks:
             assert (REPO_ROOT / "tools" / "bench" / f"{name}.py").is_file(), f"{p.name}: tools/bench/{name}.py"
+
+
+def test_benchmarks_take_the_options_the_gpu_job_passes():
+    """The GPU CI job calls each listed benchmark with `--smoke --json FILE`: both must be in its --help."""
+    for p in PACKAGES:
+        for name in p.benchmarks:
+            proc = subprocess.run([sys.executable, "-m", f"tools.bench.{name}", "--help"], cwd=REPO_ROOT,
+                                  capture_output=True, text=True, timeout=120)
+            assert proc.returncode == 0, f"tools/bench/{name}.py --help failed:\n{proc.stderr}"
+            for option in ("--smoke", "--json"):
+                assert option in proc.stdout, f"tools/bench/{name}.py has no {option} option"

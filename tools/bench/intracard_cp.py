@@ -3,7 +3,8 @@
 torch.inference_mode, varlen), on the same bf16 inputs (gate, q/k L2 norm, safe gate with lower_bound = -5 in
 kernel for both).
 
-    python -m tools.bench.intracard_cp [--smoke] [--out docs/benchmarks/intracard_cp.md] [--keep-autotune]
+    python -m tools.bench.intracard_cp [--smoke] [--out docs/benchmarks/intracard_cp.md] [--json rows.json]
+                                       [--keep-autotune]
 
 Shapes (the issue's grid): H in (4, 8, 16); one or two sequences of T in (16384, 32768, 65536, 131072) tokens each;
 and a mix of one long sequence (65536) with 31 short ones (512 each). Always varlen with `cu_seqlens_cpu` (FLA's
@@ -16,6 +17,7 @@ Columns: `CP gain` = cula no-CP ms / cula CP ms; `auto` = the time with intracar
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -72,7 +74,8 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--keep-autotune", action="store_true")
     ap.add_argument("--no-fla", action="store_true")
-    ap.add_argument("--out", type=Path)
+    ap.add_argument("--out", type=Path, help="write the markdown report here")
+    ap.add_argument("--json", type=Path, help="write the rows (times in ms) here as JSON")
     ap.add_argument("--warmup", type=int, default=25)
     ap.add_argument("--rep", type=int, default=100)
     args = ap.parse_args(argv)
@@ -97,12 +100,15 @@ def main(argv=None) -> int:
     head = ["H", "sequences", "cula no-CP ms", "cula CP ms", "CP gain", "cula auto ms", "auto splits", "FLA CP ms",
             "speed-up", "auto vs best"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---:"] * len(head)) + "|"]
+    rows = []
     for s in shapes:
         x = make_inputs(s)
         t = {cp: measure(cula_with(cp), [x], timing).median_ms for cp in (False, True, "auto")}
         f = measure(fla, [x], timing).median_ms if fla is not None else None
         split = cp_planner.plan(tuple(s["lens"]), s["H"], sms, "auto").split
         best = min(t[False], t[True])
+        rows.append({"H": s["H"], "lens": s["lens"], "no_cp_ms": t[False], "cp_ms": t[True], "auto_ms": t["auto"],
+                     "auto_splits": bool(split), "fla_cp_ms": f})
         lines.append("| " + " | ".join([
             str(s["H"]), describe(s["lens"]), f"{t[False]:.3f}", f"{t[True]:.3f}", f"{t[False] / t[True]:.2f}x",
             f"{t['auto']:.3f}", "yes" if split else "no", "n/a" if f is None else f"{f:.3f}",
@@ -122,6 +128,9 @@ def main(argv=None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(report)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
     return 0
 
 
