@@ -38,8 +38,9 @@ def test_serves_decode(op, dtype):
 def test_declines_with_reasons():
     from cula_sm90.backend import backend
 
-    assert backend.unsupported_reason(call(K=256)) == "sm90 decode serves K, V = 128, got K=256, V=256"
-    assert backend.unsupported_reason(call(K=64)) == "sm90 decode serves K, V = 128, got K=64, V=64"
+    assert backend.unsupported_reason(call(K=256)) == "sm90 decode serves K = V = 64 or 128, got K=256, V=256"
+    assert backend.unsupported_reason(call(K=64, V=128)) == "sm90 decode serves K = V = 64 or 128, got K=64, V=128"
+    assert backend.unsupported_reason(call(K=64)) is None
     assert backend.unsupported_reason(call(T=17)) == "sm90 decode serves T <= 16 tokens per request, got T=17"
     assert backend.unsupported_reason(call(dtype=torch.float64)) == \
         "sm90 decode serves bf16/fp16/fp32 q/k/v, got torch.float64"

@@ -7,10 +7,9 @@ import torch
 
 MODE_FINAL, MODE_STATES, MODE_KVBUFFER = "final", "states", "kvbuffer"
 
-#: head dims served: those verified against the reference on the GPU. The kernels also compile (and ran clean
-#: under compute-sanitizer) for K = V = 64 (the tiling needs K % 32 == 0, V % BV == 0); 64 joins this tuple
-#: once test_kernels_at_head_dim_64 has passed on a GPU.
-HEAD_DIMS = (128,)
+#: head dims served, K == V: those checked against the reference on the H100 (K = V = 64 by
+#: test_kernels_at_head_dim_64: every mode and the flush). The tiling needs K % 32 == 0 and V % BV == 0.
+HEAD_DIMS = (64, 128)
 #: tokens per request: the T per-token vectors of a head live in shared memory (4 T K floats) and the
 #: token loop is unrolled
 MAX_T = 16
@@ -34,9 +33,9 @@ def recurrent_tiling(N: int, T: int, HV: int) -> tuple[int, int, int]:
 
 def unsupported_reason(call) -> str | None:
     """None if the decode kernels serve `call` (a cula_core CallConfig), else a short reason."""
-    if call.K not in HEAD_DIMS or call.V not in HEAD_DIMS:
+    if call.K != call.V or call.K not in HEAD_DIMS:
         served = " or ".join(map(str, HEAD_DIMS))
-        return f"sm90 decode serves K, V = {served}, got K={call.K}, V={call.V}"
+        return f"sm90 decode serves K = V = {served}, got K={call.K}, V={call.V}"
     if call.op in ("kda_flush_kvbuffer", "kda_flush_kvbuffer_all_layers"):
         if call.dtype != torch.float32:
             return f"sm90 flush serves fp32 state pools and KVBuffers, got {call.dtype}"
