@@ -287,3 +287,22 @@ def test_traced_decode_calls_go_through_the_op():
     graph = make_fx(step)(q, k, v, g, beta, pool, idx)
     targets = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
     assert "cula.kda_decode_mtp_kvbuffer.default" in targets, targets
+
+
+def test_torch_compile_fullgraph_decode_family():
+    """Under torch.compile the decode ops stay single graph nodes (call_op takes the op path while compiling)."""
+    (q, k, v, g, beta), A_log, dt_bias, pool = decode_inputs()
+    q, k, v, g, beta, A_log, dt_bias, pool = (t.float() for t in (q, k, v, g, beta, A_log, dt_bias, pool))
+    idx = torch.tensor([3, -1, 0, 6, 2], dtype=torch.int32)
+
+    def step(pool):
+        o, buf = cula_core.kda_decode_mtp_kvbuffer(q, k, v, g, beta, pool, idx, A_log=A_log, dt_bias=dt_bias)
+        cula_core.kda_flush_kvbuffer(pool, idx, buf, 2)
+        return o * 2
+
+    compiled_pool, eager_pool = pool.clone(), pool.clone()
+    o = torch.compile(step, fullgraph=True, backend="aot_eager")(compiled_pool)
+    o_ref = step(eager_pool)
+    torch.testing.assert_close(o, o_ref, rtol=0, atol=0)
+    torch.testing.assert_close(compiled_pool, eager_pool, rtol=0, atol=0)
+    assert not torch.equal(compiled_pool, pool)  # the flush did write the live slots
