@@ -38,3 +38,14 @@ def test_core_rejects_an_oversized_prefill_before_the_kernel(monkeypatch):
     monkeypatch.setattr(backend, "kernel", lambda op: lambda *a: "ran")
     call = CallConfig(op="kda_decode", device=H100, dtype=torch.bfloat16, K=128, V=128, HQK=1, HV=1, T=1)
     assert run(call, {"state_pool": q}) == "ran"
+
+
+def test_composition_routes_each_op_to_its_family(monkeypatch):
+    from cula_sm90 import decode, prefill
+
+    monkeypatch.setattr(decode, "kernel", lambda op: f"decode:{op}")
+    monkeypatch.setattr(prefill, "kernel", lambda op: f"prefill:{op}")
+    assert backend.kernel("kda_flush_kvbuffer") == "decode:kda_flush_kvbuffer"
+    assert backend.kernel("kda_prefill") == "prefill:kda_prefill"
+    with pytest.raises(NotImplementedError, match="backend 'sm90' has no kernel for chunk_kda_backward"):
+        backend.kernel("chunk_kda_backward")

@@ -139,3 +139,40 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"<cula backend {self.name} from {self.package}>"
+
+
+class ComposedBackend(Backend):
+    """A backend made of kernel families, each a module that owns some ops.
+
+    A family module exports ``OPS`` (the ops it serves), ``unsupported_reason(call)`` and ``kernel(op)``,
+    and optionally ``INT32_INDEXING`` (default: the backend's ``int32_indexing``). Subclasses set
+    ``families``; the backend's ops are their union and each question goes to the family that owns the op.
+    """
+
+    families: tuple = ()
+
+    def __init__(self) -> None:
+        self.ops = tuple(op for fam in self.families for op in fam.OPS)
+
+    def family(self, op: str):
+        """The family module that owns `op`, or None."""
+        for fam in self.families:
+            if op in fam.OPS:
+                return fam
+        return None
+
+    def indexes_in_int32(self, op: str) -> bool:
+        fam = self.family(op)
+        return fam is not None and getattr(fam, "INT32_INDEXING", self.int32_indexing)
+
+    def unsupported_reason(self, call: CallConfig) -> str | None:
+        fam = self.family(call.op)
+        if fam is None:
+            return f"{self.name} does not implement {call.op}"
+        return fam.unsupported_reason(call)
+
+    def kernel(self, op: str) -> Callable[..., Any]:
+        fam = self.family(op)
+        if fam is None:
+            raise NotImplementedError(f"backend {self.name!r} has no kernel for {op}")
+        return fam.kernel(op)
