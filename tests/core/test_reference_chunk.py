@@ -6,25 +6,10 @@ import pytest
 import torch
 
 from cula_core.reference import ChunkIntermediates, chunk_kda_reference, kda_gate, l2norm, recurrent_kda
+from reference_inputs import make_inputs
 
 DT = torch.float64
 TOL = 1e-10  # chunked vs token-by-token in fp64: only rounding differs
-
-
-
-
-def make_inputs(B, T, HQK, HV, K, V, gate="softplus", seed=0, dtype=DT, lower_bound=-5.0):
-    gen = torch.Generator().manual_seed(seed)
-    def r(*s):
-        return torch.randn(*s, generator=gen, dtype=dtype)
-
-    q, k, v, g_raw = r(B, T, HQK, K), r(B, T, HQK, K), r(B, T, HV, V), r(B, T, HV, K)
-    A_log, dt_bias, beta_raw = r(HV) * 0.5, r(HV * K), r(B, T, HV)
-    if gate == "softplus":
-        g = kda_gate(g_raw, A_log, dt_bias)
-    else:
-        g = kda_gate(g_raw, A_log, dt_bias, safe_gate=True, lower_bound=lower_bound)
-    return l2norm(q), l2norm(k), v, g.to(dtype), torch.sigmoid(beta_raw)
 
 
 @pytest.mark.parametrize("T", [1, 17, 64, 100, 130])

@@ -7,26 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from cula_core.reference import activate_beta, kda_gate, l2norm, log_decay, recurrent_kda, safe_gate, softplus_gate
+from reference_inputs import make_inputs
 
 DT = torch.float64
 TOL = 1e-12  # fp64: the vectorised recurrence and the explicit loop differ only by summation order
-
-
-
-
-def make_inputs(B, T, HQK, HV, K, V, gate="softplus", seed=0, lower_bound=-5.0):
-    """Raw (pre-norm, pre-gate) inputs and their final forms, fp64."""
-    gen = torch.Generator().manual_seed(seed)
-    def r(*s):
-        return torch.randn(*s, generator=gen, dtype=DT)
-
-    q, k, v, g_raw = r(B, T, HQK, K), r(B, T, HQK, K), r(B, T, HV, V), r(B, T, HV, K)
-    A_log, dt_bias, beta_raw = r(HV) * 0.5, r(HV * K), r(B, T, HV)
-    if gate == "softplus":
-        g = kda_gate(g_raw, A_log, dt_bias)
-    else:
-        g = kda_gate(g_raw, A_log, dt_bias, safe_gate=True, lower_bound=lower_bound)
-    return l2norm(q), l2norm(k), v, g, torch.sigmoid(beta_raw)
 
 
 def loop_kda(q, k, v, g, beta, scale, h0=None, cu_seqlens=None):
