@@ -44,6 +44,9 @@ def test_declines_with_reasons():
     assert backend.unsupported_reason(call(T=17)) == "sm90 decode serves T <= 16 tokens per request, got T=17"
     assert backend.unsupported_reason(call(dtype=torch.float64)) == \
         "sm90 decode serves bf16/fp16/fp32 q/k/v, got torch.float64"
+    assert backend.unsupported_reason(call(state_dtype=torch.float64)) == \
+        "sm90 decode serves fp32 state pools, got torch.float64"
+    assert backend.unsupported_reason(call(state_dtype=torch.float32)) is None
     flush = call("kda_flush_kvbuffer", dtype=torch.float64, gate="precomputed")
     assert backend.unsupported_reason(flush) == "sm90 flush serves fp32 state pools and KVBuffers, got torch.float64"
     many = call("kda_flush_kvbuffer_all_layers", dtype=torch.float32, gate="precomputed", layers=129)

@@ -27,8 +27,11 @@ def validate_decode_call(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias
     return shapes, tensors, params, scale
 
 
-def _decode_sizes(q: Tensor, v: Tensor, state_pool: Tensor) -> dict:
-    return dict(dtype=q.dtype, K=q.shape[3], V=v.shape[3], HQK=q.shape[2], HV=v.shape[2], T=q.shape[1])
+def decode_call_sizes(q: Tensor, v: Tensor, state_pool: Tensor) -> dict:
+    """make_call's sizes for the decode family; the pool's dtype travels as the option `state_dtype` (a backend
+    whose kernels hold fp32 states declines other pools through it)."""
+    return dict(dtype=q.dtype, K=q.shape[3], V=v.shape[3], HQK=q.shape[2], HV=v.shape[2], T=q.shape[1],
+                state_dtype=state_pool.dtype)
 
 
 def _kda_decode(
@@ -37,7 +40,7 @@ def _kda_decode(
     use_qk_l2norm_in_kernel: bool,
 ) -> Tensor:
     call = make_call("kda_decode", q.device, gate="safe" if lower_bound is not None else "softplus",
-                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **_decode_sizes(q, v, state_pool))
+                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **decode_call_sizes(q, v, state_pool))
     return run(call, {"state_pool": state_pool, "v": v}, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
                scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
@@ -57,7 +60,7 @@ def _kda_decode_mtp(
 ) -> tuple[Tensor, Tensor]:
     call = make_call("kda_decode_mtp", q.device, gate="safe" if lower_bound is not None else "softplus",
                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                     output_per_token_states=output_per_token_states, **_decode_sizes(q, v, state_pool))
+                     output_per_token_states=output_per_token_states, **decode_call_sizes(q, v, state_pool))
     o, states = run(call, {"state_pool": state_pool, "v": v}, q, k, v, g, beta, state_pool, cache_idx, A_log,
                     dt_bias, scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                     output_per_token_states=output_per_token_states)

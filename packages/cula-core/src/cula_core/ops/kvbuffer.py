@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from cula_core.ops._common import call_op, make_call, run
-from cula_core.ops.decode import validate_decode_call
+from cula_core.ops.decode import decode_call_sizes, validate_decode_call
 from cula_core.validation import kvbuffer_shape, validate_kvbuffer
 
 
@@ -29,10 +29,8 @@ def _kda_decode_mtp_kvbuffer(
     A_log: Tensor | None, dt_bias: Tensor | None, scale: float, lower_bound: float | None,
     use_qk_l2norm_in_kernel: bool,
 ) -> tuple[Tensor, Tensor]:
-    call = make_call("kda_decode_mtp_kvbuffer", q.device, dtype=q.dtype, K=q.shape[3], V=v.shape[3],
-                     HQK=q.shape[2], HV=v.shape[2], T=q.shape[1],
-                     gate="safe" if lower_bound is not None else "softplus",
-                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    call = make_call("kda_decode_mtp_kvbuffer", q.device, gate="safe" if lower_bound is not None else "softplus",
+                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **decode_call_sizes(q, v, state_pool))
     return run(call, {"state_pool": state_pool, "v": v}, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
                scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 

@@ -44,6 +44,8 @@ def unsupported_reason(call) -> str | None:
             return f"sm90 all-layers flush serves up to {MAX_LAYERS} layers in one launch, got {layers}"
     elif call.dtype not in INPUT_DTYPES:
         return f"sm90 decode serves bf16/fp16/fp32 q/k/v, got {call.dtype}"
+    elif call.options.get("state_dtype", torch.float32) != torch.float32:
+        return f"sm90 decode serves fp32 state pools, got {call.options['state_dtype']}"
     if call.T > MAX_T:
         return f"sm90 decode serves T <= {MAX_T} tokens per request, got T={call.T}"
     return None

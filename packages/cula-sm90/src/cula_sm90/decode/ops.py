@@ -1,8 +1,8 @@
 """The decode ops in the kernel calling convention of docs/backends.md (cula_core/ops/reference_impls.py is
 the executable specification): each prepares nothing core has not, and launches the kernels of launch.py.
 
-A state pool that is not fp32 or not 16-byte aligned (neither can be told from the CallConfig the backend
-answers) runs the reference implementation instead of a kernel."""
+A pool that is not fp32 is declined through the CallConfig (its `state_dtype` option); one that is not 16-byte
+aligned, which the CallConfig cannot tell, runs the reference implementation here instead of a kernel."""
 
 from __future__ import annotations
 
