@@ -40,7 +40,7 @@ def test_demo_on_cpu_runs_the_reference_and_reports_errors():
     rows = {name: line for line in lines for name in ("kda_prefill", "kda_decode", "chunk_kda fwd+bwd")
             if line.strip().startswith(name)}
     assert set(rows) == {"kda_prefill", "kda_decode", "chunk_kda fwd+bwd"}
-    for name, line in rows.items():
+    for _name, line in rows.items():
         assert "backend reference" in line, line
         assert re.search(r"\d+\.\d+ ms", line), line
         err = float(re.search(r"vs (?:fp64 )?reference ([0-9.e+-]+)", line).group(1))

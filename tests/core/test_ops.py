@@ -50,7 +50,7 @@ def test_chunk_kda_matches_the_recurrence(gate):
 
 
 def test_chunk_kda_varlen_with_an_empty_sequence():
-    (q, k, v, g, beta), A_log, dt_bias = make_inputs(T=150)
+    (q, k, v, g, beta), _A_log, _dt_bias = make_inputs(T=150)
     cu = torch.tensor([0, 64, 64, 65, 150], dtype=torch.int32)
     h0 = torch.randn(4, 4, 8, 8, dtype=F64)
     o, ht = cula_core.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
@@ -126,7 +126,7 @@ def per_request_reference(q, k, v, g, beta, A_log, dt_bias, pool, idx, lower_bou
             continue
         per_token = []
         for t in range(1, q.shape[1] + 1):
-            sl = lambda x: x[i : i + 1, :t]
+            sl = lambda x, i=i, t=t: x[i : i + 1, :t]
             o_t, s_t = expected(sl(q), sl(k), sl(v), sl(g), sl(beta), A_log, dt_bias, gate=gate,
                                 lower_bound=lower_bound, initial_state=pool[slot : slot + 1].clone(),
                                 output_final_state=True)
@@ -143,7 +143,7 @@ def test_decode_steps_equal_the_recurrence(lower_bound):
     padded_before = pool.clone()
     o_ref, states_ref = per_request_reference(q, k, v, g, beta, A_log, dt_bias, pool, idx, lower_bound)
     for t in range(4):
-        sl = lambda x: x[:, t : t + 1]
+        sl = lambda x, t=t: x[:, t : t + 1]
         o = cula_core.kda_decode(sl(q), sl(k), sl(v), sl(g), sl(beta), pool, idx, A_log=A_log, dt_bias=dt_bias,
                                  lower_bound=lower_bound, use_qk_l2norm_in_kernel=True)
         torch.testing.assert_close(o, o_ref[:, t : t + 1], rtol=1e-10, atol=1e-10)
@@ -185,7 +185,7 @@ def test_kvbuffer_flush_equals_committing_the_accepted_state():
     torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
     assert torch.equal(buf[1], torch.zeros_like(buf[1]))  # padded slot
     cula_core.kda_flush_kvbuffer(pool, idx, buf, accept)
-    for i, (slot, m) in enumerate(zip(idx.tolist(), accept.tolist())):
+    for i, (slot, m) in enumerate(zip(idx.tolist(), accept.tolist(), strict=True)):
         if slot < 0:
             continue
         if m == 0:
@@ -204,10 +204,10 @@ def test_flush_all_layers_equals_per_layer():
         _, buf = cula_core.kda_decode_mtp_kvbuffer(q, k, v, g, beta, pool, idx, A_log=A_log, dt_bias=dt_bias)
         layers.append((pool, buf))
     expected_pools = [p.clone() for p, _ in layers]
-    for p, (_, buf) in zip(expected_pools, layers):
+    for p, (_, buf) in zip(expected_pools, layers, strict=True):
         cula_core.kda_flush_kvbuffer(p, idx, buf, 2)
     cula_core.kda_flush_kvbuffer_all_layers([p for p, _ in layers], idx, [b for _, b in layers], 2)
-    for (p, _), e in zip(layers, expected_pools):
+    for (p, _), e in zip(layers, expected_pools, strict=True):
         assert torch.equal(p, e)
 
 

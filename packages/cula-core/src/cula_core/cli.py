@@ -168,7 +168,7 @@ def demo(out=sys.stdout, device: str | None = None) -> int:
         o64.square().mean().backward()
         # The timed step ran twice (warm-up + timed): gradients accumulated twice.
         err = max(((a.grad.double() / 2) - b.grad).abs().max().item() / b.grad.abs().max().item()
-                  for a, b in zip(leaves, refs))
+                  for a, b in zip(leaves, refs, strict=True))
         p(f"  chunk_kda fwd+bwd backend {backend_of('chunk_kda', T=T, gate='softplus', requires_grad=True):<9} "
           f"{ms:8.3f} ms  max |grad err| / max |grad| (q, k, v) vs fp64 reference {err:.2e}")
     return 0

@@ -156,7 +156,8 @@ def select(call: CallConfig) -> Backend:
         first = key not in _warned
         _warned.add(key)
     if first:
-        warnings.warn(f"cula: {call.op} runs on the reference implementation: {reason}", CulaFallbackWarning, stacklevel=3)
+        warnings.warn(f"cula: {call.op} runs on the reference implementation: {reason}", CulaFallbackWarning,
+                      stacklevel=3)
     return selection.backend
 
 

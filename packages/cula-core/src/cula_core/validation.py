@@ -137,7 +137,8 @@ def validate_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int) -> tuple[int
     for i in range(1, len(values)):
         if values[i] < values[i - 1]:
             raise ValueError(
-                f"cu_seqlens must be non-decreasing, got cu_seqlens[{i - 1}] = {values[i - 1]} > cu_seqlens[{i}] = {values[i]}"
+                f"cu_seqlens must be non-decreasing, got cu_seqlens[{i - 1}] = {values[i - 1]} > "
+                f"cu_seqlens[{i}] = {values[i]}"
             )
     if values[-1] != T:
         raise ValueError(f"cu_seqlens must end at T = {T} (the token count of q), got {values[-1]}")
@@ -158,7 +159,8 @@ def validate_gate_args(g_name, use_gate_in_kernel, A_log, dt_bias, safe_gate, lo
         return
     if A_log is None and lower_bound is None:
         raise ValueError(
-            f"use_gate_in_kernel=True requires A_log of shape [HV] = [{HV}] (or lower_bound for the safe gate), got None"
+            f"use_gate_in_kernel=True requires A_log of shape [HV] = [{HV}] (or lower_bound for the safe gate), "
+            "got None"
         )
     if A_log is not None:
         require_tensor("A_log", A_log, ndim=1)
@@ -188,7 +190,8 @@ def validate_kda(
     if HV % HQK != 0:
         raise ValueError(f"HV % HQK must be 0 (HV value heads share HQK q/k heads), got HV = {HV}, HQK = {HQK}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k and v must share one dtype, got q {_dtype(q.dtype)}, k {_dtype(k.dtype)}, v {_dtype(v.dtype)}")
+        raise TypeError(f"q, k and v must share one dtype, got q {_dtype(q.dtype)}, k {_dtype(k.dtype)}, "
+                        f"v {_dtype(v.dtype)}")
     require_tensor("g", g, ndim=4)
     require_shape("g", g, (B, T, HV, K), "[B, T, HV, K]")
     require_tensor("beta", beta, ndim=3)
@@ -270,7 +273,8 @@ def validate_accept_len(accept_len, N: int, T: int, device) -> None:
     require_tensor("accept_len", accept_len, ndim=1, dtypes=(torch.int32,))
     require_shape("accept_len", accept_len, (N,), "[N]")
     if accept_len.device != device:
-        raise ValueError(f"all tensors must be on one device: the state pool is on {device}, accept_len is on {accept_len.device}")
+        raise ValueError(f"all tensors must be on one device: the state pool is on {device}, "
+                         f"accept_len is on {accept_len.device}")
     if values_checkable(accept_len):
         a = accept_len.cpu()
         bad = ((a < 0) | (a > T)).nonzero()
@@ -298,7 +302,8 @@ def validate_decode(q, k, v, g, beta, state_pool, cache_idx, *, A_log, dt_bias, 
     if HQK == 0 or HV % HQK != 0:
         raise ValueError(f"HV % HQK must be 0 (HV value heads share HQK q/k heads), got HV = {HV}, HQK = {HQK}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k and v must share one dtype, got q {_dtype(q.dtype)}, k {_dtype(k.dtype)}, v {_dtype(v.dtype)}")
+        raise TypeError(f"q, k and v must share one dtype, got q {_dtype(q.dtype)}, k {_dtype(k.dtype)}, "
+                        f"v {_dtype(v.dtype)}")
     require_tensor("g", g, ndim=4)
     require_shape("g", g, (N, T, HV, K), "[N, T, HV, K]")
     require_tensor("beta", beta, ndim=3)
@@ -328,7 +333,8 @@ def validate_kvbuffer(name: str, kvbuffer, state_pool, cache_idx, accept_len) ->
     N, T = kvbuffer.shape[0], kvbuffer.shape[1]
     require_shape(name, kvbuffer, kvbuffer_shape(N, T, HV, K, V), "[N, T, HV, 2K+V]")
     if kvbuffer.dtype != state_pool.dtype:
-        raise TypeError(f"{name} must have the state pool's dtype {_dtype(state_pool.dtype)}, got {_dtype(kvbuffer.dtype)}")
+        raise TypeError(f"{name} must have the state pool's dtype {_dtype(state_pool.dtype)}, "
+                        f"got {_dtype(kvbuffer.dtype)}")
     require_same_device({"state_pool": state_pool, name: kvbuffer, "cache_idx": cache_idx})
     validate_cache_idx(cache_idx, N, P)
     validate_accept_len(accept_len, N, T, state_pool.device)

@@ -58,7 +58,7 @@ def _chunk_kda_op(
     scale: float, output_final_state: bool, use_qk_l2norm_in_kernel: bool, gate: str,
     lower_bound: float | None, beta_activation: str, requires_grad: bool,
 ) -> tuple[Tensor, Tensor]:
-    B, T, HQK, K = q.shape
+    _B, T, HQK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     call = make_call("chunk_kda", q.device, dtype=q.dtype, K=K, V=V, HQK=HQK, HV=HV, T=T, gate=gate,
                      varlen=cu_seqlens is not None, requires_grad=requires_grad,
@@ -86,7 +86,7 @@ def _chunk_kda_backward_op(
     cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None,
     scale: float, use_qk_l2norm_in_kernel: bool, gate: str, lower_bound: float | None, beta_activation: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    B, T, HQK, K = q.shape
+    _B, T, HQK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     call = make_call("chunk_kda_backward", q.device, dtype=q.dtype, K=K, V=V, HQK=HQK, HV=HV, T=T, gate=gate,
                      varlen=cu_seqlens is not None, requires_grad=True,
@@ -98,7 +98,8 @@ def _chunk_kda_backward_op(
         lower_bound=lower_bound, beta_activation=beta_activation,
     )
     inputs = (q, k, v, g, beta, A_log, dt_bias, initial_state)
-    return tuple(gr if gr is not None else absent_like(x if x is not None else q) for gr, x in zip(grads, inputs))
+    return tuple(gr if gr is not None else absent_like(x if x is not None else q)
+                 for gr, x in zip(grads, inputs, strict=True))
 
 
 @_chunk_kda_backward_op.register_fake
@@ -109,8 +110,8 @@ def _(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_s
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, output_final_state,
-     use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, requires_grad) = inputs
+    (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, _output_final_state,
+     use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, _requires_grad) = inputs
     ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
     ctx.cu_seqlens_cpu = cu_seqlens_cpu
     ctx.flags = (scale, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation)

@@ -111,7 +111,7 @@ def kda_decode(
     Returns:
         o: ``[N, 1, HV, V]`` in v's dtype.
     """
-    shapes, tensors, params, scale = validate_decode_call(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
+    _shapes, tensors, params, scale = validate_decode_call(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
                                                           scale, lower_bound, single_token=True)
     return call_op(torch.ops.cula.kda_decode, _kda_decode, *tensors, state_pool, cache_idx, *params, scale,
                    None if lower_bound is None else float(lower_bound), bool(use_qk_l2norm_in_kernel),
@@ -145,7 +145,7 @@ def kda_decode_mtp(
         ``(o, per_token_states)``: o ``[N, T, HV, V]`` in v's dtype; per_token_states as above or None.
         Padded slots give zero outputs and zero states.
     """
-    shapes, tensors, params, scale = validate_decode_call(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
+    _shapes, tensors, params, scale = validate_decode_call(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
                                                           scale, lower_bound)
     o, states = call_op(torch.ops.cula.kda_decode_mtp, _kda_decode_mtp, *tensors, state_pool, cache_idx, *params,
                         scale, None if lower_bound is None else float(lower_bound), bool(use_qk_l2norm_in_kernel),

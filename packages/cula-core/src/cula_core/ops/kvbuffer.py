@@ -109,7 +109,7 @@ def kda_decode_mtp_kvbuffer(
         ``(o, kvbuffer)``: o ``[N, T, HV, V]`` in v's dtype; kvbuffer ``[N, T, HV, 2K + V]`` fp32 in the
         layout of this module's docstring (zeros for padded slots).
     """
-    shapes, tensors, params, scale = validate_decode_call(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
+    _shapes, tensors, params, scale = validate_decode_call(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
                                                           scale, lower_bound)
     return call_op(torch.ops.cula.kda_decode_mtp_kvbuffer, _kda_decode_mtp_kvbuffer, *tensors, state_pool,
                    cache_idx, *params, scale, None if lower_bound is None else float(lower_bound),
@@ -154,7 +154,7 @@ def kda_flush_kvbuffer_all_layers(
     if len(state_pools) == 0 or len(state_pools) != len(kvbuffers):
         raise ValueError(f"state_pools and kvbuffers must hold one tensor per layer (L >= 1), got "
                          f"{len(state_pools)} pools and {len(kvbuffers)} buffers")
-    for layer, (pool, buf) in enumerate(zip(state_pools, kvbuffers)):
+    for layer, (pool, buf) in enumerate(zip(state_pools, kvbuffers, strict=True)):
         validate_kvbuffer(f"kvbuffers[{layer}]", buf, pool, cache_idx, accept_len)
         if pool.shape != state_pools[0].shape or buf.shape != kvbuffers[0].shape:
             raise ValueError(f"every layer must have the shapes of layer 0: state_pools[{layer}] "

@@ -20,7 +20,7 @@ def _kda_prefill_op(
     scale: float, output_final_state: bool, use_qk_l2norm_in_kernel: bool, gate: str,
     lower_bound: float | None, beta_activation: str, intracard_cp: str,
 ) -> tuple[Tensor, Tensor]:
-    B, T, HQK, K = q.shape
+    _B, T, HQK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     call = make_call("kda_prefill", q.device, dtype=q.dtype, K=K, V=V, HQK=HQK, HV=HV, T=T, gate=gate,
                      varlen=cu_seqlens is not None, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -68,8 +68,9 @@ def kda_prefill(
         intracard_cp: ``"auto"`` (default), ``True`` or ``False``. Intra-card context parallel: split long
             sequences into pieces at chunk boundaries and run them concurrently (the math:
             `cula_core.reference.context_parallel_reference`). It never changes the result beyond fp32
-            rounding of the state; a backend without CP (the reference included) runs the sequences whole. ``"auto"`` lets the backend decide from the SM count,
-            heads and lengths (taken from ``cu_seqlens_cpu`` when varlen, never by reading the device).
+            rounding of the state; a backend without CP (the reference included) runs the sequences whole.
+            ``"auto"`` lets the backend decide from the SM count, heads and lengths (taken from
+            ``cu_seqlens_cpu`` when varlen, never by reading the device).
 
     Returns:
         ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state ``[N, HV, K, V]`` fp32, or None.

@@ -63,7 +63,7 @@ def chunk_kda_backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state,
 
     def forward(*present):
         args = list(inputs)
-        for i, t in zip(where, present):
+        for i, t in zip(where, present, strict=True):
             args[i] = t
         o, ht = _forward(*args, cu_seqlens, scale=scale, output_final_state=dht is not None,
                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate, lower_bound=lower_bound,
@@ -118,5 +118,5 @@ def kda_flush_kvbuffer(state_pool, cache_idx, kvbuffer, accept_len, accept_len_a
 
 
 def kda_flush_kvbuffer_all_layers(state_pools, cache_idx, kvbuffers, accept_len, accept_len_all):
-    for pool, buf in zip(state_pools, kvbuffers):
+    for pool, buf in zip(state_pools, kvbuffers, strict=True):
         flush_kvbuffer_reference(pool, cache_idx, buf, _accept(accept_len, accept_len_all))

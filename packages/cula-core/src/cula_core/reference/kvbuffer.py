@@ -34,7 +34,7 @@ def mtp_kvbuffer_reference(q, k, v, g, beta, state_pool, cache_idx, scale=None):
         ``o [N, T, HV, V]`` and ``kvbuffer [N, T, HV, 2K + V]``, both in the pool's dtype; zeros for
         padded slots.
     """
-    N, T, HQK, K = q.shape
+    N, T, _HQK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     scale = K ** -0.5 if scale is None else scale
     dtype = state_pool.dtype
