@@ -103,14 +103,23 @@ def stage_inputs(x):
 
 
 def kernel_fns(s):
+    from fla.modules.norm.l2norm import l2norm_fwd
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
     from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+    from fla.ops.kda.gate import kda_gate_chunk_cumsum
     from fla.ops.kda.wy_fast import recompute_w_u_fwd
+    from fla.ops.utils.constant import RCP_LN2
 
     from cula_sm100.forward import launch
 
     scale = K ** -0.5
     B, T = s["q"].shape[:2]
     akk4 = s["Akk"].reshape(B, T, -1, 64)
+    HV = akk4.shape[2]
+
+    def fla4(x):  # ours [TT, HV, D] -> FLA's [B, T, HV, D] (same memory)
+        return x.reshape(B, T, HV, -1)
     return {
         "intra": lambda: launch.chunk_intra(s["q"], s["k"], s["G"], s["beta"], s["ctab"], scale=scale,
                                             beta_activation="none"),
@@ -130,6 +139,14 @@ def kernel_fns(s):
                                                      scale=scale, cu_seqlens=s["cu"], chunk_size=64),
         "fla w_u": lambda: recompute_w_u_fwd(k=s["k"], v=s["v"], beta=s["beta"], A=akk4, gk=s["gk"],
                                              cu_seqlens=s["cu"]),
+        # FLA's other stages, on our intermediates in its layout (values only feed the timing)
+        "fla delta_h": lambda: chunk_gated_delta_rule_fwd_h(k=fla4(s["kg"]), w=fla4(s["w"]), u=fla4(s["u"]),
+                                                            gk=s["gk"], cu_seqlens=s["cu"]),
+        "fla fwd_o": lambda: chunk_gla_fwd_o_gk(q=s["q"], v=fla4(s["v_new"]), g=s["gk"], A=fla4(s["Aqk"]),
+                                                h=s["h"].reshape(B, -1, HV, K, V), scale=scale, cu_seqlens=s["cu"]),
+        "fla gate": lambda: kda_gate_chunk_cumsum(g=fla4(s["graw"]), A_log=s["A_log"], dt_bias=s["dt_bias"],
+                                                  scale=RCP_LN2, chunk_size=64, cu_seqlens=s["cu"]),
+        "fla l2norm": lambda: l2norm_fwd(s["q"]),
     }
 
 
@@ -173,6 +190,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     ap.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
     ap.add_argument("--kernels-only", action="store_true", help="only the per-kernel rows")
+    ap.add_argument("--hv", type=str, help="only these HV (comma-separated), e.g. 64,128")
     ap.add_argument("--render", type=Path, help="only render a saved --json file as markdown (to --out)")
     args = ap.parse_args(argv)
     if args.render:
@@ -190,6 +208,10 @@ def main(argv=None) -> int:
     e2e, kshapes = (SMOKE_E2E, SMOKE_KERNELS) if args.smoke else (E2E, KERNEL_SHAPES)
     if args.kernels_only:
         e2e = []
+    if args.hv:
+        keep = {int(h) for h in args.hv.split(",")}
+        e2e = [s for s in e2e if s["HV"] in keep]
+        kshapes = [s for s in kshapes if s["HV"] in keep]
     rows = []
     warm_fla(e2e + kshapes)
 
@@ -224,7 +246,10 @@ def main(argv=None) -> int:
         rows.append(dict(kind="recompute_w_u", **base, cula_ms=t["w_u"], fla_ms=t["fla w_u"]))
         rows.append(dict(kind="chunk_intra + recompute_w_u", **base, cula_ms=t["intra+w_u"],
                          fla_ms=t["fla intra+w_u"]))
-        for r in rows[-3:]:
+        for ours, theirs in (("delta_h", "chunk_delta_h"), ("fwd_o", "fwd_o"), ("gate", "gate + cumsum"),
+                             ("l2norm", "l2norm (q)")):
+            rows.append(dict(kind=theirs, **base, cula_ms=t[ours], fla_ms=t["fla " + ours]))
+        for r in rows[-7:]:
             print(r, flush=True)
         print("stage ms:", {k_: round(v_, 3) for k_, v_ in t.items()}, flush=True)
         save()

@@ -12,7 +12,8 @@ Tiling: 128 threads (4 warps along M); `w @ h` is [64 x 128] @ [128 x 64] and `k
 [128 x 64] @ [64 x 64], both mma.sync m16n8k16 with bf16 operands (h and v_new rounded to bf16 as FLA) and
 fp32 accumulation; transposed operands read with ldmatrix.trans. Pipeline: two shared-memory stages;
 chunk ci + 1's w, kg and u load (cp.async, rows past the end zero) while chunk ci stores h, multiplies,
-writes v_new and updates h.
+writes v_new and updates h; G at chunk ci + 1's last row is loaded during chunk ci. h and v_new leave from
+their bf16 shared tiles (the GEMM operands) in 16-byte rows.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
 from cula_sm100.forward.cute_utils import (copy_rows_g2s, g2s_tiled_copy, gemm_ss, head_rows, make_tiled_mma,
-                                          smem_layout, token_layout, transposed)
+                                          smem_layout, store_rows_s2g, token_layout, transposed)
 
 
 class ChunkDeltaH:
@@ -96,8 +97,10 @@ class ChunkDeltaH:
         else:
             acc_h.fill(0.0)
 
+        gl = cutlass.Float32(0.0)  # G at the last row of the current chunk, channel tidx (loaded one chunk ahead)
         if nchunks > 0:
             self.load_chunk(mW, mKg, mU, sW, sKg, sU, bos, eos, 0, 0, hv, vb, tidx)
+            gl = head_rows(mG, bos, hv, BT)[cutlass.min(eos - bos, BT) - 1, tidx].to(cutlass.Float32)
         cute.arch.cp_async_commit_group()
         for ci in cutlass.range(nchunks, unroll=1):
             stage = ci % 2
@@ -106,18 +109,18 @@ class ChunkDeltaH:
             if ci + 1 < nchunks:
                 self.load_chunk(mW, mKg, mU, sW, sKg, sU, bos, eos, ci + 1, 1 - stage, hv, vb, tidx)
             cute.arch.cp_async_commit_group()
-            sGl[tidx] = cute.math.exp(head_rows(mG, t0, hv, BT)[n - 1, tidx].to(cutlass.Float32), fastmath=True)
-            tH = head_rows(mH, ((first + ci) * HV + hv) * K, 0, K)
+            sGl[tidx] = cute.math.exp(gl, fastmath=True)
+            if ci + 1 < nchunks:  # the next chunk's last-row G: its latency hides behind this chunk's work
+                gl = head_rows(mG, t0 + BT, hv, BT)[cutlass.min(eos - t0 - BT, BT) - 1, tidx].to(cutlass.Float32)
             for i in cutlass.range_constexpr(cute.size(acc_h)):
-                k1, c1 = coord_h[i]
-                hb = acc_h[i].to(cutlass.BFloat16)
-                tH[k1, v0 + c1] = hb
-                sH_part[i] = hb
+                sH_part[i] = acc_h[i].to(cutlass.BFloat16)
             cute.arch.cp_async_wait_group(1)  # this chunk's stage has landed; the next one may still fly
             cute.arch.sync_threads()
+            # h out in 16-byte rows (from the bf16 copy the GEMM reads)
+            store_rows_s2g(sH, cute.local_tile(head_rows(mH, ((first + ci) * HV + hv) * K, 0, K), (K, BV), (0, vb)),
+                           K, tidx, self.threads)
 
             sU_s = sU[None, None, stage]
-            tVn = head_rows(mVn, t0, hv, BT)
             acc_v.fill(0.0)
             gemm_ss(mma, acc_v, sW[None, None, stage], transposed(sH, K, BV), tidx, False, True)
             for i in cutlass.range_constexpr(cute.size(acc_v)):
@@ -125,9 +128,9 @@ class ChunkDeltaH:
                 x = cutlass.Float32(0.0)
                 if r2 < n:
                     x = sU_s[r2, c2].to(cutlass.Float32) - acc_v[i]
-                    tVn[r2, v0 + c2] = x.to(mVn.element_type)
                 sVn_part[i] = x.to(cutlass.BFloat16)
             cute.arch.sync_threads()
+            store_rows_s2g(sVn, cute.local_tile(head_rows(mVn, t0, hv, BT), (BT, BV), (0, vb)), n, tidx, self.threads)
 
             for i in cutlass.range_constexpr(cute.size(acc_h)):
                 k3, _ = coord_h[i]

@@ -1,5 +1,7 @@
 """Shared CuTe DSL helpers of the sm100 forward kernels: the MMA atom (chosen here, in one place), swizzled
-shared-memory tiles, predicated global->shared copies, and shared-memory GEMMs through ldmatrix.
+shared-memory tiles, predicated global->shared copies, 16-byte register <-> memory row copies (vector loads of
+element-wise operands, and the stores of MMA results staged through shared memory), and shared-memory GEMMs
+through ldmatrix.
 
 Every kernel multiplies with warp-level `mma.sync.m16n8k16` (bf16 x bf16 -> fp32), which runs on sm_90 and
 sm_100 alike, so the H100 tests the code that serves Blackwell. A tcgen05/TMEM variant for sm_100 slots in
@@ -16,7 +18,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cute.nvgpu import CopyUniversalOp, cpasync, warp
 
 LOG2E = math.log2(math.e)
 COPY_BITS = 128  # 16-byte cp.async / vector accesses
@@ -57,6 +59,41 @@ def g2s_tiled_copy(cols: int, num_threads: int, dtype=cutlass.BFloat16):
                                num_bits_per_copy=COPY_BITS)
     return cute.make_tiled_copy_tv(atom, cute.make_layout((num_threads // per_row, per_row), stride=(per_row, 1)),
                                    cute.make_layout((1, vec)))
+
+
+def vec_copy(cols: int, num_threads: int, dtype=cutlass.BFloat16):
+    """Register <-> memory copy of a row-major (rows, cols) tile in 8-element vectors (one 16-byte access of
+    bf16, two of fp32): cols / 8 threads per row, value e of a thread's fragment at column c0 + e, where
+    c0 = 8 (tidx % (cols / 8)) is the same for every row the thread visits."""
+    per_row = cols // 8
+    atom = cute.make_copy_atom(CopyUniversalOp(), dtype, num_bits_per_copy=COPY_BITS)
+    return cute.make_tiled_copy_tv(atom, cute.make_layout((num_threads // per_row, per_row), stride=(per_row, 1)),
+                                   cute.make_layout((1, 8), stride=(8, 1)))
+
+
+@cute.jit
+def store_rows_s2g(s: cute.Tensor, g: cute.Tensor, valid_rows, tidx, num_threads: cutlass.Constexpr):
+    """Rows [0, valid_rows) of the shared tile `s` to the global tile `g` (same shape), 16 bytes per access:
+    MMA results go to shared memory first (their fragments hold 2 adjacent columns per row), then out in
+    full 16-byte vectors, so a warp writes whole 128-byte lines instead of 4-byte pieces."""
+    vc = vec_copy(cute.size(s.shape[1]), num_threads, s.element_type)
+    thr = vc.get_slice(tidx)
+    ps = thr.partition_S(s)
+    pg = thr.partition_D(g)
+    coord = thr.partition_D(cute.make_identity_tensor(g.shape))
+    frag = cute.make_fragment_like(ps[None, 0, None])
+    for m in cutlass.range_constexpr(cute.size(ps.shape[1])):
+        if coord[0, m, 0][0] < valid_rows:
+            cute.copy(vc, ps[None, m, None], frag)
+            cute.copy(vc, frag, pg[None, m, None])
+
+
+@cute.jit
+def store_acc_s(tiled_mma: cute.TiledMma, acc: cute.Tensor, s: cute.Tensor, tidx):
+    """The fp32 accumulator fragment of this thread, rounded to s's dtype, into the shared tile s."""
+    ps = tiled_mma.get_slice(tidx).partition_C(s)
+    for i in cutlass.range_constexpr(cute.size(acc)):
+        ps[i] = acc[i].to(s.element_type)
 
 
 def head_rows(m: cute.Tensor, t0, h, rows: int):

@@ -6,7 +6,8 @@ GVA: q is read at head hv // (HV // HQK); G, h, Aqk, v_new at hv; o written in H
 Tiling: 128 threads (4 warps along the 64 rows), all of V = 128 per CTA so q * exp(G) is formed once;
 [64 x 128] @ [128 x 128] then [64 x 64] @ [64 x 128] through mma.sync m16n8k16 (bf16 operands, qg rounded
 to bf16 as FLA, fp32 accumulation), h and v_new read with ldmatrix.trans. Pipeline: cp.async q, h, Aqk,
-v_new (rows past the chunk end zero), qg in place by one thread per channel, two GEMMs, bf16 store.
+v_new (rows past the chunk end zero), qg in place (8 channels per thread, 16-byte vectors), two GEMMs, o staged
+through q's shared tile and stored in 16-byte rows.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
 from cula_sm100.forward.cute_utils import (chunk_block, copy_rows_g2s, g2s_tiled_copy, gemm_ss, head_rows,
-                                          make_tiled_mma, smem_layout, token_layout, transposed)
-from cula_sm100.forward.recompute_w_u import store_acc_rows
+                                          make_tiled_mma, smem_layout, store_acc_s, store_rows_s2g, token_layout,
+                                          transposed, vec_copy)
 
 
 class FwdO:
@@ -66,12 +67,27 @@ class FwdO:
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
-        d = tidx
-        tG = head_rows(mG, t0, hv, BT)
-        for r in cutlass.range_constexpr(BT):
-            if r < n:
-                g = tG[r, d].to(cutlass.Float32)
-                sQ[r, d] = (sQ[r, d].to(cutlass.Float32) * cute.math.exp(g, fastmath=True)).to(cutlass.BFloat16)
+        # q * exp(G) in place, 8 channels per thread in 16-byte vectors (all G loads issued first)
+        vb = vec_copy(K, self.threads)
+        vf = vec_copy(K, self.threads, cutlass.Float32)
+        tb = vb.get_slice(tidx)
+        pG = vf.get_slice(tidx).partition_S(head_rows(mG, t0, hv, BT))
+        pQs = tb.partition_S(sQ)
+        pQd = tb.partition_D(sQ)
+        coord = tb.partition_S(cute.make_identity_tensor((BT, K)))
+        fg = cute.make_fragment_like(pG)
+        for m in cutlass.range_constexpr(cute.size(pG.shape[1])):
+            if coord[0, m, 0][0] < n:
+                cute.copy(vf, pG[None, m, None], fg[None, m, None])
+        fq = cute.make_fragment_like(pQs[None, 0, None])
+        for m in cutlass.range_constexpr(cute.size(pG.shape[1])):
+            if coord[0, m, 0][0] < n:
+                cute.copy(vb, pQs[None, m, None], fq)
+                fgm = fg[None, m, None]
+                for e in cutlass.range_constexpr(8):
+                    fq[e] = (fq[e].to(cutlass.Float32) * cute.math.exp(fgm[e].to(cutlass.Float32), fastmath=True)
+                             ).to(cutlass.BFloat16)
+                cute.copy(vb, fq, pQd[None, m, None])
         cute.arch.sync_threads()
 
         mma = make_tiled_mma(4)
@@ -82,4 +98,8 @@ class FwdO:
         for i in cutlass.range_constexpr(cute.size(acc)):
             acc[i] = acc[i] * scale
         gemm_ss(mma, acc, sA, transposed(sVn, BT, V), tidx, False, True)
-        store_acc_rows(acc, thr.partition_C(cute.make_identity_tensor((BT, V))), head_rows(mO, t0, hv, BT), n, 0)
+        # o staged in q's tile (free once every warp is past the first GEMM), then 16-byte rows out
+        cute.arch.sync_threads()
+        store_acc_s(mma, acc, sQ, tidx)
+        cute.arch.sync_threads()
+        store_rows_s2g(sQ, head_rows(mO, t0, hv, BT), n, tidx, self.threads)

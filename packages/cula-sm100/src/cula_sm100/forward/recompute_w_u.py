@@ -5,8 +5,9 @@
 GVA: k is read at head hv // (HV // HQK); Akk, G, beta, v at hv; w, u, kg written in HV space.
 Tiling: 128 threads (4 warps stacked along the chunk's 64 rows); each product is [64 x 64] @ [64 x 128]
 through mma.sync m16n8k16 (bf16 operands, fp32 accumulation), the right operand read with ldmatrix.trans
-(it is stored token-major). Pipeline: cp.async Akk, k, v (rows past the chunk end zero); one thread per
-channel scales k and v in place (bf16, as FLA) and writes kg; two GEMMs; bf16 stores of rows < n.
+(it is stored token-major). Pipeline: cp.async Akk, k, v (rows past the chunk end zero); each thread scales
+8 channels of k and v in place (bf16, as FLA; G read as 16-byte vectors, all loads issued first) and writes kg;
+two GEMMs, each result staged through the shared tile its GEMM is done with, then 16-byte stores of rows < n.
 """
 
 from __future__ import annotations
@@ -16,16 +17,8 @@ import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
 from cula_sm100.forward.cute_utils import (chunk_block, copy_rows_g2s, g2s_tiled_copy, gemm_ss, head_rows,
-                                          load_beta, make_tiled_mma, smem_layout, token_layout, transposed)
-
-
-@cute.jit
-def store_acc_rows(acc, coord, tOut, n, col0):
-    """acc (fragment of a [rows, cols] tile at coordinates coord) -> tOut[r, col0 + c] for rows r < n."""
-    for v in cutlass.range_constexpr(cute.size(acc)):
-        r, col = coord[v]
-        if r < n:
-            tOut[r, col0 + col] = acc[v].to(tOut.element_type)
+                                          load_beta, make_tiled_mma, smem_layout, store_acc_s, store_rows_s2g,
+                                          token_layout, transposed, vec_copy)
 
 
 class RecomputeWU:
@@ -79,28 +72,60 @@ class RecomputeWU:
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
 
-        # one thread per channel d: beta*k*exp(G) and beta*v in place, kg straight to global memory
-        d = tidx
+        # 8 channels per thread, 16-byte vectors: beta*k*exp(G) and beta*v in place, kg straight to global memory.
+        # All of the thread's G loads are issued before any use, so their latencies overlap.
+        vb = vec_copy(K, self.threads)
+        vf = vec_copy(K, self.threads, cutlass.Float32)
+        tb = vb.get_slice(tidx)
         tG = head_rows(mG, t0, hv, BT)
-        tKg = head_rows(mKg, t0, hv, BT)
-        g_last = tG[n - 1, d].to(cutlass.Float32)
-        for r in cutlass.range_constexpr(BT):
-            if r < n:
-                g = tG[r, d].to(cutlass.Float32)
-                b = sBeta[r]
-                kk = sK[r, d].to(cutlass.Float32)
-                tKg[r, d] = (kk * cute.math.exp(g_last - g, fastmath=True)).to(mKg.element_type)
-                sK[r, d] = (b * kk * cute.math.exp(g, fastmath=True)).to(cutlass.BFloat16)
-                sV[r, d] = (b * sV[r, d].to(cutlass.Float32)).to(cutlass.BFloat16)
+        pG = vf.get_slice(tidx).partition_S(tG)
+        pKs = tb.partition_S(sK)
+        pVs = tb.partition_S(sV)
+        pKd = tb.partition_D(sK)
+        pVd = tb.partition_D(sV)
+        gKg = tb.partition_D(head_rows(mKg, t0, hv, BT))
+        coord = tb.partition_S(cute.make_identity_tensor((BT, K)))
+        c0 = coord[0, 0, 0][1]
+        glast = cute.make_rmem_tensor((8,), cutlass.Float32)
+        for e in cutlass.range_constexpr(8):
+            glast[e] = tG[n - 1, c0 + e].to(cutlass.Float32)
+        fg = cute.make_fragment_like(pG)
+        for m in cutlass.range_constexpr(cute.size(pG.shape[1])):
+            if coord[0, m, 0][0] < n:
+                cute.copy(vf, pG[None, m, None], fg[None, m, None])
+        fk = cute.make_fragment_like(pKs[None, 0, None])
+        fv = cute.make_fragment_like(pKs[None, 0, None])
+        fo = cute.make_fragment_like(pKs[None, 0, None])
+        for m in cutlass.range_constexpr(cute.size(pG.shape[1])):
+            row = coord[0, m, 0][0]
+            if row < n:
+                cute.copy(vb, pKs[None, m, None], fk)
+                cute.copy(vb, pVs[None, m, None], fv)
+                b = sBeta[row]
+                fgm = fg[None, m, None]
+                for e in cutlass.range_constexpr(8):
+                    g = fgm[e].to(cutlass.Float32)
+                    kk = fk[e].to(cutlass.Float32)
+                    fo[e] = (kk * cute.math.exp(glast[e] - g, fastmath=True)).to(cutlass.BFloat16)
+                    fk[e] = (b * kk * cute.math.exp(g, fastmath=True)).to(cutlass.BFloat16)
+                    fv[e] = (b * fv[e].to(cutlass.Float32)).to(cutlass.BFloat16)
+                cute.copy(vb, fo, gKg[None, m, None])
+                cute.copy(vb, fk, pKd[None, m, None])
+                cute.copy(vb, fv, pVd[None, m, None])
         cute.arch.sync_threads()
 
+        # two GEMMs; each result is staged in the shared tile its GEMM no longer needs (w in k's, u in v's)
+        # and leaves in 16-byte rows
         mma = make_tiled_mma(4)
-        thr = mma.get_slice(tidx)
-        coord = thr.partition_C(cute.make_identity_tensor((BT, K)))
-        acc = cute.make_rmem_tensor(thr.partition_shape_C((BT, K)), cutlass.Float32)
+        acc = cute.make_rmem_tensor(mma.get_slice(tidx).partition_shape_C((BT, K)), cutlass.Float32)
         acc.fill(0.0)
         gemm_ss(mma, acc, sA, transposed(sK, BT, K), tidx, False, True)
-        store_acc_rows(acc, coord, head_rows(mW, t0, hv, BT), n, 0)
+        cute.arch.sync_threads()  # every warp is done reading sK
+        store_acc_s(mma, acc, sK, tidx)
         acc.fill(0.0)
         gemm_ss(mma, acc, sA, transposed(sV, BT, V), tidx, False, True)
-        store_acc_rows(acc, coord, head_rows(mU, t0, hv, BT), n, 0)
+        cute.arch.sync_threads()  # w staged; every warp is done reading sV
+        store_rows_s2g(sK, head_rows(mW, t0, hv, BT), n, tidx, self.threads)
+        store_acc_s(mma, acc, sV, tidx)
+        cute.arch.sync_threads()
+        store_rows_s2g(sV, head_rows(mU, t0, hv, BT), n, tidx, self.threads)
