@@ -9,6 +9,7 @@ import torch
 from decode_cases import backend, kernel_call, make_case
 
 import cula_core
+from cula_sm90.decode import _config
 from cula_sm90.decode.ops import KERNELS
 
 
@@ -42,6 +43,18 @@ def main():
                                    seed=N * 10 + T)
                     run_case(kw, T, N, public=K == 128)
                     n += 1
+        # every tiling the dispatch can pick (the loop above ran the one for these sizes), on an odd batch
+        for tiling in _config.dispatched_tilings():
+            _config.TILING_OVERRIDE = tiling
+            try:
+                for T in (1, 3):
+                    kw = make_case(5, T, 1, 2, out_of_range=True, extra_slots=1, seed=70 + T)
+                    cula_core.kda_decode_mtp(**kw)
+                    cula_core.kda_decode_mtp(**kw, output_per_token_states=True)
+                    cula_core.kda_decode_mtp_kvbuffer(**kw)
+                    n += 1
+            finally:
+                _config.TILING_OVERRIDE = None
     torch.cuda.synchronize()
     print(f"{n} cases ok")
 

@@ -19,16 +19,24 @@ INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 #: tilings of the recurrent kernel, (BV columns per CTA, lanes along V, warps), that the benchmark compares
-TILINGS = ((32, 4, 4), (64, 4, 4), (16, 4, 4), (32, 4, 2), (16, 4, 2), (32, 2, 4), (64, 2, 4))
+#: and a fourth flag, 1 = warp-local prologue (each warp prepares the per-token vectors itself: no CTA barrier)
+TILINGS = ((32, 4, 4, 0), (64, 4, 4, 0), (16, 4, 4, 0), (32, 4, 2, 0), (16, 4, 2, 0), (32, 2, 4, 0), (64, 2, 4, 0),
+           (32, 4, 4, 1), (32, 2, 4, 1), (64, 2, 4, 1), (32, 2, 2, 1))
 #: a benchmarking hook (tools/bench/mtp_decode.py): when set, every recurrent launch uses this tiling
-TILING_OVERRIDE: tuple[int, int, int] | None = None
+TILING_OVERRIDE: tuple[int, int, int, int] | None = None
 
 
-def recurrent_tiling(N: int, T: int, HV: int) -> tuple[int, int, int]:
-    """(BV, lanes along V, warps) of the recurrent kernel for a batch; the table is in launch.py's docstring."""
+def recurrent_tiling(N: int, T: int, HV: int) -> tuple[int, int, int, int]:
+    """(BV, lanes along V, warps, warp-local) of the recurrent kernel for a batch; the table is in launch.py's
+    docstring."""
     if TILING_OVERRIDE is not None:
         return TILING_OVERRIDE
-    return (32, 4, 4)
+    return (32, 4, 4, 0)
+
+
+def dispatched_tilings() -> tuple[tuple[int, int, int, int], ...]:
+    """Every tiling recurrent_tiling can return (tests/sm90/decode_memcheck_case.py runs each under memcheck)."""
+    return ((32, 4, 4, 0),)
 
 
 def unsupported_reason(call) -> str | None:

@@ -179,9 +179,10 @@ def _recurrent_kernel(mode: str, T: int, K: int, V: int, qkv, g, beta, A_log, dt
         d = _dsl()
         from cula_sm90.decode.recurrent import RecurrentDecode
 
-        bv, vl, nw = tiling
+        bv, vl, nw, wl = tiling
         kern = RecurrentDecode(T=T, K=K, V=V, mode=mode, safe_gate=safe, has_A_log=adt is not None,
-                               has_dt_bias=ddt is not None, l2norm=l2norm, block_v=bv, lanes_v=vl, num_warps=nw)
+                               has_dt_bias=ddt is not None, l2norm=l2norm, block_v=bv, lanes_v=vl, num_warps=nw,
+                               warp_local=bool(wl))
         f32 = torch.float32
         args = (_fake_ptr(qkv), _fake_ptr(qkv), _fake_ptr(qkv), _fake_ptr(gdt), _fake_ptr(bdt, bdt.itemsize),
                 _fake_ptr(adt or f32, (adt or f32).itemsize), _fake_ptr(ddt or f32), _fake_ptr(f32),

@@ -41,19 +41,23 @@ class RecurrentDecode:
     block_v (BV), lanes_v (VL), num_warps (NW): the tiling above."""
 
     def __init__(self, *, T: int, K: int, V: int, mode: str, safe_gate: bool, has_A_log: bool, has_dt_bias: bool,
-                 l2norm: bool, block_v: int = 32, lanes_v: int = 4, num_warps: int = 4):
+                 l2norm: bool, block_v: int = 32, lanes_v: int = 4, num_warps: int = 4, warp_local: bool = False):
         if K % 32 or 32 % lanes_v or V % block_v or block_v % (num_warps * lanes_v):
             raise ValueError(f"bad tiling: K={K} V={V} BV={block_v} VL={lanes_v} NW={num_warps}")
         self.T, self.K, self.V, self.mode = T, K, V, mode
         self.safe_gate, self.has_A_log, self.has_dt_bias, self.l2norm = safe_gate, has_A_log, has_dt_bias, l2norm
         self.BV, self.VL, self.NW = block_v, lanes_v, num_warps
+        # warp_local: every warp prepares all per-token vectors itself, in its own slice of shared memory, and
+        # syncs only itself (no CTA barrier: each warp starts its token loop when its own loads land)
+        self.warp_local = warp_local
         self.KL = 32 // lanes_v                      # lanes along K
         self.RK = K // self.KL                       # state rows per lane
         self.CW = block_v // (num_warps * lanes_v)   # state columns per lane
         self.NVB = V // block_v                      # CTAs per (request, head)
         self.EPL = K // 32                           # elements per lane of a per-token K-vector
         self.n_vec = 4 if mode == MODE_KVBUFFER else 3   # q, k, exp(g) [, g] per token in shared memory
-        self.smem_bytes = self.n_vec * T * K * 4
+        self.slice = self.n_vec * T * K              # floats of one copy of the per-token vectors
+        self.smem_bytes = (num_warps if warp_local else 1) * self.slice * 4
 
     @cute.jit
     def __call__(self, q: cute.Pointer, k: cute.Pointer, v: cute.Pointer, g: cute.Pointer, beta: cute.Pointer,
@@ -87,9 +91,13 @@ class RecurrentDecode:
         live = (idx >= 0) & (idx < P)
 
         smem = cutlass.memory.SmemAllocator()
-        vecs = smem.allocate_tensor(Float32, cute.make_layout((self.n_vec, T, K), stride=(T * K, K, 1)),
-                                    byte_alignment=16)
+        nslices = self.NW if cutlass.const_expr(self.warp_local) else 1
+        vecs = smem.allocate_tensor(Float32, cute.make_layout(nslices * self.slice), byte_alignment=16)
         sv = vecs.iterator
+        # this warp's copy of the per-token vectors: [n_vec][T][K] floats from `wb`
+        wb = Int32(0)
+        if cutlass.const_expr(self.warp_local):
+            wb = warp * self.slice
         KV = Int64(K * V)
         tok0 = Int64(n) * T                 # first token row of this request
         if live:
@@ -102,7 +110,7 @@ class RecurrentDecode:
             e0 = lane * EPL
             for job in cutlass.range_constexpr(3 * T):
                 t, which = job // 3, job % 3
-                if warp == job % self.NW:
+                if self.warp_local or warp == job % self.NW:
                     if cutlass.const_expr(which < 2):
                         src = q if cutlass.const_expr(which == 0) else k
                         x = load_vec(src, ((tok0 + t) * HQK + h) * K + e0, EPL)
@@ -110,7 +118,7 @@ class RecurrentDecode:
                             x = l2_normalize(x, EPL)
                         if cutlass.const_expr(which == 0):
                             x = [xi * scale for xi in x]
-                        store_vec(sv, Int32((which * T + t) * K) + e0, x, EPL)
+                        store_vec(sv, wb + ((which * T + t) * K) + e0, x, EPL)
                     else:
                         x = load_vec(g, ((tok0 + t) * HV + hv) * K + e0, EPL)
                         if cutlass.const_expr(self.has_dt_bias):
@@ -120,33 +128,45 @@ class RecurrentDecode:
                         if cutlass.const_expr(self.has_A_log):
                             rate = cute.math.exp(cute.make_tensor(A_log + Int64(hv), cute.make_layout(1))
                                                  .load().to(Float32)[0])
-                        for i in cutlass.range_constexpr(EPL):
-                            gl = log_decay(x[i], rate, lower_bound, self.safe_gate)
-                            vecs[2, t, e0 + i] = cute.math.exp(gl)
-                            if cutlass.const_expr(self.mode == MODE_KVBUFFER):
-                                vecs[3, t, e0 + i] = gl
+                        gl = [log_decay(x[i], rate, lower_bound, self.safe_gate) for i in range(EPL)]
+                        store_vec(sv, wb + ((2 * T + t) * K) + e0, [cute.math.exp(x) for x in gl], EPL)
+                        if cutlass.const_expr(self.mode == MODE_KVBUFFER):
+                            store_vec(sv, wb + ((3 * T + t) * K) + e0, gl, EPL)
             # live is the same for the whole CTA: every thread reaches this barrier
-            cute.arch.sync_threads()
+            if cutlass.const_expr(self.warp_local):
+                cute.arch.sync_warp()
+            else:
+                cute.arch.sync_threads()
             G = [Float32(0.0) for _ in range(RK)]
             for t in cutlass.range_constexpr(T):
-                qq = load_vec(sv, Int32((0 * T + t) * K) + row0, RK)
-                kk = load_vec(sv, Int32((1 * T + t) * K) + row0, RK)
-                dd = load_vec(sv, Int32((2 * T + t) * K) + row0, RK)
+                qq = load_vec(sv, wb + ((0 * T + t) * K) + row0, RK)
+                kk = load_vec(sv, wb + ((1 * T + t) * K) + row0, RK)
+                dd = load_vec(sv, wb + ((2 * T + t) * K) + row0, RK)
+                # k.q of this token (independent of the state: off the critical path)
+                kq = Float32(0.0)
+                for r in cutlass.range_constexpr(RK):
+                    kq = kq + qq[r] * kk[r]
+                kq = xor_sum(kq, self.VL)
                 S = [[S[r][c] * dd[r] for c in range(CW)] for r in range(RK)]
-                delta = []
+                # one pass over the decayed state for both products: u = (D S)^T k and w = (D S)^T q; then
+                # o = S_new^T q = w + delta (k.q). Both butterflies are independent: half the serial shuffle
+                # depth of computing o after the update.
+                us = []
+                ws = []
                 for c in cutlass.range_constexpr(CW):
                     u = Float32(0.0)
+                    w = Float32(0.0)
                     for r in cutlass.range_constexpr(RK):
                         u = u + S[r][c] * kk[r]
-                    u = xor_sum(u, self.VL)
-                    delta.append(br[t] * (vr[t][c] - u))
-                S = [[S[r][c] + kk[r] * delta[c] for c in range(CW)] for r in range(RK)]
-                oc = []
-                for c in cutlass.range_constexpr(CW):
-                    acc = Float32(0.0)
-                    for r in cutlass.range_constexpr(RK):
-                        acc = acc + S[r][c] * qq[r]
-                    oc.append(xor_sum(acc, self.VL))
+                        w = w + S[r][c] * qq[r]
+                    us.append(u)
+                    ws.append(w)
+                us = [xor_sum(u, self.VL) for u in us]
+                ws = [xor_sum(w, self.VL) for w in ws]
+                delta = [br[t] * (vr[t][c] - us[c]) for c in range(CW)]
+                oc = [ws[c] + delta[c] * kq for c in range(CW)]
+                if cutlass.const_expr(t + 1 < T or self.mode != MODE_KVBUFFER):  # the verify never stores S
+                    S = [[S[r][c] + kk[r] * delta[c] for c in range(CW)] for r in range(RK)]
                 row = (tok0 + t) * HV + hv
                 if kr == 0:
                     store_vec(o, row * V + col0, oc, CW)
@@ -157,7 +177,7 @@ class RecurrentDecode:
                     W = 2 * K + V
                     if kr == 0:
                         store_vec(out, row * W + (2 * K) + col0, delta, CW)
-                    gt = load_vec(sv, Int32((3 * T + t) * K) + row0, RK)
+                    gt = load_vec(sv, wb + ((3 * T + t) * K) + row0, RK)
                     G = [G[r] + gt[r] for r in range(RK)]
                     if (vb == 0) & (warp == 0) & (vc == 0):
                         store_vec(out, row * W + row0, kk, RK)
