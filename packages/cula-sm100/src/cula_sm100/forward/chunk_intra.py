@@ -28,8 +28,8 @@ import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
-from cula_sm100.forward.cute_utils import (LOG2E, chunk_block, copy_rows_g2s, g2s_tiled_copy, gemm_ss, head_rows,
-                                          load_beta, make_tiled_mma, smem_layout, token_layout)
+from cula_sm100.forward.cute_utils import (LOG2E, chunk_block, copy_rows_g2s, g2s_tiled_copy, gemm_rs, head_rows,
+                                          load_beta, make_tiled_mma, smem_layout, store_rows_s2g, token_layout)
 
 
 class ChunkIntra:
@@ -37,6 +37,7 @@ class ChunkIntra:
     BC = 16
     K = 128
     threads = 128
+    Y_BLOCKS = 10  # 16-row blocks of decayed keys: warp w holds w + 1 of them (1 + 2 + 3 + 4)
 
     def __init__(self, beta_activation: str):
         self.beta_activation = beta_activation
@@ -62,39 +63,35 @@ class ChunkIntra:
                mAkk: cute.Tensor, mT: cute.Tensor, group: cutlass.Int32, scale: cutlass.Float32):
         K, BT, BC = self.K, self.BT, self.BC
         tidx, _, hv, t0, n = chunk_block(mT)
-        warp_i = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        w = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         lane = tidx % 32
         hq = hv // group
+        r0 = w * BC
 
         smem = cutlass.utils.SmemAllocator()
-        sQ = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 128)
-        sK = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 128)
+        sQ = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 1024)
+        sK = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 1024)
         sG = smem.allocate_tensor(cutlass.Float32, cute.make_layout((BT, K), stride=(K, 1)), 128)
-        # per-warp GEMM operands: rows [q-side; k-side] of the row block, and the decayed keys up to its end
-        sX0 = smem.allocate_tensor(cutlass.BFloat16, smem_layout(2 * BC, K), 128)
-        sX1 = smem.allocate_tensor(cutlass.BFloat16, smem_layout(2 * BC, K), 128)
-        sX2 = smem.allocate_tensor(cutlass.BFloat16, smem_layout(2 * BC, K), 128)
-        sX3 = smem.allocate_tensor(cutlass.BFloat16, smem_layout(2 * BC, K), 128)
-        sY0 = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BC, K), 128)
-        sY1 = smem.allocate_tensor(cutlass.BFloat16, smem_layout(2 * BC, K), 128)
-        sY2 = smem.allocate_tensor(cutlass.BFloat16, smem_layout(3 * BC, K), 128)
-        sY3 = smem.allocate_tensor(cutlass.BFloat16, smem_layout(4 * BC, K), 128)
+        # region R (40 KiB), in turn: the decayed keys of every warp (warp w: blocks 0..w, 16 rows each, from
+        # block w (w + 1) / 2 on), then the fp32 score matrices and the solve's scratch
+        r_raw = smem.allocate(self.Y_BLOCKS * BC * K * 2, 1024)
+        sY = cute.make_tensor(cute.recast_ptr(r_raw, dtype=cutlass.BFloat16), smem_layout(self.Y_BLOCKS * BC, K))
+        r_f32 = cute.recast_ptr(r_raw, dtype=cutlass.Float32)
         # fp32 score matrices; odd row stride (65) keeps column walks conflict-free
-        sL = smem.allocate_tensor(cutlass.Float32, cute.make_layout((BT, BT), stride=(BT + 1, 1)), 16)
-        sA = smem.allocate_tensor(cutlass.Float32, cute.make_layout((BT, BT), stride=(BT + 1, 1)), 16)
-        sD = smem.allocate_tensor(cutlass.Float32, cute.make_layout((4, BC, BC), stride=(BC * (BC + 1), BC + 1, 1)), 16)
-        sTmp = smem.allocate_tensor(cutlass.Float32, cute.make_layout((BC, 3 * BC), stride=(3 * BC + 1, 1)), 16)
+        sA = cute.make_tensor(r_f32, cute.make_layout((BT, BT), stride=(BT + 1, 1)))
+        sL = cute.make_tensor(r_f32 + BT * (BT + 1), cute.make_layout((BT, BT), stride=(BT + 1, 1)))
+        sD = cute.make_tensor(r_f32 + 2 * BT * (BT + 1),
+                              cute.make_layout((4, BC, BC), stride=(BC * (BC + 1), BC + 1, 1)))
+        sTmp = cute.make_tensor(r_f32 + 2 * BT * (BT + 1) + 4 * BC * (BC + 1),
+                                cute.make_layout((BC, 3 * BC), stride=(3 * BC + 1, 1)))
         sBeta = smem.allocate_tensor(cutlass.Float32, cute.make_layout((BT,)), 16)
 
         # ---- loads
         cp_bf16 = g2s_tiled_copy(K, self.threads)
         cp_f32 = g2s_tiled_copy(K, self.threads, cutlass.Float32)
-        gQ = head_rows(mQ, t0, hq, BT)
-        gK = head_rows(mK, t0, hq, BT)
-        gG = head_rows(mG, t0, hv, BT)
-        copy_rows_g2s(cp_bf16, gQ, sQ, n, tidx)
-        copy_rows_g2s(cp_bf16, gK, sK, n, tidx)
-        copy_rows_g2s(cp_f32, gG, sG, n, tidx)
+        copy_rows_g2s(cp_bf16, head_rows(mQ, t0, hq, BT), sQ, n, tidx)
+        copy_rows_g2s(cp_bf16, head_rows(mK, t0, hq, BT), sK, n, tidx)
+        copy_rows_g2s(cp_f32, head_rows(mG, t0, hv, BT), sG, n, tidx)
         cute.arch.cp_async_commit_group()
         load_beta(sBeta, mBeta, t0, hv, n, tidx, self.beta_activation)
         cute.arch.cp_async_wait_group(0)
@@ -105,63 +102,108 @@ class ChunkIntra:
                 sG[r, tidx] = sG[n - 1, tidx]
         cute.arch.sync_threads()
 
-        # ---- build the per-warp GEMM operands, in log2 units
-        self.build_operands(0, sQ, sK, sG, sX0, sY0, warp_i, lane)
-        self.build_operands(1, sQ, sK, sG, sX1, sY1, warp_i, lane)
-        self.build_operands(2, sQ, sK, sG, sX2, sY2, warp_i, lane)
-        self.build_operands(3, sQ, sK, sG, sX3, sY3, warp_i, lane)
-        # the diagonal block may use the GEMM too when its decay span keeps exp(G_n - G_j) <= 2^100 (no
-        # overflow in bf16 / fp32; the factors of earlier columns are <= 1 anyway); else the fp32 path below
-        r0 = warp_i * BC
+        # ---- the diagonal block may use the GEMM too when its decay span keeps exp(G_n - G_j) <= 2^100 (no
+        #      overflow in bf16 / fp32; the factors of earlier columns are <= 1 anyway); else the fp32 path below
         span = cutlass.Float32(0.0)
         for e in cutlass.range_constexpr(4):
             span = cute.arch.fmax(span, sG[r0, lane * 4 + e] - sG[r0 + BC - 1, lane * 4 + e])
         for sh in cutlass.range_constexpr(5):
             span = cute.arch.fmax(span, cute.arch.shuffle_sync_bfly(span, 1 << sh))
         diag_by_mma = span * LOG2E < 100.0
-        cute.arch.sync_threads()
+        nblk = w  # column blocks this warp takes through the GEMM
+        if diag_by_mma:
+            nblk = w + 1
 
-        # ---- scores of each row block against every column up to its end, by warp-level MMA
-        self.scores(0, sX0, sY0, sA, sL, sBeta, warp_i, lane, scale, diag_by_mma)
-        self.scores(1, sX1, sY1, sA, sL, sBeta, warp_i, lane, scale, diag_by_mma)
-        self.scores(2, sX2, sY2, sA, sL, sBeta, warp_i, lane, scale, diag_by_mma)
-        self.scores(3, sX3, sY3, sA, sL, sBeta, warp_i, lane, scale, diag_by_mma)
+        # ---- operands, in log2 units. B (shared): the warp's decayed keys k_j exp(G_n - G_j), n = 16 w, lane
+        #      = 4 channels, 16-byte / 8-byte vectors. A (registers, never in shared memory): the MMA fragment of
+        #      [q_i; k_i] exp(G_i - G_n) for the warp's 16 rows, built element by element at its coordinates.
+        gref = cute.make_rmem_tensor((4,), cutlass.Float32)
+        self.load4(sG, r0, lane, gref)
+        for e in cutlass.range_constexpr(4):
+            gref[e] = gref[e] * LOG2E
+        gv = cute.make_rmem_tensor((4,), cutlass.Float32)
+        kv = cute.make_rmem_tensor((4,), cutlass.BFloat16)
+        yv = cute.make_rmem_tensor((4,), cutlass.BFloat16)
+        yb0 = w * (w + 1) // 2
+        for nt in cutlass.range_constexpr(4):
+            if nt < nblk:
+                sYb = cute.local_tile(sY, (BC, K), (yb0 + nt, 0))
+                for i in cutlass.range_constexpr(BC):
+                    self.load4(sG, nt * BC + i, lane, gv)
+                    self.load4(sK, nt * BC + i, lane, kv)
+                    for e in cutlass.range_constexpr(4):
+                        yv[e] = (kv[e].to(cutlass.Float32) * cute.math.exp2(gref[e] - gv[e] * LOG2E, fastmath=True)
+                                 ).to(cutlass.BFloat16)
+                    self.store4(yv, sYb, i, lane)
+        mma = make_tiled_mma(1)
+        thr = mma.get_slice(lane)
+        rA = cute.make_rmem_tensor(thr.partition_shape_A((2 * BC, K)), cutlass.BFloat16)
+        cA = thr.partition_A(cute.make_identity_tensor((2 * BC, K)))
+        rAq = rA[None, 0, None]
+        rAk = rA[None, 1, None]
+        cAq = cA[None, 0, None]
+        for j in cutlass.range_constexpr(cute.size(rAq)):
+            r, d = cAq[j]
+            dec = cute.math.exp2(sG[r0 + r, d] * LOG2E - sG[r0, d] * LOG2E, fastmath=True)
+            rAq[j] = (sQ[r0 + r, d].to(cutlass.Float32) * dec).to(cutlass.BFloat16)
+            rAk[j] = (sK[r0 + r, d].to(cutlass.Float32) * dec).to(cutlass.BFloat16)
+        cute.arch.sync_threads()  # every warp's B operand is built; sG is no longer read as G
+
+        # ---- scores of the warp's rows against each column block up to its own, by warp-level MMA, held in
+        #      registers until region R is free
+        accs = [cute.make_rmem_tensor(thr.partition_shape_C((2 * BC, BC)), cutlass.Float32) for _ in range(4)]
+        for nt in cutlass.range_constexpr(4):
+            accs[nt].fill(0.0)
+            if nt < nblk:
+                gemm_rs(mma, accs[nt], rA, cute.local_tile(sY, (BC, K), (yb0 + nt, 0)), lane, False)
         # ---- per-step decays a_t = exp(g_t) = exp(G_t - G_{t-1}), in place of G (no longer needed); descending t
         #      so that G_{t-1} is read before it is overwritten. Rows past the end repeat G: a = 1 there.
         for tt in cutlass.range_constexpr(BT - 1):
             t = BT - 1 - tt
             sG[t, tidx] = cute.math.exp2((sG[t, tidx] - sG[t - 1, tidx]) * LOG2E, fastmath=True)
-        cute.arch.sync_threads()
+        cute.arch.sync_threads()  # every GEMM is done with R; the decays are in place
+        coord = thr.partition_C(cute.make_identity_tensor((2 * BC, BC)))
+        for nt in cutlass.range_constexpr(4):
+            if nt < nblk:
+                for v in cutlass.range_constexpr(cute.size(accs[nt])):
+                    r, c = coord[v]
+                    if r < BC:
+                        sA[r0 + r, nt * BC + c] = accs[nt][v] * scale
+                    else:
+                        sL[r0 + r - BC, nt * BC + c] = accs[nt][v] * sBeta[r0 + r - BC]
 
         # ---- diagonal blocks in fp32, exact for any decay: lane (jl, half) carries the decayed key of
         #      column j = r0 + jl over its 64 channels, z_j(i) = k_j * a_{j+1} ... a_i (one multiply per row
         #      step, no exp, every factor <= 1), and dots it with q_i and k_i; the halves add by one shuffle.
+        #      Channels of lane half h: 8 m + 4 h + e (m < 16, e < 4), read as 4-element vectors.
         jl = lane % BC
         half = lane // BC
         z = cute.make_rmem_tensor((64,), cutlass.Float32)
         z.fill(0.0)
+        av = cute.make_rmem_tensor((4,), cutlass.Float32)
+        qv = cute.make_rmem_tensor((4,), cutlass.BFloat16)
         n_diag = BC
         if diag_by_mma:
             n_diag = 0  # warp-uniform: this warp's diagonal block came from the GEMM
         for ii in cutlass.range(n_diag, unroll=1):  # runtime loop: small code, quick compilation
             row = r0 + ii
-            # at ii = 0 every z is still 0, so multiplying by row r0's entry (G_0 itself when r0 = 0) is harmless
-            for m in cutlass.range_constexpr(16):
-                for e in cutlass.range_constexpr(4):
-                    z[4 * m + e] = z[4 * m + e] * sG[row, 8 * m + 4 * half + e]
-            if jl == ii:
-                for m in cutlass.range_constexpr(16):
-                    for e in cutlass.range_constexpr(4):
-                        z[4 * m + e] = sK[row, 8 * m + 4 * half + e].to(cutlass.Float32)
             aq = cute.make_rmem_tensor((4,), cutlass.Float32)
             ak = cute.make_rmem_tensor((4,), cutlass.Float32)
             aq.fill(0.0)
             ak.fill(0.0)
             for m in cutlass.range_constexpr(16):
+                # at ii = 0 every z is still 0, so multiplying by row r0's entry (G_0 itself when r0 = 0) is harmless
+                self.load4(sG, row, 2 * m + half, av)
+                self.load4(sK, row, 2 * m + half, kv)
+                self.load4(sQ, row, 2 * m + half, qv)
                 for e in cutlass.range_constexpr(4):
-                    d = 8 * m + 4 * half + e
-                    aq[e] += sQ[row, d].to(cutlass.Float32) * z[4 * m + e]
-                    ak[e] += sK[row, d].to(cutlass.Float32) * z[4 * m + e]
+                    z[4 * m + e] = z[4 * m + e] * av[e]
+                if jl == ii:
+                    for e in cutlass.range_constexpr(4):
+                        z[4 * m + e] = kv[e].to(cutlass.Float32)
+                for e in cutlass.range_constexpr(4):
+                    aq[e] += qv[e].to(cutlass.Float32) * z[4 * m + e]
+                    ak[e] += kv[e].to(cutlass.Float32) * z[4 * m + e]
             sq = (aq[0] + aq[1]) + (aq[2] + aq[3])
             sk = (ak[0] + ak[1]) + (ak[2] + ak[3])
             sq += cute.arch.shuffle_sync_bfly(sq, BC)
@@ -186,7 +228,7 @@ class ChunkIntra:
                 if i > lane:
                     x[i] = -s
             for i in cutlass.range_constexpr(BC):
-                sD[warp_i, i, lane] = x[i]
+                sD[w, i, lane] = x[i]
         cute.arch.sync_threads()
 
         # ---- solve: off-diagonal blocks, row block p after row block p - 1 (X overwrites L there)
@@ -216,61 +258,33 @@ class ChunkIntra:
                     sL[p * BC + i, q * BC + jj] = -s
             cute.arch.sync_threads()
 
-        # ---- stores: rows < n, 64 columns each, zeros above the diagonal
-        tAqk = head_rows(mAqk, t0, hv, BT)
-        tAkk = head_rows(mAkk, t0, hv, BT)
+        # ---- stores: bf16 tiles staged where q was (free now), zeros above the diagonal, then 16-byte rows < n
+        sAqk_o = cute.make_tensor(sQ.iterator, smem_layout(BT, BT))
+        sAkk_o = cute.make_tensor(sQ.iterator + BT * BT, smem_layout(BT, BT))
         for m in cutlass.range_constexpr(BT * BT // self.threads):
             e = tidx + self.threads * m
             i = e // BT
             j = e % BT
-            if i < n:
-                a = cutlass.Float32(0.0)
-                x = cutlass.Float32(0.0)
-                if j <= i:
-                    a = sA[i, j]
-                    if i // BC == j // BC:
-                        x = sD[i // BC, i % BC, j % BC]
-                    else:
-                        x = sL[i, j]
-                tAqk[i, j] = a.to(mAqk.element_type)
-                tAkk[i, j] = x.to(mAkk.element_type)
+            a = cutlass.Float32(0.0)
+            x = cutlass.Float32(0.0)
+            if j <= i:
+                a = sA[i, j]
+                if i // BC == j // BC:
+                    x = sD[i // BC, i % BC, j % BC]
+                else:
+                    x = sL[i, j]
+            sAqk_o[i, j] = a.to(cutlass.BFloat16)
+            sAkk_o[i, j] = x.to(cutlass.BFloat16)
+        cute.arch.sync_threads()
+        store_rows_s2g(sAqk_o, head_rows(mAqk, t0, hv, BT), n, tidx, self.threads)
+        store_rows_s2g(sAkk_o, head_rows(mAkk, t0, hv, BT), n, tidx, self.threads)
 
     @cute.jit
-    def build_operands(self, w: cutlass.Constexpr, sQ, sK, sG, sX, sY, warp_i, lane):
-        """Warp w: sX = [q_i; k_i] * exp(G_i - G_n) for its 16 rows, sY = k_j * exp(G_n - G_j) for j < n + 16,
-        n = 16w (factors <= 1 for j < n; for the block's own columns bounded by its span, checked by the caller)."""
-        BC = self.BC
-        if warp_i == w:
-            for e in cutlass.range_constexpr(4):
-                d = lane * 4 + e
-                gref = sG[w * BC, d] * LOG2E
-                for i in cutlass.range_constexpr(BC):
-                    dec = cute.arch.exp2(sG[w * BC + i, d] * LOG2E - gref)
-                    sX[i, d] = (sQ[w * BC + i, d].to(cutlass.Float32) * dec).to(cutlass.BFloat16)
-                    sX[BC + i, d] = (sK[w * BC + i, d].to(cutlass.Float32) * dec).to(cutlass.BFloat16)
-                for j in cutlass.range_constexpr((w + 1) * BC):
-                    dec = cute.arch.exp2(gref - sG[j, d] * LOG2E)
-                    sY[j, d] = (sK[j, d].to(cutlass.Float32) * dec).to(cutlass.BFloat16)
+    def load4(self, s: cute.Tensor, row, blk, frag: cute.Tensor):
+        """frag = s[row, 4 blk : 4 blk + 4] (one 16-byte / 8-byte shared-memory vector)."""
+        cute.autovec_copy(cute.local_tile(s, (1, 4), (row, blk))[0, None], frag)
 
     @cute.jit
-    def scores(self, w: cutlass.Constexpr, sX, sY, sA, sL, sBeta, warp_i, lane, scale, diag_by_mma):
-        """Warp w: scores of its rows against columns j < 16(w + 1), [32 x 16(w + 1)] = sX @ sY^T; the
-        diagonal block's columns are kept only when `diag_by_mma` (entries above the diagonal are never read)."""
-        BC = self.BC
-        if warp_i == w:
-            mma = make_tiled_mma(1)
-            thr = mma.get_slice(lane)
-            acc = cute.make_rmem_tensor(thr.partition_shape_C((2 * BC, (w + 1) * BC)), cutlass.Float32)
-            acc.fill(0.0)
-            gemm_ss(mma, acc, sX, sY, lane, False, False)
-            coord = thr.partition_C(cute.make_identity_tensor((2 * BC, (w + 1) * BC)))
-            for v in cutlass.range_constexpr(cute.size(acc)):
-                r, col = coord[v]
-                keep = diag_by_mma
-                if col < w * BC:
-                    keep = True
-                if keep:
-                    if r < BC:
-                        sA[w * BC + r, col] = acc[v] * scale
-                    else:
-                        sL[w * BC + r - BC, col] = acc[v] * sBeta[w * BC + r - BC]
+    def store4(self, frag: cute.Tensor, s: cute.Tensor, row, blk):
+        """s[row, 4 blk : 4 blk + 4] = frag."""
+        cute.autovec_copy(frag, cute.local_tile(s, (1, 4), (row, blk))[0, None])

@@ -145,6 +145,21 @@ def gemm_ss(tiled_mma: cute.TiledMma, acc: cute.Tensor, sA: cute.Tensor, sB: cut
         cute.gemm(tiled_mma, acc, rA[None, None, kb], rB[None, None, kb], acc)
 
 
+@cute.jit
+def gemm_rs(tiled_mma: cute.TiledMma, acc: cute.Tensor, rA: cute.Tensor, sB: cute.Tensor, tidx,
+            b_trans: cutlass.Constexpr):
+    """acc += A @ sB^T with A already in registers (an MMA A fragment, `partition_shape_A`), B through ldmatrix."""
+    thr_mma = tiled_mma.get_slice(tidx)
+    rB = thr_mma.make_fragment_B(thr_mma.partition_B(sB))
+    cB = cute.make_tiled_copy_B(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(b_trans, 4), sB.element_type), tiled_mma)
+    tB = cB.get_slice(tidx)
+    sBp = tB.partition_S(sB)
+    rBv = tB.retile(rB)
+    for kb in cutlass.range_constexpr(cute.size(rA.shape[2])):
+        cute.copy(cB, sBp[None, None, kb], rBv[None, None, kb])
+        cute.gemm(tiled_mma, acc, rA[None, None, kb], rB[None, None, kb], acc)
+
+
 def exp2(x):
     return cute.math.exp2(x, fastmath=True)
 
