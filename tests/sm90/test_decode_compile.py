@@ -84,6 +84,27 @@ def test_recurrent_compiles_for_sm90a(sm90a, case):
     assert fl.compiled is not None and len(fl.cells) == len(launch._RECURRENT_KINDS)
 
 
+@pytest.mark.parametrize(("tc", "T", "K", "safe"), [(True, 4, 128, False), (True, 1, 64, True), (False, 9, 64, False),
+                                                  (False, 6, 128, True)])
+def test_chunk_verify_compiles_for_sm90a(sm90a, tc, T, K, safe):
+    """The chunk-form verify, tensor-core (3xTF32 mma.sync through inline PTX: ptxas checks it) and SIMT."""
+    from cula_sm90.decode import launch
+
+    bf = torch.bfloat16
+    fl = launch._verify_kernel(T, K, K, bf, torch.empty(0, dtype=bf), torch.empty(0, dtype=torch.float32),
+                               torch.empty(0), torch.empty(0), safe, True, tc)
+    assert fl.compiled is not None and len(fl.cells) == len(launch._RECURRENT_KINDS)
+
+
+def test_verify_dispatch_names_a_variant():
+    from cula_sm90.decode import _config
+
+    for N in (1, 8, 64, 128, 1024):
+        for T in range(1, _config.MAX_T + 1):
+            for HV in (8, 32, 64):
+                assert _config.verify_variant(N, T, HV) in _config.VERIFY_VARIANTS
+
+
 @pytest.mark.parametrize(("T", "K", "layers", "per_request"), [(4, 128, 1, True), (3, 64, 1, False),
                                                                 (6, 128, 5, True)])
 def test_flush_compiles_for_sm90a(sm90a, T, K, layers, per_request):

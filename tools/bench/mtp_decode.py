@@ -94,6 +94,22 @@ def cula_decode(x):
     return cula_core.kda_decode(*_op_args(x), A_log=x["A_log"], dt_bias=x["dt_bias"], use_qk_l2norm_in_kernel=True)
 
 
+VERIFY_VARIANTS = ("recurrent", "chunk_simt", "chunk_tc")  # cula_sm90.decode._config.VERIFY_VARIANTS
+
+
+def with_variant(fn, name):
+    """fn with every verify call forced to one variant (at capture time too: the graph keeps that kernel)."""
+    def call(*args):
+        from cula_sm90.decode import _config
+
+        _config.VERIFY_OVERRIDE = name
+        try:
+            return fn(*args)
+        finally:
+            _config.VERIFY_OVERRIDE = None
+    return call
+
+
 def fla_setup(x, T):
     """FLA's pool: each request's live state in slot indices[n, 0] (= its cache_idx), its other T - 1 tokens'
     states in scratch slots after the N live ones."""
@@ -236,20 +252,23 @@ def main(argv=None) -> int:
         ns, ts, hs = (1, 128), (2, 6), (64,)
     rows, dec = [], []
     raw = {"chain": rows, "decode": dec}
-    if args.tilings or args.only_tilings or args.quick:
-        sweep = (tiling_sweep(timing, (64,), (1, 128), ((1, cula_decode),), ((32, 4, 4, 0), (32, 2, 4, 0), (32, 2, 4, 1)))
-                 if args.quick else tiling_sweep(timing, hs))
-        raw["tilings"] = [{("x".join(map(str, k)) if isinstance(k, tuple) else k): v for k, v in r.items()}
-                          for r in sweep]
-        if args.json:
-            args.json.write_text(json.dumps(raw, indent=2, default=str))
-        if args.only_tilings:
-            print(render_tilings(raw["tilings"]))
-            return 0
 
     def dump():
         if args.json:
             args.json.write_text(json.dumps(raw, indent=2, default=str))
+
+    def sweep():
+        quick = ((32, 4, 4, 0), (32, 2, 4, 0), (32, 2, 4, 1))
+        rows = (tiling_sweep(timing, (64,), (1, 128), ((1, cula_decode),), quick) if args.quick
+                else tiling_sweep(timing, hs))
+        raw["tilings"] = [{("x".join(map(str, k)) if isinstance(k, tuple) else k): v for k, v in r.items()}
+                          for r in rows]
+        dump()
+
+    if args.only_tilings:
+        sweep()
+        print(render_tilings(raw["tilings"]))
+        return 0
 
     with torch.no_grad():
         for H in hs:
@@ -258,16 +277,21 @@ def main(argv=None) -> int:
                     x = make_inputs(N, T, H, seed=N + T)
                     pool, idx = fla_setup(x, T)
                     xf = dict(x)
-                    ours = cula_chain(dict(x, state_pool=x["state_pool"].clone()), T)
                     ref = fla_chain(xf, pool.clone(), idx, T)
-                    _, err = errors(ours.float(), ref.float())
+                    err = max(errors(with_variant(cula_chain, v)(dict(x, state_pool=x["state_pool"].clone()), T)
+                                     .float(), ref.float())[1] for v in VERIFY_VARIANTS)
                     row = dict(N=N, T=T, H=H, err=err)
-                    row["cula"] = graph_ms(cula_chain, (x, T), timing)
                     row["fla"] = graph_ms(fla_chain, (xf, pool, idx, T), timing)
-                    row["verify"] = graph_ms(cula_verify, (x,), timing)
+                    # every verify variant: the chain with it and the verify alone; cula = the best chain
+                    row["chain_v"] = {v: graph_ms(with_variant(cula_chain, v), (x, T), timing) for v in VERIFY_VARIANTS}
+                    row["verify_v"] = {v: graph_ms(with_variant(cula_verify, v), (x,), timing) for v in VERIFY_VARIANTS}
+                    row["best"] = min(VERIFY_VARIANTS, key=lambda v: row["chain_v"][v])
+                    row["cula"] = row["chain_v"][row["best"]]
+                    row["verify"] = row["verify_v"][row["best"]]
                     row["states"] = graph_ms(cula_states, (x,), timing)
                     if not args.quick:
-                        row["cula_eager"] = measure(cula_chain, [(x, T)], timing).median_ms
+                        best_chain = with_variant(cula_chain, row["best"])
+                        row["cula_eager"] = measure(best_chain, [(x, T)], timing).median_ms
                         row["fla_eager"] = measure(fla_chain, [(xf, pool, idx, T)], timing).median_ms
                     row["buf_ratio"] = (K * V) / (2 * K + V)  # per token and head: T K V vs T (2K + V) floats
                     rows.append(row)
@@ -304,6 +328,11 @@ def main(argv=None) -> int:
     raw["host_us"] = host_overhead()
     print(raw["host_us"], flush=True)
     dump()
+    if args.tilings or args.quick:
+        try:  # after the tables: a failure here must not cost them
+            sweep()
+        except Exception as exc:
+            print(f"tiling sweep failed: {exc!r}", flush=True)
     report = render(raw, environment("cuda"), peak_hbm_gbs())
     if raw.get("tilings"):
         report += render_tilings(raw["tilings"])
@@ -351,29 +380,33 @@ def render(raw, env, peak) -> str:
         f"{(2 * K + V)} floats per token and head against {K * V} for a state: "
         f"{K * V / (2 * K + V):.0f}x fewer bytes.",
         "",
-        "| H | T | N | FLA ms | cula ms | speed-up | verify ms | per-token states ms | FLA eager ms | cula eager ms "
-        "| max rel err (o) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| H | T | N | FLA ms | cula ms | speed-up | best verify | chain: recurrent / chunk SIMT / chunk TC ms "
+        "| verify: recurrent / chunk SIMT / chunk TC ms | per-token states ms | FLA eager ms | cula eager ms "
+        "| eager speed-up | max rel err (o) |",
+        "|---:|---:|---:|---:|---:|---:|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        ch = " / ".join(f"{r['chain_v'][v]:.4f}" for v in VERIFY_VARIANTS)
+        ve = " / ".join(f"{r['verify_v'][v]:.4f}" for v in VERIFY_VARIANTS)
         lines.append(f"| {r['H']} | {r['T']} | {r['N']} | {r['fla']:.4f} | {r['cula']:.4f} | {_x(r['fla'], r['cula'])} "
-                     f"| {r['verify']:.4f} | {r['states']:.4f} | {r.get('fla_eager', 0):.4f} "
-                     f"| {r.get('cula_eager', 0):.4f} "
+                     f"| {r['best']} | {ch} | {ve} | {r['states']:.4f} | {r.get('fla_eager', 0):.4f} "
+                     f"| {r.get('cula_eager', 0):.4f} | {_x(r.get('fla_eager'), r.get('cula_eager'))} "
                      f"| {r['err']:.1e} |")
     if rows:
         sp = [r["fla"] / r["cula"] for r in rows]
         lines += ["", f"chain speed-up: min {min(sp):.2f}x, max {max(sp):.2f}x; at T >= 4: min "
                       f"{min(r['fla'] / r['cula'] for r in rows if r['T'] >= 4):.2f}x."]
-        grow = []
-        for H in sorted({r["H"] for r in rows}):
-            for N in sorted({r["N"] for r in rows}):
-                a = [r for r in rows if r["H"] == H and r["N"] == N and r["T"] == 2]
-                b = [r for r in rows if r["H"] == H and r["N"] == N and r["T"] == 6]
-                if a and b:
-                    grow.append(b[0]["verify"] / a[0]["verify"])
-        if grow:
-            lines += [f"verify time T = 6 over T = 2: {min(grow):.2f}x to {max(grow):.2f}x (recurrent verify: "
-                      "it grows with T; the tensor-core verify is not built)."]
+        for v in VERIFY_VARIANTS:
+            grow = []
+            for H in sorted({r["H"] for r in rows}):
+                for N in sorted({r["N"] for r in rows}):
+                    a = [r for r in rows if r["H"] == H and r["N"] == N and r["T"] == 2]
+                    b = [r for r in rows if r["H"] == H and r["N"] == N and r["T"] == 6]
+                    if a and b:
+                        grow.append((b[0]["verify_v"][v] / a[0]["verify_v"][v], H, N))
+            if grow:
+                lines += [f"verify time T = 6 over T = 2, {v}: {min(grow)[0]:.2f}x to {max(grow)[0]:.2f}x "
+                          f"(largest at H = {max(grow)[1]}, N = {max(grow)[2]}).", ""]
     lines += ["", "## Single-token decode (T = 1)", "",
               "Device time (CUDA graph, as above); eager: called from Python.", "",
               "| H | N | FLA ms | cula ms | speed-up | cula % of HBM bound | FLA % of HBM bound "

@@ -34,6 +34,21 @@ def recurrent_tiling(N: int, T: int, HV: int) -> tuple[int, int, int, int]:
     return (32, 4, 4, 0)
 
 
+#: the three ways to run the verify step (kda_decode_mtp_kvbuffer): the recurrent kernel in KVBuffer mode, the
+#: chunk form with SIMT products (token-parallel) or with 3xTF32 tensor-core products (kvbuffer_verify.py)
+VERIFY_RECURRENT, VERIFY_CHUNK_SIMT, VERIFY_CHUNK_TC = "recurrent", "chunk_simt", "chunk_tc"
+VERIFY_VARIANTS = (VERIFY_RECURRENT, VERIFY_CHUNK_SIMT, VERIFY_CHUNK_TC)
+#: a benchmarking / testing hook: when set, every verify call uses this variant
+VERIFY_OVERRIDE: str | None = None
+
+
+def verify_variant(N: int, T: int, HV: int) -> str:
+    """Which verify kernel serves a batch; the table is in launch.py's docstring."""
+    if VERIFY_OVERRIDE is not None:
+        return VERIFY_OVERRIDE
+    return VERIFY_RECURRENT
+
+
 def dispatched_tilings() -> tuple[tuple[int, int, int, int], ...]:
     """Every tiling recurrent_tiling can return (tests/sm90/decode_memcheck_case.py runs each under memcheck)."""
     return ((32, 4, 4, 0),)

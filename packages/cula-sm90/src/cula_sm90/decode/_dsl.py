@@ -10,6 +10,8 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int64
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 #: eps inside the square root of the L2 norm (cula_core.reference.gates.L2NORM_EPS, FLA's value).
 L2NORM_EPS = 1e-6
@@ -68,3 +70,38 @@ def log_decay(x: Float32, rate: Float32, lower_bound: Float32, safe: bool) -> Fl
         return lower_bound / (Float32(1.0) + cute.math.exp(-(rate * x)))
     sp = cute.math.log1p(cute.math.exp(cute.math.min(x, Float32(SOFTPLUS_THRESHOLD))))
     return -rate * cutlass.select_(x > Float32(SOFTPLUS_THRESHOLD), x, sp)
+
+
+# ---------------------------------------------------------------- TF32 tensor-core helpers (3xTF32 products)
+
+@dsl_user_op
+def _as_i32(x: Float32, *, loc=None, ip=None):
+    return llvm.bitcast(T.i32(), Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip)
+
+
+@dsl_user_op
+def tf32_split(x: Float32, *, loc=None, ip=None):
+    """x = hi + lo with hi = x rounded to TF32 and lo = (x - hi) rounded to TF32, both as the b32 registers mma
+    takes: hi*hi + hi*lo + lo*hi carries ~22 mantissa bits (3xTF32), what keeps the products at fp32 accuracy."""
+    xv = Float32(x).ir_value(loc=loc, ip=ip)
+    pair = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32(), T.i32()]), [xv],
+        "{\n\t.reg .f32 r;\n\tcvt.rna.tf32.f32 $0, $2;\n\tmov.b32 r, $0;\n\tsub.f32 r, $2, r;\n\t"
+        "cvt.rna.tf32.f32 $1, r;\n\t}",
+        "=r,=r,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return (llvm.extractvalue(T.i32(), pair, [0], loc=loc, ip=ip),
+            llvm.extractvalue(T.i32(), pair, [1], loc=loc, ip=ip))
+
+
+@dsl_user_op
+def mma_tf32(a, b, c, *, loc=None, ip=None):
+    """D = A B + C on the tensor cores: mma.sync m16n8k8, TF32 operands (a: 4 b32 registers, b: 2, as from
+    tf32_split), fp32 accumulators c (4 Float32). Fragment layouts: PTX ISA, "mma.m16n8k8" for .tf32."""
+    ops = [*a, *b, *[Float32(x).ir_value(loc=loc, ip=ip) for x in c]]
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 4), ops,
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+        "{$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4)]

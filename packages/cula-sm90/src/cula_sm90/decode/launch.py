@@ -183,15 +183,19 @@ def _recurrent_kernel(mode: str, T: int, K: int, V: int, qkv, g, beta, A_log, dt
         kern = RecurrentDecode(T=T, K=K, V=V, mode=mode, safe_gate=safe, has_A_log=adt is not None,
                                has_dt_bias=ddt is not None, l2norm=l2norm, block_v=bv, lanes_v=vl, num_warps=nw,
                                warp_local=bool(wl))
-        f32 = torch.float32
-        args = (_fake_ptr(qkv), _fake_ptr(qkv), _fake_ptr(qkv), _fake_ptr(gdt), _fake_ptr(bdt, bdt.itemsize),
-                _fake_ptr(adt or f32, (adt or f32).itemsize), _fake_ptr(ddt or f32), _fake_ptr(f32),
-                _fake_ptr(torch.int32, 4), _fake_ptr(qkv), _fake_ptr(f32),
-                d.cutlass.Int32(1), d.cutlass.Int32(1), d.cutlass.Int32(1), d.cutlass.Int32(1), d.cutlass.Float32(1.0),
-                d.cutlass.Float32(-1.0), d.cuda.CUstream(0))
-        return _compile(kern, *args)
+        return _compile(kern, *_fake_recurrent_args(d, qkv, gdt, bdt, adt, ddt))
 
     return _compiled(key, build, _RECURRENT_KINDS)
+
+
+def _fake_recurrent_args(d, qkv, gdt, bdt, adt, ddt) -> tuple:
+    """Compile-time stand-ins for the arguments of the recurrent and verify kernels (same signature)."""
+    f32 = torch.float32
+    return (_fake_ptr(qkv), _fake_ptr(qkv), _fake_ptr(qkv), _fake_ptr(gdt), _fake_ptr(bdt, bdt.itemsize),
+            _fake_ptr(adt or f32, (adt or f32).itemsize), _fake_ptr(ddt or f32), _fake_ptr(f32),
+            _fake_ptr(torch.int32, 4), _fake_ptr(qkv), _fake_ptr(f32),
+            d.cutlass.Int32(1), d.cutlass.Int32(1), d.cutlass.Int32(1), d.cutlass.Int32(1), d.cutlass.Float32(1.0),
+            d.cutlass.Float32(-1.0), d.cuda.CUstream(0))
 
 
 def _run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, *, scale, lower_bound,
@@ -213,9 +217,13 @@ def _run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias
     A_log = A_log.contiguous() if A_log is not None else None
     dt_bias = _aligned(dt_bias.contiguous()) if dt_bias is not None else None
     safe = lower_bound is not None
-    tiling = _config.recurrent_tiling(N, T, HV)
-    fl = _recurrent_kernel(mode, T, K, V, q.dtype, g, beta, A_log, dt_bias, safe, bool(use_qk_l2norm_in_kernel),
-                           tiling)
+    variant = _config.verify_variant(N, T, HV) if mode == _config.MODE_KVBUFFER else _config.VERIFY_RECURRENT
+    if variant == _config.VERIFY_RECURRENT:
+        fl = _recurrent_kernel(mode, T, K, V, q.dtype, g, beta, A_log, dt_bias, safe,
+                               bool(use_qk_l2norm_in_kernel), _config.recurrent_tiling(N, T, HV))
+    else:  # same signature and argument kinds as the recurrent kernel
+        fl = _verify_kernel(T, K, V, q.dtype, g, beta, A_log, dt_bias, safe, bool(use_qk_l2norm_in_kernel),
+                            variant == _config.VERIFY_CHUNK_TC)
     pool_addr = state_pool.data_ptr()
     addrs = [q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
              A_log.data_ptr() if A_log is not None else pool_addr,        # never read without A_log
@@ -239,6 +247,26 @@ def _run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias
 
     fl(flat, dsl_args)
     return o, out
+
+
+# ---------------------------------------------------------------- chunk-form verify (kvbuffer_verify.py)
+
+def _verify_kernel(T: int, K: int, V: int, qkv, g, beta, A_log, dt_bias, safe: bool, l2norm: bool,
+                   tensor_cores: bool) -> FastLaunch:
+    gdt, bdt = g.dtype, beta.dtype
+    adt = A_log.dtype if A_log is not None else None
+    ddt = dt_bias.dtype if dt_bias is not None else None
+    key = ("verify", T, K, V, qkv, gdt, bdt, adt, ddt, safe, l2norm, tensor_cores)
+
+    def build():
+        d = _dsl()
+        from cula_sm90.decode.kvbuffer_verify import ChunkVerify
+
+        kern = ChunkVerify(T=T, K=K, V=V, safe_gate=safe, has_A_log=adt is not None, has_dt_bias=ddt is not None,
+                           l2norm=l2norm, tensor_cores=tensor_cores)
+        return _compile(kern, *_fake_recurrent_args(d, qkv, gdt, bdt, adt, ddt))
+
+    return _compiled(key, build, _RECURRENT_KINDS)
 
 
 # ---------------------------------------------------------------- flush kernel (one layer or all layers)

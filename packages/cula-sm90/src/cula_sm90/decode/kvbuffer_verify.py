@@ -1,0 +1,296 @@
+"""KVBuffer verify in chunk form: the T <= 16 draft tokens of a request as one chunk, so that the work on the
+state is two products with S_0 for all tokens at once instead of a serial recurrence (the time stays nearly
+flat in T). Serves `kda_decode_mtp_kvbuffer`: outputs and the KVBuffer [k_t | G_t | delta_t] (layout:
+cula_core.ops.kvbuffer), the pool untouched.
+
+Math (one request, one value head; G_t = sum_{s<=t} g_s, q scaled, q/k L2-normalised):
+    Kt = k_t * exp(G_t), Qt = q_t * exp(G_t)                       (rows of a [2 MP, K] tile, MP = 8 or 16)
+    U = Kt S_0, W = Qt S_0                                          (the products with the fp32 state)
+    A_ts = sum_r k_t k_s exp(G_t - G_s)  (s < t),  B_ts = sum_r q_t k_s exp(G_t - G_s)  (s <= t)
+    delta_t = beta_t (v_t - U_t - sum_{s<t} A_ts delta_s)          (forward substitution, T x T)
+    o_t = W_t + sum_{s<=t} B_ts delta_s
+which is the recurrence's u_t = (D_t S_{t-1})^T k_t and o_t = S_t^T q_t unrolled (exp(G_t - G_s) <= 1: no
+overflow). Two ways to form U and W, chosen at compile time:
+  * `tensor_cores=True`: mma.sync m16n8k8 with TF32 operands split hi + lo (3xTF32: hi*hi + hi*lo + lo*hi,
+    ~22 mantissa bits, so the results match the recurrent kernel to fp32 rounding, not to TF32's);
+  * `tensor_cores=False` (token-parallel SIMT): fp32 FMAs, the T tokens independent of each other.
+
+Tiling. One CTA = one (request, value head, block of BV = 32 value columns), 4 warps split K (split-K: warp w
+owns state rows [w K/4, (w + 1) K/4)); each warp computes partial U, W for all 32 columns, the CTA sums the four
+partials through shared memory in a fixed order (deterministic). A thread holds 4 consecutive columns of its
+rows (16-byte state loads). Tensor cores: the MMA's 8 B-columns of n-tile j are the CTA columns 4 n + j, so
+that a thread's B fragments of the 4 n-tiles are one 16-byte row piece, and its D fragments land as 16-byte
+row pieces in shared memory. SIMT: lane = kr * 8 + vc: 4 columns 4 vc.., K/16 rows per lane, butterfly over kr.
+
+Pipeline. State loads issued first; the per-token vectors (q, k normalised, raw gate -> log gate) into shared
+memory (barrier); G, the Kt / Qt tile and the buffer's k_t, G_t rows (barrier); the T(T+1)/2 pair sums A, B
+(warps in turn) and the products U, W into shared memory (barrier); warp 0 solves the 32 columns (a lane per
+column) and writes o and delta.
+
+Assumptions (checked on the host in launch.py): inputs contiguous and 16-byte aligned, K in (64, 128), V % 32 == 0,
+T <= 16; N, HV, HQK, P, scale and lower_bound runtime values; cache_idx < 0 or >= P: zeros, the pool not read.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+from cula_sm90.decode._dsl import (l2_normalize, load_vec, log_decay, mma_tf32, store_vec, store_zeros, tf32_split,
+                                   xor_sum)
+
+
+class ChunkVerify:
+    """Compile-time configuration: T, K, V, the gate code (as RecurrentDecode) and `tensor_cores` (3xTF32 MMA
+    products, else SIMT)."""
+
+    BV = 32   # value columns per CTA
+    NW = 4    # warps: split K four ways
+
+    def __init__(self, *, T: int, K: int, V: int, safe_gate: bool, has_A_log: bool, has_dt_bias: bool, l2norm: bool,
+                 tensor_cores: bool):
+        if K % (8 * self.NW) or V % self.BV or not 1 <= T <= 16:
+            raise ValueError(f"bad shape for the chunk verify: T={T} K={K} V={V}")
+        self.T, self.K, self.V = T, K, V
+        self.safe_gate, self.has_A_log, self.has_dt_bias, self.l2norm = safe_gate, has_A_log, has_dt_bias, l2norm
+        self.tc = tensor_cores
+        self.KW = K // self.NW          # state rows per warp
+        self.KS = self.KW // 8          # MMA k-steps per warp
+        self.RS = self.KW // 4          # SIMT: state rows per lane (4 lanes along K)
+        self.MP = 8 if T <= 8 else 16   # token rows of each of the Kt and Qt blocks (padded)
+        self.MT = 2 * self.MP // 16     # MMA m-tiles
+        self.KP = K + 4                 # row stride of the Kt / Qt tile: conflict-free fragment reads
+        self.EPL = K // 32
+        self.rows_per_thread = (K + 32 * self.NW - 1) // (32 * self.NW)
+        self.NVB = V // self.BV
+        f = 3 * T * K + T * K + 2 * self.MP * self.KP + 2 * T * T + self.NW * 2 * self.MP * self.BV
+        self.smem_bytes = 4 * f + 64
+
+    @cute.jit
+    def __call__(self, q: cute.Pointer, k: cute.Pointer, v: cute.Pointer, g: cute.Pointer, beta: cute.Pointer,
+                 A_log: cute.Pointer, dt_bias: cute.Pointer, pool: cute.Pointer, cache_idx: cute.Pointer,
+                 o: cute.Pointer, buf: cute.Pointer, N: Int32, HQK: Int32, HV: Int32, P: Int32, scale: Float32,
+                 lower_bound: Float32, stream):
+        self.kernel(q, k, v, g, beta, A_log, dt_bias, pool, cache_idx, o, buf, HQK, HV, P, scale,
+                    lower_bound).launch(grid=[N * HV * self.NVB, 1, 1], block=[32 * self.NW, 1, 1],
+                                        smem=self.smem_bytes, stream=stream)
+
+    @cute.kernel
+    def kernel(self, q: cute.Pointer, k: cute.Pointer, v: cute.Pointer, g: cute.Pointer, beta: cute.Pointer,
+               A_log: cute.Pointer, dt_bias: cute.Pointer, pool: cute.Pointer, cache_idx: cute.Pointer,
+               o: cute.Pointer, buf: cute.Pointer, HQK: Int32, HV: Int32, P: Int32, scale: Float32,
+               lower_bound: Float32):
+        T, K, V, MP, KP, EPL, BV, NW = self.T, self.K, self.V, self.MP, self.KP, self.EPL, self.BV, self.NW
+        W = 2 * K + V
+        tid = cute.arch.thread_idx()[0]
+        warp = tid // 32
+        lane = tid % 32
+        bid = cute.arch.block_idx()[0]
+        vb = bid % self.NVB
+        head = bid // self.NVB
+        hv = head % HV
+        n = head // HV
+        h = hv // (HV // HQK)
+        col0 = vb * BV
+        kbase = warp * self.KW
+        idx = cute.make_tensor(cache_idx + Int64(n), cute.make_layout(1))[0]
+        live = (idx >= 0) & (idx < P)
+        tok0 = Int64(n) * T
+
+        smem = cutlass.memory.SmemAllocator()
+        vecs = smem.allocate_tensor(Float32, cute.make_layout((3, T, K), stride=(T * K, K, 1)), byte_alignment=16)
+        Gs = smem.allocate_tensor(Float32, cute.make_layout((T, K), stride=(K, 1)), byte_alignment=16)
+        At = smem.allocate_tensor(Float32, cute.make_layout((2 * MP, KP), stride=(KP, 1)), byte_alignment=16)
+        AB = smem.allocate_tensor(Float32, cute.make_layout((2, T, T), stride=(T * T, T, 1)), byte_alignment=16)
+        red = smem.allocate_tensor(Float32, cute.make_layout((NW, 2 * MP, BV), stride=(2 * MP * BV, BV, 1)),
+                                   byte_alignment=16)
+        sv, sG, sA, sred = vecs.iterator, Gs.iterator, At.iterator, red.iterator
+        if live:
+            # --- state rows of this thread first (the long-latency traffic), 16-byte pieces
+            sbase = (Int64(idx) * HV + hv) * (K * V) + col0
+            S = []
+            if cutlass.const_expr(self.tc):
+                c4 = (lane // 4) * 4
+                for s in cutlass.range_constexpr(self.KS):
+                    for half in cutlass.range_constexpr(2):
+                        r = kbase + s * 8 + lane % 4 + half * 4
+                        S.append(load_vec(pool, sbase + Int64(r) * V + c4, 4))
+            else:
+                kr = lane // 8
+                c4 = (lane % 8) * 4
+                for i in cutlass.range_constexpr(self.RS):
+                    r = kbase + kr * self.RS + i
+                    S.append(load_vec(pool, sbase + Int64(r) * V + c4, 4))
+            # v and beta for the solve (warp 0 uses them: lane = column; the other warps' copies hit L1)
+            vr = [cute.make_tensor(v + (((tok0 + t) * HV + hv) * V + col0 + lane), cute.make_layout(1))
+                  .load().to(Float32)[0] for t in range(T)]
+            br = [cute.make_tensor(beta + ((tok0 + t) * HV + hv), cute.make_layout(1)).load().to(Float32)[0]
+                  for t in range(T)]
+            # --- per-token vectors: q (normalised, scaled), k (normalised), log gate from raw g
+            e0 = lane * EPL
+            for job in cutlass.range_constexpr(3 * T):
+                t, which = job // 3, job % 3
+                if warp == job % NW:
+                    if cutlass.const_expr(which < 2):
+                        src = q if cutlass.const_expr(which == 0) else k
+                        x = load_vec(src, ((tok0 + t) * HQK + h) * K + e0, EPL)
+                        if cutlass.const_expr(self.l2norm):
+                            x = l2_normalize(x, EPL)
+                        if cutlass.const_expr(which == 0):
+                            x = [xi * scale for xi in x]
+                        store_vec(sv, Int32((which * T + t) * K) + e0, x, EPL)
+                    else:
+                        x = load_vec(g, ((tok0 + t) * HV + hv) * K + e0, EPL)
+                        if cutlass.const_expr(self.has_dt_bias):
+                            b = load_vec(dt_bias, Int64(hv) * K + e0, EPL)
+                            x = [x[i] + b[i] for i in range(EPL)]
+                        rate = Float32(1.0)
+                        if cutlass.const_expr(self.has_A_log):
+                            rate = cute.math.exp(cute.make_tensor(A_log + Int64(hv), cute.make_layout(1))
+                                                 .load().to(Float32)[0])
+                        store_vec(sv, Int32((2 * T + t) * K) + e0,
+                                  [log_decay(x[i], rate, lower_bound, self.safe_gate) for i in range(EPL)], EPL)
+            cute.arch.sync_threads()   # live is CTA-uniform: every thread reaches the barriers
+            # --- G (cumulative log gate), the Kt / Qt tile (zero rows as padding), the buffer's k_t and G_t
+            for rr in cutlass.range_constexpr(self.rows_per_thread):
+                r = tid + rr * 32 * self.NW
+                if r < K:
+                    G = Float32(0.0)
+                    for t in cutlass.range_constexpr(T):
+                        G = G + vecs[2, t, r]
+                        Gs[t, r] = G
+                        e = cute.math.exp(G)
+                        At[t, r] = vecs[1, t, r] * e
+                        At[MP + t, r] = vecs[0, t, r] * e
+                        if vb == 0:
+                            row = ((tok0 + t) * HV + hv) * W
+                            cute.make_tensor(buf + (row + r), cute.make_layout(1))[0] = vecs[1, t, r]
+                            cute.make_tensor(buf + (row + K + r), cute.make_layout(1))[0] = G
+                    for t in cutlass.range_constexpr(T, MP):
+                        At[t, r] = Float32(0.0)
+                        At[MP + t, r] = Float32(0.0)
+            cute.arch.sync_threads()
+            # --- pair sums A_ts (s < t) and B_ts (s <= t), warps in turn, lanes over K
+            for p in cutlass.range_constexpr(T * (T + 1) // 2):
+                t, s = self._pair(p)
+                if warp == p % NW:
+                    gt = load_vec(sG, Int32(t * K) + e0, EPL)
+                    gs = load_vec(sG, Int32(s * K) + e0, EPL)
+                    ks = load_vec(sv, Int32((T + s) * K) + e0, EPL)
+                    kt = load_vec(sv, Int32((T + t) * K) + e0, EPL)
+                    qt = load_vec(sv, Int32(t * K) + e0, EPL)
+                    a = Float32(0.0)
+                    b = Float32(0.0)
+                    for i in cutlass.range_constexpr(EPL):
+                        d = cute.math.exp(gt[i] - gs[i]) * ks[i]
+                        a = a + d * kt[i]
+                        b = b + d * qt[i]
+                    a = xor_sum(a, 1)
+                    b = xor_sum(b, 1)
+                    if lane == 0:
+                        AB[0, t, s] = a
+                        AB[1, t, s] = b
+            # --- U = Kt S_0 and W = Qt S_0: this warp's K-slice, partial sums into red[warp]
+            if cutlass.const_expr(self.tc):
+                self._products_tc(S, sA, sred, warp, lane, kbase)
+            else:
+                self._products_simt(S, sA, sred, warp, lane, kbase)
+            cute.arch.sync_threads()
+            # --- the solve: warp 0, lane = column
+            if warp == 0:
+                dl = []
+                for t in cutlass.range_constexpr(T):
+                    u = red[0, t, lane]
+                    w = red[0, MP + t, lane]
+                    for ww in cutlass.range_constexpr(1, NW):
+                        u = u + red[ww, t, lane]
+                        w = w + red[ww, MP + t, lane]
+                    x = vr[t] - u
+                    for s in cutlass.range_constexpr(t):
+                        x = x - AB[0, t, s] * dl[s]
+                    d = br[t] * x
+                    dl.append(d)
+                    ot = w
+                    for s in cutlass.range_constexpr(t + 1):
+                        ot = ot + AB[1, t, s] * dl[s]
+                    row = (tok0 + t) * HV + hv
+                    store_vec(o, row * V + col0 + lane, [ot], 1)
+                    cute.make_tensor(buf + (row * W + 2 * K + col0 + lane), cute.make_layout(1))[0] = d
+        else:
+            # padded slot: zero outputs and buffer rows, the pool not touched
+            if warp == 0:
+                for t in cutlass.range_constexpr(T):
+                    row = (tok0 + t) * HV + hv
+                    store_zeros(o, row * V + col0 + lane, 1)
+                    store_zeros(buf, row * W + 2 * K + col0 + lane, 1)
+            if vb == 0:
+                for rr in cutlass.range_constexpr(self.rows_per_thread):
+                    r = tid + rr * 32 * self.NW
+                    if r < K:
+                        for t in cutlass.range_constexpr(T):
+                            row = ((tok0 + t) * HV + hv) * W
+                            store_zeros(buf, row + r, 1)
+                            store_zeros(buf, row + K + r, 1)
+
+    @staticmethod
+    def _pair(p: int) -> tuple[int, int]:
+        """The p-th (t, s) pair with s <= t, row by row."""
+        t = 0
+        while p > t:
+            p -= t + 1
+            t += 1
+        return t, p
+
+    @cute.jit
+    def _products_simt(self, S, sA, sred, warp, lane, kbase):
+        """fp32 FMAs: lane (kr, vc) sums its RS rows for its 4 columns, a butterfly over the 4 kr lanes."""
+        RS, MP, KP, BV = self.RS, self.MP, self.KP, self.BV
+        kr = lane // 8
+        c4 = (lane % 8) * 4
+        r0 = kbase + kr * RS
+        for t in cutlass.range_constexpr(self.T):
+            for blk in cutlass.range_constexpr(2):          # Kt rows (U), then Qt rows (W)
+                m = blk * MP + t
+                a = load_vec(sA, Int32(m * KP) + r0, RS)
+                acc = []
+                for c in cutlass.range_constexpr(4):
+                    x = Float32(0.0)
+                    for i in cutlass.range_constexpr(RS):
+                        x = x + a[i] * S[i][c]
+                    acc.append(xor_sum(x, 8))
+                if kr == 0:
+                    store_vec(sred, (warp * (2 * MP) + m) * BV + c4, acc, 4)
+
+    @cute.jit
+    def _products_tc(self, S, sA, sred, warp, lane, kbase):
+        """3xTF32 mma.sync m16n8k8: A = the Kt / Qt tile (m-tile mt, k-step s of this warp's slice) from shared
+        memory, B = the state held in registers (row pair s: S[2 s], S[2 s + 1]; column 4 (lane / 4) + j of
+        n-tile j), fp32 accumulators; D written back as 16-byte row pieces."""
+        MP, KP, BV, KS = self.MP, self.KP, self.BV, self.KS
+        gr = lane // 4
+        t4 = lane % 4
+        # B operands, split once: bsp[s][j] = ((hi0, lo0), (hi1, lo1)) for rows t4 and t4 + 4 of k-step s
+        bsp = [[(tf32_split(S[2 * s][j]), tf32_split(S[2 * s + 1][j])) for j in range(4)] for s in range(KS)]
+        for mt in cutlass.range_constexpr(self.MT):
+            acc = [[Float32(0.0) for _ in range(4)] for _ in range(4)]
+            for s in cutlass.range_constexpr(KS):
+                kc = kbase + s * 8 + t4
+                base0 = Int32((mt * 16 + gr) * KP) + kc
+                base1 = Int32((mt * 16 + gr + 8) * KP) + kc
+                av = [cute.make_tensor(sA + off, cute.make_layout(1))[0]
+                      for off in (base0, base1, base0 + 4, base1 + 4)]
+                asp = [tf32_split(x) for x in av]
+                a_hi = [x[0] for x in asp]
+                a_lo = [x[1] for x in asp]
+                for j in cutlass.range_constexpr(4):
+                    (b0h, b0l), (b1h, b1l) = bsp[s][j]
+                    d = mma_tf32(a_lo, [b0h, b1h], acc[j])
+                    d = mma_tf32(a_hi, [b0l, b1l], d)
+                    acc[j] = mma_tf32(a_hi, [b0h, b1h], d)
+            # d0, d1: row gr, mma columns 2 t4, 2 t4 + 1 -> CTA columns 8 t4 + j, 8 t4 + 4 + j; d2, d3: row gr + 8
+            for hf in cutlass.range_constexpr(2):
+                m = mt * 16 + gr + hf * 8
+                for i in cutlass.range_constexpr(2):
+                    store_vec(sred, (warp * (2 * MP) + m) * BV + 8 * t4 + 4 * i,
+                              [acc[j][2 * hf + i] for j in range(4)], 4)

@@ -1,0 +1,90 @@
+"""GPU tests of the chunk-form KVBuffer verify (cula_sm90/decode/kvbuffer_verify.py), both product variants
+(3xTF32 tensor cores and SIMT), forced through `_config.VERIFY_OVERRIDE` so the public op runs them whatever the
+dispatch table picks: outputs and the KVBuffer against the fp64 reference at the recurrent kernel's fp32 tolerance,
+the pool untouched, padded / out-of-range requests zero, the flush from their buffer equal to the reference state
+after m tokens, K = V = 64, bitwise determinism."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import cula_core
+from decode_cases import (REL_TOL, backend, kernel_call, live_rows, make_case, reference_kvbuffer, reference_mtp,
+                          rel_err, require_sm90)
+
+pytestmark = pytest.mark.gpu
+
+VARIANTS = ["chunk_tc", "chunk_simt"]
+TS = [1, 2, 3, 4, 6, 8, 9]  # 9: two m-tiles (16 padded token rows per block)
+
+
+@pytest.fixture(autouse=True)
+def _sm90():
+    require_sm90()
+
+
+@contextlib.contextmanager
+def variant(name):
+    from cula_sm90.decode import _config
+
+    _config.VERIFY_OVERRIDE = name
+    try:
+        yield
+    finally:
+        _config.VERIFY_OVERRIDE = None
+
+
+@pytest.mark.parametrize("T", TS)
+@pytest.mark.parametrize("name", VARIANTS)
+def test_chunk_verify_then_flush(name, T):
+    for i, (N, G) in enumerate(((3, 1), (64, 2), (257, 4))):
+        if T == 9 and N == 257:
+            continue
+        kw = make_case(N, T, 2, 2 * G, safe=bool((T + i) % 2), out_of_range=N > 3, seed=500 * T + i)
+        pool_before = kw["state_pool"].clone()
+        o_ref, buf_ref = reference_kvbuffer(kw)
+        _, st_ref = reference_mtp(kw)
+        with backend(), variant(name):
+            o, buf = cula_core.kda_decode_mtp_kvbuffer(**kw)
+        assert rel_err(o, o_ref) < REL_TOL, (N, rel_err(o, o_ref))
+        assert rel_err(buf, buf_ref) < REL_TOL, (N, rel_err(buf, buf_ref))
+        live = torch.zeros(N, dtype=torch.bool, device="cuda")
+        live[live_rows(kw)] = True
+        assert (o[~live] == 0).all() and (buf[~live] == 0).all(), "a skipped request must get zeros"
+        assert torch.equal(kw["state_pool"], pool_before), "verify must not write the pool"
+        m = torch.arange(N, device="cuda", dtype=torch.int32) % (T + 1)
+        with backend():
+            cula_core.kda_flush_kvbuffer(kw["state_pool"], kw["cache_idx"], buf, m)
+        rows = live_rows(kw)
+        acc = rows[m[rows] > 0]
+        assert rel_err(kw["state_pool"][kw["cache_idx"][acc].long()], st_ref[acc, m[acc].long() - 1]) < REL_TOL
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_chunk_verify_head_dim_64_and_bf16(name):
+    """K = V = 64 through the kernel directly, and bf16 inputs through the public op."""
+    kw = make_case(7, 3, 2, 4, K=64, V=64, out_of_range=True, seed=901)
+    o_ref, buf_ref = reference_kvbuffer(kw)
+    with variant(name):
+        o, buf = kernel_call("kda_decode_mtp_kvbuffer", kw)
+    assert rel_err(o, o_ref) < REL_TOL and rel_err(buf, buf_ref) < REL_TOL
+    kw = make_case(9, 4, 2, 4, dtype=torch.bfloat16, seed=902)
+    o_ref, buf_ref = reference_kvbuffer(kw)
+    with backend(), variant(name):
+        o, buf = cula_core.kda_decode_mtp_kvbuffer(**kw)
+    assert rel_err(o, o_ref) < 8e-3 and rel_err(buf, buf_ref) < REL_TOL
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_chunk_verify_deterministic_and_close_to_recurrent(name):
+    kw = make_case(64, 6, 2, 4, seed=903)
+    with backend():
+        o_rec, buf_rec = cula_core.kda_decode_mtp_kvbuffer(**kw)
+        with variant(name):
+            a = cula_core.kda_decode_mtp_kvbuffer(**kw)
+            b = cula_core.kda_decode_mtp_kvbuffer(**kw)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert rel_err(a[0], o_rec) < REL_TOL and rel_err(a[1], buf_rec) < REL_TOL
