@@ -245,8 +245,8 @@ def test_memcheck_clean_on_odd_shapes():
 
 @pytest.mark.parametrize("lengths,states", [(None, True), ([17, 1, 64, 65, 0, 200], True), (None, False)])
 def test_chunk_bwd_dhu_matches_torch_stage(lengths, states):
-    """chunk_bwd_dhu (the kernel meant to replace torch_stages.dhu; not on the live path until this passes)
-    against torch_stages.dhu in fp32 on the same inputs."""
+    """chunk_bwd_dhu (the kernel the live backward uses) against the PyTorch stage torch_stages.dhu in fp32 on
+    the same inputs."""
     require_gpu()
     from cula_sm100.backward import launch, torch_stages
     from cula_sm100.forward import launch as fwd
@@ -281,3 +281,32 @@ def test_chunk_bwd_dhu_matches_torch_stage(lengths, states):
     print(f"\nchunk_bwd_dhu {lengths=} {states=}: " + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
     for n, e in errs.items():
         assert e < 2e-2, f"{n}: rel err {e:.3e}"
+
+
+@pytest.mark.parametrize("lengths,HV", [(None, 4), ([17, 1, 64, 65, 0, 200], 2)])
+def test_chunk_bwd_dav_matches_torch_stage(lengths, HV):
+    """chunk_bwd_dav against the PyTorch stage torch_stages.dav in fp32 on the same inputs (dAqk [TT, HV, 64]
+    causal, dv [TT, HV, V] in bf16; rows past each chunk's end never written)."""
+    require_gpu()
+    from cula_sm100.backward import launch, torch_stages
+    from cula_sm100.forward import launch as fwd
+
+    B, T = (1, 1000) if not lengths else (1, sum(lengths))
+    cu, cu_cpu = seqlens_to_cu(lengths) if lengths else (None, None)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+
+    def r(*s):
+        return torch.randn(*s, generator=gen, device="cuda")
+
+    ctab, _ = fwd.tables(B, T, cu, cu_cpu, "cuda")
+    ch = torch_stages.Chunks(torch_stages.bounds_of(B, T, cu, cu_cpu), "cuda")
+    do, vn = r(T, HV, 128).bfloat16(), r(T, HV, 128).bfloat16()
+    Aqk = ch.unchunk((0.1 * r(ch.NC + 1, 64, HV, 64)) * torch.ones(64, 64, device="cuda").tril()[None, :, None, :])
+    Aqk = Aqk.bfloat16().contiguous()
+    dA, dv = launch.chunk_bwd_dav(do, vn, Aqk, ctab)
+    e_dA, e_dv = torch_stages.dav(do, Aqk, vn, ch)
+    errs = dict(dA=rel_err(ch.chunk(dA).permute(0, 2, 1, 3)[:ch.NC], e_dA[:ch.NC]),
+                dv=rel_err(dv, ch.unchunk(e_dv)))
+    print(f"\nchunk_bwd_dav {lengths=} {HV=}: " + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+    assert errs["dA"] < 1e-5, errs   # fp32 accumulation of bf16 products on both sides
+    assert errs["dv"] < 1e-2, errs   # dv rounded to bf16 by the kernel

@@ -135,7 +135,15 @@ def warm_fla(hvs) -> None:
     procs = [subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
                                f"from tools.bench.train_bwd import warm_one; warm_one({hv})"]) for hv in hvs]
     bad = [p.args for p in procs if p.wait() != 0]
-    print(f"FLA warm-up: {len(procs)} processes in {time.perf_counter() - t0:.0f} s (failures: {bad})", flush=True)
+    # the processes tuned with the GPU shared: drop their choices, so that this process tunes alone (on kernels
+    # already compiled)
+    cache = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+    removed = 0
+    for f in cache.rglob("*.autotune.json"):
+        f.unlink()
+        removed += 1
+    print(f"FLA warm-up: {len(procs)} processes in {time.perf_counter() - t0:.0f} s ({removed} autotune results "
+          f"dropped; failures: {bad})", flush=True)
 
 
 def e2e_inputs(shape, seed=0):
@@ -176,6 +184,36 @@ def e2e_fn(impl, x):
         return [t.grad for t in leaves.values()]
 
     return run
+
+
+STAGES = ("recompute", "dav", "dhu", "chunk_wy_dqkg", "intra", "finish")
+
+
+def stage_times(shape, reps=5):
+    """Median ms of each stage of cula's backward (launch.chunk_kda_backward with CUDA events between stages):
+    where the backward's time goes, to order the remaining work."""
+    from cula_sm100.backward import launch
+
+    x = e2e_inputs(shape)
+    args = (x["do"], None, x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], None, x["cu"],
+            x["cu_cpu"])
+    kw = dict(scale=K ** -0.5, use_qk_l2norm_in_kernel=True, gate="softplus", lower_bound=None,
+              beta_activation="none")
+    per = {n: [] for n in STAGES}
+    for i in range(reps + 2):
+        ev = []
+
+        def mark(name, ev=ev):
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            ev.append(e)
+
+        launch.chunk_kda_backward(*args, marks=mark, **kw)
+        torch.cuda.synchronize()
+        if i >= 2:
+            for n, a, b in zip(STAGES, ev, ev[1:], strict=False):
+                per[n].append(a.elapsed_time(b))
+    return {n: sorted(v)[len(v) // 2] for n, v in per.items()}
 
 
 def shape_label(s):
@@ -256,6 +294,17 @@ def main(argv=None) -> int:
         print(erows[-1], flush=True)
         del x
         torch.cuda.empty_cache()
+    srows = []
+    shead = ("| shape | HV | " + " | ".join(STAGES) + " | total |\n|---|---:|" + "---:|" * (len(STAGES) + 1))
+    if eshapes:
+        print(shead, flush=True)
+    for s in eshapes:
+        st = stage_times(s)
+        srows.append(f"| {shape_label(s)} | {s['HV']} | " + " | ".join(f"{st[n]:.2f}" for n in STAGES)
+                     + f" | {sum(st.values()):.2f} |")
+        raw.setdefault("stages", []).append(dict(shape=s, **st))
+        print(srows[-1], flush=True)
+        torch.cuda.empty_cache()
     env = environment("cuda")
     cmd = "python -m tools.bench.train_bwd " + " ".join(argv if argv is not None else sys.argv[1:])
     md = [f"# chunk_kda backward (cula-sm100) vs FLA 0.6.0 on {env.get('gpu', 'cuda')}", "",
@@ -266,6 +315,9 @@ def main(argv=None) -> int:
     if erows:
         md += ["## whole forward + backward of chunk_kda (FLA with one configuration per kernel, untuned)", "",
                ehead, *erows, ""]
+    if srows:
+        md += ["## where cula's backward spends its time", "",
+               "ms per stage, median of 5 calls; recompute = the forward's kernels.", "", shead, *srows, ""]
     text = "\n".join(md)
     print(text)
     if args.out:

@@ -1,6 +1,6 @@
 """chunk_bwd_dhu: the reverse state recurrence of the backward, one (sequence, value head, 64-column slice of V)
-per CTA. NOT YET ON THE LIVE PATH: it compiles (sm_90a, sm_100a) but has not run on a GPU; the backward uses
-`torch_stages.dhu` until tests/sm100/test_backward_gpu.py::test_chunk_bwd_dhu_matches_torch_stage passes.
+per CTA. On the live path of the backward (launch.chunk_kda_backward); tests/sm100/test_backward_gpu.py checks it
+against the PyTorch stage `torch_stages.dhu` (test_chunk_bwd_dhu_matches_torch_stage) and through the whole op.
 
 For the chunks of the sequence from last to first (dh: gradient of the state at the END of the chunk, [K = 128,
 64] fp32 registers, starting from dht or zeros):

@@ -4,15 +4,14 @@
 `chunk_kda_bwd`, it recomputes the forward's intermediates (the forward saves only its inputs), here with
 cula-sm100's own forward kernels (`cula_sm100.forward.launch.forward`), then runs the backward stages:
 
-  1. dAqk = do @ v_new^T (causal), dv = Aqk^T @ do              PyTorch (`torch_stages.dav`)
-  2. reverse state recurrence: dh per chunk, dv += kg @ dh, dh0  PyTorch (`torch_stages.dhu`; the kernel
-     `chunk_bwd_dhu` below is compiled but not yet run on a GPU, so not used)
+  1. dAqk = do @ v_new^T (causal), dv = Aqk^T @ do              CuTe DSL kernel (`chunk_bwd_dav.py`)
+  2. reverse state recurrence: dh per chunk, dv += kg @ dh, dh0  CuTe DSL kernel (`chunk_bwd_dhu.py`)
   3. chunk_wy_dqkg: dq, dk (GVA-summed), dv, dbeta, dG, dL       CuTe DSL kernel (`chunk_wy_dqkg.py`)
   4. intra-chunk backward of Aqk and L = beta k k^T decays        PyTorch (`torch_stages.intra`)
   5. reverse chunk-local cumsum of dG, gate / beta / L2 backward  PyTorch (`torch_stages.finish`)
 
-The PyTorch stages run in fp32 on the GPU, batched over chunks and heads (no host synchronisation beyond the
-forward's chunk table). They are correct but not fast; each is a kernel still to write.
+The PyTorch stages (4, 5) run in fp32 on the GPU, batched over chunks and heads (no host synchronisation beyond
+the forward's chunk table). They are correct but not fast; each is a kernel still to write.
 """
 
 from __future__ import annotations
@@ -39,8 +38,34 @@ def wy_dqkg_kernel():
 
 
 @functools.cache
+def dav_kernel():
+    """The compiled chunk_bwd_dav (one compilation serves every size)."""
+    import cutlass.cute as cute
+
+    from cula_sm100.backward.chunk_bwd_dav import ChunkBwdDav
+
+    bf, f32, fp = torch.bfloat16, torch.float32, fwd._fake_ptr
+    return cute.compile(ChunkBwdDav(), fp(bf), fp(bf), fp(bf), fp(f32), fp(bf), fp(torch.int32), 1, 1, 1,
+                        fwd._compile_stream())
+
+
+def chunk_bwd_dav(do, v_new, Aqk, ctab):
+    """The backward of o's intra-chunk term (chunk_bwd_dav.py). do, v_new [TT, HV, V] bf16; Aqk [TT, HV, 64] bf16.
+    Returns dAqk [TT, HV, 64] fp32 (causal, diagonal included; zero past each chunk's end) and dv [TT, HV, V]
+    bf16 (the gradient of v_new through o)."""
+    TT, HV, _ = do.shape
+    dA = torch.empty(TT, HV, fwd.BT, device=do.device, dtype=torch.float32)
+    dv = torch.empty_like(do)
+    NC = ctab.shape[0]
+    if NC:
+        p = fwd._ptr
+        dav_kernel()(p(do), p(v_new), p(Aqk), p(dA), p(dv), p(ctab), TT, NC, HV, fwd._stream())
+    return dA, dv
+
+
+@functools.cache
 def dhu_kernel(has_dht: bool, want_dh0: bool):
-    """The compiled chunk_bwd_dhu (compiled and tested on the CPU only: not on the live path yet)."""
+    """The compiled chunk_bwd_dhu, per (dht given, dh0 wanted)."""
     import cutlass.cute as cute
 
     from cula_sm100.backward.chunk_bwd_dhu import ChunkBwdDhu
@@ -51,9 +76,8 @@ def dhu_kernel(has_dht: bool, want_dh0: bool):
 
 
 def chunk_bwd_dhu(q, kg, w, G, do, dv, dht, ctab, stab, *, scale, want_dh0):
-    """The reverse state recurrence as a kernel (chunk_bwd_dhu.py; NOT on the live path: it has not run on a
-    GPU yet, the backward uses torch_stages.dhu). q [TT, HQK, K] bf16; kg, w [TT, HV, K] bf16; G [TT, HV, K]
-    fp32; do, dv [TT, HV, V] bf16 (dv: gradient of v_new through o); dht [N, HV, K, V] fp32 or None.
+    """The reverse state recurrence as a kernel (chunk_bwd_dhu.py). q [TT, HQK, K] bf16; kg, w [TT, HV, K]
+    bf16; G [TT, HV, K] fp32; do, dv [TT, HV, V] bf16 (dv: gradient of v_new through o); dht [N, HV, K, V] fp32 or None.
     Returns dh [NC, HV, K, V] bf16, dv_tot [TT, HV, V] bf16, dh0 [N, HV, K, V] fp32 or None."""
     TT, HV, K = G.shape
     HQK, V = q.shape[1], do.shape[-1]
@@ -100,19 +124,30 @@ def chunk_wy_dqkg(q, k, v, v_new, G, beta, Akk, h, do, dh, dv, ctab, *, scale):
 
 
 def chunk_kda_backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *,
-                       scale, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation):
+                       scale, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, marks=None):
     """The backend's kernel for `chunk_kda_backward` (calling convention: docs/backends.md): gradients of
-    (q, k, v, g, beta, A_log, dt_bias, initial_state), None for absent inputs."""
+    (q, k, v, g, beta, A_log, dt_bias, initial_state), None for absent inputs. `marks` (not part of the
+    convention; the benchmark's stage timing): a callable called with each stage's name when it is queued."""
     B, T = q.shape[:2]
+    if marks is not None:
+        marks("begin")
     _, _, it = fwd.forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu,
                            scale=scale, output_final_state=False, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                            gate=gate, lower_bound=lower_bound, beta_activation=beta_activation)
-    ctab, _ = fwd.tables(B, T, cu_seqlens, cu_seqlens_cpu, q.device)
+    ctab, stab = fwd.tables(B, T, cu_seqlens, cu_seqlens_cpu, q.device)
 
     def wy(*args, scale):
         return chunk_wy_dqkg(*args[:-1], ctab, scale=scale)
 
+    def dav(*args):
+        return chunk_bwd_dav(*args, ctab)
+
+    def dhu(*args, scale, want_dh0):
+        return chunk_bwd_dhu(*args, ctab, stab, scale=scale, want_dh0=want_dh0)
+
     return torch_stages.backward(it, do, dht, v, (q, k, g, beta, A_log, dt_bias, initial_state), wy=wy, scale=scale,
                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate, lower_bound=lower_bound,
                                  beta_activation=beta_activation,
-                                 bounds=torch_stages.bounds_of(B, T, cu_seqlens, cu_seqlens_cpu))
+                                 bounds=torch_stages.bounds_of(B, T, cu_seqlens, cu_seqlens_cpu), dav_kernel=dav,
+                                 dhu_kernel=dhu,
+                                 marks=marks)

@@ -1,7 +1,9 @@
 """The stages of the sm100 chunk_kda backward that still run in PyTorch (fp32, on the tensors' device), and the
 composition of the whole backward from the forward's intermediates.
 
-Stages here (each a kernel still to write; `chunk_wy_dqkg` is the CuTe DSL kernel, passed in as `wy`):
+Stages here (`chunk_wy_dqkg` is the CuTe DSL kernel, passed in as `wy`; `dav` and `dhu` are the PyTorch forms of
+the kernels chunk_bwd_dav / chunk_bwd_dhu, which the live backward passes in instead: the CPU tests and the
+kernels' GPU tests use these forms as the oracle; intra and finish are kernels still to write):
   dav     dAqk = do @ v_new^T (causal), dv = Aqk^T @ do                         (FLA: chunk_kda_bwd_dAv)
   dhu     reverse state recurrence over each sequence's chunks: dh, dv += kg dh, dh0
                                                                                (FLA: chunk_gated_delta_rule_bwd_dhu)
@@ -202,11 +204,16 @@ def finish(dq, dk, dv, dbeta, dG, dh0, q, k, g, beta, A_log, dt_bias, initial_st
 
 
 def backward(it, do, dht, v, raw, *, wy, scale, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation,
-             bounds):
+             bounds, dav_kernel=None, dhu_kernel=None, marks=None):
     """The whole backward from the forward's intermediates `it` (fields q, k, g_cumsum, Aqk, Akk, w, kg, h,
     v_new over packed tokens, as `cula_sm100.forward.launch.Intermediates`) and the raw inputs
     raw = (q, k, g, beta, A_log, dt_bias, initial_state). `wy` is chunk_wy_dqkg's calling convention
-    (`cula_sm100.backward.launch.chunk_wy_dqkg`, or a stand-in for tests).
+    (`cula_sm100.backward.launch.chunk_wy_dqkg`, or a stand-in for tests). `dav_kernel`, when given, replaces
+    the PyTorch `dav` (`launch.chunk_bwd_dav` less its table: token layouts, dv in bf16). `dhu_kernel`, when given,
+    replaces
+    the PyTorch `dhu` (calling convention of `cula_sm100.backward.launch.chunk_bwd_dhu` less its tables: dv goes
+    in as bf16 and dh comes out as bf16, as FLA's chunk_gated_delta_rule_bwd_dhu). `marks`, when given, is a
+    callable `marks(name)` called after each stage (the benchmark records CUDA events there).
     Returns the gradients of (q, k, v, g, beta, A_log, dt_bias, initial_state)."""
     q, k, g, beta, A_log, dt_bias, initial_state = raw
     HQK, HV, V = q.shape[2], v.shape[2], v.shape[3]
@@ -214,14 +221,33 @@ def backward(it, do, dht, v, raw, *, wy, scale, use_qk_l2norm_in_kernel, gate, l
     TT = ch.TT
     do_f = do.reshape(TT, HV, V)
     beta_act = ref.activate_beta(beta.reshape(TT, HV).float(), beta_activation)
-    dAqk, dv = dav(do_f, it.Aqk, it.v_new, ch)
-    qg = it.q.float().repeat_interleave(HV // HQK, dim=1) * torch.exp(it.g_cumsum.float())
-    dh, dh0, dv = dhu(qg, it.kg, it.w, it.g_cumsum, do_f, dv, dht, ch, scale=scale,
-                      want_dh0=initial_state is not None)
+    mark = marks or (lambda name: None)
+    mark("start")
+    if dav_kernel is not None:  # token layouts: dAqk [TT, HV, 64] fp32, dv [TT, HV, V] bf16
+        dA_t, dv_t = dav_kernel(do_f.contiguous(), it.v_new, it.Aqk)
+        dAqk = ch.chunk(dA_t).permute(0, 2, 1, 3)
+    else:
+        dAqk, dv = dav(do_f, it.Aqk, it.v_new, ch)
+        dv_t = ch.unchunk(dv).to(do.dtype) if dhu_kernel is not None else None
+    mark("dav")
+    want_dh0 = initial_state is not None
+    if dhu_kernel is not None:
+        dh, dv, dh0 = dhu_kernel(it.q, it.kg, it.w, it.g_cumsum.contiguous(), do_f.contiguous(), dv_t.contiguous(),
+                                 dht.float().contiguous() if dht is not None else None, scale=scale,
+                                 want_dh0=want_dh0)
+    else:
+        dv = ch.chunk(dv_t).float() if dav_kernel is not None else dv
+        qg = it.q.float().repeat_interleave(HV // HQK, dim=1) * torch.exp(it.g_cumsum.float())
+        dh, dh0, dv = dhu(qg, it.kg, it.w, it.g_cumsum, do_f, dv, dht, ch, scale=scale, want_dh0=want_dh0)
+    mark("dhu")
     dq, dk, dv, dbeta, dG, dL = wy(it.q, it.k, v.reshape(TT, HV, V), it.v_new, it.g_cumsum, beta_act.contiguous(),
                                   it.Akk, it.h, do_f.contiguous(), dh.to(it.h.dtype).contiguous(),
                                   dv.to(do.dtype).contiguous(), ch, scale=scale)
+    mark("chunk_wy_dqkg")
     dq2, dk2, dbeta2, dG2 = intra(it.q, it.k, it.g_cumsum, beta_act, dAqk, dL, ch, scale=scale)
-    return finish(dq + dq2, dk + dk2, dv, dbeta + dbeta2, dG + dG2, dh0, q, k, g, beta, A_log, dt_bias,
-                  initial_state, ch, v_dtype=v.dtype, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate,
-                  lower_bound=lower_bound, beta_activation=beta_activation)
+    mark("intra")
+    out = finish(dq + dq2, dk + dk2, dv, dbeta + dbeta2, dG + dG2, dh0, q, k, g, beta, A_log, dt_bias,
+                 initial_state, ch, v_dtype=v.dtype, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate,
+                 lower_bound=lower_bound, beta_activation=beta_activation)
+    mark("finish")
+    return out
