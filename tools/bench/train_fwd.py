@@ -131,6 +131,8 @@ def kernel_fns(s):
                                                   s["ctab"], beta_activation="none"),
         "delta_h": lambda: launch.chunk_delta_h(s["w"], s["u"], s["kg"], s["G"], None, s["ctab"], s["stab"],
                                                 output_final_state=False),
+        "delta_h[BV=64]": lambda: launch.chunk_delta_h(s["w"], s["u"], s["kg"], s["G"], None, s["ctab"], s["stab"],
+                                                       output_final_state=False, BV=64),
         "fwd_o": lambda: launch.fwd_o(s["q"], s["G"], s["h"], s["Aqk"], s["v_new"], s["ctab"], scale=scale),
         "gate": lambda: launch.gate_cumsum(s["graw"], s["A_log"], s["dt_bias"], s["ctab"], gate="softplus",
                                            lower_bound=None),

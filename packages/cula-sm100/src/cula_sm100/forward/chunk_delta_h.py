@@ -1,6 +1,7 @@
-"""chunk_delta_h: the inter-chunk state recurrence, one (sequence, value head, 64-column slice of V) per CTA.
+"""chunk_delta_h: the inter-chunk state recurrence, one (sequence, value head, BV-column slice of V) per CTA.
 
-For each chunk of the sequence, in order (h: the state [K = 128, 64] at the chunk start, fp32 registers):
+For each chunk of the sequence, in order (h: the state [K = 128, BV] at the chunk start, fp32 registers;
+BV = 32 by default):
 
     h_out[chunk] = h                                  (saved, bf16 as FLA, for fwd_o and the backward)
     v_new = u - w @ h                                 (bf16 out)
@@ -8,8 +9,8 @@ For each chunk of the sequence, in order (h: the state [K = 128, 64] at the chun
 
 starting from initial_state (or zeros) and ending in final_state (fp32) if asked. Sequences come from the
 sequence table (first token, end, first global chunk), so varlen and empty sequences need nothing more.
-Tiling: 128 threads (4 warps along M); `w @ h` is [64 x 128] @ [128 x 64] and `kg^T @ v_new` is
-[128 x 64] @ [64 x 64], both mma.sync m16n8k16 with bf16 operands (h and v_new rounded to bf16 as FLA) and
+Tiling: 128 threads (4 warps along M); `w @ h` is [64 x 128] @ [128 x BV] and `kg^T @ v_new` is
+[128 x 64] @ [64 x BV], both mma.sync m16n8k16 with bf16 operands (h and v_new rounded to bf16 as FLA) and
 fp32 accumulation; transposed operands read with ldmatrix.trans. Pipeline: two shared-memory stages;
 chunk ci + 1's w, kg and u load (cp.async, rows past the end zero) while chunk ci stores h, multiplies,
 writes v_new and updates h; G at chunk ci + 1's last row is loaded during chunk ci. h and v_new leave from
@@ -30,12 +31,14 @@ class ChunkDeltaH:
     BT = 64
     K = 128
     V = 128
-    BV = 64
     threads = 128
 
-    def __init__(self, has_initial_state: bool, output_final_state: bool):
+    def __init__(self, has_initial_state: bool, output_final_state: bool, BV: int = 32):
         self.has_h0 = has_initial_state
         self.store_ht = output_final_state
+        # columns of V per CTA: 32 gives 4 CTAs per (sequence, head), so N * HV * 4 CTAs (3 per SM by shared
+        # memory) keep the SMs busy; each re-reads w and kg, which mostly hit in L2 (FLA's autotuner picks 32 too)
+        self.BV = BV
 
     @cute.jit
     def __call__(self, w_ptr: cute.Pointer, u_ptr: cute.Pointer, kg_ptr: cute.Pointer, G_ptr: cute.Pointer,

@@ -102,60 +102,62 @@ class ChunkIntra:
                 sG[r, tidx] = sG[n - 1, tidx]
         cute.arch.sync_threads()
 
-        # ---- the diagonal block may use the GEMM too when its decay span keeps exp(G_n - G_j) <= 2^100 (no
-        #      overflow in bf16 / fp32; the factors of earlier columns are <= 1 anyway); else the fp32 path below
+        # ---- the diagonal block. When its decay span keeps exp(G_n - G_j) <= 2^100 (no overflow in bf16 / fp32;
+        #      the factors of earlier columns are <= 1 anyway) the GEMM takes all of it ("mild" below). Otherwise it
+        #      is split in 8 x 8 sub-blocks: the lower-left one by the GEMM with reference row n + 8 (both factors
+        #      <= 1 for rows >= n + 8 against columns < n + 8), the two diagonal ones in exact fp32 further down.
         span = cutlass.Float32(0.0)
         for e in cutlass.range_constexpr(4):
             span = cute.arch.fmax(span, sG[r0, lane * 4 + e] - sG[r0 + BC - 1, lane * 4 + e])
         for sh in cutlass.range_constexpr(5):
             span = cute.arch.fmax(span, cute.arch.shuffle_sync_bfly(span, 1 << sh))
-        diag_by_mma = span * LOG2E < 100.0
-        nblk = w  # column blocks this warp takes through the GEMM
-        if diag_by_mma:
-            nblk = w + 1
+        mild = span * LOG2E < 100.0
+        half_rows = BC // 2
+        lo = half_rows  # A rows from lo on, B rows (columns) before hi take part in the diagonal block's GEMM
+        hi = half_rows
+        if mild:
+            lo = 0
+            hi = BC
 
         # ---- operands, in log2 units. B (shared): the warp's decayed keys k_j exp(G_n - G_j), n = 16 w, lane
         #      = 4 channels, 16-byte / 8-byte vectors. A (registers, never in shared memory): the MMA fragment of
         #      [q_i; k_i] exp(G_i - G_n) for the warp's 16 rows, built element by element at its coordinates.
         gref = cute.make_rmem_tensor((4,), cutlass.Float32)
+        gdia = cute.make_rmem_tensor((4,), cutlass.Float32)  # the diagonal block's reference (n or n + 8)
         self.load4(sG, r0, lane, gref)
+        self.load4(sG, r0 + lo, lane, gdia)  # n when mild, else n + 8
         for e in cutlass.range_constexpr(4):
             gref[e] = gref[e] * LOG2E
+            gdia[e] = gdia[e] * LOG2E
         gv = cute.make_rmem_tensor((4,), cutlass.Float32)
         kv = cute.make_rmem_tensor((4,), cutlass.BFloat16)
         yv = cute.make_rmem_tensor((4,), cutlass.BFloat16)
         yb0 = w * (w + 1) // 2
         for nt in cutlass.range_constexpr(4):
-            if nt < nblk:
-                sYb = cute.local_tile(sY, (BC, K), (yb0 + nt, 0))
-                for i in cutlass.range_constexpr(BC):
-                    self.load4(sG, nt * BC + i, lane, gv)
-                    self.load4(sK, nt * BC + i, lane, kv)
-                    for e in cutlass.range_constexpr(4):
-                        yv[e] = (kv[e].to(cutlass.Float32) * cute.math.exp2(gref[e] - gv[e] * LOG2E, fastmath=True)
-                                 ).to(cutlass.BFloat16)
-                    self.store4(yv, sYb, i, lane)
+            if nt < w:
+                self.build_keys(sG, sK, cute.local_tile(sY, (BC, K), (yb0 + nt, 0)), nt * BC, gref, BC, lane, gv, kv, yv)
+            if nt == w:
+                self.build_keys(sG, sK, cute.local_tile(sY, (BC, K), (yb0 + nt, 0)), nt * BC, gdia, hi, lane, gv, kv, yv)
         mma = make_tiled_mma(1)
         thr = mma.get_slice(lane)
         rA = cute.make_rmem_tensor(thr.partition_shape_A((2 * BC, K)), cutlass.BFloat16)
         cA = thr.partition_A(cute.make_identity_tensor((2 * BC, K)))
-        rAq = rA[None, 0, None]
-        rAk = rA[None, 1, None]
-        cAq = cA[None, 0, None]
-        for j in cutlass.range_constexpr(cute.size(rAq)):
-            r, d = cAq[j]
-            dec = cute.math.exp2(sG[r0 + r, d] * LOG2E - sG[r0, d] * LOG2E, fastmath=True)
-            rAq[j] = (sQ[r0 + r, d].to(cutlass.Float32) * dec).to(cutlass.BFloat16)
-            rAk[j] = (sK[r0 + r, d].to(cutlass.Float32) * dec).to(cutlass.BFloat16)
-        cute.arch.sync_threads()  # every warp's B operand is built; sG is no longer read as G
+        self.build_rows(rA, cA, sQ, sK, sG, r0, r0, 0)
+        cute.arch.sync_threads()  # every warp's B operand is built
 
         # ---- scores of the warp's rows against each column block up to its own, by warp-level MMA, held in
         #      registers until region R is free
         accs = [cute.make_rmem_tensor(thr.partition_shape_C((2 * BC, BC)), cutlass.Float32) for _ in range(4)]
         for nt in cutlass.range_constexpr(4):
             accs[nt].fill(0.0)
-            if nt < nblk:
+            if nt < w:
                 gemm_rs(mma, accs[nt], rA, cute.local_tile(sY, (BC, K), (yb0 + nt, 0)), lane, False)
+        if not mild:  # the diagonal block's A: reference row n + 8, rows before it zero
+            self.build_rows(rA, cA, sQ, sK, sG, r0, r0 + half_rows, half_rows)
+        for nt in cutlass.range_constexpr(4):
+            if nt == w:
+                gemm_rs(mma, accs[nt], rA, cute.local_tile(sY, (BC, K), (yb0 + nt, 0)), lane, False)
+        cute.arch.sync_threads()  # every warp is done reading G
         # ---- per-step decays a_t = exp(g_t) = exp(G_t - G_{t-1}), in place of G (no longer needed); descending t
         #      so that G_{t-1} is read before it is overwritten. Rows past the end repeat G: a = 1 there.
         for tt in cutlass.range_constexpr(BT - 1):
@@ -164,41 +166,40 @@ class ChunkIntra:
         cute.arch.sync_threads()  # every GEMM is done with R; the decays are in place
         coord = thr.partition_C(cute.make_identity_tensor((2 * BC, BC)))
         for nt in cutlass.range_constexpr(4):
-            if nt < nblk:
-                for v in cutlass.range_constexpr(cute.size(accs[nt])):
-                    r, c = coord[v]
-                    if r < BC:
-                        sA[r0 + r, nt * BC + c] = accs[nt][v] * scale
-                    else:
-                        sL[r0 + r - BC, nt * BC + c] = accs[nt][v] * sBeta[r0 + r - BC]
+            if nt < w:
+                self.store_scores(accs[nt], coord, sA, sL, sBeta, r0, nt * BC, 0, BC, scale)
+            if nt == w:
+                self.store_scores(accs[nt], coord, sA, sL, sBeta, r0, nt * BC, lo, hi, scale)
 
-        # ---- diagonal blocks in fp32, exact for any decay: lane (jl, half) carries the decayed key of
-        #      column j = r0 + jl over its 64 channels, z_j(i) = k_j * a_{j+1} ... a_i (one multiply per row
-        #      step, no exp, every factor <= 1), and dots it with q_i and k_i; the halves add by one shuffle.
-        #      Channels of lane half h: 8 m + 4 h + e (m < 16, e < 4), read as 4-element vectors.
+        # ---- diagonal 8 x 8 sub-blocks in fp32 (not mild), exact for any decay: lane (jl, half), jl = 8 sb + c,
+        #      carries the decayed key of column j = n + 8 sb + c over its 64 channels, z_j(i) = k_j a_{j+1} ... a_i
+        #      (one multiply per row step, no exp, every factor <= 1), and dots it with q_i and k_i; the halves add
+        #      by one shuffle. Channels of lane half h: 8 m + 4 h + e (m < 16, e < 4), read as 4-element vectors.
         jl = lane % BC
         half = lane // BC
+        col = jl % half_rows
+        base = r0 + (jl // half_rows) * half_rows
         z = cute.make_rmem_tensor((64,), cutlass.Float32)
         z.fill(0.0)
         av = cute.make_rmem_tensor((4,), cutlass.Float32)
         qv = cute.make_rmem_tensor((4,), cutlass.BFloat16)
-        n_diag = BC
-        if diag_by_mma:
+        n_diag = half_rows
+        if mild:
             n_diag = 0  # warp-uniform: this warp's diagonal block came from the GEMM
         for ii in cutlass.range(n_diag, unroll=1):  # runtime loop: small code, quick compilation
-            row = r0 + ii
+            row = base + ii
             aq = cute.make_rmem_tensor((4,), cutlass.Float32)
             ak = cute.make_rmem_tensor((4,), cutlass.Float32)
             aq.fill(0.0)
             ak.fill(0.0)
             for m in cutlass.range_constexpr(16):
-                # at ii = 0 every z is still 0, so multiplying by row r0's entry (G_0 itself when r0 = 0) is harmless
+                # at ii = 0 every z is still 0, so multiplying by row `base`'s entry (G_0 itself at row 0) is harmless
                 self.load4(sG, row, 2 * m + half, av)
                 self.load4(sK, row, 2 * m + half, kv)
                 self.load4(sQ, row, 2 * m + half, qv)
                 for e in cutlass.range_constexpr(4):
                     z[4 * m + e] = z[4 * m + e] * av[e]
-                if jl == ii:
+                if col == ii:
                     for e in cutlass.range_constexpr(4):
                         z[4 * m + e] = kv[e].to(cutlass.Float32)
                 for e in cutlass.range_constexpr(4):
@@ -209,9 +210,9 @@ class ChunkIntra:
             sq += cute.arch.shuffle_sync_bfly(sq, BC)
             sk += cute.arch.shuffle_sync_bfly(sk, BC)
             if half == 0:
-                if jl <= ii:
-                    sA[row, r0 + jl] = sq * scale
-                    sL[row, r0 + jl] = sk * sBeta[row]  # the diagonal entry is written but never read
+                if col <= ii:
+                    sA[row, base + col] = sq * scale
+                    sL[row, base + col] = sk * sBeta[row]  # the diagonal entry is written but never read
         cute.arch.sync_threads()
 
         # ---- solve: diagonal block inverses (lane = column), fp32
@@ -278,6 +279,52 @@ class ChunkIntra:
         cute.arch.sync_threads()
         store_rows_s2g(sAqk_o, head_rows(mAqk, t0, hv, BT), n, tidx, self.threads)
         store_rows_s2g(sAkk_o, head_rows(mAkk, t0, hv, BT), n, tidx, self.threads)
+
+    @cute.jit
+    def build_keys(self, sG, sK, sYb, j0, gref, rows, lane, gv, kv, yv):
+        """sYb[i] = k_{j0+i} exp2(gref - G_{j0+i}) for i < rows, 0 after (lane: 4 channels, vector accesses)."""
+        for i in cutlass.range_constexpr(self.BC):
+            yv.fill(0.0)
+            if i < rows:
+                self.load4(sG, j0 + i, lane, gv)
+                self.load4(sK, j0 + i, lane, kv)
+                for e in cutlass.range_constexpr(4):
+                    yv[e] = (kv[e].to(cutlass.Float32) * cute.math.exp2(gref[e] - gv[e] * LOG2E, fastmath=True)
+                             ).to(cutlass.BFloat16)
+            self.store4(yv, sYb, i, lane)
+
+    @cute.jit
+    def build_rows(self, rA, cA, sQ, sK, sG, r0, rref, lo):
+        """The A fragment: rows [q_i; k_i] exp2(G_i - G_rref) of the warp's 16 rows i = r0 + r, zero for r < lo
+        (the q and k rows of one fragment position share a row and channel, so one exp serves both)."""
+        rAq = rA[None, 0, None]
+        rAk = rA[None, 1, None]
+        cAq = cA[None, 0, None]
+        for j in cutlass.range_constexpr(cute.size(rAq)):
+            r, d = cAq[j]
+            xq = cutlass.Float32(0.0)
+            xk = cutlass.Float32(0.0)
+            if r >= lo:
+                dec = cute.math.exp2(sG[r0 + r, d] * LOG2E - sG[rref, d] * LOG2E, fastmath=True)
+                xq = sQ[r0 + r, d].to(cutlass.Float32) * dec
+                xk = sK[r0 + r, d].to(cutlass.Float32) * dec
+            rAq[j] = xq.to(cutlass.BFloat16)
+            rAk[j] = xk.to(cutlass.BFloat16)
+
+    @cute.jit
+    def store_scores(self, acc, coord, sA, sL, sBeta, r0, c0, lo, hi, scale):
+        """The block's scores (rows r0 + r, r >= lo; columns c0 + c, c < hi) into sA (q side, times scale) and
+        sL (k side, times beta of the row)."""
+        BC = self.BC
+        for v in cutlass.range_constexpr(cute.size(acc)):
+            r, c = coord[v]
+            rr = r % BC
+            if rr >= lo:
+                if c < hi:
+                    if r < BC:
+                        sA[r0 + rr, c0 + c] = acc[v] * scale
+                    else:
+                        sL[r0 + rr, c0 + c] = acc[v] * sBeta[r0 + rr]
 
     @cute.jit
     def load4(self, s: cute.Tensor, row, blk, frag: cute.Tensor):
