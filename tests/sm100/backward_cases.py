@@ -88,6 +88,7 @@ def kernels():
     from cula_sm100.backward import launch
 
     return {"chunk_wy_dqkg": launch.wy_dqkg_kernel, "chunk_bwd_dav": launch.dav_kernel,
+            "chunk_bwd_intra": launch.intra_kernel,
             "chunk_bwd_dhu[dht, dh0]": lambda: launch.dhu_kernel(True, True),
             "chunk_bwd_dhu[no states]": lambda: launch.dhu_kernel(False, False)}
 

@@ -47,6 +47,10 @@ KERNEL_SHAPES += [dict(B=1, T=TOKENS, HV=32, varlen=(kind, n)) for n in (10, 20)
                   for kind in ("uniform", "random", "skewed")]
 KERNEL_SHAPES += [dict(B=2, T=t, HV=hv) for hv in (32, 64) for t in (1024, 4096)]
 E2E_SHAPES = [dict(B=2, T=4096, HV=32), dict(B=1, T=TOKENS, HV=32, varlen=("random", 10))]
+# --quick: the rows a short device slot affords (the most telling of each kind)
+QUICK_KERNELS = [dict(B=2, T=8192, HV=32), dict(B=2, T=8192, HV=64), dict(B=1, T=TOKENS, HV=32, varlen=("random", 20)),
+                 dict(B=2, T=1024, HV=32)]
+QUICK_E2E = [dict(B=2, T=4096, HV=32)]
 SMOKE_KERNELS = [dict(B=2, T=1024, HV=32)]
 SMOKE_E2E = [dict(B=1, T=1024, HV=32)]
 
@@ -231,6 +235,7 @@ def rel(a, b):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="one shape of each table (CI)")
+    ap.add_argument("--quick", action="store_true", help="the trimmed grid of a short device slot")
     ap.add_argument("--out", type=Path, help="write the markdown report here")
     ap.add_argument("--json", type=Path, help="write the raw numbers here")
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
@@ -242,8 +247,8 @@ def main(argv=None) -> int:
         return 1
     os.environ["CULA_BACKEND"] = "sm100"
     timing = Timing(warmup=args.warmup, repeats=args.rep, method="auto")
-    kshapes = SMOKE_KERNELS if args.smoke else KERNEL_SHAPES
-    eshapes = [] if args.no_e2e else (SMOKE_E2E if args.smoke else E2E_SHAPES)
+    kshapes = SMOKE_KERNELS if args.smoke else QUICK_KERNELS if args.quick else KERNEL_SHAPES
+    eshapes = [] if args.no_e2e else (SMOKE_E2E if args.smoke else QUICK_E2E if args.quick else E2E_SHAPES)
     try:
         import fla  # noqa: F401
         have_fla = True
@@ -267,6 +272,17 @@ def main(argv=None) -> int:
         if args.out:
             args.out.write_text("\n".join([head, *rows, ""]))
         del x
+        torch.cuda.empty_cache()
+    srows = []
+    shead = ("| shape | HV | " + " | ".join(STAGES) + " | total |\n|---|---:|" + "---:|" * (len(STAGES) + 1))
+    if eshapes:
+        print(shead, flush=True)
+    for s in eshapes:
+        st = stage_times(s)
+        srows.append(f"| {shape_label(s)} | {s['HV']} | " + " | ".join(f"{st[n]:.2f}" for n in STAGES)
+                     + f" | {sum(st.values()):.2f} |")
+        raw.setdefault("stages", []).append(dict(shape=s, **st))
+        print(srows[-1], flush=True)
         torch.cuda.empty_cache()
     erows = []
     if eshapes:
@@ -293,17 +309,6 @@ def main(argv=None) -> int:
         raw["e2e"].append(dict(shape=s, fla_ms=fla_ms, cula_ms=ours, max_rel_diff=diff))
         print(erows[-1], flush=True)
         del x
-        torch.cuda.empty_cache()
-    srows = []
-    shead = ("| shape | HV | " + " | ".join(STAGES) + " | total |\n|---|---:|" + "---:|" * (len(STAGES) + 1))
-    if eshapes:
-        print(shead, flush=True)
-    for s in eshapes:
-        st = stage_times(s)
-        srows.append(f"| {shape_label(s)} | {s['HV']} | " + " | ".join(f"{st[n]:.2f}" for n in STAGES)
-                     + f" | {sum(st.values()):.2f} |")
-        raw.setdefault("stages", []).append(dict(shape=s, **st))
-        print(srows[-1], flush=True)
         torch.cuda.empty_cache()
     env = environment("cuda")
     cmd = "python -m tools.bench.train_bwd " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -2,16 +2,17 @@
 
 `chunk_kda_backward(...)` follows the kernel calling convention of docs/backends.md. Like FLA 0.6.0's
 `chunk_kda_bwd`, it recomputes the forward's intermediates (the forward saves only its inputs), here with
-cula-sm100's own forward kernels (`cula_sm100.forward.launch.forward`), then runs the backward stages:
+cula-sm100's own forward kernels (`recompute`: the forward's composition less the output), then runs the
+backward stages:
 
   1. dAqk = do @ v_new^T (causal), dv = Aqk^T @ do              CuTe DSL kernel (`chunk_bwd_dav.py`)
   2. reverse state recurrence: dh per chunk, dv += kg @ dh, dh0  CuTe DSL kernel (`chunk_bwd_dhu.py`)
   3. chunk_wy_dqkg: dq, dk (GVA-summed), dv, dbeta, dG, dL       CuTe DSL kernel (`chunk_wy_dqkg.py`)
-  4. intra-chunk backward of Aqk and L = beta k k^T decays        PyTorch (`torch_stages.intra`)
+  4. intra-chunk backward of Aqk and L = beta k k^T decays        CuTe DSL kernel (`chunk_bwd_intra.py`)
   5. reverse chunk-local cumsum of dG, gate / beta / L2 backward  PyTorch (`torch_stages.finish`)
 
-The PyTorch stages (4, 5) run in fp32 on the GPU, batched over chunks and heads (no host synchronisation beyond
-the forward's chunk table). They are correct but not fast; each is a kernel still to write.
+The PyTorch stage (5) runs in fp32 on the GPU, batched over chunks (no host synchronisation beyond the forward's
+chunk table); it is correct but not fast: a kernel still to write.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ import torch
 
 from cula_sm100.backward import torch_stages
 from cula_sm100.forward import launch as fwd
+
+
+# chunk_bwd_intra on the live path (False: the PyTorch form torch_stages.intra, the kernel's oracle)
+INTRA_KERNEL = True
 
 
 @functools.cache
@@ -61,6 +66,32 @@ def chunk_bwd_dav(do, v_new, Aqk, ctab):
         p = fwd._ptr
         dav_kernel()(p(do), p(v_new), p(Aqk), p(dA), p(dv), p(ctab), TT, NC, HV, fwd._stream())
     return dA, dv
+
+
+@functools.cache
+def intra_kernel():
+    """The compiled chunk_bwd_intra (one compilation serves every size)."""
+    import cutlass.cute as cute
+
+    from cula_sm100.backward.chunk_bwd_intra import ChunkBwdIntra
+
+    bf, f32, fp = torch.bfloat16, torch.float32, fwd._fake_ptr
+    return cute.compile(ChunkBwdIntra(), fp(bf), fp(bf), fp(f32), fp(f32), fp(f32), fp(f32), fp(f32), fp(f32),
+                        fp(f32), fp(f32), fp(torch.int32), 1, 1, 1, 1, 1.0, fwd._compile_stream())
+
+
+def chunk_bwd_intra(q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab, *, scale):
+    """The intra-chunk backward (chunk_bwd_intra.py), ADDED in place to dq, dk [TT, HQK, K], dbeta [TT, HV] and
+    dG [TT, HV, K] (fp32, as chunk_wy_dqkg returns them); dG then holds its reverse chunk-local cumsum (the
+    gradient of the raw log decay). q, k [TT, HQK, K] bf16; G [TT, HV, K] fp32; beta
+    [TT, HV] fp32 (activated); dAqk (chunk_bwd_dav), dL (chunk_wy_dqkg) [TT, HV, 64] fp32."""
+    TT, HQK, _ = q.shape
+    HV = G.shape[1]
+    NC = ctab.shape[0]
+    if NC:
+        p = fwd._ptr
+        intra_kernel()(p(q), p(k), p(G), p(beta), p(dAqk), p(dL), p(dq), p(dk), p(dbeta), p(dG), p(ctab), TT, NC,
+                       HQK, HV, float(scale), fwd._stream())
 
 
 @functools.cache
@@ -123,6 +154,24 @@ def chunk_wy_dqkg(q, k, v, v_new, G, beta, Akk, h, do, dh, dv, ctab, *, scale):
     return dq, dk, dv2, db, dg, dA
 
 
+def recompute(q, k, v, g, beta, A_log, dt_bias, initial_state, ctab, stab, *, scale, use_qk_l2norm_in_kernel, gate,
+              lower_bound, beta_activation):
+    """The forward's intermediates with cula_sm100.forward's kernels: its composition (`forward.launch.forward`)
+    less the output o, which the backward does not read."""
+    B, T, HQK, K = q.shape
+    HV = v.shape[2]
+    if use_qk_l2norm_in_kernel:
+        q, k = fwd.l2norm(q), fwd.l2norm(k)
+    A_log = A_log.contiguous() if A_log is not None else None
+    dt_bias = dt_bias.contiguous() if dt_bias is not None else None
+    G = fwd.gate_cumsum(g.reshape(B * T, HV, K), A_log, dt_bias, ctab, gate=gate, lower_bound=lower_bound)
+    Aqk, Akk = fwd.chunk_intra(q, k, G, beta, ctab, scale=scale, beta_activation=beta_activation)
+    w, u, kg = fwd.recompute_w_u(k, v, G, beta, Akk, ctab, beta_activation=beta_activation)
+    h, v_new, _ = fwd.chunk_delta_h(w, u, kg, G, initial_state, ctab, stab, output_final_state=False)
+    return fwd.Intermediates(q=q.reshape(B * T, HQK, K), k=k.reshape(B * T, HQK, K), g_cumsum=G, Aqk=Aqk,
+                             Akk=Akk, w=w, u=u, kg=kg, h=h, v_new=v_new)
+
+
 def chunk_kda_backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *,
                        scale, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, marks=None):
     """The backend's kernel for `chunk_kda_backward` (calling convention: docs/backends.md): gradients of
@@ -131,16 +180,19 @@ def chunk_kda_backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state,
     B, T = q.shape[:2]
     if marks is not None:
         marks("begin")
-    _, _, it = fwd.forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu,
-                           scale=scale, output_final_state=False, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                           gate=gate, lower_bound=lower_bound, beta_activation=beta_activation)
     ctab, stab = fwd.tables(B, T, cu_seqlens, cu_seqlens_cpu, q.device)
+    it = recompute(q, k, v, g, beta, A_log, dt_bias, initial_state, ctab, stab, scale=scale,
+                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate, lower_bound=lower_bound,
+                   beta_activation=beta_activation)
 
     def wy(*args, scale):
         return chunk_wy_dqkg(*args[:-1], ctab, scale=scale)
 
     def dav(*args):
         return chunk_bwd_dav(*args, ctab)
+
+    def intra(*args, scale):
+        return chunk_bwd_intra(*args, ctab, scale=scale)
 
     def dhu(*args, scale, want_dh0):
         return chunk_bwd_dhu(*args, ctab, stab, scale=scale, want_dh0=want_dh0)
@@ -149,5 +201,5 @@ def chunk_kda_backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state,
                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate, lower_bound=lower_bound,
                                  beta_activation=beta_activation,
                                  bounds=torch_stages.bounds_of(B, T, cu_seqlens, cu_seqlens_cpu), dav_kernel=dav,
-                                 dhu_kernel=dhu,
+                                 dhu_kernel=dhu, intra_kernel=intra if INTRA_KERNEL else None,
                                  marks=marks)

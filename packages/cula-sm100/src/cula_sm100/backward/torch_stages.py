@@ -2,8 +2,9 @@
 composition of the whole backward from the forward's intermediates.
 
 Stages here (`chunk_wy_dqkg` is the CuTe DSL kernel, passed in as `wy`; `dav` and `dhu` are the PyTorch forms of
-the kernels chunk_bwd_dav / chunk_bwd_dhu, which the live backward passes in instead: the CPU tests and the
-kernels' GPU tests use these forms as the oracle; intra and finish are kernels still to write):
+the kernels chunk_bwd_dav / chunk_bwd_dhu, and `intra` of chunk_bwd_intra, which the live backward passes in
+instead: the CPU tests and the kernels' GPU tests use these forms as the oracle; finish is a kernel still to
+write):
   dav     dAqk = do @ v_new^T (causal), dv = Aqk^T @ do                         (FLA: chunk_kda_bwd_dAv)
   dhu     reverse state recurrence over each sequence's chunks: dh, dv += kg dh, dh0
                                                                                (FLA: chunk_gated_delta_rule_bwd_dhu)
@@ -174,12 +175,13 @@ def activate_beta(beta, activation):
 
 
 def finish(dq, dk, dv, dbeta, dG, dh0, q, k, g, beta, A_log, dt_bias, initial_state, ch: Chunks, *, v_dtype,
-           use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation):
+           use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, summed=False):
     """From gradients of (normalised q/k [TT, HQK, K], v [TT, HV, V], activated beta [TT, HV], G, h0) to the
-    op's gradients of its raw inputs, in their shapes and dtypes (None for absent inputs)."""
+    op's gradients of its raw inputs, in their shapes and dtypes (None for absent inputs). With `summed`, dG
+    is already the gradient of the raw log decay (chunk_bwd_intra ran the reverse cumsum)."""
     B, T, HQK, K = q.shape
     HV = g.shape[2]
-    dld = reverse_cumsum(dG, ch).reshape(B, T, HV, K)
+    dld = (dG if summed else reverse_cumsum(dG, ch)).reshape(B, T, HV, K)
     raw = (q, k, g, beta, A_log, dt_bias)
     where = [i for i, t in enumerate(raw) if t is not None]
 
@@ -204,16 +206,18 @@ def finish(dq, dk, dv, dbeta, dG, dh0, q, k, g, beta, A_log, dt_bias, initial_st
 
 
 def backward(it, do, dht, v, raw, *, wy, scale, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation,
-             bounds, dav_kernel=None, dhu_kernel=None, marks=None):
+             bounds, dav_kernel=None, dhu_kernel=None, intra_kernel=None, marks=None):
     """The whole backward from the forward's intermediates `it` (fields q, k, g_cumsum, Aqk, Akk, w, kg, h,
     v_new over packed tokens, as `cula_sm100.forward.launch.Intermediates`) and the raw inputs
     raw = (q, k, g, beta, A_log, dt_bias, initial_state). `wy` is chunk_wy_dqkg's calling convention
     (`cula_sm100.backward.launch.chunk_wy_dqkg`, or a stand-in for tests). `dav_kernel`, when given, replaces
-    the PyTorch `dav` (`launch.chunk_bwd_dav` less its table: token layouts, dv in bf16). `dhu_kernel`, when given,
-    replaces
-    the PyTorch `dhu` (calling convention of `cula_sm100.backward.launch.chunk_bwd_dhu` less its tables: dv goes
-    in as bf16 and dh comes out as bf16, as FLA's chunk_gated_delta_rule_bwd_dhu). `marks`, when given, is a
-    callable `marks(name)` called after each stage (the benchmark records CUDA events there).
+    the PyTorch `dav` (`launch.chunk_bwd_dav` less its table: token layouts, dv in bf16). `dhu_kernel`, when
+    given, replaces the PyTorch `dhu` (calling convention of `cula_sm100.backward.launch.chunk_bwd_dhu` less
+    its tables: dv goes in as bf16 and dh comes out as bf16, as FLA's chunk_gated_delta_rule_bwd_dhu).
+    `intra_kernel` (needs `dav_kernel`), when given, replaces the PyTorch `intra` and the reverse cumsum
+    (`launch.chunk_bwd_intra` less its table: adds in place to chunk_wy_dqkg's dq, dk, dbeta, dG, then
+    reverse-cumsums dG). `marks`, when given, is a callable `marks(name)` called after each stage (the
+    benchmark records CUDA events there).
     Returns the gradients of (q, k, v, g, beta, A_log, dt_bias, initial_state)."""
     q, k, g, beta, A_log, dt_bias, initial_state = raw
     HQK, HV, V = q.shape[2], v.shape[2], v.shape[3]
@@ -225,7 +229,7 @@ def backward(it, do, dht, v, raw, *, wy, scale, use_qk_l2norm_in_kernel, gate, l
     mark("start")
     if dav_kernel is not None:  # token layouts: dAqk [TT, HV, 64] fp32, dv [TT, HV, V] bf16
         dA_t, dv_t = dav_kernel(do_f.contiguous(), it.v_new, it.Aqk)
-        dAqk = ch.chunk(dA_t).permute(0, 2, 1, 3)
+        dAqk = ch.chunk(dA_t).permute(0, 2, 1, 3) if intra_kernel is None else None
     else:
         dAqk, dv = dav(do_f, it.Aqk, it.v_new, ch)
         dv_t = ch.unchunk(dv).to(do.dtype) if dhu_kernel is not None else None
@@ -244,10 +248,15 @@ def backward(it, do, dht, v, raw, *, wy, scale, use_qk_l2norm_in_kernel, gate, l
                                   it.Akk, it.h, do_f.contiguous(), dh.to(it.h.dtype).contiguous(),
                                   dv.to(do.dtype).contiguous(), ch, scale=scale)
     mark("chunk_wy_dqkg")
-    dq2, dk2, dbeta2, dG2 = intra(it.q, it.k, it.g_cumsum, beta_act, dAqk, dL, ch, scale=scale)
+    if intra_kernel is not None:
+        intra_kernel(it.q, it.k, it.g_cumsum.contiguous(), beta_act.contiguous(), dA_t, dL, dq, dk, dbeta, dG,
+                     scale=scale)
+    else:
+        dq2, dk2, dbeta2, dG2 = intra(it.q, it.k, it.g_cumsum, beta_act, dAqk, dL, ch, scale=scale)
+        dq, dk, dbeta, dG = dq + dq2, dk + dk2, dbeta + dbeta2, dG + dG2
     mark("intra")
-    out = finish(dq + dq2, dk + dk2, dv, dbeta + dbeta2, dG + dG2, dh0, q, k, g, beta, A_log, dt_bias,
+    out = finish(dq, dk, dv, dbeta, dG, dh0, q, k, g, beta, A_log, dt_bias,
                  initial_state, ch, v_dtype=v.dtype, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate,
-                 lower_bound=lower_bound, beta_activation=beta_activation)
+                 lower_bound=lower_bound, beta_activation=beta_activation, summed=intra_kernel is not None)
     mark("finish")
     return out
