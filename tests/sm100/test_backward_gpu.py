@@ -283,23 +283,30 @@ def test_chunk_bwd_dhu_matches_torch_stage(lengths, states):
         assert e < 2e-2, f"{n}: rel err {e:.3e}"
 
 
+def _stage_problem(lengths, seed):
+    """One sequence of 1000 tokens or varlen `lengths`: (T, chunk table, torch_stages.Chunks, randn, generator)."""
+    from cula_sm100.backward import torch_stages
+    from cula_sm100.forward import launch as fwd
+
+    B, T = (1, 1000) if not lengths else (1, sum(lengths))
+    cu, cu_cpu = seqlens_to_cu(lengths) if lengths else (None, None)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def r(*s):
+        return torch.randn(*s, generator=gen, device="cuda")
+
+    ctab, _ = fwd.tables(B, T, cu, cu_cpu, "cuda")
+    return T, ctab, torch_stages.Chunks(torch_stages.bounds_of(B, T, cu, cu_cpu), "cuda"), r, gen
+
+
 @pytest.mark.parametrize("lengths,HV", [(None, 4), ([17, 1, 64, 65, 0, 200], 2)])
 def test_chunk_bwd_dav_matches_torch_stage(lengths, HV):
     """chunk_bwd_dav against the PyTorch stage torch_stages.dav in fp32 on the same inputs (dAqk [TT, HV, 64]
     causal, dv [TT, HV, V] in bf16; rows past each chunk's end never written)."""
     require_gpu()
     from cula_sm100.backward import launch, torch_stages
-    from cula_sm100.forward import launch as fwd
 
-    B, T = (1, 1000) if not lengths else (1, sum(lengths))
-    cu, cu_cpu = seqlens_to_cu(lengths) if lengths else (None, None)
-    gen = torch.Generator(device="cuda").manual_seed(5)
-
-    def r(*s):
-        return torch.randn(*s, generator=gen, device="cuda")
-
-    ctab, _ = fwd.tables(B, T, cu, cu_cpu, "cuda")
-    ch = torch_stages.Chunks(torch_stages.bounds_of(B, T, cu, cu_cpu), "cuda")
+    T, ctab, ch, r, _ = _stage_problem(lengths, seed=5)
     do, vn = r(T, HV, 128).bfloat16(), r(T, HV, 128).bfloat16()
     Aqk = ch.unchunk((0.1 * r(ch.NC + 1, 64, HV, 64)) * torch.ones(64, 64, device="cuda").tril()[None, :, None, :])
     Aqk = Aqk.bfloat16().contiguous()
@@ -317,21 +324,12 @@ def test_chunk_bwd_dav_matches_torch_stage(lengths, HV):
 def test_chunk_bwd_intra_matches_torch_stage(lengths, HQK, HV, decay):
     """chunk_bwd_intra (adds in place to dq, dk, dbeta, dG, then reverse-cumsums dG) against the PyTorch stages
     torch_stages.intra (a vector-Jacobian product through the reference's decayed scores) and reverse_cumsum on
-    the same inputs, fp32 both; decay 0.25
-    is a strong one (per-token log decay ~ -3: exp(G_i - G_j) spans e^-190 in a chunk)."""
+    the same inputs, fp32 both; decay 0.25 is a strong one (per-token log decay ~ -3: exp(G_i - G_j) spans
+    e^-200 in a chunk, far past fp32's range)."""
     require_gpu()
     from cula_sm100.backward import launch, torch_stages
-    from cula_sm100.forward import launch as fwd
 
-    B, T = (1, 1000) if not lengths else (1, sum(lengths))
-    cu, cu_cpu = seqlens_to_cu(lengths) if lengths else (None, None)
-    gen = torch.Generator(device="cuda").manual_seed(9)
-
-    def r(*s):
-        return torch.randn(*s, generator=gen, device="cuda")
-
-    ctab, _ = fwd.tables(B, T, cu, cu_cpu, "cuda")
-    ch = torch_stages.Chunks(torch_stages.bounds_of(B, T, cu, cu_cpu), "cuda")
+    T, ctab, ch, r, gen = _stage_problem(lengths, seed=9)
     unit = torch.nn.functional.normalize
     q, k = (unit(r(T, HQK, 128), dim=-1).bfloat16() for _ in range(2))
     G = ch.unchunk(ch.chunk(torch.nn.functional.logsigmoid(r(T, HV, 128)) / decay).cumsum(1)).contiguous()

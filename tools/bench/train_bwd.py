@@ -150,6 +150,20 @@ def warm_fla(hvs) -> None:
           f"dropped; failures: {bad})", flush=True)
 
 
+def warm_e2e(eshapes) -> None:
+    """Compile FLA's forward and backward kernels of the whole-op rows (one configuration each, as timed)."""
+    sys.path.insert(0, str(ROOT / "tests" / "sm100"))
+    from backward_cases import fla_one_config
+
+    t0 = time.perf_counter()
+    for s in eshapes:
+        fn = e2e_fn("fla", e2e_inputs(s))
+        fla_one_config()
+        fn()
+        torch.cuda.synchronize()
+    print(f"FLA whole-op warm-up: {time.perf_counter() - t0:.0f} s", flush=True)
+
+
 def e2e_inputs(shape, seed=0):
     B, T, HV = shape["B"], shape["T"], shape["HV"]
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -241,6 +255,10 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     ap.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
     ap.add_argument("--no-e2e", action="store_true", help="kernel rows only")
+    ap.add_argument("--warm-only", action="store_true",
+                    help="only compile FLA's kernels of this grid (run while the GPU does something else, then the "
+                         "timing run with --no-warm)")
+    ap.add_argument("--no-warm", action="store_true", help="FLA's kernels are compiled already (--warm-only)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("train_bwd: no CUDA device", file=sys.stderr)
@@ -254,8 +272,12 @@ def main(argv=None) -> int:
         have_fla = True
     except ImportError:
         have_fla = False
-    if have_fla:
+    if have_fla and not args.no_warm:
         warm_fla(sorted({s["HV"] for s in kshapes}))
+    if args.warm_only:
+        if have_fla:
+            warm_e2e(eshapes)
+        return 0
     rows, raw = [], {"kernel": [], "e2e": []}
     head = ("| shape | H | HV | FLA ms | cula ms | speed-up |\n|---|---:|---:|---:|---:|---:|")
     print(head, flush=True)
