@@ -26,6 +26,12 @@ def main():
         cula.kda_prefill(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu_cpu.cuda(), cu_seqlens_cpu=host,
                          use_qk_l2norm_in_kernel=True, **gate_kwargs("softplus", A_log, dt_bias))
         n += 1
+    lens = [0, 1, 63, 0, 65, 130]  # the same batch through the tensor-core stage 1 (safe gate)
+    cu_cpu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    q, k, v, g, beta, A_log, dt_bias = make_raw(1, sum(lens), 2, 4, gate="safe", seed=3)
+    cula.kda_prefill(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu_cpu.cuda(), cu_seqlens_cpu=cu_cpu,
+                     use_qk_l2norm_in_kernel=True, **gate_kwargs("safe", A_log, dt_bias))
+    n += 1
     lens = [3000, 1, 0]
     cu_cpu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     q, k, v, g, beta, A_log, dt_bias = make_raw(1, sum(lens), 2, 2, gate="safe", seed=2)

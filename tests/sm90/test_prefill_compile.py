@@ -21,22 +21,37 @@ def _arch():
         os.environ["CUTE_DSL_ARCH"] = old
 
 
-@pytest.mark.parametrize(("gate", "beta_act", "l2", "a_log", "dtb", "g_dtype", "b_dtype"), [
-    ("safe", "sigmoid", True, True, True, torch.bfloat16, torch.bfloat16),
-    ("softplus", "none", True, True, False, torch.float32, torch.float32),
-    ("precomputed", "2sigmoid", False, False, False, torch.float32, torch.bfloat16),
+@pytest.mark.parametrize(("gate", "beta_act", "l2", "a_log", "dtb", "g_dtype", "b_dtype", "kind"), [
+    ("safe", "sigmoid", True, True, True, torch.bfloat16, torch.bfloat16, "tc"),
+    ("safe", "2sigmoid", False, False, True, torch.float32, torch.float32, "tc"),
+    ("softplus", "none", True, True, False, torch.float32, torch.float32, "simt"),
+    ("precomputed", "2sigmoid", False, False, False, torch.float32, torch.bfloat16, "simt"),
 ])
-def test_stage1_compiles(gate, beta_act, l2, a_log, dtb, g_dtype, b_dtype):
+def test_stage1_compiles(gate, beta_act, l2, a_log, dtb, g_dtype, b_dtype, kind):
     from cula_sm90.prefill import forward
 
-    assert forward.compile_intra(gate, beta_act, l2, a_log, dtb, torch.bfloat16, g_dtype, b_dtype) is not None
+    assert forward.compile_intra(gate, beta_act, l2, a_log, dtb, torch.bfloat16, g_dtype, b_dtype, kind) is not None
 
 
-@pytest.mark.parametrize("affine", [False, True], ids=["main", "affine-map"])
-def test_stage2_compiles(affine):
+def test_stage1_kind():
+    """The TC stage 1 serves the safe gate down to TC_LOWER_BOUND_MIN; every other call goes to the SIMT one."""
     from cula_sm90.prefill import forward
 
-    assert forward.compile_state(affine, torch.bfloat16) is not None
+    if forward.STAGE1_KERNEL != "auto":
+        pytest.skip("CULA_SM90_STAGE1_KERNEL forces a variant")
+    assert forward.intra_kind("safe", -5.0) == "tc"
+    assert forward.intra_kind("safe", forward.TC_LOWER_BOUND_MIN) == "tc"
+    assert forward.intra_kind("safe", forward.TC_LOWER_BOUND_MIN - 1) == "simt"
+    assert forward.intra_kind("softplus", -5.0) == "simt"
+    assert forward.intra_kind("precomputed", -5.0) == "simt"
+
+
+@pytest.mark.parametrize(("affine", "bv"), [(False, 64), (True, 64), (False, 32)],
+                         ids=["main-bv64", "affine-map-bv64", "main-bv32"])
+def test_stage2_compiles(affine, bv):
+    from cula_sm90.prefill import forward
+
+    assert forward.compile_state(affine, torch.bfloat16, bv) is not None
 
 
 def _call(**kw):

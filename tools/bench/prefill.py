@@ -121,6 +121,23 @@ def warm_fla(keys, keep_autotune: bool = False, module: str = "tools.bench.prefi
           f"dropped; failures: {bad})", flush=True)
 
 
+def profile_kernels(shape, calls: int = 10) -> None:
+    """Mean CUDA time per call of each kernel of cula's prefill at one shape (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    kw = make_inputs(shape)
+    for _ in range(3):
+        cula_prefill(**kw)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            cula_prefill(**kw)
+        torch.cuda.synchronize()
+    print(f"profile {shape}: per call")
+    for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]:
+        print(f"  {e.device_time_total / calls / 1000:8.3f} ms  {e.key[:90]}")
+
+
 def label(shape) -> dict:
     out = {"B": shape["B"], "T": shape["T"], "H": shape["H"]}
     if "N" in shape:
@@ -137,11 +154,16 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--warmup", type=int, default=25)
     ap.add_argument("--rep", type=int, default=100)
+    ap.add_argument("--profile", metavar="B,T,H", help="per-kernel CUDA times of cula at one shape, then exit")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("prefill: no CUDA device", file=sys.stderr)
         return 1
     os.environ["CULA_BACKEND"] = "sm90"  # fail loudly rather than time the reference
+    if args.profile:
+        B, T, H = (int(x) for x in args.profile.split(","))
+        profile_kernels(dict(B=B, T=T, H=H))
+        return 0
     shapes = SMOKE if args.smoke else FIXED + VARLEN
     fla = None
     if not args.no_fla:

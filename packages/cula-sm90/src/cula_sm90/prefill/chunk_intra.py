@@ -43,44 +43,10 @@ PAD = DK + 1  # fp32 row stride of the [64, 128] shared tiles (bank-conflict pad
 APAD = BT + 1  # row stride of the [64, 64] score tiles
 
 
-class ChunkIntraKernel:
+class ChunkIntraKernel(common.Stage1Launch):
     """Compile-time configuration: gate mode, beta activation, L2 norm, which gate parameters exist."""
 
     threads = 256
-
-    def __init__(self, gate: str, beta_activation: str, l2norm: bool, has_a_log: bool, has_dt_bias: bool):
-        self.gate = gate
-        self.beta_activation = beta_activation
-        self.l2norm = l2norm
-        self.has_a_log = has_a_log
-        self.has_dt_bias = has_dt_bias
-
-    @cute.jit
-    def __call__(self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, v_ptr: cute.Pointer, g_ptr: cute.Pointer,
-                 beta_ptr: cute.Pointer, alog_ptr: cute.Pointer, dtb_ptr: cute.Pointer, cu_ptr: cute.Pointer,
-                 co_ptr: cute.Pointer, w_ptr: cute.Pointer, u_ptr: cute.Pointer, qg_ptr: cute.Pointer,
-                 kg_ptr: cute.Pointer, aqk_ptr: cute.Pointer, gl_ptr: cute.Pointer,
-                 TT: Int32, N: Int32, NC: Int32, search_steps: Int32, HQK: Int32, G: Int32,
-                 scale: Float32, lower_bound: Float32, stream):
-        HV = HQK * G
-        q = cute.make_tensor(q_ptr, cute.make_layout((TT, HQK, DK), stride=(HQK * DK, DK, 1)))
-        k = cute.make_tensor(k_ptr, cute.make_layout((TT, HQK, DK), stride=(HQK * DK, DK, 1)))
-        tok = cute.make_layout((TT, HV, DK), stride=(HV * DK, DK, 1))
-        v = cute.make_tensor(v_ptr, tok)
-        g = cute.make_tensor(g_ptr, tok)
-        beta = cute.make_tensor(beta_ptr, cute.make_layout((TT, HV), stride=(HV, 1)))
-        alog = cute.make_tensor(alog_ptr, cute.make_layout(HV))
-        dtb = cute.make_tensor(dtb_ptr, cute.make_layout((HV, DK), stride=(DK, 1)))
-        cu = cute.make_tensor(cu_ptr, cute.make_layout(N + 1))
-        co = cute.make_tensor(co_ptr, cute.make_layout(N + 1))
-        w = cute.make_tensor(w_ptr, tok)
-        u = cute.make_tensor(u_ptr, tok)
-        qg = cute.make_tensor(qg_ptr, tok)
-        kg = cute.make_tensor(kg_ptr, tok)
-        aqk = cute.make_tensor(aqk_ptr, cute.make_layout((TT, HV, BT), stride=(HV * BT, BT, 1)))
-        gl = cute.make_tensor(gl_ptr, cute.make_layout((NC, HV, DK), stride=(HV * DK, DK, 1)))
-        self.kernel(q, k, v, g, beta, alog, dtb, cu, co, w, u, qg, kg, aqk, gl, N, search_steps, G, scale,
-                    lower_bound).launch(grid=[NC, HQK, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tensor, beta: cute.Tensor,

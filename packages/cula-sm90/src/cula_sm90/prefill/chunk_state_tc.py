@@ -34,10 +34,19 @@ BV = 32
 
 
 class ChunkStateTCKernel:
-    threads = 128
+    """`bv`: state columns per CTA, 32 (4 warps stacked along M) or 64 (8 warps, 4 along M x 2 along N: each
+    chunk's w, qg, kg, Aqk tiles are loaded once for twice the columns, half the CTAs)."""
 
-    def __init__(self, affine: bool):
+    def __init__(self, affine: bool, bv: int = BV):
         self.affine = affine
+        self.bv = bv
+        self.wn = bv // 32  # warps along N
+        self.threads = 128 * self.wn
+
+    def tiled_mma(self):
+        if self.wn == 1:
+            return tc.tiled_mma_m(4)
+        return tc.tiled_mma_mn(4, self.wn)
 
     @cute.jit
     def __call__(self, w_ptr: cute.Pointer, u_ptr: cute.Pointer, qg_ptr: cute.Pointer, kg_ptr: cute.Pointer,
@@ -60,13 +69,14 @@ class ChunkStateTCKernel:
         ht = cute.make_tensor(ht_ptr, cute.make_layout((NHT, HV, DK, width),
                                                        stride=(HV * DK * width, DK * width, width, 1)))
         self.kernel(w, u, qg, kg, aqk, gl, seg, h0, ht, o).launch(
-            grid=[S, HV, width // BV], block=[self.threads, 1, 1], stream=stream)
+            grid=[S, HV, width // self.bv], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, w: cute.Tensor, u: cute.Tensor, qg: cute.Tensor, kg: cute.Tensor, aqk: cute.Tensor,
                gl: cute.Tensor, seg: cute.Tensor, h0: cute.Tensor, ht: cute.Tensor, o: cute.Tensor):
         tid, _, _ = cute.arch.thread_idx()
         s, hv, vs = cute.arch.block_idx()
+        BV = self.bv
 
         smem = cutlass.memory.SmemAllocator()
         # two stages of the per-chunk inputs: chunk ci + 1 loads while chunk ci is computed
@@ -97,7 +107,7 @@ class ChunkStateTCKernel:
             is_m = vs < DK // BV
             ucol0 = col0 - DK
 
-        mma = tc.tiled_mma_m(4)
+        mma = self.tiled_mma()
         thr = mma.get_slice(tid)
         acc_h = cute.make_rmem_tensor(thr.partition_shape_C((DK, BV)), Float32)
         at_h = thr.partition_C(cute.make_identity_tensor((DK, BV)))
@@ -133,7 +143,8 @@ class ChunkStateTCKernel:
                 self.load_chunk(w, u, qg, kg, aqk, sW2, sKg2, sQg2, sA2, sU2, t0 + BT, end, hv, col0, ucol0, is_m,
                                 1 - st, tid)
             cute.arch.cp_async_commit_group()  # (possibly empty) group: the counting stays uniform
-            sDecay[tid] = cute.math.exp(gl[chunk0 + ci, hv, tid], fastmath=True)
+            if tid < DK:
+                sDecay[tid] = cute.math.exp(gl[chunk0 + ci, hv, tid], fastmath=True)
             tc.store_split(acc_h, pHh, pHl)
             cute.arch.cp_async_wait_group(1)  # chunk ci has landed; ci + 1 may still be in flight
             cute.arch.sync_threads()
@@ -187,6 +198,7 @@ class ChunkStateTCKernel:
     def load_chunk(self, w, u, qg, kg, aqk, sW2, sKg2, sQg2, sA2, sU2, t0, end, hv, col0, ucol0, is_m, st, tid):
         """cp.async of one chunk's tiles into stage `st` (rows past `end` zero-filled, never read)."""
         n = cutlass.min(end - t0, BT)
+        BV = self.bv
         cp_k = tc.g2s_copy(DK, self.threads)
         tc.copy_rows(cp_k, tc.rows_at(w, t0, hv, 0, BT, DK), sW2[None, None, st], n, tid)
         tc.copy_rows(cp_k, tc.rows_at(kg, t0, hv, 0, BT, DK), sKg2[None, None, st], n, tid)

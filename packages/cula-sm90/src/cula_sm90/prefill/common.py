@@ -7,6 +7,45 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 BT = 64  # chunk length of every prefill kernel
+DK = 128
+
+
+class Stage1Launch:
+    """The host entry both stage-1 kernels share (chunk_intra.py, chunk_intra_tc.py): the tensors from pointers
+    (q, k [TT, HQK, K]; v, g and the outputs w, u, qg, kg [TT, HV, K]; beta [TT, HV]; A_log [HV]; dt_bias
+    [HV, K]; cu_seqlens and chunk offsets [N + 1]; Aqk [TT, HV, BT]; gl [NC, HV, K]) and one CTA of
+    `self.threads` per (chunk, q/k head)."""
+
+    threads = 128
+
+    def __init__(self, gate: str, beta_activation: str, l2norm: bool, has_a_log: bool, has_dt_bias: bool):
+        self.gate = gate
+        self.beta_activation = beta_activation
+        self.l2norm = l2norm
+        self.has_a_log = has_a_log
+        self.has_dt_bias = has_dt_bias
+
+    @cute.jit
+    def __call__(self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, v_ptr: cute.Pointer, g_ptr: cute.Pointer,
+                 beta_ptr: cute.Pointer, alog_ptr: cute.Pointer, dtb_ptr: cute.Pointer, cu_ptr: cute.Pointer,
+                 co_ptr: cute.Pointer, w_ptr: cute.Pointer, u_ptr: cute.Pointer, qg_ptr: cute.Pointer,
+                 kg_ptr: cute.Pointer, aqk_ptr: cute.Pointer, gl_ptr: cute.Pointer,
+                 TT: Int32, N: Int32, NC: Int32, search_steps: Int32, HQK: Int32, G: Int32,
+                 scale: Float32, lower_bound: Float32, stream):
+        HV = HQK * G
+        qk = cute.make_layout((TT, HQK, DK), stride=(HQK * DK, DK, 1))
+        tok = cute.make_layout((TT, HV, DK), stride=(HV * DK, DK, 1))
+        self.kernel(cute.make_tensor(q_ptr, qk), cute.make_tensor(k_ptr, qk), cute.make_tensor(v_ptr, tok),
+                    cute.make_tensor(g_ptr, tok), cute.make_tensor(beta_ptr, cute.make_layout((TT, HV), stride=(HV, 1))),
+                    cute.make_tensor(alog_ptr, cute.make_layout(HV)),
+                    cute.make_tensor(dtb_ptr, cute.make_layout((HV, DK), stride=(DK, 1))),
+                    cute.make_tensor(cu_ptr, cute.make_layout(N + 1)), cute.make_tensor(co_ptr, cute.make_layout(N + 1)),
+                    cute.make_tensor(w_ptr, tok), cute.make_tensor(u_ptr, tok), cute.make_tensor(qg_ptr, tok),
+                    cute.make_tensor(kg_ptr, tok),
+                    cute.make_tensor(aqk_ptr, cute.make_layout((TT, HV, BT), stride=(HV * BT, BT, 1))),
+                    cute.make_tensor(gl_ptr, cute.make_layout((NC, HV, DK), stride=(HV * DK, DK, 1))),
+                    N, search_steps, G, scale, lower_bound).launch(grid=[NC, HQK, 1], block=[self.threads, 1, 1],
+                                                                   stream=stream)
 
 
 @cute.jit

@@ -26,6 +26,14 @@ DK = 128
 _DTYPES = {}
 # stage 2 variant: "tc" (mma.sync, the default) or "simt" (fp32 FMA, the first version; kept for comparison)
 STATE_KERNEL = os.environ.get("CULA_SM90_STATE_KERNEL", "tc")
+# state columns per CTA of the TC stage 2: 64 (8 warps; each chunk's tiles loaded once for 64 columns) or 32
+STATE_BV = int(os.environ.get("CULA_SM90_STATE_BV", "64"))
+# stage 1 variant: "auto" (tensor-core chunk_intra_tc for the safe gate with a bounded lower bound, else the SIMT
+# chunk_intra), or "tc" / "simt" to force one (tests, benchmarks)
+STAGE1_KERNEL = os.environ.get("CULA_SM90_STAGE1_KERNEL", "auto")
+# the safe gate's lower bound down to which the TC stage 1 serves: its factorised score operands reach
+# e^(8 |lower_bound|) (e^64 here), far from fp32 / bf16 overflow (e^88)
+TC_LOWER_BOUND_MIN = -8.0
 
 
 def _cutlass_dtype(dtype: torch.dtype):
@@ -59,27 +67,49 @@ def _stream():
 
 
 @functools.cache
+def intra_kind(gate: str, lower_bound: float) -> str:
+    """Which stage 1 serves a call: "tc" (chunk_intra_tc.py, tensor-core scores: the safe gate with a lower bound
+    the factorised operands cannot overflow with) or "simt" (chunk_intra.py: any gate)."""
+    if STAGE1_KERNEL != "auto":
+        return STAGE1_KERNEL
+    return "tc" if gate == "safe" and TC_LOWER_BOUND_MIN <= lower_bound <= 0.0 else "simt"
+
+
+@functools.cache
 def compile_intra(gate: str, beta_activation: str, l2norm: bool, has_a_log: bool, has_dt_bias: bool,
-                  qkv_dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype):
-    """Compiled stage 1 for one configuration (cached). Sizes are runtime arguments."""
+                  qkv_dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, kind: str | None = None):
+    """Compiled stage 1 for one configuration (cached). Sizes are runtime arguments. `kind` None: "tc" for the
+    safe gate (the caller checks its lower bound with intra_kind), "simt" otherwise."""
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
 
-    from cula_sm90.prefill.chunk_intra import ChunkIntraKernel
-
+    if kind is None:
+        kind = "tc" if gate == "safe" else "simt"
     f32, i32, mid = torch.float32, torch.int32, torch.bfloat16
-    kern = ChunkIntraKernel(gate, beta_activation, l2norm, has_a_log, has_dt_bias)
+    if kind == "tc":
+        from cula_sm90.prefill.chunk_intra_tc import ChunkIntraTCKernel
+
+        if gate != "safe":
+            raise ValueError(f"the tensor-core stage 1 serves the safe gate only, got {gate}")
+        kern = ChunkIntraTCKernel(gate, beta_activation, l2norm, has_a_log, has_dt_bias)
+        io = 16  # cp.async and 16-byte stores: forward.py passes 16-byte aligned tensors
+    else:
+        from cula_sm90.prefill.chunk_intra import ChunkIntraKernel
+
+        kern = ChunkIntraKernel(gate, beta_activation, l2norm, has_a_log, has_dt_bias)
+        io = None
     return cute.compile(
-        kern, _fake_ptr(qkv_dtype), _fake_ptr(qkv_dtype), _fake_ptr(qkv_dtype), _fake_ptr(g_dtype),
+        kern, _fake_ptr(qkv_dtype, io), _fake_ptr(qkv_dtype, io), _fake_ptr(qkv_dtype, io), _fake_ptr(g_dtype),
         _fake_ptr(beta_dtype), _fake_ptr(f32), _fake_ptr(f32), _fake_ptr(i32), _fake_ptr(i32),
-        _fake_ptr(mid), _fake_ptr(mid), _fake_ptr(mid), _fake_ptr(mid), _fake_ptr(mid), _fake_ptr(f32),
+        _fake_ptr(mid, io), _fake_ptr(mid, io), _fake_ptr(mid, io), _fake_ptr(mid, io), _fake_ptr(mid, io),
+        _fake_ptr(f32),
         *(cutlass.Int32(1) for _ in range(6)), cutlass.Float32(1.0), cutlass.Float32(-5.0), cuda.CUstream(0))
 
 
 @functools.cache
-def compile_state(affine: bool, o_dtype: torch.dtype):
-    """Compiled stage 2 (normal or affine-map mode, cached)."""
+def compile_state(affine: bool, o_dtype: torch.dtype, bv: int | None = None):
+    """Compiled stage 2 (normal or affine-map mode, cached); `bv` state columns per CTA (TC kernel: 32 or 64)."""
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -89,8 +119,9 @@ def compile_state(affine: bool, o_dtype: torch.dtype):
         from cula_sm90.prefill.chunk_state import ChunkStateKernel as Kernel
     else:
         from cula_sm90.prefill.chunk_state_tc import ChunkStateTCKernel as Kernel
+    kern = Kernel(affine) if STATE_KERNEL == "simt" else Kernel(affine, bv or STATE_BV)
     return cute.compile(
-        Kernel(affine), *(_fake_ptr(mid, 16) for _ in range(5)),
+        kern, *(_fake_ptr(mid, 16) for _ in range(5)),
         _fake_ptr(f32), _fake_ptr(i32), _fake_ptr(f32), _fake_ptr(f32), _fake_ptr(o_dtype),
         *(cutlass.Int32(1) for _ in range(6)), cuda.CUstream(0))
 
@@ -208,11 +239,17 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     a_log = A_log.float() if A_log is not None else dummy
     dtb = dt_bias.float() if dt_bias is not None else dummy
     stream = _stream()
-    intra = compile_intra(gate, beta_activation, bool(use_qk_l2norm_in_kernel), A_log is not None,
-                          dt_bias is not None, q.dtype, g.dtype, beta.dtype)
     lb = -5.0 if lower_bound is None else float(lower_bound)
-    intra(_ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(beta), _ptr(a_log), _ptr(dtb), _ptr(tables["cu"]),
-          _ptr(tables["co"]), _ptr(w), _ptr(u), _ptr(qg), _ptr(kg), _ptr(aqk), _ptr(gl), TT, N, NC,
+    kind = intra_kind(gate, lb)
+    intra = compile_intra(gate, beta_activation, bool(use_qk_l2norm_in_kernel), A_log is not None,
+                          dt_bias is not None, q.dtype, g.dtype, beta.dtype, kind)
+    io = None
+    if kind == "tc":  # 16-byte vector copies: q, k, v 16-byte aligned (views at odd offsets are copied)
+        q, k, v = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (q, k, v))
+        io = 16
+    intra(_ptr(q, io), _ptr(k, io), _ptr(v, io), _ptr(g), _ptr(beta), _ptr(a_log), _ptr(dtb), _ptr(tables["cu"]),
+          _ptr(tables["co"]), _ptr(w, io), _ptr(u, io), _ptr(qg, io), _ptr(kg, io), _ptr(aqk, io), _ptr(gl),
+          TT, N, NC,
           max(N, 1).bit_length() + 1, HQK, HV // HQK, float(scale), lb, stream)
 
     state = compile_state(False, v.dtype)

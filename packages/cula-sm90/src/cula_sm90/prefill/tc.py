@@ -27,6 +27,12 @@ def tiled_mma_m(warps: int):
     return cute.make_tiled_mma(atom, (warps, 1, 1), permutation_mnk=(warps * 16, 16, 16))
 
 
+def tiled_mma_mn(wm: int, wn: int):
+    """mma.sync m16n8k16 bf16 -> fp32, `wm` x `wn` warps (M x N); each warp takes N in pairs of atoms."""
+    atom = warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16))
+    return cute.make_tiled_mma(atom, (wm, wn, 1), permutation_mnk=(wm * 16, wn * 16, 16))
+
+
 def bf16_tile(rows: int, cols: int, stages: int = 0):
     """Row-major bf16 (rows, cols) tile, XOR-swizzled in 8x(32|64) atoms: ldmatrix (plain and .trans) reads it
     without bank conflicts, and 16-byte cp.async writes stay contiguous. `stages` > 0: that many such tiles,
