@@ -5,6 +5,8 @@ every tiling the dispatch can pick; the chunk-form verify (both variants, T in {
 (K = V = 64 through the kernels directly: the backend does not serve it yet).
 Prints "cases ok" at the end; memcheck reports any out-of-bounds or misaligned access."""
 
+import sys
+
 import torch
 
 from decode_cases import backend, kernel_call, make_case
@@ -34,10 +36,12 @@ def run_case(kw, T, N, public: bool):
         KERNELS["kda_flush_kvbuffer_all_layers"](pools, kw["cache_idx"], [buf, buf.clone()], m, 0)
 
 
-def main():
+def main(parts=("all", "tilings", "verify")):
+    """parts: "all" (every kernel on odd batches), "tilings" (every dispatched tiling), "verify" (the chunk-form
+    verify); the test runs all three, a quick check may name some (python decode_memcheck_case.py verify)."""
     n = 0
     with backend():
-        for K in (64, 128):
+        for K in ((64, 128) if "all" in parts else ()):
             for N in (1, 5):
                 for T in (1, 3):
                     kw = make_case(N, T, 1, 2, K=K, V=K, safe=bool(T % 2), out_of_range=True, extra_slots=1,
@@ -45,7 +49,7 @@ def main():
                     run_case(kw, T, N, public=K == 128)
                     n += 1
         # every tiling the dispatch can pick (the loop above ran the one for these sizes), on an odd batch
-        for tiling in _config.dispatched_tilings():
+        for tiling in (_config.dispatched_tilings() if "tilings" in parts else ()):
             _config.TILING_OVERRIDE = tiling
             try:
                 for T in (1, 3):
@@ -57,7 +61,7 @@ def main():
             finally:
                 _config.TILING_OVERRIDE = None
         # the chunk-form verify, both product variants, K = V = 128 (public op) and 64 (kernel directly)
-        for name in _config.VERIFY_VARIANTS[1:]:
+        for name in (_config.VERIFY_VARIANTS[1:] if "verify" in parts else ()):
             _config.VERIFY_OVERRIDE = name
             try:
                 for K in (64, 128):
@@ -75,4 +79,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(tuple(sys.argv[1:]) or ("all", "tilings", "verify"))

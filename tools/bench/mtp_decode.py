@@ -237,6 +237,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tilings", action="store_true", help="also time every tiling of the recurrent kernel")
     ap.add_argument("--only-tilings", action="store_true", help="only the tiling sweep")
     ap.add_argument("--quick", action="store_true", help="H = 64, T in (2, 6), N in (1, 128): device times only")
+    ap.add_argument("--dispatch", action="store_true",
+                    help="only graph-timed runs with the dispatch tables: chain grid, verify growth, T = 1 decode")
     ap.add_argument("--out", type=Path, help="write the markdown report here")
     ap.add_argument("--json", type=Path, help="write the raw numbers here (as it goes)")
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
@@ -265,6 +267,14 @@ def main(argv=None) -> int:
                           for r in rows]
         dump()
 
+    if args.dispatch:
+        raw["dispatch"] = dispatch_run(timing, hs, ns, ts)
+        dump()
+        report = render_dispatch(raw["dispatch"], environment("cuda"))
+        print(report)
+        if args.out:
+            args.out.write_text(report)
+        return 0
     if args.only_tilings:
         sweep()
         print(render_tilings(raw["tilings"]))
@@ -341,6 +351,87 @@ def main(argv=None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(report)
     return 0
+
+
+def dispatch_run(timing, hs=HS, ns=NS, ts=TS, growth_ts=(2, 4, 6, 8), growth_ns=(1, 16, 128)):
+    """Device (graph) times with the dispatch tables as they are: the chain (cula through the public ops, each
+    verify call going to the variant `_config.verify_variant` picks) against FLA's on the issue's grid, the
+    verify variants' growth in T at H = 64, and T = 1 decode."""
+    from cula_sm90.decode import _config
+
+    out = {"chain": [], "growth": [], "decode": []}
+    with torch.no_grad():
+        for H in hs:
+            for T in ts:
+                for N in ns:
+                    x = make_inputs(N, T, H, seed=N + T)
+                    pool, idx = fla_setup(x, T)
+                    xf = dict(x)
+                    ref = fla_chain(xf, pool.clone(), idx, T)
+                    _, err = errors(cula_chain(dict(x, state_pool=x["state_pool"].clone()), T).float(), ref.float())
+                    row = dict(H=H, T=T, N=N, err=err, variant=_config.verify_variant(N, T, H),
+                               fla=graph_ms(fla_chain, (xf, pool, idx, T), timing),
+                               cula=graph_ms(cula_chain, (x, T), timing))
+                    out["chain"].append(row)
+                    print(row, flush=True)
+                    del x, pool, idx, xf
+            for N in ns:
+                x = make_inputs(N, 1, H, seed=N)
+                pool = x["state_pool"].clone()
+                xf = dict(x)
+                _, err = errors(cula_decode(dict(x, state_pool=x["state_pool"].clone())).float(),
+                                fla_decode(xf, pool.clone()).float())
+                row = dict(H=H, N=N, err=err, tiling=_config.recurrent_tiling(N, 1, H),
+                           cula=graph_ms(cula_decode, (x,), timing), fla=graph_ms(fla_decode, (xf, pool), timing))
+                bytes_moved = 2 * N * H * K * V * 4 + N * H * (3 * K + V + 1) * 2 + N * H * V * 2
+                row["hbm_pct"] = bytes_moved / (row["cula"] * 1e-3) / 1e9 / peak_hbm_gbs() * 100
+                row["fla_hbm_pct"] = bytes_moved / (row["fla"] * 1e-3) / 1e9 / peak_hbm_gbs() * 100
+                out["decode"].append(row)
+                print(row, flush=True)
+                del x, pool, xf
+        for T in growth_ts:
+            for N in growth_ns:
+                x = make_inputs(N, T, 64, seed=N + T)
+                row = dict(H=64, T=T, N=N)
+                for v in VERIFY_VARIANTS:
+                    row[v] = graph_ms(with_variant(cula_verify, v), (x,), timing)
+                out["growth"].append(row)
+                print(row, flush=True)
+                del x
+    return out
+
+
+def render_dispatch(d, env) -> str:
+    lines = ["", "## With the dispatch tables (final run)", "",
+             f"GPU: {env.get('gpu', '?')}. Device time (20 calls in one CUDA graph, replayed; median). `variant`: the "
+             "verify kernel `_config.verify_variant` picks for the cell.", "",
+             "| H | T | N | FLA ms | cula ms | speed-up | variant | max rel err (o) |",
+             "|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for r in d["chain"]:
+        lines.append(f"| {r['H']} | {r['T']} | {r['N']} | {r['fla']:.4f} | {r['cula']:.4f} | {_x(r['fla'], r['cula'])}"
+                     f" | {r['variant']} | {r['err']:.1e} |")
+    if d["chain"]:
+        sp = [r["fla"] / r["cula"] for r in d["chain"]]
+        lines += ["", f"chain speed-up: min {min(sp):.2f}x, max {max(sp):.2f}x; at T >= 4: min "
+                      f"{min(r['fla'] / r['cula'] for r in d['chain'] if r['T'] >= 4):.2f}x."]
+    lines += ["", "### Verify alone, per variant (H = 64; ms)", "",
+              "| T | N | " + " | ".join(VERIFY_VARIANTS) + " |", "|---:|---:|" + "---:|" * len(VERIFY_VARIANTS)]
+    for r in d["growth"]:
+        lines.append(f"| {r['T']} | {r['N']} | " + " | ".join(f"{r[v]:.4f}" for v in VERIFY_VARIANTS) + " |")
+    for v in VERIFY_VARIANTS:
+        g = [(b[v] / a[v], a["N"]) for a in d["growth"] for b in d["growth"]
+             if a["T"] == 2 and b["T"] == 6 and a["N"] == b["N"]]
+        if g:
+            lines.append("")
+            lines.append(f"{v}: T = 6 over T = 2 " + ", ".join(f"{x:.2f}x (N = {n})" for x, n in g) + ".")
+    lines += ["", "### Single-token decode (T = 1)", "",
+              "| H | N | tiling | FLA ms | cula ms | speed-up | cula % of HBM bound | FLA % of HBM bound "
+              "| max rel err |",
+              "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in d["decode"]:
+        lines.append(f"| {r['H']} | {r['N']} | {'x'.join(map(str, r['tiling']))} | {r['fla']:.4f} | {r['cula']:.4f} "
+                     f"| {_x(r['fla'], r['cula'])} | {r['hbm_pct']:.0f}% | {r['fla_hbm_pct']:.0f}% | {r['err']:.1e} |")
+    return "\n".join(lines) + "\n"
 
 
 def render_tilings(rows) -> str:

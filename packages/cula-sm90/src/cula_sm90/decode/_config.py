@@ -27,11 +27,18 @@ TILING_OVERRIDE: tuple[int, int, int, int] | None = None
 
 
 def recurrent_tiling(N: int, T: int, HV: int) -> tuple[int, int, int, int]:
-    """(BV, lanes along V, warps, warp-local) of the recurrent kernel for a batch; the table is in launch.py's
-    docstring."""
+    """(BV, lanes along V, warps, warp-local) of the recurrent kernel for a batch; the table (and the
+    measurements it comes from) is in launch.py's docstring."""
     if TILING_OVERRIDE is not None:
         return TILING_OVERRIDE
-    return (32, 4, 4, 0)
+    heads = N * HV
+    if T == 1:
+        return (64, 4, 4, 0)
+    if heads <= 64:
+        return (32, 4, 4, 0)
+    if heads < 1024:
+        return (64, 4, 4, 0)
+    return (32, 2, 2, 1)
 
 
 #: the three ways to run the verify step (kda_decode_mtp_kvbuffer): the recurrent kernel in KVBuffer mode, the
@@ -46,12 +53,15 @@ def verify_variant(N: int, T: int, HV: int) -> str:
     """Which verify kernel serves a batch; the table is in launch.py's docstring."""
     if VERIFY_OVERRIDE is not None:
         return VERIFY_OVERRIDE
-    return VERIFY_RECURRENT
+    heads = N * HV
+    if heads <= 32 or (T >= 6 and heads <= 64):
+        return VERIFY_RECURRENT
+    return VERIFY_CHUNK_TC if T >= 8 else VERIFY_CHUNK_SIMT
 
 
 def dispatched_tilings() -> tuple[tuple[int, int, int, int], ...]:
     """Every tiling recurrent_tiling can return (tests/sm90/decode_memcheck_case.py runs each under memcheck)."""
-    return ((32, 4, 4, 0),)
+    return ((64, 4, 4, 0), (32, 4, 4, 0), (32, 2, 2, 1))
 
 
 def unsupported_reason(call) -> str | None:

@@ -64,7 +64,12 @@ class ChunkVerify:
         self.EPL = K // 32
         self.rows_per_thread = (K + 32 * self.NW - 1) // (32 * self.NW)
         self.NVB = V // self.BV
-        f = 3 * T * K + T * K + 2 * self.MP * self.KP + 2 * T * T + self.NW * 2 * self.MP * self.BV
+        self.TPW = (T + self.NW - 1) // self.NW   # tokens per warp in the prologue
+        self.TP = self.TPW * self.NW              # token rows of the per-token vectors (rows >= T: scratch)
+        self.NPAIR = T * (T + 1) // 2              # (t, s) pairs with s <= t
+        self.NPP = (self.NPAIR + 31) // 32 * 32    # pair slots: one lane per pair, whole passes of 32
+        f = (3 * self.TP * self.KP + T * self.KP + 2 * self.MP * self.KP + self.NW * 2 * self.NPP
+             + self.NW * 2 * self.MP * self.BV)
         self.smem_bytes = 4 * f + 64
 
     @cute.jit
@@ -99,13 +104,18 @@ class ChunkVerify:
         tok0 = Int64(n) * T
 
         smem = cutlass.memory.SmemAllocator()
-        vecs = smem.allocate_tensor(Float32, cute.make_layout((3, T, K), stride=(T * K, K, 1)), byte_alignment=16)
-        Gs = smem.allocate_tensor(Float32, cute.make_layout((T, K), stride=(K, 1)), byte_alignment=16)
+        # rows padded to KP = K + 4 floats: lanes reading row t at the same column hit distinct banks
+        TP, NPP = self.TP, self.NPP
+        vecs = smem.allocate_tensor(Float32, cute.make_layout((3, TP, KP), stride=(TP * KP, KP, 1)),
+                                    byte_alignment=16)
+        Gs = smem.allocate_tensor(Float32, cute.make_layout((T, KP), stride=(KP, 1)), byte_alignment=16)
         At = smem.allocate_tensor(Float32, cute.make_layout((2 * MP, KP), stride=(KP, 1)), byte_alignment=16)
-        AB = smem.allocate_tensor(Float32, cute.make_layout((2, T, T), stride=(T * T, T, 1)), byte_alignment=16)
+        # per-warp partial pair sums (over the warp's K-slice): [warp][A or B][pair slot]
+        ABp = smem.allocate_tensor(Float32, cute.make_layout((NW, 2, NPP), stride=(2 * NPP, NPP, 1)),
+                                   byte_alignment=16)
         red = smem.allocate_tensor(Float32, cute.make_layout((NW, 2 * MP, BV), stride=(2 * MP * BV, BV, 1)),
                                    byte_alignment=16)
-        sv, sG, sA, sred = vecs.iterator, Gs.iterator, At.iterator, red.iterator
+        sv, sA, sred = vecs.iterator, At.iterator, red.iterator
         if live:
             # --- state rows of this thread first (the long-latency traffic), 16-byte pieces
             sbase = (Int64(idx) * HV + hv) * (K * V) + col0
@@ -127,30 +137,33 @@ class ChunkVerify:
                   .load().to(Float32)[0] for t in range(T)]
             br = [cute.make_tensor(beta + ((tok0 + t) * HV + hv), cute.make_layout(1)).load().to(Float32)[0]
                   for t in range(T)]
-            # --- per-token vectors: q (normalised, scaled), k (normalised), log gate from raw g
+            # --- per-token vectors: q (normalised, scaled), k (normalised), log gate from raw g. Warp w takes
+            # tokens w, w + NW, ...; every load of the warp is issued before any of the math (no branch between
+            # them: a token past T loads token T - 1 again and stores into a scratch row)
             e0 = lane * EPL
-            for job in cutlass.range_constexpr(3 * T):
-                t, which = job // 3, job % 3
-                if warp == job % NW:
-                    if cutlass.const_expr(which < 2):
-                        src = q if cutlass.const_expr(which == 0) else k
-                        x = load_vec(src, ((tok0 + t) * HQK + h) * K + e0, EPL)
-                        if cutlass.const_expr(self.l2norm):
-                            x = l2_normalize(x, EPL)
-                        if cutlass.const_expr(which == 0):
-                            x = [xi * scale for xi in x]
-                        store_vec(sv, Int32((which * T + t) * K) + e0, x, EPL)
-                    else:
-                        x = load_vec(g, ((tok0 + t) * HV + hv) * K + e0, EPL)
-                        if cutlass.const_expr(self.has_dt_bias):
-                            b = load_vec(dt_bias, Int64(hv) * K + e0, EPL)
-                            x = [x[i] + b[i] for i in range(EPL)]
-                        rate = Float32(1.0)
-                        if cutlass.const_expr(self.has_A_log):
-                            rate = cute.math.exp(cute.make_tensor(A_log + Int64(hv), cute.make_layout(1))
-                                                 .load().to(Float32)[0])
-                        store_vec(sv, Int32((2 * T + t) * K) + e0,
-                                  [log_decay(x[i], rate, lower_bound, self.safe_gate) for i in range(EPL)], EPL)
+            xs = []
+            for i in cutlass.range_constexpr(self.TPW):
+                tc = cutlass.select_(warp + NW * i < T, warp + NW * i, Int32(T - 1))
+                xs.append((load_vec(q, ((tok0 + tc) * HQK + h) * K + e0, EPL),
+                           load_vec(k, ((tok0 + tc) * HQK + h) * K + e0, EPL),
+                           load_vec(g, ((tok0 + tc) * HV + hv) * K + e0, EPL)))
+            rate = Float32(1.0)
+            if cutlass.const_expr(self.has_A_log):
+                rate = cute.math.exp(cute.make_tensor(A_log + Int64(hv), cute.make_layout(1)).load().to(Float32)[0])
+            if cutlass.const_expr(self.has_dt_bias):
+                bias = load_vec(dt_bias, Int64(hv) * K + e0, EPL)
+            for i in cutlass.range_constexpr(self.TPW):
+                t = warp + NW * i
+                xq, xk, xg = xs[i]
+                if cutlass.const_expr(self.l2norm):
+                    xq = l2_normalize(xq, EPL)
+                    xk = l2_normalize(xk, EPL)
+                if cutlass.const_expr(self.has_dt_bias):
+                    xg = [xg[j] + bias[j] for j in range(EPL)]
+                store_vec(sv, (0 * TP + t) * KP + e0, [x * scale for x in xq], EPL)
+                store_vec(sv, (1 * TP + t) * KP + e0, xk, EPL)
+                store_vec(sv, (2 * TP + t) * KP + e0,
+                          [log_decay(x, rate, lower_bound, self.safe_gate) for x in xg], EPL)
             cute.arch.sync_threads()   # live is CTA-uniform: every thread reaches the barriers
             # --- G (cumulative log gate), the Kt / Qt tile (zero rows as padding), the buffer's k_t and G_t
             for rr in cutlass.range_constexpr(self.rows_per_thread):
@@ -171,26 +184,24 @@ class ChunkVerify:
                         At[t, r] = Float32(0.0)
                         At[MP + t, r] = Float32(0.0)
             cute.arch.sync_threads()
-            # --- pair sums A_ts (s < t) and B_ts (s <= t), warps in turn, lanes over K
-            for p in cutlass.range_constexpr(T * (T + 1) // 2):
-                t, s = self._pair(p)
-                if warp == p % NW:
-                    gt = load_vec(sG, Int32(t * K) + e0, EPL)
-                    gs = load_vec(sG, Int32(s * K) + e0, EPL)
-                    ks = load_vec(sv, Int32((T + s) * K) + e0, EPL)
-                    kt = load_vec(sv, Int32((T + t) * K) + e0, EPL)
-                    qt = load_vec(sv, Int32(t * K) + e0, EPL)
-                    a = Float32(0.0)
-                    b = Float32(0.0)
-                    for i in cutlass.range_constexpr(EPL):
-                        d = cute.math.exp(gt[i] - gs[i]) * ks[i]
-                        a = a + d * kt[i]
-                        b = b + d * qt[i]
-                    a = xor_sum(a, 1)
-                    b = xor_sum(b, 1)
-                    if lane == 0:
-                        AB[0, t, s] = a
-                        AB[1, t, s] = b
+            # --- pair sums A_ts (s < t) and B_ts (s <= t): lane = pair, warp = its K-slice (the products'
+            # split), partial sums into ABp[warp]; no shuffles, one pass of 32 pairs per 32 lanes
+            for ps in cutlass.range_constexpr(NPP // 32):
+                pt = Int32(0)
+                pss = Int32(0)
+                for pp in cutlass.range_constexpr(32 * ps, min(32 * ps + 32, self.NPAIR)):
+                    tt, ss = self._pair(pp)
+                    pt = cutlass.select_(lane == pp - 32 * ps, Int32(tt), pt)
+                    pss = cutlass.select_(lane == pp - 32 * ps, Int32(ss), pss)
+                a = Float32(0.0)
+                b = Float32(0.0)
+                for j in cutlass.range_constexpr(self.KW):
+                    r = kbase + j
+                    d = cute.math.exp(Gs[pt, r] - Gs[pss, r]) * vecs[1, pss, r]
+                    a = a + d * vecs[1, pt, r]
+                    b = b + d * vecs[0, pt, r]
+                ABp[warp, 0, 32 * ps + lane] = a
+                ABp[warp, 1, 32 * ps + lane] = b
             # --- U = Kt S_0 and W = Qt S_0: this warp's K-slice, partial sums into red[warp]
             if cutlass.const_expr(self.tc):
                 self._products_tc(S, sA, sred, warp, lane, kbase)
@@ -208,12 +219,12 @@ class ChunkVerify:
                         w = w + red[ww, MP + t, lane]
                     x = vr[t] - u
                     for s in cutlass.range_constexpr(t):
-                        x = x - AB[0, t, s] * dl[s]
+                        x = x - self._pair_sum(ABp, 0, t, s) * dl[s]
                     d = br[t] * x
                     dl.append(d)
                     ot = w
                     for s in cutlass.range_constexpr(t + 1):
-                        ot = ot + AB[1, t, s] * dl[s]
+                        ot = ot + self._pair_sum(ABp, 1, t, s) * dl[s]
                     row = (tok0 + t) * HV + hv
                     store_vec(o, row * V + col0 + lane, [ot], 1)
                     cute.make_tensor(buf + (row * W + 2 * K + col0 + lane), cute.make_layout(1))[0] = d
@@ -232,6 +243,14 @@ class ChunkVerify:
                             row = ((tok0 + t) * HV + hv) * W
                             store_zeros(buf, row + r, 1)
                             store_zeros(buf, row + K + r, 1)
+
+    def _pair_sum(self, ABp, which: int, t: int, s: int):
+        """A_ts (which = 0) or B_ts (1): the warps' partial sums added in warp order (deterministic)."""
+        p = t * (t + 1) // 2 + s
+        x = ABp[0, which, p]
+        for w in range(1, self.NW):
+            x = x + ABp[w, which, p]
+        return x
 
     @staticmethod
     def _pair(p: int) -> tuple[int, int]:
