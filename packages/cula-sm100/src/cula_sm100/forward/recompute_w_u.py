@@ -72,60 +72,75 @@ class RecomputeWU:
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
 
-        # 8 channels per thread, 16-byte vectors: beta*k*exp(G) and beta*v in place, kg straight to global memory.
-        # All of the thread's G loads are issued before any use, so their latencies overlap.
-        vb = vec_copy(K, self.threads)
-        vf = vec_copy(K, self.threads, cutlass.Float32)
-        tb = vb.get_slice(tidx)
-        tG = head_rows(mG, t0, hv, BT)
-        pG = vf.get_slice(tidx).partition_S(tG)
-        pKs = tb.partition_S(sK)
-        pVs = tb.partition_S(sV)
-        pKd = tb.partition_D(sK)
-        pVd = tb.partition_D(sV)
-        gKg = tb.partition_D(head_rows(mKg, t0, hv, BT))
-        coord = tb.partition_S(cute.make_identity_tensor((BT, K)))
-        c0 = coord[0, 0, 0][1]
-        glast = cute.make_rmem_tensor((8,), cutlass.Float32)
-        for e in cutlass.range_constexpr(8):
-            glast[e] = tG[n - 1, c0 + e].to(cutlass.Float32)
-        fg = cute.make_fragment_like(pG)
-        for m in cutlass.range_constexpr(cute.size(pG.shape[1])):
-            if coord[0, m, 0][0] < n:
-                cute.copy(vf, pG[None, m, None], fg[None, m, None])
-        fk = cute.make_fragment_like(pKs[None, 0, None])
-        fv = cute.make_fragment_like(pKs[None, 0, None])
-        fo = cute.make_fragment_like(pKs[None, 0, None])
-        for m in cutlass.range_constexpr(cute.size(pG.shape[1])):
-            row = coord[0, m, 0][0]
-            if row < n:
-                cute.copy(vb, pKs[None, m, None], fk)
-                cute.copy(vb, pVs[None, m, None], fv)
-                b = sBeta[row]
-                fgm = fg[None, m, None]
-                for e in cutlass.range_constexpr(8):
-                    g = fgm[e].to(cutlass.Float32)
-                    kk = fk[e].to(cutlass.Float32)
-                    fo[e] = (kk * cute.math.exp(glast[e] - g, fastmath=True)).to(cutlass.BFloat16)
-                    fk[e] = (b * kk * cute.math.exp(g, fastmath=True)).to(cutlass.BFloat16)
-                    fv[e] = (b * fv[e].to(cutlass.Float32)).to(cutlass.BFloat16)
-                cute.copy(vb, fo, gKg[None, m, None])
-                cute.copy(vb, fk, pKd[None, m, None])
-                cute.copy(vb, fv, pVd[None, m, None])
+        scale_k_v(mG, mKg, sK, sV, sBeta, t0, hv, n, tidx, self.threads)
         cute.arch.sync_threads()
+        wu_gemms(sA, sK, sV, mW, mU, t0, hv, n, tidx, self.threads)
 
-        # two GEMMs; each result is staged in the shared tile its GEMM no longer needs (w in k's, u in v's)
-        # and leaves in 16-byte rows
-        mma = make_tiled_mma(4)
-        acc = cute.make_rmem_tensor(mma.get_slice(tidx).partition_shape_C((BT, K)), cutlass.Float32)
-        acc.fill(0.0)
-        gemm_ss(mma, acc, sA, transposed(sK, BT, K), tidx, False, True)
-        cute.arch.sync_threads()  # every warp is done reading sK
-        store_acc_s(mma, acc, sK, tidx)
-        acc.fill(0.0)
-        gemm_ss(mma, acc, sA, transposed(sV, BT, V), tidx, False, True)
-        cute.arch.sync_threads()  # w staged; every warp is done reading sV
-        store_rows_s2g(sK, head_rows(mW, t0, hv, BT), n, tidx, self.threads)
-        store_acc_s(mma, acc, sV, tidx)
-        cute.arch.sync_threads()
-        store_rows_s2g(sV, head_rows(mU, t0, hv, BT), n, tidx, self.threads)
+
+@cute.jit
+def scale_k_v(mG: cute.Tensor, mKg: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, sBeta: cute.Tensor, t0, hv, n,
+              tidx, threads: cutlass.Constexpr):
+    """In place: sK = beta k exp(G), sV = beta v (bf16, as FLA); kg = k exp(G_last - G) straight to global
+    memory. 8 channels per thread in 16-byte vectors; G read from global memory, all of the thread's loads
+    issued before any use so their latencies overlap. Rows >= n of sK / sV stay as they are (zero)."""
+    BT, K = 64, 128
+    vb = vec_copy(K, threads)
+    vf = vec_copy(K, threads, cutlass.Float32)
+    tb = vb.get_slice(tidx)
+    tG = head_rows(mG, t0, hv, BT)
+    pG = vf.get_slice(tidx).partition_S(tG)
+    pKs = tb.partition_S(sK)
+    pVs = tb.partition_S(sV)
+    pKd = tb.partition_D(sK)
+    pVd = tb.partition_D(sV)
+    gKg = tb.partition_D(head_rows(mKg, t0, hv, BT))
+    coord = tb.partition_S(cute.make_identity_tensor((BT, K)))
+    c0 = coord[0, 0, 0][1]
+    glast = cute.make_rmem_tensor((8,), cutlass.Float32)
+    for e in cutlass.range_constexpr(8):
+        glast[e] = tG[n - 1, c0 + e].to(cutlass.Float32)
+    fg = cute.make_fragment_like(pG)
+    for m in cutlass.range_constexpr(cute.size(pG.shape[1])):
+        if coord[0, m, 0][0] < n:
+            cute.copy(vf, pG[None, m, None], fg[None, m, None])
+    fk = cute.make_fragment_like(pKs[None, 0, None])
+    fv = cute.make_fragment_like(pKs[None, 0, None])
+    fo = cute.make_fragment_like(pKs[None, 0, None])
+    for m in cutlass.range_constexpr(cute.size(pG.shape[1])):
+        row = coord[0, m, 0][0]
+        if row < n:
+            cute.copy(vb, pKs[None, m, None], fk)
+            cute.copy(vb, pVs[None, m, None], fv)
+            b = sBeta[row]
+            fgm = fg[None, m, None]
+            for e in cutlass.range_constexpr(8):
+                g = fgm[e].to(cutlass.Float32)
+                kk = fk[e].to(cutlass.Float32)
+                fo[e] = (kk * cute.math.exp(glast[e] - g, fastmath=True)).to(cutlass.BFloat16)
+                fk[e] = (b * kk * cute.math.exp(g, fastmath=True)).to(cutlass.BFloat16)
+                fv[e] = (b * fv[e].to(cutlass.Float32)).to(cutlass.BFloat16)
+            cute.copy(vb, fo, gKg[None, m, None])
+            cute.copy(vb, fk, pKd[None, m, None])
+            cute.copy(vb, fv, pVd[None, m, None])
+
+
+@cute.jit
+def wu_gemms(sA: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, t0, hv, n, tidx,
+             threads: cutlass.Constexpr):
+    """w = sA @ sK, u = sA @ sV (sA: Akk bf16 [64, 64]; sK, sV: [64, 128] token-major, read with ldmatrix.trans),
+    4 warps along the rows. Each result is staged in the shared tile its GEMM no longer needs (w in sK, u in
+    sV) and leaves in 16-byte rows < n. Call after a barrier that makes sA, sK, sV visible."""
+    BT, K = 64, 128
+    mma = make_tiled_mma(4)
+    acc = cute.make_rmem_tensor(mma.get_slice(tidx).partition_shape_C((BT, K)), cutlass.Float32)
+    acc.fill(0.0)
+    gemm_ss(mma, acc, sA, transposed(sK, BT, K), tidx, False, True)
+    cute.arch.sync_threads()  # every warp is done reading sK
+    store_acc_s(mma, acc, sK, tidx)
+    acc.fill(0.0)
+    gemm_ss(mma, acc, sA, transposed(sV, BT, K), tidx, False, True)
+    cute.arch.sync_threads()  # w staged; every warp is done reading sV
+    store_rows_s2g(sK, head_rows(mW, t0, hv, BT), n, tidx, threads)
+    store_acc_s(mma, acc, sV, tidx)
+    cute.arch.sync_threads()
+    store_rows_s2g(sV, head_rows(mU, t0, hv, BT), n, tidx, threads)
