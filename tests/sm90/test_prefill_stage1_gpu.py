@@ -35,25 +35,26 @@ def stage1(kind, q, k, v, g, beta, A_log, dt_bias, lens, lower_bound, beta_act="
     fn = F.compile_intra("safe", beta_act, True, True, True, q.dtype, g.dtype, beta.dtype, kind)
     io = 16 if kind == "tc" else None
     N = len(lens)
-    fn(F._ptr(q, io), F._ptr(k, io), F._ptr(v, io), F._ptr(g), F._ptr(beta), F._ptr(A_log), F._ptr(dt_bias),
+    fn(F._ptr(q, io), F._ptr(k, io), F._ptr(v, io), F._ptr(g, io if g.dtype == torch.bfloat16 else None), F._ptr(beta), F._ptr(A_log), F._ptr(dt_bias),
        F._ptr(cu), F._ptr(co), *(F._ptr(out[n], io) for n in ("w", "u", "qg", "kg", "aqk")), F._ptr(out["gl"]),
        TT, N, NC, max(N, 1).bit_length() + 1, HQK, HV // HQK, K ** -0.5, float(lower_bound), F._stream())
     torch.cuda.synchronize()
     return out
 
 
-CASES = {
-    "fixed-1x128-G1": ([128], 1, 1, -5.0, 1.0),
-    "varlen-odd-G2": ([0, 1, 63, 0, 65, 130, 7], 2, 4, -5.0, 1.0),
-    "varlen-G4-lb8-saturated": ([200, 64, 33], 1, 4, -8.0, 8.0),
-    "mild-lb1": ([300], 2, 2, -1.0, 0.1),
+CASES = {  # lengths, HQK, HV, lower_bound, scale of raw g, g's dtype
+    "fixed-1x128-G1": ([128], 1, 1, -5.0, 1.0, torch.bfloat16),
+    "varlen-odd-G2": ([0, 1, 63, 0, 65, 130, 7], 2, 4, -5.0, 1.0, torch.bfloat16),
+    "varlen-odd-G2-g-fp32": ([0, 1, 63, 0, 65, 130, 7], 2, 4, -5.0, 1.0, torch.float32),
+    "varlen-G4-lb8-saturated": ([200, 64, 33], 1, 4, -8.0, 8.0, torch.bfloat16),
+    "mild-lb1": ([300], 2, 2, -1.0, 0.1, torch.bfloat16),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_tc_stage1_equals_simt(case):
     require_gpu()
-    lens, HQK, HV, lb, gscale = CASES[case]
+    lens, HQK, HV, lb, gscale, g_dtype = CASES[case]
     TT = sum(lens)
     gen = torch.Generator(device="cuda").manual_seed(TT + HV)
 
@@ -63,7 +64,7 @@ def test_tc_stage1_equals_simt(case):
     bf = torch.bfloat16
     q, k = r(1, TT, HQK, K).to(bf), r(1, TT, HQK, K).to(bf)
     v = r(1, TT, HV, K).to(bf)
-    g = (gscale * r(1, TT, HV, K) + (2.0 if gscale > 1 else 0.0)).to(bf)  # saturated: y large, gate near lb
+    g = (gscale * r(1, TT, HV, K) + (2.0 if gscale > 1 else 0.0)).to(g_dtype)  # saturated: y large, gate near lb
     beta = r(1, TT, HV).to(bf)
     A_log = torch.log(torch.empty(HV, device="cuda").uniform_(1, 16, generator=gen))
     dt_bias = 0.5 * r(HV * K)

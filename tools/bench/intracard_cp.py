@@ -36,6 +36,10 @@ from tools.bench.harness import Timing, environment, measure  # noqa: E402
 SHAPES = ([dict(H=h, lens=[t] * n) for h in (4, 8, 16) for n in (1, 2) for t in (16384, 32768, 65536, 131072)]
           + [dict(H=h, lens=[65536] + [512] * 31) for h in (4, 8, 16)])
 SMOKE = [dict(H=8, lens=[16384]), dict(H=8, lens=[16384] + [512] * 7)]
+# --trim (a GPU-time budget): every H, one sequence of each length, two of 65536, the long + short mix at H = 8
+TRIM = ([dict(H=h, lens=[t] * n) for h in (4, 8, 16) for n, t in ((1, 16384), (1, 32768), (1, 65536), (1, 131072),
+                                                                   (2, 65536))]
+        + [dict(H=8, lens=[65536] + [512] * 31)])
 
 
 def make_inputs(shape, seed=0, device="cuda"):
@@ -72,6 +76,7 @@ def describe(lens) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--trim", action="store_true", help="the trimmed grid (TRIM) instead of the issue's")
     ap.add_argument("--keep-autotune", action="store_true")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--out", type=Path, help="write the markdown report here")
@@ -83,7 +88,7 @@ def main(argv=None) -> int:
         print("intracard_cp: no CUDA device", file=sys.stderr)
         return 1
     os.environ["CULA_BACKEND"] = "sm90"
-    shapes = SMOKE if args.smoke else SHAPES
+    shapes = SMOKE if args.smoke else TRIM if args.trim else SHAPES
     fla = None
     if not args.no_fla:
         try:
@@ -95,6 +100,8 @@ def main(argv=None) -> int:
             print(f"intracard_cp: FLA not importable ({exc})", file=sys.stderr)
     from cula_core import cp_planner
 
+    from cula_sm90.prefill import forward
+
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     timing = Timing(warmup=args.warmup, repeats=args.rep, method="auto")
     head = ["H", "sequences", "cula no-CP ms", "cula CP ms", "CP gain", "cula auto ms", "auto splits", "FLA CP ms",
@@ -105,7 +112,7 @@ def main(argv=None) -> int:
         x = make_inputs(s)
         t = {cp: measure(cula_with(cp), [x], timing).median_ms for cp in (False, True, "auto")}
         f = measure(fla, [x], timing).median_ms if fla is not None else None
-        split = cp_planner.plan(tuple(s["lens"]), s["H"], sms, "auto").split
+        split = cp_planner.plan(tuple(s["lens"]), s["H"], sms, "auto", **forward.planner_kwargs()).split
         best = min(t[False], t[True])
         rows.append({"H": s["H"], "lens": s["lens"], "no_cp_ms": t[False], "cp_ms": t[True], "auto_ms": t["auto"],
                      "auto_splits": bool(split), "fla_cp_ms": f})
@@ -121,8 +128,8 @@ def main(argv=None) -> int:
         "# cula-sm90 intra-card context parallel vs FLA 0.6.0", "",
         f"GPU: {env.get('gpu', '?')} ({sms} SMs); torch {env.get('torch')}, CUDA {env.get('cuda')}, FLA "
         f"{env.get('fla-core', '?')}, cula-sm90 {env.get('cula-sm90', '?')}.", "",
-        "Command: `python -m tools.bench.intracard_cp --out docs/benchmarks/intracard_cp.md` (inputs, timing: the "
-        "module docstring). `CP gain` = cula no-CP / cula CP; `speed-up` = FLA (intra-card CP on) / cula auto; "
+        f"Command: `python -m tools.bench.intracard_cp {' '.join(argv if argv is not None else sys.argv[1:])}` "
+        "(inputs, timing: the module docstring). `CP gain` = cula no-CP / cula CP; `speed-up` = FLA (intra-card CP on) / cula auto; "
         "`auto vs best` = cula auto / min(no-CP, CP).", "", *lines]) + "\n"
     print(report)
     if args.out:

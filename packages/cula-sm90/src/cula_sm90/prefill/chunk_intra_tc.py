@@ -57,6 +57,7 @@ class ChunkIntraTCKernel(common.Stage1Launch):
     the gate is `safe`."""
 
     threads = 128
+    g_smem = True  # g is bf16: loaded by cp.async (forward.py sets it from g's dtype)
 
     @cute.kernel
     def kernel(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tensor, beta: cute.Tensor,
@@ -71,13 +72,13 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         sK = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK), 128)
         sG = smem.allocate_tensor(Float32, cute.make_layout((BT, DK), stride=(DK, 1)), 128)
         # the 24 KiB region R, in turn: the score operands (96 rows: q_r, k_r, then the column operand); v (first
-        # 16 KiB, cp.async during the inverse) and Akk diag(beta) (bf16, last 8 KiB); the u staging tile
+        # 16 KiB, cp.async during the inverse) and Akk diag(beta) (bf16, last 8 KiB)
         r_raw = smem.allocate(6 * BC * DK * 2, 128)
         r_bf = cute.recast_ptr(r_raw, dtype=BFloat16)
         sOp = cute.make_tensor(r_bf, tc.bf16_tile(6 * BC, DK))
         sV = cute.make_tensor(r_bf, tc.bf16_tile(BT, DK))
         sAk = cute.make_tensor(r_bf + BT * DK, tc.bf16_tile(BT, BT))
-        # the L region: L (fp32), the inverse X in place, then k e^G (bf16) and the w staging tile
+        # the L region: L (fp32), the inverse X in place, then k e^G (bf16)
         l_raw = smem.allocate(BT * LPAD * 4, 128)
         sL = cute.make_tensor(cute.recast_ptr(l_raw, dtype=Float32), cute.make_layout((BT, BT), stride=(LPAD, 1)))
         sKe = cute.make_tensor(cute.recast_ptr(l_raw, dtype=BFloat16), tc.bf16_tile(BT, DK))
@@ -88,6 +89,8 @@ class ChunkIntraTCKernel(common.Stage1Launch):
             cp = tc.g2s_copy(DK, self.threads)
             tc.copy_rows(cp, tc.rows_at(q, t0, h, 0, BT, DK), sQ, L, tid)
             tc.copy_rows(cp, tc.rows_at(k, t0, h, 0, BT, DK), sK, L, tid)
+            if const_expr(self.g_smem):  # the first head's g in the same round trip
+                tc.copy_rows(cp, tc.rows_at(g, t0, h * G, 0, BT, DK), sV, L, tid)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
@@ -95,7 +98,7 @@ class ChunkIntraTCKernel(common.Stage1Launch):
                 self.l2norm_rows(sQ, tid)
                 self.l2norm_rows(sK, tid)
             for j in cutlass.range(G, unroll=1):
-                self.head(h * G + j, chunk, t0, L, sQ, sK, sG, sOp, sV, sAk, sL, sKe, sB, v, g, beta,
+                self.head(h * G + j, j, chunk, t0, L, sQ, sK, sG, sOp, sV, sAk, sL, sKe, sB, v, g, beta,
                           alog, dtb, w, u, qg, kg, aqk, gl, scale, lower_bound, tid)
 
     @cute.jit
@@ -121,12 +124,19 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         cute.arch.sync_threads()
 
     @cute.jit
-    def head(self, hv: Int32, chunk: Int32, t0: Int32, L: Int32, sQ, sK, sG, sOp, sV, sAk, sL, sKe, sB, v, g, beta, alog, dtb, w, u, qg, kg, aqk, gl, scale: Float32, lower_bound: Float32, tid):
+    def head(self, hv: Int32, j: Int32, chunk: Int32, t0: Int32, L: Int32, sQ, sK, sG, sOp, sV, sAk, sL, sKe, sB, v, g, beta, alog, dtb, w, u, qg, kg, aqk, gl, scale: Float32, lower_bound: Float32, tid):
         warp = tid // 32
         lane = tid % 32
         cute.arch.sync_threads()  # the previous head is done with every buffer
-        # ---- the log gate and its chunk-local cumulative sum: thread d owns column d (loads coalesced across the
-        # warp, 16 in flight); rows past the end add nothing (identity transitions)
+        # ---- the log gate and its chunk-local cumulative sum: thread d owns column d; rows past the end add
+        # nothing (identity transitions). bf16 g comes by cp.async into R (the first head's with q and k), fp32 g
+        # by loads coalesced across the warp, 16 in flight
+        if const_expr(self.g_smem):
+            if j > 0:
+                tc.copy_rows(tc.g2s_copy(DK, self.threads), tc.rows_at(g, t0, hv, 0, BT, DK), sV, L, tid)
+                cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.sync_threads()
         d = tid
         a_rate = Float32(1.0)
         if const_expr(self.has_a_log):
@@ -139,7 +149,9 @@ class ChunkIntraTCKernel(common.Stage1Launch):
             gv = cute.make_rmem_tensor(cute.make_layout(16), Float32)
             for mm in cutlass.range_constexpr(16):
                 x = Float32(0.0)
-                if mb * 16 + mm < L:
+                if const_expr(self.g_smem):
+                    x = sV[mb * 16 + mm, d].to(Float32)  # zero-filled past the end
+                elif mb * 16 + mm < L:
                     x = g[t0 + mb * 16 + mm, hv, d].to(Float32)
                 gv[mm] = x
             for mm in cutlass.range_constexpr(16):
@@ -258,24 +270,28 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
 
-        # ---- w = Akk diag(beta) @ (k e^G), u = Akk diag(beta) @ v (4 warps along M)
+        # ---- w = Akk diag(beta) @ (k e^G), u = Akk diag(beta) @ v (4 warps along M), one accumulator in turn,
+        # staged as bf16 in G's space (G is dead), then out in 16-byte vectors
         mma4 = tc.tiled_mma_m(4)
         thr4 = mma4.get_slice(tid)
-        acc_w = cute.make_rmem_tensor(thr4.partition_shape_C((BT, DK)), Float32)
-        acc_u = cute.make_rmem_tensor(thr4.partition_shape_C((BT, DK)), Float32)
-        acc_w.fill(0.0)
-        acc_u.fill(0.0)
-        tc.gemm(mma4, acc_w, sAk, tc.t_view(sKe, BT, DK), tid, False, True)
-        tc.gemm(mma4, acc_u, sAk, tc.t_view(sV, BT, DK), tid, False, True)
-        cute.arch.sync_threads()  # every warp is done reading k e^G and v
-        pw = thr4.partition_C(sKe)
-        pu = thr4.partition_C(sV)
-        for e in cutlass.range_constexpr(cute.size(acc_w)):
-            pw[e] = acc_w[e].to(BFloat16)
-            pu[e] = acc_u[e].to(BFloat16)
+        g_bf = cute.recast_ptr(sG.iterator, dtype=BFloat16)
+        sWo = cute.make_tensor(g_bf, tc.bf16_tile(BT, DK))
+        sUo = cute.make_tensor(g_bf + BT * DK, tc.bf16_tile(BT, DK))
+        acc = cute.make_rmem_tensor(thr4.partition_shape_C((BT, DK)), Float32)
+        for which in cutlass.range_constexpr(2):
+            rhs = sKe
+            dst = sWo
+            if const_expr(which == 1):
+                rhs = sV
+                dst = sUo
+            acc.fill(0.0)
+            tc.gemm(mma4, acc, sAk, tc.t_view(rhs, BT, DK), tid, False, True)
+            pd = thr4.partition_C(dst)
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                pd[e] = acc[e].to(BFloat16)
         cute.arch.sync_threads()
-        pw_s = tb.partition_S(sKe)
-        pu_s = tb.partition_S(sV)
+        pw_s = tb.partition_S(sWo)
+        pu_s = tb.partition_S(sUo)
         gw = tb.partition_D(tc.rows_at(w, t0, hv, 0, BT, DK))
         gu = tb.partition_D(tc.rows_at(u, t0, hv, 0, BT, DK))
         for m in cutlass.range_constexpr(cute.size(pQ.shape[1])):

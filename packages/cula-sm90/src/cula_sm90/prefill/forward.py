@@ -93,6 +93,7 @@ def compile_intra(gate: str, beta_activation: str, l2norm: bool, has_a_log: bool
         if gate != "safe":
             raise ValueError(f"the tensor-core stage 1 serves the safe gate only, got {gate}")
         kern = ChunkIntraTCKernel(gate, beta_activation, l2norm, has_a_log, has_dt_bias)
+        kern.g_smem = g_dtype == torch.bfloat16
         io = 16  # cp.async and 16-byte stores: forward.py passes 16-byte aligned tensors
     else:
         from cula_sm90.prefill.chunk_intra import ChunkIntraKernel
@@ -100,7 +101,8 @@ def compile_intra(gate: str, beta_activation: str, l2norm: bool, has_a_log: bool
         kern = ChunkIntraKernel(gate, beta_activation, l2norm, has_a_log, has_dt_bias)
         io = None
     return cute.compile(
-        kern, _fake_ptr(qkv_dtype, io), _fake_ptr(qkv_dtype, io), _fake_ptr(qkv_dtype, io), _fake_ptr(g_dtype),
+        kern, _fake_ptr(qkv_dtype, io), _fake_ptr(qkv_dtype, io), _fake_ptr(qkv_dtype, io),
+        _fake_ptr(g_dtype, io if g_dtype == torch.bfloat16 else None),
         _fake_ptr(beta_dtype), _fake_ptr(f32), _fake_ptr(f32), _fake_ptr(i32), _fake_ptr(i32),
         _fake_ptr(mid, io), _fake_ptr(mid, io), _fake_ptr(mid, io), _fake_ptr(mid, io), _fake_ptr(mid, io),
         _fake_ptr(f32),
@@ -140,12 +142,17 @@ def _host_lengths(B, T, cu_seqlens, cu_seqlens_cpu):
     return tuple(b - a for a, b in itertools.pairwise(c))
 
 
+def planner_kwargs() -> dict:
+    """What the CP planner needs to know of stage 2: CTAs per (segment, head) of the main pass."""
+    return {"slices": DK // 32 if STATE_KERNEL == "simt" else DK // STATE_BV}
+
+
 @functools.lru_cache(maxsize=64)
 def _host_tables(lengths: tuple[int, ...], num_heads: int, num_sms: int, mode: str):
     """cu_seqlens, chunk offsets and the CP plan for host-known lengths (cached by lengths)."""
     from cula_core import cp_planner
 
-    p = cp_planner.plan(lengths, num_heads, num_sms, mode, chunk_size=BT)
+    p = cp_planner.plan(lengths, num_heads, num_sms, mode, chunk_size=BT, **planner_kwargs())
     cu, co = [0], [0]
     for L in lengths:
         cu.append(cu[-1] + L)
@@ -245,10 +252,11 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
                           dt_bias is not None, q.dtype, g.dtype, beta.dtype, kind)
     io = None
     if kind == "tc":  # 16-byte vector copies: q, k, v 16-byte aligned (views at odd offsets are copied)
-        q, k, v = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (q, k, v))
+        q, k, v, g = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (q, k, v, g))
         io = 16
-    intra(_ptr(q, io), _ptr(k, io), _ptr(v, io), _ptr(g), _ptr(beta), _ptr(a_log), _ptr(dtb), _ptr(tables["cu"]),
-          _ptr(tables["co"]), _ptr(w, io), _ptr(u, io), _ptr(qg, io), _ptr(kg, io), _ptr(aqk, io), _ptr(gl),
+    g_io = io if g.dtype == torch.bfloat16 else None
+    intra(_ptr(q, io), _ptr(k, io), _ptr(v, io), _ptr(g, g_io), _ptr(beta), _ptr(a_log), _ptr(dtb),
+          _ptr(tables["cu"]), _ptr(tables["co"]), _ptr(w, io), _ptr(u, io), _ptr(qg, io), _ptr(kg, io), _ptr(aqk, io), _ptr(gl),
           TT, N, NC,
           max(N, 1).bit_length() + 1, HQK, HV // HQK, float(scale), lb, stream)
 
