@@ -1,8 +1,9 @@
 """cula_sm90.decode: multi-token-prediction decode for speculative decoding (CuTe DSL kernels).
 
 Ops: kda_decode, kda_decode_mtp (recurrent kernel: final state into the pool, or T per-token states),
-kda_decode_mtp_kvbuffer (the recurrent kernel in verify mode: outputs and the KVBuffer), kda_flush_kvbuffer and
-kda_flush_kvbuffer_all_layers (rank-m rebuild in place). Design: docs/sm90_decode.md.
+kda_decode_mtp_kvbuffer (the verify: the chunk-form kernel of kvbuffer_verify.py, SIMT or 3xTF32 tensor-core
+products, or the recurrent kernel in KVBuffer mode for the smallest batches; outputs and the KVBuffer),
+kda_flush_kvbuffer and kda_flush_kvbuffer_all_layers (rank-m rebuild in place). Design: docs/sm90_decode.md.
 
 Nothing here imports CuTe DSL: `kernel(op)` returns functions that compile their kernels on first use.
 """

@@ -18,8 +18,9 @@ MAX_LAYERS = 128
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-#: tilings of the recurrent kernel, (BV columns per CTA, lanes along V, warps), that the benchmark compares
-#: and a fourth flag, 1 = warp-local prologue (each warp prepares the per-token vectors itself: no CTA barrier)
+#: tilings of the recurrent kernel that the benchmark compares (every one tested against the reference on the H100):
+#: (BV columns per CTA, lanes along V, warps, warp-local prologue: 1 = each warp prepares the per-token vectors
+#: itself, no CTA barrier)
 TILINGS = ((32, 4, 4, 0), (64, 4, 4, 0), (16, 4, 4, 0), (32, 4, 2, 0), (16, 4, 2, 0), (32, 2, 4, 0), (64, 2, 4, 0),
            (32, 4, 4, 1), (32, 2, 4, 1), (64, 2, 4, 1), (32, 2, 2, 1))
 #: a benchmarking hook (tools/bench/mtp_decode.py): when set, every recurrent launch uses this tiling

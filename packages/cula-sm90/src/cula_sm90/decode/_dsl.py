@@ -1,5 +1,6 @@
 """Device helpers shared by the decode kernels (CuTe DSL): vector loads/stores through raw pointers, lane
-reductions, the in-kernel gates and the L2 norm. Imported only by the kernel modules (never at package import).
+reductions, the in-kernel gates and the L2 norm, the TF32 split and mma.sync of the tensor-core verify. Imported
+only by the kernel modules (never at package import).
 
 Every helper is plain Python run while a kernel is traced (so its loops unroll) and works on Python lists of
 DSL scalars: the sizes are compile-time constants, so a "vector" is a list the compiler keeps in registers.
@@ -73,11 +74,6 @@ def log_decay(x: Float32, rate: Float32, lower_bound: Float32, safe: bool) -> Fl
 
 
 # ---------------------------------------------------------------- TF32 tensor-core helpers (3xTF32 products)
-
-@dsl_user_op
-def _as_i32(x: Float32, *, loc=None, ip=None):
-    return llvm.bitcast(T.i32(), Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip)
-
 
 @dsl_user_op
 def tf32_split(x: Float32, *, loc=None, ip=None):

@@ -23,9 +23,11 @@ that a thread's B fragments of the 4 n-tiles are one 16-byte row piece, and its 
 row pieces in shared memory. SIMT: lane = kr * 8 + vc: 4 columns 4 vc.., K/16 rows per lane, butterfly over kr.
 
 Pipeline. State loads issued first; the per-token vectors (q, k normalised, raw gate -> log gate) into shared
-memory (barrier); G, the Kt / Qt tile and the buffer's k_t, G_t rows (barrier); the T(T+1)/2 pair sums A, B
-(warps in turn) and the products U, W into shared memory (barrier); warp 0 solves the 32 columns (a lane per
-column) and writes o and delta.
+memory, warp w taking tokens w, w + 4, ... with all its global loads issued before any of the math (barrier);
+G, the Kt / Qt tile and the buffer's k_t, G_t rows, a thread per K row (barrier); the T(T+1)/2 pair sums A, B
+(lane = pair, warp = its K-slice, no shuffles; partial sums per warp) and the products U, W into shared memory
+(barrier); warp 0 solves the 32 columns (a lane per column: the T x T substitution, the warps' partials added in
+warp order) and writes o and delta. Shared-memory rows are padded to K + 4 floats (conflict-free column reads).
 
 Assumptions (checked on the host in launch.py): inputs contiguous and 16-byte aligned, K in (64, 128), V % 32 == 0,
 T <= 16; N, HV, HQK, P, scale and lower_bound runtime values; cache_idx < 0 or >= P: zeros, the pool not read.

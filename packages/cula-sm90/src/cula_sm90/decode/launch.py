@@ -12,14 +12,32 @@ if it ever does not, that kernel keeps using the DSL's path.
 
 No host synchronisation: nothing here reads a device tensor; accept lengths are read by the flush kernel.
 
-Dispatch between tilings of the recurrent kernel (`_config.recurrent_tiling`). CTAs per head = V / BV; the
-tiling only changes how a head's state is split over lanes and warps. Every tiling in `_config.TILINGS` is
-tested against the reference (test_every_tiling_of_the_recurrent_kernel); none but the default has a valid
-measurement yet (the first sweep of tools/bench/mtp_decode.py --tilings was timed on the host's clock by mistake):
+Dispatch (both tables are `_config.recurrent_tiling` and `_config.verify_variant`; measured on the H100 in CUDA-graph
+device time, docs/benchmarks/mtp_decode.md, run of 2026-11-22: the tiling sweep and the chain grid with every verify
+variant). heads = N * HV.
 
-| N * HV | T   | BV (columns per CTA) | lanes along V | warps | measured |
-| ------ | --- | -------------------- | ------------- | ----- | -------- |
-| any    | any | 32                   | 4             | 4     | yes: docs/benchmarks/mtp_decode.md |
+Recurrent kernel (kda_decode, kda_decode_mtp, and the verify where the table below picks it); tiling = (BV columns
+per CTA, lanes along V, warps, warp-local prologue). Every tiling of `_config.TILINGS` is tested against the reference;
+the ones below also under memcheck. The T >= 2 rows were measured on the verify (KVBuffer mode, T = 4) and stand for
+the final-state and per-token-states modes as well (same state traffic and token loop; not timed separately).
+
+| T    | heads      | tiling      | measured (sweep at heads 32, 64, 512, 1024, 4096, 8192)                |
+| ---- | ---------- | ----------- | ---------------------------------------------------------------------- |
+| 1    | any        | 64, 4, 4, 0 | best or within 3% of the best everywhere; 12% faster than 32,4,4,0 at  |
+|      |            |             | 4096 and 8192 heads (79-81% of the HBM bound at N = 128)               |
+| >= 2 | <= 64      | 32, 4, 4, 0 | T = 4: within 6% of the best (16,4,2,0); 64,4,4,0 up to 12% slower     |
+| >= 2 | 65 .. 1023 | 64, 4, 4, 0 | T = 4, 512 heads: best (0.0241 ms; 32,4,4,0: 0.0281)                   |
+| >= 2 | >= 1024    | 32, 2, 2, 1 | T = 4, 1024 / 4096 / 8192 heads: best (12-19% faster than 32,4,4,0)    |
+
+Verify (kda_decode_mtp_kvbuffer). The chain grid that chose it ran with an earlier prologue of the chunk kernel
+(per-job loads); the final H100 run with this table and the current kernel is in the benchmark doc.
+
+| heads                      | T    | variant    | measured (chain grid: T in 2..6, 32 .. 8192 heads)              |
+| -------------------------- | ---- | ---------- | --------------------------------------------------------------- |
+| <= 32, or <= 64 at T >= 6  | any  | recurrent  | best in those 6 cells, by 1-9% (a single wave of CTAs)          |
+| otherwise                  | <= 7 | chunk SIMT | best in 56 of the other 58 cells, within 1.4% in the 2 left     |
+| otherwise                  | >= 8 | chunk TC   | NOT measured, extrapolated: its products cost the same up to    |
+|                            |      |            | T = 8 (and 16); both variants pass the tests at T = 8 and 9     |
 """
 
 from __future__ import annotations

@@ -13,7 +13,10 @@ warp (log2 KL shuffles per column): warps never talk to each other after the pro
 Pipeline. Prologue: the lane loads its state piece (the long-latency traffic), its v columns and beta for
 all T tokens, while the warps share out the per-token vectors of the head (q, k L2-normalised and q scaled,
 the gate computed from raw g, its exp) into shared memory; one barrier. Then the T tokens run back to back
-on registers and shared memory only: decay, S^T k, delta, rank-1 update, S^T q, stores of the outputs.
+on registers and shared memory only: decay, then one pass over the decayed state for both u = (D S)^T k and
+w = (D S)^T q (two independent butterflies), delta = beta (v - u), o = w + delta (k.q), rank-1 update, stores.
+With `warp_local`, each warp prepares all the per-token vectors itself in its own slice of shared memory and syncs
+only itself (no CTA barrier).
 
 Assumptions (checked on the host in launch.py): inputs contiguous, q/k/g/v/o/pool/states/buffer pointers
 16-byte aligned, K % 32 == 0, V % BV == 0; N, HV, HQK, P, scale and lower_bound are runtime values (one
