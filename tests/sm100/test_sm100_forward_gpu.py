@@ -48,12 +48,6 @@ def _run_kernels(q, k, v, g, beta, h0, cu, cu_cpu, B, T):
     _check("h", h, flat(it.h), errs)
     _check("v_new", v_new, flat(it.v_new), errs)
     _check("ht", ht, ht_ref, errs)
-    # the forward's fused kernel (chunk_intra + recompute_w_u) against the two stages in turn on the same inputs:
-    # the same code on the same values, so equal up to how the compiler contracts multiply-adds in each
-    fused = launch.chunk_intra_w_u(q, k, v, Gr, beta, ctab, scale=scale, beta_activation="none")
-    staged = (Aqk, Akk, *launch.recompute_w_u(k, v, Gr, beta, Akk, ctab, beta_activation="none"))
-    for name, a, b in zip(("Aqk", "Akk", "w", "u", "kg"), fused, staged, strict=True):
-        assert rel_err(a, b) < 1e-4, f"fused {name}: rel diff {rel_err(a, b):.2e}"
     o = launch.fwd_o(q, Gr, flat(it.h).to(bf).contiguous(), flat(it.Aqk).to(bf).contiguous(),
                      flat(it.v_new).to(bf).contiguous(), ctab, scale=scale)
     _check("o", o, flat(o_ref), errs)

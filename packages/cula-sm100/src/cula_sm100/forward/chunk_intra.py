@@ -30,7 +30,6 @@ import cuda.bindings.driver as cuda
 
 from cula_sm100.forward.cute_utils import (LOG2E, chunk_block, copy_rows_g2s, g2s_tiled_copy, gemm_rs, head_rows,
                                           load_beta, make_tiled_mma, smem_layout, store_rows_s2g, token_layout)
-from cula_sm100.forward.recompute_w_u import scale_k_v, wu_gemms
 
 
 class ChunkIntra:
@@ -40,24 +39,15 @@ class ChunkIntra:
     threads = 128
     Y_BLOCKS = 10  # 16-row blocks of decayed keys: warp w holds w + 1 of them (1 + 2 + 3 + 4)
 
-    def __init__(self, beta_activation: str, fuse_wu: bool = False):
+    def __init__(self, beta_activation: str):
         self.beta_activation = beta_activation
-        # fuse_wu: also recompute_w_u's work (w, u, kg) from the Akk still in shared memory, so k and G are not
-        # read again and Akk makes no round trip through global memory (v, w, u, kg pointers are used only then)
-        self.fuse_wu = fuse_wu
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, G_ptr: cute.Pointer, beta_ptr: cute.Pointer,
-                 Aqk_ptr: cute.Pointer, Akk_ptr: cute.Pointer, table_ptr: cute.Pointer, v_ptr: cute.Pointer,
-                 w_ptr: cute.Pointer, u_ptr: cute.Pointer, kg_ptr: cute.Pointer, TT: cutlass.Int32,
+                 Aqk_ptr: cute.Pointer, Akk_ptr: cute.Pointer, table_ptr: cute.Pointer, TT: cutlass.Int32,
                  NC: cutlass.Int32, HQK: cutlass.Int32, HV: cutlass.Int32, scale: cutlass.Float32,
                  stream: cuda.CUstream):
         K, BT = self.K, self.BT
-        hv_k = token_layout(TT, HV, K)
-        mV = cute.make_tensor(v_ptr, hv_k)
-        mW = cute.make_tensor(w_ptr, hv_k)
-        mU = cute.make_tensor(u_ptr, hv_k)
-        mKg = cute.make_tensor(kg_ptr, hv_k)
         mQ = cute.make_tensor(q_ptr, token_layout(TT, HQK, K))
         mK = cute.make_tensor(k_ptr, token_layout(TT, HQK, K))
         mG = cute.make_tensor(G_ptr, token_layout(TT, HV, K))
@@ -65,13 +55,12 @@ class ChunkIntra:
         mAqk = cute.make_tensor(Aqk_ptr, token_layout(TT, HV, BT))
         mAkk = cute.make_tensor(Akk_ptr, token_layout(TT, HV, BT))
         mT = cute.make_tensor(table_ptr, cute.make_layout((NC, 2), stride=(2, 1)))
-        self.kernel(mQ, mK, mG, mBeta, mAqk, mAkk, mT, mV, mW, mU, mKg, HV // HQK, scale).launch(
+        self.kernel(mQ, mK, mG, mBeta, mAqk, mAkk, mT, HV // HQK, scale).launch(
             grid=[NC, HV, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor, mAqk: cute.Tensor,
-               mAkk: cute.Tensor, mT: cute.Tensor, mV: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor,
-               mKg: cute.Tensor, group: cutlass.Int32, scale: cutlass.Float32):
+               mAkk: cute.Tensor, mT: cute.Tensor, group: cutlass.Int32, scale: cutlass.Float32):
         K, BT, BC = self.K, self.BT, self.BC
         tidx, _, hv, t0, n = chunk_block(mT)
         w = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -290,18 +279,6 @@ class ChunkIntra:
         cute.arch.sync_threads()
         store_rows_s2g(sAqk_o, head_rows(mAqk, t0, hv, BT), n, tidx, self.threads)
         store_rows_s2g(sAkk_o, head_rows(mAkk, t0, hv, BT), n, tidx, self.threads)
-
-        if cutlass.const_expr(self.fuse_wu):
-            # ---- recompute_w_u on the spot: v into region R (free since the barrier above), then
-            #      recompute_w_u's own two phases on Akk (bf16, as the unfused kernel reads it), k and v
-            sV = cute.make_tensor(cute.recast_ptr(r_raw, dtype=cutlass.BFloat16), smem_layout(BT, K))
-            copy_rows_g2s(cp_bf16, head_rows(mV, t0, hv, BT), sV, n, tidx)
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.sync_threads()
-            scale_k_v(mG, mKg, sK, sV, sBeta, t0, hv, n, tidx, self.threads)
-            cute.arch.sync_threads()
-            wu_gemms(sAkk_o, sK, sV, mW, mU, t0, hv, n, tidx, self.threads)
 
     @cute.jit
     def build_keys(self, sG, sK, sYb, j0, gref, rows, lane, gv, kv, yv):

@@ -84,15 +84,15 @@ def gate_kernel(gate: str, g_dtype, a_dtype, b_dtype, has_A_log: bool, has_dt_bi
 
 
 @functools.cache
-def intra_kernel(beta_dtype: torch.dtype, beta_activation: str, fuse_wu: bool = False):
+def intra_kernel(beta_dtype: torch.dtype, beta_activation: str):
     import cutlass.cute as cute
 
     from cula_sm100.forward.chunk_intra import ChunkIntra
 
     bf = torch.bfloat16
-    return cute.compile(ChunkIntra(beta_activation, fuse_wu), _fake_ptr(bf), _fake_ptr(bf), _fake_ptr(torch.float32),
-                        _fake_ptr(beta_dtype), _fake_ptr(bf), _fake_ptr(bf), _fake_ptr(torch.int32), _fake_ptr(bf),
-                        _fake_ptr(bf), _fake_ptr(bf), _fake_ptr(bf), 1, 1, 1, 1, 1.0, _compile_stream())
+    return cute.compile(ChunkIntra(beta_activation), _fake_ptr(bf), _fake_ptr(bf), _fake_ptr(torch.float32),
+                        _fake_ptr(beta_dtype), _fake_ptr(bf), _fake_ptr(bf), _fake_ptr(torch.int32),
+                        1, 1, 1, 1, 1.0, _compile_stream())
 
 
 @functools.cache
@@ -216,25 +216,9 @@ def chunk_intra(q, k, G, beta, ctab, *, scale, beta_activation):
     HQK = q.shape[-2]
     Aqk, Akk = _empty(TT, HV, BT, like=G), _empty(TT, HV, BT, like=G)
     if ctab.shape[0]:
-        bf = torch.bfloat16
         intra_kernel(beta.dtype, beta_activation)(_ptr(q), _ptr(k), _ptr(G), _ptr(beta), _ptr(Aqk), _ptr(Akk),
-                                                  _ptr(ctab), _fake_ptr(bf), _fake_ptr(bf), _fake_ptr(bf),
-                                                  _fake_ptr(bf), TT, ctab.shape[0], HQK, HV, float(scale), _stream())
+                                                  _ptr(ctab), TT, ctab.shape[0], HQK, HV, float(scale), _stream())
     return Aqk, Akk
-
-
-def chunk_intra_w_u(q, k, v, G, beta, ctab, *, scale, beta_activation):
-    """(Aqk, Akk, w, u, kg): chunk_intra and recompute_w_u in one kernel (chunk_intra.py with fuse_wu), the same
-    values as the two stages in turn."""
-    TT, HV, K = G.shape
-    HQK, V = q.shape[-2], v.shape[-1]
-    Aqk, Akk = _empty(TT, HV, BT, like=G), _empty(TT, HV, BT, like=G)
-    w, u, kg = _empty(TT, HV, K, like=G), _empty(TT, HV, V, like=G), _empty(TT, HV, K, like=G)
-    if ctab.shape[0]:
-        intra_kernel(beta.dtype, beta_activation, True)(
-            _ptr(q), _ptr(k), _ptr(G), _ptr(beta), _ptr(Aqk), _ptr(Akk), _ptr(ctab), _ptr(v), _ptr(w), _ptr(u),
-            _ptr(kg), TT, ctab.shape[0], HQK, HV, float(scale), _stream())
-    return Aqk, Akk, w, u, kg
 
 
 def recompute_w_u(k, v, G, beta, Akk, ctab, *, beta_activation):
@@ -287,7 +271,8 @@ def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     A_log = A_log.contiguous() if A_log is not None else None
     dt_bias = dt_bias.contiguous() if dt_bias is not None else None
     G = gate_cumsum(g.reshape(B * T, HV, K), A_log, dt_bias, ctab, gate=gate, lower_bound=lower_bound)
-    Aqk, Akk, w, u, kg = chunk_intra_w_u(q, k, v, G, beta, ctab, scale=scale, beta_activation=beta_activation)
+    Aqk, Akk = chunk_intra(q, k, G, beta, ctab, scale=scale, beta_activation=beta_activation)
+    w, u, kg = recompute_w_u(k, v, G, beta, Akk, ctab, beta_activation=beta_activation)
     h, v_new, ht = chunk_delta_h(w, u, kg, G, initial_state, ctab, stab, output_final_state=output_final_state)
     o = fwd_o(q, G, h, Aqk, v_new, ctab, scale=scale)
     inter = Intermediates(q=q.reshape(B * T, HQK, K), k=k.reshape(B * T, HQK, K), g_cumsum=G, Aqk=Aqk, Akk=Akk,
