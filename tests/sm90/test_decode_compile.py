@@ -96,13 +96,18 @@ def test_chunk_verify_compiles_for_sm90a(sm90a, tc, T, K, safe):
     assert fl.compiled is not None and len(fl.cells) == len(launch._RECURRENT_KINDS)
 
 
-def test_verify_dispatch_names_a_variant():
+def test_dispatch_stays_within_what_a_family_prepares():
+    """Whatever N and HV, the dispatch picks a variant and a tiling that launch._prepare_family compiled and loaded
+    on the family's first call (no compile or load at a new batch size: CUDA-graph capture), and a tested tiling."""
     from cula_sm90.decode import _config
 
-    for N in (1, 8, 64, 128, 1024):
+    for N in (1, 2, 5, 8, 16, 64, 128, 300, 1024):
         for T in range(1, _config.MAX_T + 1):
-            for HV in (8, 32, 64):
-                assert _config.verify_variant(N, T, HV) in _config.VERIFY_VARIANTS
+            for HV in (1, 4, 8, 32, 64):
+                assert _config.verify_variant(N, T, HV) in _config.verify_variants_for(T)
+                tiling = _config.recurrent_tiling(N, T, HV)
+                assert tiling in _config.recurrent_tilings_for(T) and tiling in _config.TILINGS
+                assert tiling in _config.dispatched_tilings()
 
 
 @pytest.mark.parametrize(("T", "K", "layers", "per_request"), [(4, 128, 1, True), (3, 64, 1, False),
@@ -155,3 +160,29 @@ def test_fast_launch_checks_its_binding(corrupt):
         fl(flat, lambda flat=flat: tuple(flat))
     assert fl.fast is (not corrupt)
     assert fake.launches == calls
+
+
+def test_fast_launch_preload():
+    """preload() creates the DSL's default executor (kernel module and context) the way the DSL's first call
+    would, once; a compiled object without those internals is left to load on its first call."""
+    import threading
+
+    from cula_sm90.decode.launch import FastLaunch
+
+    class Compiled:
+        def __init__(self):
+            self._executor_lock = threading.Lock()
+            self._default_executor = None
+            self.loads = 0
+
+        def to(self, device):
+            assert device is None
+            self.loads += 1
+            return ("executor", self.loads)
+
+    c = Compiled()
+    fl = FastLaunch(c, ("ptr",))
+    fl.preload()
+    fl.preload()
+    assert c._default_executor == ("executor", 1) and c.loads == 1
+    FastLaunch(object(), ("ptr",)).preload()  # no internals: nothing raised

@@ -88,3 +88,37 @@ def test_chunk_verify_deterministic_and_close_to_recurrent(name):
             b = cula_core.kda_decode_mtp_kvbuffer(**kw)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert rel_err(a[0], o_rec) < REL_TOL and rel_err(a[1], buf_rec) < REL_TOL
+
+
+def test_capture_at_a_size_the_dispatch_serves_differently():
+    """Warm-up at N = 1 (4 heads: the recurrent verify, tiling 32x4x4), capture at N = 300 (1200 heads: the chunk
+    verify, tiling 32x2x2 for the recurrent step) with no call at that size before: the family's first call
+    prepared every kernel the dispatch can pick, so the capture only launches. Replay = eager calls, bitwise."""
+    from cula_sm90.decode import _config
+
+    T = 3
+    small = make_case(1, T, 2, 4, padded=False, seed=910)
+    kw = make_case(300, T, 2, 4, seed=911)
+    assert _config.verify_variant(1, T, 4) != _config.verify_variant(300, T, 4)
+    assert _config.recurrent_tiling(1, T, 4) != _config.recurrent_tiling(300, T, 4)
+    with backend():
+        cula_core.kda_decode_mtp(**small)
+        cula_core.kda_decode_mtp_kvbuffer(**small)
+        torch.cuda.synchronize()
+        pool0 = kw["state_pool"].clone()
+        graph = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+            o_g, buf_g = cula_core.kda_decode_mtp_kvbuffer(**kw)
+            o2_g, _ = cula_core.kda_decode_mtp(**kw)
+        torch.cuda.current_stream().wait_stream(s)
+        kw["state_pool"].copy_(pool0)
+        graph.replay()
+        torch.cuda.synchronize()
+        got = (o_g.clone(), buf_g.clone(), o2_g.clone(), kw["state_pool"].clone())
+        eager = dict(kw, state_pool=pool0.clone())
+        o_e, buf_e = cula_core.kda_decode_mtp_kvbuffer(**eager)
+        o2_e, _ = cula_core.kda_decode_mtp(**eager)
+    for a, b in zip(got, (o_e, buf_e, o2_e, eager["state_pool"]), strict=True):
+        assert torch.equal(a, b)

@@ -60,9 +60,25 @@ def verify_variant(N: int, T: int, HV: int) -> str:
     return VERIFY_CHUNK_TC if T >= 8 else VERIFY_CHUNK_SIMT
 
 
+def recurrent_tilings_for(T: int) -> tuple[tuple[int, int, int, int], ...]:
+    """Every tiling recurrent_tiling can return for T, whatever N and HV (launch.py prepares them all on a
+    family's first call, so that a later batch size never compiles or loads a kernel, e.g. inside a CUDA-graph
+    capture)."""
+    if TILING_OVERRIDE is not None:
+        return (TILING_OVERRIDE,)
+    return ((64, 4, 4, 0),) if T == 1 else ((32, 4, 4, 0), (64, 4, 4, 0), (32, 2, 2, 1))
+
+
+def verify_variants_for(T: int) -> tuple[str, ...]:
+    """Every variant verify_variant can return for T, whatever N and HV."""
+    if VERIFY_OVERRIDE is not None:
+        return (VERIFY_OVERRIDE,)
+    return (VERIFY_RECURRENT, VERIFY_CHUNK_TC if T >= 8 else VERIFY_CHUNK_SIMT)
+
+
 def dispatched_tilings() -> tuple[tuple[int, int, int, int], ...]:
     """Every tiling recurrent_tiling can return (tests/sm90/decode_memcheck_case.py runs each under memcheck)."""
-    return ((64, 4, 4, 0), (32, 4, 4, 0), (32, 2, 2, 1))
+    return tuple(dict.fromkeys(t for T in (1, 2) for t in recurrent_tilings_for(T)))
 
 
 def unsupported_reason(call) -> str | None:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import weakref
 from types import SimpleNamespace
 
 import torch
@@ -91,6 +92,18 @@ class FastLaunch:
         self.fast: bool | None = None  # unknown until the first call has been checked
         self.capi = None               # (host function, packed argument array, its error cell or None)
         self.lock = threading.Lock()
+
+    def preload(self) -> None:
+        """Load the kernel on the current device now, as the DSL does on a first call (its default executor:
+        module and context): a first call inside a CUDA-graph capture then only launches. Best effort: on a DSL
+        without these internals the first call loads it, as before."""
+        try:
+            c = self.compiled
+            with c._executor_lock:
+                if c._default_executor is None:
+                    c._default_executor = weakref.proxy(c).to(None)
+        except Exception:  # the first call loads the kernel instead
+            pass
 
     def _fill(self, flat) -> None:
         for cell, value in zip(self.cells, flat, strict=True):
@@ -235,13 +248,11 @@ def _run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias
     A_log = A_log.contiguous() if A_log is not None else None
     dt_bias = _aligned(dt_bias.contiguous()) if dt_bias is not None else None
     safe = lower_bound is not None
+    l2norm = bool(use_qk_l2norm_in_kernel)
+    _prepare_family(mode, T, K, V, q.dtype, g, beta, A_log, dt_bias, safe, l2norm)
     variant = _config.verify_variant(N, T, HV) if mode == _config.MODE_KVBUFFER else _config.VERIFY_RECURRENT
-    if variant == _config.VERIFY_RECURRENT:
-        fl = _recurrent_kernel(mode, T, K, V, q.dtype, g, beta, A_log, dt_bias, safe,
-                               bool(use_qk_l2norm_in_kernel), _config.recurrent_tiling(N, T, HV))
-    else:  # same signature and argument kinds as the recurrent kernel
-        fl = _verify_kernel(T, K, V, q.dtype, g, beta, A_log, dt_bias, safe, bool(use_qk_l2norm_in_kernel),
-                            variant == _config.VERIFY_CHUNK_TC)
+    fl = _variant_kernel(mode, variant, _config.recurrent_tiling(N, T, HV), T, K, V, q.dtype, g, beta, A_log,
+                         dt_bias, safe, l2norm)
     pool_addr = state_pool.data_ptr()
     addrs = [q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
              A_log.data_ptr() if A_log is not None else pool_addr,        # never read without A_log
@@ -285,6 +296,34 @@ def _verify_kernel(T: int, K: int, V: int, qkv, g, beta, A_log, dt_bias, safe: b
         return _compile(kern, *_fake_recurrent_args(d, qkv, gdt, bdt, adt, ddt))
 
     return _compiled(key, build, _RECURRENT_KINDS)
+
+
+def _variant_kernel(mode, variant, tiling, T, K, V, qkv, g, beta, A_log, dt_bias, safe, l2norm) -> FastLaunch:
+    if variant == _config.VERIFY_RECURRENT:
+        return _recurrent_kernel(mode, T, K, V, qkv, g, beta, A_log, dt_bias, safe, l2norm, tiling)
+    # the chunk-form verify: same signature and argument kinds as the recurrent kernel
+    return _verify_kernel(T, K, V, qkv, g, beta, A_log, dt_bias, safe, l2norm, variant == _config.VERIFY_CHUNK_TC)
+
+
+_families: set[tuple] = set()
+
+
+def _prepare_family(mode, T, K, V, qkv, g, beta, A_log, dt_bias, safe, l2norm) -> None:
+    """On the first call of a (mode, T, head dims, dtypes, gate) family, compile and load every kernel the
+    dispatch tables can pick for it at any batch size: a call at a new N (a CUDA-graph capture without a warm-up
+    at that size) then never compiles or loads a kernel, whichever variant its size selects."""
+    adt = A_log.dtype if A_log is not None else None
+    ddt = dt_bias.dtype if dt_bias is not None else None
+    family = (mode, T, K, V, qkv, g.dtype, beta.dtype, adt, ddt, safe, l2norm, _config.TILING_OVERRIDE,
+              _config.VERIFY_OVERRIDE)
+    if family in _families:
+        return
+    variants = _config.verify_variants_for(T) if mode == _config.MODE_KVBUFFER else (_config.VERIFY_RECURRENT,)
+    for variant in variants:
+        tilings = _config.recurrent_tilings_for(T) if variant == _config.VERIFY_RECURRENT else (None,)
+        for tiling in tilings:
+            _variant_kernel(mode, variant, tiling, T, K, V, qkv, g, beta, A_log, dt_bias, safe, l2norm).preload()
+    _families.add(family)
 
 
 # ---------------------------------------------------------------- flush kernel (one layer or all layers)
