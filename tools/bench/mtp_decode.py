@@ -1,6 +1,7 @@
 """Benchmark of cula-sm90's multi-token-prediction decode against FLA 0.6.0, on the H100.
 
-    python -m tools.bench.mtp_decode [--smoke] [--out docs/benchmarks/mtp_decode.md] [--json FILE]
+    python -m tools.bench.mtp_decode [--smoke] [--tilings] [--out docs/benchmarks/mtp_decode.md] [--json FILE]
+    python -m tools.bench.mtp_decode --dispatch [--sections growth,decode,chain] [--json FILE] [--out FILE]
 
 Inputs: K = V = 128, HQK = HV in (32, 64), bf16 q/k/v/g/beta (raw g, gate and L2 norm in kernel, softplus gate
 with A_log and dt_bias), fp32 state pool, every request live, accept length m = T.
@@ -19,8 +20,12 @@ Tables:
      argument array (launch.FastLaunch) vs the whole public op, in microseconds per call (wall clock of
      back-to-back calls at N = 1, T = 1: the host is the bottleneck there).
 Timing: device time per call, from 20 calls captured in one CUDA graph and replayed under `triton.testing.do_bench`
-(tools/bench/harness.py, median after warm-up); the eager columns time Python calls (host cost included).
+(median after warm-up, L2 flushed between replays); the eager columns time Python calls through the harness
+(tools/bench/harness.py; host cost included).
 `--tilings` adds the sweep over the recurrent kernel's tilings that the dispatch table in launch.py comes from.
+Table 1 times every verify variant (recurrent, chunk SIMT, chunk tensor cores); `cula ms` is the best of them.
+`--dispatch` times only what the dispatch tables pick, graph-timed: the verify alone per variant (growth in T),
+T = 1 decode, the chain grid (in that order, the JSON written after every row).
 Errors: max |o_cula - o_FLA| / max |o_FLA| on the first call of each cell (bf16 outputs).
 """
 
@@ -239,6 +244,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="H = 64, T in (2, 6), N in (1, 128): device times only")
     ap.add_argument("--dispatch", action="store_true",
                     help="only graph-timed runs with the dispatch tables: chain grid, verify growth, T = 1 decode")
+    ap.add_argument("--sections", default="growth,decode,chain",
+                    help="with --dispatch: which of growth, decode, chain to run (in that order)")
     ap.add_argument("--out", type=Path, help="write the markdown report here")
     ap.add_argument("--json", type=Path, help="write the raw numbers here (as it goes)")
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
@@ -268,7 +275,11 @@ def main(argv=None) -> int:
         dump()
 
     if args.dispatch:
-        raw["dispatch"] = dispatch_run(timing, hs, ns, ts)
+        def keep(d):
+            raw["dispatch"] = d
+            dump()
+
+        raw["dispatch"] = dispatch_run(timing, hs, ns, ts, sections=tuple(args.sections.split(",")), dump=keep)
         dump()
         report = render_dispatch(raw["dispatch"], environment("cuda"))
         print(report)
@@ -353,28 +364,32 @@ def main(argv=None) -> int:
     return 0
 
 
-def dispatch_run(timing, hs=HS, ns=NS, ts=TS, growth_ts=(2, 4, 6, 8), growth_ns=(1, 16, 128)):
-    """Device (graph) times with the dispatch tables as they are: the chain (cula through the public ops, each
-    verify call going to the variant `_config.verify_variant` picks) against FLA's on the issue's grid, the
-    verify variants' growth in T at H = 64, and T = 1 decode."""
+def dispatch_run(timing, hs=HS, ns=NS, ts=TS, growth_ts=(2, 4, 6, 8), growth_ns=(1, 16, 128),
+                 sections=("growth", "decode", "chain"), dump=None):
+    """Device (graph) times with the dispatch tables as they are, section by section (the cheapest and the least
+    measured first; `dump(out)` after every row, so a run cut short keeps what it measured):
+      growth: the verify alone per variant at H = 64, T in growth_ts, N in growth_ns (the T = 6 / T = 2 goal);
+      decode: T = 1 decode (the tiling the dispatch picks) against FLA;
+      chain:  verify + commit (each verify call going to the variant `_config.verify_variant` picks) against
+              FLA's chain on the issue's grid."""
     from cula_sm90.decode import _config
 
     out = {"chain": [], "growth": [], "decode": []}
+
+    def keep(kind, row):
+        out[kind].append(row)
+        print(row, flush=True)
+        if dump is not None:
+            dump(out)
+
     with torch.no_grad():
-        for H in hs:
-            for T in ts:
-                for N in ns:
-                    x = make_inputs(N, T, H, seed=N + T)
-                    pool, idx = fla_setup(x, T)
-                    xf = dict(x)
-                    ref = fla_chain(xf, pool.clone(), idx, T)
-                    _, err = errors(cula_chain(dict(x, state_pool=x["state_pool"].clone()), T).float(), ref.float())
-                    row = dict(H=H, T=T, N=N, err=err, variant=_config.verify_variant(N, T, H),
-                               fla=graph_ms(fla_chain, (xf, pool, idx, T), timing),
-                               cula=graph_ms(cula_chain, (x, T), timing))
-                    out["chain"].append(row)
-                    print(row, flush=True)
-                    del x, pool, idx, xf
+        for T in (growth_ts if "growth" in sections else ()):
+            for N in growth_ns:
+                x = make_inputs(N, T, 64, seed=N + T)
+                keep("growth", dict(H=64, T=T, N=N, **{v: graph_ms(with_variant(cula_verify, v), (x,), timing)
+                                                       for v in VERIFY_VARIANTS}))
+                del x
+        for H in (hs if "decode" in sections else ()):
             for N in ns:
                 x = make_inputs(N, 1, H, seed=N)
                 pool = x["state_pool"].clone()
@@ -386,18 +401,20 @@ def dispatch_run(timing, hs=HS, ns=NS, ts=TS, growth_ts=(2, 4, 6, 8), growth_ns=
                 bytes_moved = 2 * N * H * K * V * 4 + N * H * (3 * K + V + 1) * 2 + N * H * V * 2
                 row["hbm_pct"] = bytes_moved / (row["cula"] * 1e-3) / 1e9 / peak_hbm_gbs() * 100
                 row["fla_hbm_pct"] = bytes_moved / (row["fla"] * 1e-3) / 1e9 / peak_hbm_gbs() * 100
-                out["decode"].append(row)
-                print(row, flush=True)
+                keep("decode", row)
                 del x, pool, xf
-        for T in growth_ts:
-            for N in growth_ns:
-                x = make_inputs(N, T, 64, seed=N + T)
-                row = dict(H=64, T=T, N=N)
-                for v in VERIFY_VARIANTS:
-                    row[v] = graph_ms(with_variant(cula_verify, v), (x,), timing)
-                out["growth"].append(row)
-                print(row, flush=True)
-                del x
+        for H in (hs if "chain" in sections else ()):
+            for T in ts:
+                for N in ns:
+                    x = make_inputs(N, T, H, seed=N + T)
+                    pool, idx = fla_setup(x, T)
+                    xf = dict(x)
+                    ref = fla_chain(xf, pool.clone(), idx, T)
+                    _, err = errors(cula_chain(dict(x, state_pool=x["state_pool"].clone()), T).float(), ref.float())
+                    keep("chain", dict(H=H, T=T, N=N, err=err, variant=_config.verify_variant(N, T, H),
+                                       fla=graph_ms(fla_chain, (xf, pool, idx, T), timing),
+                                       cula=graph_ms(cula_chain, (x, T), timing)))
+                    del x, pool, idx, xf
     return out
 
 
