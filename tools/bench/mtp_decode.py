@@ -127,6 +127,15 @@ def fla_setup(x, T):
     return pool, idx
 
 
+def chain_case(N, T, H):
+    """One chain cell's inputs: cula's (x), FLA's (xf, its pool and indices) and FLA's outputs (the reference of
+    the error column) from a first call on a copy of the pool."""
+    x = make_inputs(N, T, H, seed=N + T)
+    pool, idx = fla_setup(x, T)
+    xf = dict(x)
+    return x, xf, pool, idx, fla_chain(xf, pool.clone(), idx, T)
+
+
 def fla_chain(x, pool, idx, m):
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
@@ -295,10 +304,7 @@ def main(argv=None) -> int:
         for H in hs:
             for T in ts:
                 for N in ns:
-                    x = make_inputs(N, T, H, seed=N + T)
-                    pool, idx = fla_setup(x, T)
-                    xf = dict(x)
-                    ref = fla_chain(xf, pool.clone(), idx, T)
+                    x, xf, pool, idx, ref = chain_case(N, T, H)
                     err = max(errors(with_variant(cula_chain, v)(dict(x, state_pool=x["state_pool"].clone()), T)
                                      .float(), ref.float())[1] for v in VERIFY_VARIANTS)
                     row = dict(N=N, T=T, H=H, err=err)
@@ -406,10 +412,7 @@ def dispatch_run(timing, hs=HS, ns=NS, ts=TS, growth_ts=(2, 4, 6, 8), growth_ns=
         for H in (hs if "chain" in sections else ()):
             for T in ts:
                 for N in ns:
-                    x = make_inputs(N, T, H, seed=N + T)
-                    pool, idx = fla_setup(x, T)
-                    xf = dict(x)
-                    ref = fla_chain(xf, pool.clone(), idx, T)
+                    x, xf, pool, idx, ref = chain_case(N, T, H)
                     _, err = errors(cula_chain(dict(x, state_pool=x["state_pool"].clone()), T).float(), ref.float())
                     keep("chain", dict(H=H, T=T, N=N, err=err, variant=_config.verify_variant(N, T, H),
                                        fla=graph_ms(fla_chain, (xf, pool, idx, T), timing),
