@@ -191,8 +191,8 @@ def main(argv=None) -> int:
     lines = ["# cula-sm90 KDA prefill vs FLA 0.6.0 chunk_kda", "",
              f"GPU: {env.get('gpu', '?')}; torch {env.get('torch')}, CUDA {env.get('cuda')}, triton "
              f"{env.get('triton', '?')}, FLA {env.get('fla-core', '?')}, cula-sm90 {env.get('cula-sm90', '?')}.", "",
-             "Command: `python -m tools.bench.prefill --out docs/benchmarks/prefill.md` (inputs, timing and columns: "
-             "the module docstring). `speed-up` = FLA ms / cula ms; errors: cula's (o, final state) vs FLA's "
+             f"Command: `python -m tools.bench.prefill {' '.join(argv if argv is not None else sys.argv[1:])}` "
+             "(inputs, timing and columns: the module docstring). `speed-up` = FLA ms / cula ms; errors: cula's (o, final state) vs FLA's "
              "(max abs, and max |diff| / max |FLA| over the two).", ""]
     if sp:
         mean = sum(sp) / len(sp)
