@@ -1,31 +1,34 @@
 """KDA prefill, stage 1 of 2, tensor-core version: the chunk-parallel kernel for the safe gate (bounded decay).
 
 Same contract as `chunk_intra.py` (writes w, u, qg, kg, Aqk in token layout [TT, HV, *] bf16 and gl [NC, HV, K]
-fp32 for stage 2); it serves the safe gate with lower_bound >= forward.TC_LOWER_BOUND_MIN (-8), where every per-token log decay lies in
-(lower_bound, 0) and a 16-token block spans at most 8 |lower_bound| (<= 64) around its middle token. The other
-gates (softplus, precomputed: unbounded decays) stay on `chunk_intra.py`.
+fp32 for stage 2). It serves the safe gate with lower_bound >= forward.TC_LOWER_BOUND_MIN (-8): every per-token
+log decay lies in (lower_bound, 0), so a 16-token block spans at most 8 |lower_bound| (<= 64) on either side of
+its middle token. The other gates (softplus, precomputed: unbounded decays) stay on `chunk_intra.py`.
 
 One CTA (128 threads, 4 warps) per (chunk of 64 tokens, q/k head); it loops over the G = HV / HQK value heads of
-the group (q and k read, L2-normalised and kept in shared memory once per group). Per value head:
+the group (q and k read, L2-normalised in place as bf16, as FLA's l2norm output, once per group). Per value head:
 
-    G      chunk-local cumulative log gate (thread d scans column d; coalesced loads)
+    G      chunk-local cumulative log gate in fp32 (thread d scans column d)
     scores per row block p (16 rows), reference r = 16 p + 8 (the block's middle token):
            Aqk[i, j] = scale (q_i e^(G_i - G_r)) . (k_j e^(G_r - G_j))     (j <= i)
            L[i, j]   = beta_i (k_i e^(G_i - G_r)) . (k_j e^(G_r - G_j))    (j < i)
-           the factorised operands are bf16 tiles, one mma.sync GEMM per (p, column block); each factor is at most
-           e^(8 |lower_bound|) (no overflow), each product keeps bf16's relative precision (no cancellation: the
-           factorisation is exact per term), masked entries are selected away, never multiplied.
-    Akk    (I + L)^-1, blocked (fp32, FFMA): the four 16 x 16 diagonal inverses by substitution (one warp each),
-           then warp c computes column block c: X_bc = -X_bb sum_m L_bm X_mc
-    w, u   (Akk diag(beta)) @ [k e^G | v] on tensor cores (Akk diag(beta) split hi + lo bf16, 4 warps along M)
+           the factorised operands are bf16 tiles and one mma.sync GEMM per (p, 16-column block); each factor is
+           at most e^(8 |lower_bound|) (no overflow), each product keeps bf16's relative precision (the
+           factorisation is exact per term: no cancellation), masked entries are selected away, never multiplied.
+           Decays are differences of cumulative log gates; nothing divides by a decay.
+    Akk    (I + L)^-1 in fp32 FFMA, blocked by 16 and in place of L: the four diagonal blocks by substitution (one
+           warp each), then row block by row block X_bc = -X_bb sum_m L_bm X_mc (warp c: column block c)
+    w, u   (Akk diag(beta)) @ [k e^G | v] on tensor cores (Akk diag(beta) in bf16, as FLA's solve_tril output;
+           4 warps along M, one accumulator at a time)
     qg = scale q e^G, kg = k e^(G_last - G), gl = G_last
 
-Memory: q, k, v by cp.async (16-byte vectors), g by coalesced column loads; qg, kg, w, u with 16-byte stores
-(w, u staged through shared memory); Aqk from the accumulators. Shared memory ~112 KiB (two CTAs per SM):
-q, k bf16 tiles (32 KiB), G fp32 (32 KiB), one 32 KiB region reused in turn for the score operands, then the
-inverse X (fp32) and v, then k e^G and v, then the w/u staging, and the L tile (fp32), reused for Akk hi/lo.
-Assumes contiguous, 16-byte aligned q/k/v (forward.py makes them so), K = V = 128, chunks starting at every
-sequence start (varlen through cu_seqlens and the chunk offsets: a binary search, no host synchronisation).
+Pipeline and memory: q, k (and a bf16 g) by 16-byte cp.async in one round trip, v by cp.async while the inverse
+runs; qg, kg, w, u out with 16-byte stores (w, u staged through shared memory), Aqk from the accumulators.
+Shared memory 104.5 KiB, 164 registers (two CTAs per SM): q, k bf16 tiles (32 KiB), G fp32 (32 KiB; then the w /
+u staging), a 24 KiB region R (g; the score operands; v and Akk), the L tile (fp32, 16.25 KiB; the inverse in
+place, then k e^G). Assumes contiguous, 16-byte aligned q/k/v/g (forward.py copies a misaligned view), K = V =
+128, chunks starting at every sequence start (varlen through cu_seqlens and the chunk offsets: a binary search,
+no host synchronisation); a chunk index past the last chunk exits.
 """
 
 from __future__ import annotations

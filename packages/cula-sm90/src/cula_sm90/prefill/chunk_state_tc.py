@@ -1,23 +1,27 @@
 """KDA prefill, stage 2 on tensor cores: the serial state recurrence over the chunks of a segment, and o.
 
-One CTA per (segment, value head, 32-column slice of the state), 128 threads (4 warps stacked along M). Per
-chunk of 64 tokens, with h the fp32 state slice [K = 128, 32] (registers, mma accumulator layout) and the
-stage-1 intermediates (chunk_intra.py; bf16):
+One CTA per (segment, value head, BV-column slice of the state): BV = 64 (the default: 256 threads, 8 warps as
+4 along M x 2 along N) or 32 (128 threads, 4 warps stacked along M). Per chunk of 64 tokens, with h the fp32
+state slice [K = 128, BV] (registers, mma accumulator layout) and the stage-1 intermediates (chunk_intra*.py;
+bf16):
 
-    v_new = u - w @ h                    [64 x 128] @ [128 x 32]
+    v_new = u - w @ h                    [64 x 128] @ [128 x BV]
     o     = qg @ h + Aqk @ v_new         (qg carries scale)
     h     = diag(exp(gl)) h + kg^T @ v_new
 
 Products: mma.sync m16n8k16, bf16 operands, fp32 accumulation. h and v_new are fp32 values split as hi + lo
 bf16 pairs (tc.store_split), so they keep ~16 bits through the products: the state does not drift with its own
 bf16 rounding, and the CP path (stage 2 in affine mode, a scan, stage 2 again) matches the serial walk closely.
-Pipeline per chunk: cp.async of w, qg, kg, Aqk and the u slice (rows past the segment end zero-filled), the
-split h written to shared memory meanwhile; then the GEMMs. One CTA per SM pair (~80 KB shared memory).
+Pipeline per chunk: cp.async of w, qg, kg, Aqk and the u slice (rows past the segment end zero-filled) for the
+next chunk while this one is computed (two stages), the split h written to shared memory meanwhile; then the
+GEMMs. BV = 64 loads each chunk's w, qg, kg, Aqk once for 64 columns (half the CTAs and the L2 traffic of BV =
+32): 176.5 KiB of shared memory, 246 registers, one CTA (8 warps) per SM; H100: 1.56 -> 1.11 ms at T = 16384,
+H = 64.
 
 Modes (compile time), as chunk_state.py: normal (h0_idx / ht_idx from the segment table, o written) or affine
-(the CP map pass: slices 0..3 carry M from the identity with u = 0, slices 4..7 carry c from zero; no o).
-Segment table `seg` [S, 5] int32: (first token, end token, first global chunk, h0_idx, ht_idx).
-Assumes K = V = 128 and 16-byte aligned intermediates (allocated by forward.py).
+(the CP map pass over the augmented state [M | c], K + V = 256 columns: the slices of M start from the identity
+with u = 0, the slices of c from zero; no o). Segment table `seg` [S, 5] int32: (first token, end token, first
+global chunk, h0_idx, ht_idx). Assumes K = V = 128 and 16-byte aligned intermediates (allocated by forward.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """Host side of the sm90 prefill: compiles (once per configuration) and launches the two stages, with or
 without intra-card context parallel. Thin: validation happened in cula_core; the math is in the kernels.
 
-    stage 1  chunk_intra.ChunkIntraKernel        chunk-parallel: gate, cumsum, l2norm, Akk, w/u, Aqk, qg, kg
+    stage 1  chunk_intra_tc.ChunkIntraTCKernel   chunk-parallel: gate, cumsum, l2norm, Akk, w/u, Aqk, qg, kg, on
+             tensor cores, for the safe gate with lower_bound >= TC_LOWER_BOUND_MIN (intra_kind);
+             chunk_intra.ChunkIntraKernel for every other gate (CULA_SM90_STAGE1_KERNEL=tc|simt forces one)
     stage 2  chunk_state_tc.ChunkStateTCKernel   per (segment, head, state slice): the serial recurrence and o
              (chunk_state.ChunkStateKernel: the first, SIMT version, with CULA_SM90_STATE_KERNEL=simt)
 
