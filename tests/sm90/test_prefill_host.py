@@ -100,7 +100,9 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.mark.parametrize("lens", [[3000], [1300, 0, 1, 2600], [5000, 64, 65]])
+# pieces per sequence under "on" at HV = 2: (2,), (1, 1, 1, 2), (4, 1, 1) and (3, 1, 4): the last two make the
+# log-depth scan compose maps (steps d = 1, 2), the last across two split sequences with a short one between
+@pytest.mark.parametrize("lens", [[3000], [1300, 0, 1, 2600], [5000, 64, 65], [4000, 3, 4500]])
 def test_cp_host_path_equals_serial_and_reference(fwd, lens):
     HV = 2
     x = _inputs(lens, HV, seed=len(lens))

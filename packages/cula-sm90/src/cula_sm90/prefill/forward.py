@@ -9,7 +9,7 @@ without intra-card context parallel. Thin: validation happened in cula_core; the
 
 CP (cula_core.cp_planner decides from host lengths): stage 2 in affine mode gives every piece's map (M, c),
 a scan over the pieces of each sequence (batched fp64 matmuls on the device, immune to a global TF32 setting;
-a loop over piece index on the host) gives their initial states, and stage 2 runs all pieces at once. Without
+log2(pieces) steps composing maps, Hillis-Steele) gives their initial states, and stage 2 runs all pieces at once. Without
 `cu_seqlens_cpu` a varlen call runs without CP (the lengths are only on the device; reading them would
 synchronise).
 """
@@ -184,15 +184,23 @@ def _cached_device_tables(lengths, num_heads, num_sms, mode, device, has_h0, wan
     # main pass: piece i starts from row i of the starts buffer
     tables["seg"] = _device_int32([[s.start, s.end, s.chunk0, i, s.seq if (s.last and want_ht) else -1]
                                    for i, s in enumerate(segs)], device)
-    # scan steps: step r takes, for each sequence with > r + 1 pieces, piece (first + r) -> (first + r + 1)
+    # the scan, in log2(max pieces) steps instead of one per piece index (each step is a few launches, so
+    # launches, not flops, bound it): row r's map becomes the composition of its sequence's maps up to r
+    # (Hillis-Steele); step d composes row r with row r - d wherever both belong to one sequence
     firsts = [i for i, s in enumerate(segs) if s.first]
     map_row = {i: r for r, i in enumerate(need)}
-    steps = []
-    for r in range(max(p.pieces) - 1):
-        src = [f + r for f, P in zip(firsts, p.pieces, strict=True) if P > r + 1]
-        steps.append((torch.tensor(src, device=device), torch.tensor([map_row[i] for i in src], device=device),
-                      torch.tensor([i + 1 for i in src], device=device)))
-    tables["steps"] = steps
+    first_row = {segs[f].seq: map_row[f] for f in firsts if not segs[f].last}
+    row_seq = [segs[i].seq for i in need]
+    row_pos = [r - first_row[n] for r, n in enumerate(row_seq)]
+    steps, d = [], 1
+    while d < max(p.pieces) - 1:
+        dst = [r for r, pos in enumerate(row_pos) if pos >= d]
+        steps.append((torch.tensor(dst, device=device), torch.tensor([r - d for r in dst], device=device)))
+        d *= 2
+    tables["scan_steps"] = steps
+    # after the scan, row r maps its sequence's initial state to the start of piece need[r] + 1
+    tables["scan_dst"] = torch.tensor([i + 1 for i in need], device=device)
+    tables["scan_seq"] = torch.tensor(row_seq, device=device)
     tables["firsts"] = torch.tensor(firsts, device=device)
     return tables
 
@@ -285,9 +293,17 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
         starts[tables["firsts"]] = initial_state
     else:
         starts[tables["firsts"]] = 0.0
-    for src, row, dst in tables["steps"]:
-        M = maps[row].double()
-        starts[dst] = (M[..., :K] @ starts[src].double() + M[..., K:]).float()
+    # composed maps in fp64 (products of up to max-pieces decays; immune to a global TF32 setting)
+    composed = maps.double()
+    for dst, src in tables["scan_steps"]:
+        later = composed[dst]
+        step = later[..., :K] @ composed[src]
+        step[..., K:] += later[..., K:]
+        composed[dst] = step
+    reached = composed[..., K:]
+    if has_h0:
+        reached = composed[..., :K] @ initial_state[tables["scan_seq"]].double() + reached
+    starts[tables["scan_dst"]] = reached.float()
     state(*mids, _ptr(gl), _ptr(seg), _ptr(starts), _ptr(ht), _ptr(o),
           TT, NC, S, HV, S, N if final is not None else 1, stream)
     return o, final
