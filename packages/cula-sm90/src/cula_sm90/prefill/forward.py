@@ -9,8 +9,8 @@ without intra-card context parallel. Thin: validation happened in cula_core; the
 
 CP (cula_core.cp_planner decides from host lengths): stage 2 in affine mode gives every piece's map (M, c),
 a scan over the pieces of each sequence (batched fp64 matmuls on the device, immune to a global TF32 setting;
-log2(pieces) steps composing maps, Hillis-Steele) gives their initial states, and stage 2 runs all pieces at once. Without
-`cu_seqlens_cpu` a varlen call runs without CP (the lengths are only on the device; reading them would
+log2(pieces) steps composing maps, Hillis-Steele) gives their initial states, and stage 2 runs all pieces at
+once. Without `cu_seqlens_cpu` a varlen call runs without CP (the lengths are only on the device; reading them would
 synchronise).
 """
 
@@ -266,7 +266,8 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
         io = 16
     g_io = io if g.dtype == torch.bfloat16 else None
     intra(_ptr(q, io), _ptr(k, io), _ptr(v, io), _ptr(g, g_io), _ptr(beta), _ptr(a_log), _ptr(dtb),
-          _ptr(tables["cu"]), _ptr(tables["co"]), _ptr(w, io), _ptr(u, io), _ptr(qg, io), _ptr(kg, io), _ptr(aqk, io), _ptr(gl),
+          _ptr(tables["cu"]), _ptr(tables["co"]), _ptr(w, io), _ptr(u, io), _ptr(qg, io), _ptr(kg, io),
+          _ptr(aqk, io), _ptr(gl),
           TT, N, NC,
           max(N, 1).bit_length() + 1, HQK, HV // HQK, float(scale), lb, stream)
 
