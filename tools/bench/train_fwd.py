@@ -1,7 +1,8 @@
 """Benchmark of cula-sm100's chunk_kda training forward (bf16, K = V = 128, native GVA) against FLA 0.6.0's
 chunk_kda forward with the same flags, plus per-kernel rows (chunk_intra, recompute_w_u) against FLA's.
 
-    python -m tools.bench.train_fwd [--smoke] [--kernels-only] [--out docs/benchmarks/train_fwd.md] [--json FILE]
+    python -m tools.bench.train_fwd [--smoke] [--kernels-only] [--hv 64,128] [--out docs/benchmarks/train_fwd.md]
+                                    [--json FILE]
 
 End to end (`chunk_kda`): B = 2, HQK = 64, HV in (64, 128, 256), T in (512 .. 32768), and varlen (B = 1, 8
 sequences, 16384 tokens, one of length 1). Inputs as in training: bf16 q, k, v; raw gate (fp32) with
@@ -9,9 +10,12 @@ sequences, 16384 tokens, one of length 1). Inputs as in training: bf16 q, k, v; 
 no initial state, no final state. cula runs through the public op `cula_core.chunk_kda` with CULA_BACKEND=sm100
 (validation, dispatch and the custom op included), FLA through `fla.ops.kda.chunk_kda` under no_grad.
 Per-kernel rows (at T = 8192 and varlen) time the stages on the same prepared inputs (normalised q/k, the
-chunk-local cumsum of the gate): ours `chunk_intra` and `recompute_w_u` against FLA's `chunk_kda_fwd_intra`
-(which runs its intra kernels *and* its recompute_w_u) and FLA's `recompute_w_u_fwd`; the `chunk_intra` row
-compares ours with FLA's difference of the two (FLA's intra part alone), labelled as derived.
+chunk-local cumsum of the gate, our intermediates viewed in FLA's layout): ours `chunk_intra` and
+`recompute_w_u` against FLA's `chunk_kda_fwd_intra` (which runs its intra kernels *and* its recompute_w_u) and
+FLA's `recompute_w_u_fwd`; the `chunk_intra` row compares ours with FLA's difference of the two (FLA's intra
+part alone), labelled as derived; then `chunk_delta_h` against `chunk_gated_delta_rule_fwd_h`, `fwd_o` against
+`chunk_gla_fwd_o_gk`, the gate against `kda_gate_chunk_cumsum` and the L2 norm of q against `l2norm_fwd` (the
+forward runs it on q and on k). `--hv` keeps only the listed value-head counts (FLA autotunes per HV).
 Timing: median of `triton.testing.do_bench` through tools/bench/harness.py, after warm-up. The errors column is
 ||cula - FLA|| / ||FLA|| of o on the timed inputs.
 """

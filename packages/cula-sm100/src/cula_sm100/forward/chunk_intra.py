@@ -6,20 +6,23 @@
 
 GVA: the CTA of value head hv reads q/k at head hv // (HV // HQK); G and beta at hv; writes in HV space.
 
-Tiling (4 warps, warp w owns rows 16w..16w+15 of the chunk):
-  * one warp-level GEMM per warp, [q_i e^{G_i - G_n}; k_i e^{G_i - G_n}] (32 x 128) @
-    [k_j e^{G_n - G_j}]^T (128 x 16(w + 1)), n = 16w, bf16 operands, fp32 accumulation (mma.sync
-    m16n8k16). For the columns before the block both exponents are <= 0 (the reference's factorisation:
-    no overflow however strong the decay); for the block's own columns e^{G_n - G_j} >= 1 is bounded by
-    the block's decay span, so they are kept only when the span is under 2^100;
-  * otherwise (a block of extreme decay) the 16 x 16 diagonal block in fp32 on CUDA cores, exact for any
-    decay: exp(G_i - G_j) as the running product of per-step decays a_t = exp(g_t) <= 1, one multiply per
-    (row step, channel) and no exp per pair; lane (column, half of the channels);
+Tiling (4 warps, warp w owns rows n..n+15 of the chunk, n = 16w; 104 KiB of shared memory, 2 CTAs per SM):
+  * scores by warp-level MMA (mma.sync m16n8k16, bf16 operands, fp32 accumulation), one GEMM per column block
+    b <= w: A = [q_i e^{G_i - G_n}; k_i e^{G_i - G_n}] (32 x 128) held as MMA register fragments (built element
+    by element at the fragment's coordinates, never in shared memory), B = [k_j e^{G_n - G_j}] (16 x 128 per
+    block, shared memory, built with 16-byte / 8-byte vector accesses). For j < n both exponents are <= 0 (the
+    reference's factorisation: no overflow however strong the decay). The accumulators stay in registers
+    until a barrier frees the region that held B, where the fp32 score matrices then go (region R, 40 KiB);
+  * the diagonal block: "mild" (decay span under 2^100 over the block) -> the same GEMM with all 16 columns;
+    otherwise it is split in 8 x 8 sub-blocks: the lower-left one by the GEMM with reference row n + 8 (both
+    factors <= 1: A rows >= n + 8, B columns < n + 8, the rest zeroed), the two diagonal ones in exact fp32 on
+    CUDA cores: exp(G_i - G_j) as the running product of per-step decays a_t = exp(g_t) <= 1, one multiply per
+    (row step, channel) and no exp per pair; lane (8 sub-block x column, half of the channels), 8 serial steps;
   * the solve, in fp32: each warp inverts its diagonal block by forward substitution (one lane per
     column), then the off-diagonal blocks row block by row block, X_pq = -X_pp sum_r L_pr X_rq.
 Pipeline: cp.async q/k (zero rows past the chunk end) and G (rows past the end repeat the last valid one,
-so every exponent stays <= 0), build operands, MMA + pairwise, solve, coalesced bf16 stores of Akk, Aqk.
-Shared memory ~180 KB: one CTA per SM (the first thing to cut for speed, docs/sm100.md).
+so every exponent stays <= 0), build operands, MMA, per-step decays, fp32 sub-blocks, solve; Aqk and Akk
+staged as bf16 where q was, then 16-byte stores of rows < n.
 """
 
 from __future__ import annotations
@@ -135,9 +138,11 @@ class ChunkIntra:
         yb0 = w * (w + 1) // 2
         for nt in cutlass.range_constexpr(4):
             if nt < w:
-                self.build_keys(sG, sK, cute.local_tile(sY, (BC, K), (yb0 + nt, 0)), nt * BC, gref, BC, lane, gv, kv, yv)
+                self.build_keys(sG, sK, cute.local_tile(sY, (BC, K), (yb0 + nt, 0)), nt * BC, gref, BC, lane,
+                                gv, kv, yv)
             if nt == w:
-                self.build_keys(sG, sK, cute.local_tile(sY, (BC, K), (yb0 + nt, 0)), nt * BC, gdia, hi, lane, gv, kv, yv)
+                self.build_keys(sG, sK, cute.local_tile(sY, (BC, K), (yb0 + nt, 0)), nt * BC, gdia, hi, lane,
+                                gv, kv, yv)
         mma = make_tiled_mma(1)
         thr = mma.get_slice(lane)
         rA = cute.make_rmem_tensor(thr.partition_shape_A((2 * BC, K)), cutlass.BFloat16)
