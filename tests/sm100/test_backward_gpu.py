@@ -337,13 +337,16 @@ def test_chunk_bwd_intra_matches_torch_stage(lengths, HQK, HV, decay):
     tril = torch.ones(64, 64, device="cuda").tril()
     dA = ch.unchunk(r(ch.NC + 1, 64, HV, 64) * tril[None, :, None, :]).contiguous()
     dL = ch.unchunk(r(ch.NC + 1, 64, HV, 64) * tril.tril(-1)[None, :, None, :]).contiguous()
-    base = [r(T, HQK, 128), r(T, HQK, 128), r(T, HV), r(T, HV, 128)]  # what chunk_wy_dqkg left there
+    # what chunk_wy_dqkg left there (the kernel adds to it). dG's is zero: the kernel then reverse-cumsums the
+    # sum, and a random base's cumsum (~8 per element) would bury the intra part (~1e-3 per element at strong
+    # decay: the G gradients of a chunk sum to zero) in fp32 rounding of the base; the whole-op tests cover
+    # the sum with chunk_wy_dqkg's dG
+    base = [r(T, HQK, 128), r(T, HQK, 128), r(T, HV), torch.zeros(T, HV, 128, device="cuda")]
     ours = [x.clone() for x in base]
     scale = 128 ** -0.5
     launch.chunk_bwd_intra(q, k, G, beta, dA, dL, *ours, ctab, scale=scale)
     e = torch_stages.intra(q, k, G, beta, ch.chunk(dA).permute(0, 2, 1, 3), dL, ch, scale=scale)
-    base[3] = torch_stages.reverse_cumsum(base[3], ch)  # the kernel reverse-cumsums dG once it is complete
-    e = (*e[:3], torch_stages.reverse_cumsum(e[3], ch))
+    e = (*e[:3], torch_stages.reverse_cumsum(e[3], ch))  # the kernel reverse-cumsums dG once it is complete
     errs = {n: rel_err(o - b, x) for n, o, b, x in zip(("dq", "dk", "dbeta", "dG"), ours, base, e, strict=True)}
     print(f"\nchunk_bwd_intra {lengths=} {HQK=} {HV=} {decay=}: " + " ".join(f"{n}={v:.2e}" for n, v in errs.items()))
     for n, v in errs.items():

@@ -2,11 +2,14 @@
 
   chunk_wy_dqkg.py  CuTe DSL kernel: the fused WY / state backward (dq, dk summed over each GVA group, dv,
                     dbeta, dG, dL), one (chunk, q/k head) per CTA
+  chunk_bwd_dav.py  CuTe DSL kernel: dAqk = do v_new^T, dv = Aqk^T do, one (chunk, value head) per CTA
   chunk_bwd_dhu.py  CuTe DSL kernel: the reverse state recurrence (dh per chunk, dv += kg dh, dh0), one
                     (sequence, value head, 64 columns of V) per CTA
-  torch_stages.py   the stages still in PyTorch (dAqk / local dv, the intra-chunk backward, the gate / L2-norm /
-                    beta backward; the reverse recurrence's PyTorch form, the CPU tests' and the kernel's oracle)
-                    and the composition of the whole backward
+  chunk_bwd_intra.py CuTe DSL kernel: the intra-chunk backward of the decayed scores and the reverse cumsum of
+                    dG, one (chunk, q/k head) per CTA (GVA summed inside)
+  torch_stages.py   the stage still in PyTorch (the gate / L2-norm / beta backward), the PyTorch forms of the
+                    kernels' stages (the CPU tests' and the kernels' GPU tests' oracles) and the composition of
+                    the whole backward
   launch.py         compiled-kernel cache; recomputes the forward with cula_sm100.forward's kernels, then runs
                     the stages (docs/sm100_backward.md)
 This module imports no CuTe DSL: kernels compile on first use.

@@ -8,11 +8,12 @@ backward stages:
   1. dAqk = do @ v_new^T (causal), dv = Aqk^T @ do              CuTe DSL kernel (`chunk_bwd_dav.py`)
   2. reverse state recurrence: dh per chunk, dv += kg @ dh, dh0  CuTe DSL kernel (`chunk_bwd_dhu.py`)
   3. chunk_wy_dqkg: dq, dk (GVA-summed), dv, dbeta, dG, dL       CuTe DSL kernel (`chunk_wy_dqkg.py`)
-  4. intra-chunk backward of Aqk and L = beta k k^T decays        CuTe DSL kernel (`chunk_bwd_intra.py`)
-  5. reverse chunk-local cumsum of dG, gate / beta / L2 backward  PyTorch (`torch_stages.finish`)
+  4. intra-chunk backward of Aqk and L = beta k k^T decays,       CuTe DSL kernel (`chunk_bwd_intra.py`)
+     then the reverse chunk-local cumsum of dG
+  5. gate / beta / L2-norm backward (dA_log, ddt_bias)            PyTorch (`torch_stages.finish`)
 
-The PyTorch stage (5) runs in fp32 on the GPU, batched over chunks (no host synchronisation beyond the forward's
-chunk table); it is correct but not fast: a kernel still to write.
+The PyTorch stage (5) runs in fp32 on the GPU (a vector-Jacobian product through cula_core.reference's gates,
+no host synchronisation); it is correct but not fast: a kernel still to write.
 """
 
 from __future__ import annotations
