@@ -101,6 +101,33 @@ def kernel_inputs(shape, seed=0):
     return x, ctab, cu
 
 
+# H100 SXM HBM3 peak; a row whose bytes / time exceeds it cannot have timed the kernel's work
+HBM_PEAK_GBS = 3350.0
+
+
+def wy_bytes(shape) -> int:
+    """Lower bound of the HBM bytes chunk_wy_dqkg (either implementation) reads and writes: every input once
+    (q, k, v, v_new, do, dv, G, A, beta, h, dh) and every output once (dq, dk fp32 per q/k head, dv, dG, dA,
+    dbeta)."""
+    from cula_sm100.forward import launch as fwd
+
+    B, T, HV = shape["B"], shape["T"], shape["HV"]
+    TT = B * T
+    cu, cu_cpu = cu_of(shape)
+    NC = fwd.tables(B, T, cu, cu_cpu, "cuda")[0].shape[0]
+    reads = TT * H * K * 2 * 2 + TT * HV * V * 2 * 4 + TT * HV * K * 4 + TT * HV * 64 * 2 + TT * HV * 4 \
+        + NC * HV * K * V * 2 * 2
+    writes = TT * H * K * 4 * 2 + TT * HV * V * 2 + TT * HV * K * 4 + TT * HV * 64 * 4 + TT * HV * 4
+    return reads + writes
+
+
+def harness_sanity(timing) -> float:
+    """GB/s of a 1 GiB memset through the same harness: near HBM_PEAK_GBS or below it if the timer is sound."""
+    buf = torch.empty(1 << 28, dtype=torch.float32, device="cuda")
+    ms = measure(buf.zero_, [()], timing).median_ms
+    return (1 << 30) / (ms * 1e-3) / 1e9
+
+
 def ours_kernel(x, ctab):
     from cula_sm100.backward import launch
 
@@ -279,7 +306,11 @@ def main(argv=None) -> int:
             warm_e2e(eshapes)
         return 0
     rows, raw = [], {"kernel": [], "e2e": []}
-    head = ("| shape | H | HV | FLA ms | cula ms | speed-up |\n|---|---:|---:|---:|---:|---:|")
+    sanity = harness_sanity(timing)
+    print(f"harness sanity: 1 GiB memset at {sanity:.0f} GB/s (HBM peak ~{HBM_PEAK_GBS:.0f})", flush=True)
+    raw["memset_gbs"] = sanity
+    head = ("| shape | H | HV | FLA ms | cula ms | speed-up | cula GB/s (lower bound of bytes) |\n"
+            "|---|---:|---:|---:|---:|---:|---:|")
     print(head, flush=True)
     for s in kshapes:
         x, ctab, cu = kernel_inputs(s)
@@ -288,8 +319,12 @@ def main(argv=None) -> int:
         if have_fla:
             fla_ms = measure(fla_kernel_fn(x, s, cu), [()], timing).median_ms
         sp = f"{fla_ms / ours:.2f}x" if fla_ms else "n/a"
-        rows.append(f"| {shape_label(s)} | {H} | {s['HV']} | {fla_ms or float('nan'):.3f} | {ours:.3f} | {sp} |")
-        raw["kernel"].append(dict(shape=s, fla_ms=fla_ms, cula_ms=ours))
+        nbytes = wy_bytes(s)
+        gbs = [nbytes / (t * 1e-3) / 1e9 for t in (ours, fla_ms) if t]
+        bw = f"{gbs[0]:.0f}" + (" **above HBM peak: not a valid row**" if max(gbs) > HBM_PEAK_GBS else "")
+        rows.append(f"| {shape_label(s)} | {H} | {s['HV']} | {fla_ms or float('nan'):.3f} | {ours:.3f} | {sp} "
+                    f"| {bw} |")
+        raw["kernel"].append(dict(shape=s, fla_ms=fla_ms, cula_ms=ours, bytes=nbytes))
         print(rows[-1], flush=True)
         if args.out:
             args.out.write_text("\n".join([head, *rows, ""]))
@@ -337,7 +372,9 @@ def main(argv=None) -> int:
     md = [f"# chunk_kda backward (cula-sm100) vs FLA 0.6.0 on {env.get('gpu', 'cuda')}", "",
           f"Command: `{cmd.strip()}`; torch {env.get('torch')}, CUDA {env.get('cuda')}. Median of do_bench "
           "(kernel rows) / CUDA events over 5 calls after 2 warm-up calls (whole fwd+bwd rows). "
-          "speed-up = FLA time / cula time.", "",
+          "speed-up = FLA time / cula time. GB/s: a lower bound of the bytes either kernel must move over "
+          f"cula's time; a row above the HBM peak (either kernel) did not time the work. Harness check: a 1 GiB "
+          f"memset ran at {sanity:.0f} GB/s.", "",
           "## chunk_wy_dqkg vs FLA's chunk_kda_bwd_wy_dqkg_fused (autotuned)", "", head, *rows, ""]
     if erows:
         md += ["## whole forward + backward of chunk_kda (FLA with one configuration per kernel, untuned)", "",
