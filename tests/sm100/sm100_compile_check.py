@@ -22,6 +22,7 @@ KERNELS = {
     "chunk_delta_h": lambda: launch.delta_h_kernel(True, True),
     "chunk_delta_h[no states]": lambda: launch.delta_h_kernel(False, False),
     "chunk_delta_h[BV=64]": lambda: launch.delta_h_kernel(False, False, 64),
+    "chunk_delta_h[lean]": lambda: launch.delta_h_kernel(True, True, 32, True),
     "fwd_o": lambda: launch.fwd_o_kernel(),
 }
 

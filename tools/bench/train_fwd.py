@@ -137,6 +137,8 @@ def kernel_fns(s):
                                                 output_final_state=False),
         "delta_h[BV=64]": lambda: launch.chunk_delta_h(s["w"], s["u"], s["kg"], s["G"], None, s["ctab"], s["stab"],
                                                        output_final_state=False, BV=64),
+        "delta_h[lean]": lambda: launch.chunk_delta_h(s["w"], s["u"], s["kg"], s["G"], None, s["ctab"], s["stab"],
+                                                      output_final_state=False, lean=True),
         "fwd_o": lambda: launch.fwd_o(s["q"], s["G"], s["h"], s["Aqk"], s["v_new"], s["ctab"], scale=scale),
         "gate": lambda: launch.gate_cumsum(s["graw"], s["A_log"], s["dt_bias"], s["ctab"], gate="softplus",
                                            lower_bound=None),
@@ -252,10 +254,10 @@ def main(argv=None) -> int:
         rows.append(dict(kind="recompute_w_u", **base, cula_ms=t["w_u"], fla_ms=t["fla w_u"]))
         rows.append(dict(kind="chunk_intra + recompute_w_u", **base, cula_ms=t["intra+w_u"],
                          fla_ms=t["fla intra+w_u"]))
-        for ours, theirs in (("delta_h", "chunk_delta_h"), ("fwd_o", "fwd_o"), ("gate", "gate + cumsum"),
-                             ("l2norm", "l2norm (q)")):
-            rows.append(dict(kind=theirs, **base, cula_ms=t[ours], fla_ms=t["fla " + ours]))
-        for r in rows[-7:]:
+        for ours, theirs in (("delta_h", "chunk_delta_h"), ("delta_h[lean]", "chunk_delta_h (lean, not live yet)"),
+                             ("fwd_o", "fwd_o"), ("gate", "gate + cumsum"), ("l2norm", "l2norm (q)")):
+            rows.append(dict(kind=theirs, **base, cula_ms=t[ours], fla_ms=t["fla " + ours.split("[")[0]]))
+        for r in rows[-8:]:
             print(r, flush=True)
         print("stage ms:", {k_: round(v_, 3) for k_, v_ in t.items()}, flush=True)
         save()

@@ -14,7 +14,8 @@ Tiling: 128 threads (4 warps along M); `w @ h` is [64 x 128] @ [128 x BV] and `k
 fp32 accumulation; transposed operands read with ldmatrix.trans. Pipeline: two shared-memory stages;
 chunk ci + 1's w, kg and u load (cp.async, rows past the end zero) while chunk ci stores h, multiplies,
 writes v_new and updates h; G at chunk ci + 1's last row is loaded during chunk ci. h and v_new leave from
-their bf16 shared tiles (the GEMM operands) in 16-byte rows.
+their bf16 shared tiles (the GEMM operands) in 16-byte rows. chunk_delta_h_lean.py subclasses this one with
+a pipeline of fewer bytes per CTA (not on the live path yet).
 """
 
 from __future__ import annotations
@@ -59,8 +60,11 @@ class ChunkDeltaH:
         mHt = cute.make_tensor(ht_ptr, state)
         mH = cute.make_tensor(h_ptr, cute.make_layout((NT * HV * K, 1, V), stride=(V, V, 1)))
         mS = cute.make_tensor(seq_ptr, cute.make_layout((N, 3), stride=(3, 1)))
-        self.kernel(mW, mU, mKg, mG, mH0, mH, mVn, mHt, mS, HV).launch(
-            grid=[N, HV, V // self.BV], block=[self.threads, 1, 1], stream=stream)
+        self.launch((mW, mU, mKg, mG, mH0, mH, mVn, mHt, mS, HV), N, HV, stream)
+
+    @cute.jit
+    def launch(self, args, N, HV, stream):
+        self.kernel(*args).launch(grid=[N, HV, self.V // self.BV], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mW: cute.Tensor, mU: cute.Tensor, mKg: cute.Tensor, mG: cute.Tensor, mH0: cute.Tensor,
@@ -69,10 +73,7 @@ class ChunkDeltaH:
         tidx, _, _ = cute.arch.thread_idx()
         s, hv, vb = cute.arch.block_idx()
         v0 = vb * BV
-        bos = mS[s, 0]
-        eos = mS[s, 1]
-        first = mS[s, 2]
-        nchunks = (eos - bos + BT - 1) // BT
+        bos, eos, first, nchunks = self.sequence(mS, s)
 
         smem = cutlass.utils.SmemAllocator()
         # two stages of the chunk inputs: chunk ci + 1 loads while chunk ci computes
@@ -83,27 +84,16 @@ class ChunkDeltaH:
         sVn = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, BV), 128)
         sGl = smem.allocate_tensor(cutlass.Float32, cute.make_layout((K,)), 16)
 
-        mma = make_tiled_mma(4)
-        thr = mma.get_slice(tidx)
-        acc_h = cute.make_rmem_tensor(thr.partition_shape_C((K, BV)), cutlass.Float32)
-        coord_h = thr.partition_C(cute.make_identity_tensor((K, BV)))
-        acc_v = cute.make_rmem_tensor(thr.partition_shape_C((BT, BV)), cutlass.Float32)
-        coord_v = thr.partition_C(cute.make_identity_tensor((BT, BV)))
+        mma, thr, acc_h, coord_h, acc_v, coord_v = self.fragments(tidx)
         sH_part = thr.partition_C(sH)
         sVn_part = thr.partition_C(sVn)
 
-        if cutlass.const_expr(self.has_h0):
-            tH0 = head_rows(mH0, (s * HV + hv) * K, 0, K)
-            for i in cutlass.range_constexpr(cute.size(acc_h)):
-                k0, c0 = coord_h[i]
-                acc_h[i] = tH0[k0, v0 + c0]
-        else:
-            acc_h.fill(0.0)
+        self.init_state(acc_h, coord_h, mH0, s, hv, v0, HV)
 
         gl = cutlass.Float32(0.0)  # G at the last row of the current chunk, channel tidx (loaded one chunk ahead)
         if nchunks > 0:
             self.load_chunk(mW, mKg, mU, sW, sKg, sU, bos, eos, 0, 0, hv, vb, tidx)
-            gl = head_rows(mG, bos, hv, BT)[cutlass.min(eos - bos, BT) - 1, tidx].to(cutlass.Float32)
+            gl = self.last_g(mG, bos, eos, hv, tidx)
         cute.arch.cp_async_commit_group()
         for ci in cutlass.range(nchunks, unroll=1):
             stage = ci % 2
@@ -114,7 +104,7 @@ class ChunkDeltaH:
             cute.arch.cp_async_commit_group()
             sGl[tidx] = cute.math.exp(gl, fastmath=True)
             if ci + 1 < nchunks:  # the next chunk's last-row G: its latency hides behind this chunk's work
-                gl = head_rows(mG, t0 + BT, hv, BT)[cutlass.min(eos - t0 - BT, BT) - 1, tidx].to(cutlass.Float32)
+                gl = self.last_g(mG, t0 + BT, eos, hv, tidx)
             for i in cutlass.range_constexpr(cute.size(acc_h)):
                 sH_part[i] = acc_h[i].to(cutlass.BFloat16)
             cute.arch.cp_async_wait_group(1)  # this chunk's stage has landed; the next one may still fly
@@ -141,8 +131,48 @@ class ChunkDeltaH:
             gemm_ss(mma, acc_h, transposed(sKg[None, None, stage], BT, K), transposed(sVn, BT, BV), tidx, True, True)
             cute.arch.sync_threads()
 
+        self.final_state(acc_h, coord_h, mHt, s, hv, v0, HV)
+
+    @cute.jit
+    def sequence(self, mS, s):
+        """(first token, end, first global chunk, number of chunks) of sequence s."""
+        bos = mS[s, 0]
+        eos = mS[s, 1]
+        return bos, eos, mS[s, 2], (eos - bos + self.BT - 1) // self.BT
+
+    @cute.jit
+    def fragments(self, tidx):
+        """The 4-warp MMA, this thread's slice, and the accumulators (with coordinates) of h [K, BV] and of
+        w @ h [BT, BV]."""
+        mma = make_tiled_mma(4)
+        thr = mma.get_slice(tidx)
+        acc_h = cute.make_rmem_tensor(thr.partition_shape_C((self.K, self.BV)), cutlass.Float32)
+        coord_h = thr.partition_C(cute.make_identity_tensor((self.K, self.BV)))
+        acc_v = cute.make_rmem_tensor(thr.partition_shape_C((self.BT, self.BV)), cutlass.Float32)
+        coord_v = thr.partition_C(cute.make_identity_tensor((self.BT, self.BV)))
+        return mma, thr, acc_h, coord_h, acc_v, coord_v
+
+    @cute.jit
+    def last_g(self, mG, t0, eos, hv, tidx):
+        """G (fp32) at the last row of the chunk that starts at token t0, channel tidx."""
+        return head_rows(mG, t0, hv, self.BT)[cutlass.min(eos - t0, self.BT) - 1, tidx].to(cutlass.Float32)
+
+    @cute.jit
+    def init_state(self, acc_h, coord_h, mH0, s, hv, v0, HV):
+        """acc_h = this CTA's slice of the initial state (fp32), or zeros."""
+        if cutlass.const_expr(self.has_h0):
+            tH0 = head_rows(mH0, (s * HV + hv) * self.K, 0, self.K)
+            for i in cutlass.range_constexpr(cute.size(acc_h)):
+                k0, c0 = coord_h[i]
+                acc_h[i] = tH0[k0, v0 + c0]
+        else:
+            acc_h.fill(0.0)
+
+    @cute.jit
+    def final_state(self, acc_h, coord_h, mHt, s, hv, v0, HV):
+        """This CTA's slice of the final state (fp32), if asked."""
         if cutlass.const_expr(self.store_ht):
-            tHt = head_rows(mHt, (s * HV + hv) * K, 0, K)
+            tHt = head_rows(mHt, (s * HV + hv) * self.K, 0, self.K)
             for i in cutlass.range_constexpr(cute.size(acc_h)):
                 k4, c4 = coord_h[i]
                 tHt[k4, v0 + c4] = acc_h[i]
