@@ -81,13 +81,27 @@ def _decode_flush(T: int):
     return build
 
 
-def _prefill_intra():
-    import torch
+def _decode_verify(T: int, tensor_cores: bool):
+    def build():
+        import torch
 
-    from cula_sm90.prefill import forward
+        from cula_sm90.decode import launch
 
-    bf = torch.bfloat16  # the benchmark's: safe gate with A_log and dt_bias, q/k L2 norm, beta as given
-    return forward.compile_intra("safe", "none", True, True, True, bf, bf, bf)
+        bf = torch.bfloat16  # as _decode_recurrent: bf16 inputs, fp32 gate parameters, softplus gate, L2 norm
+        return launch._verify_kernel(T, 128, 128, bf, torch.empty(0, dtype=bf), torch.empty(0, dtype=bf),
+                                     torch.empty(0), torch.empty(0), False, True, tensor_cores).compiled
+    return build
+
+
+def _prefill_intra(kind: str):
+    def build():
+        import torch
+
+        from cula_sm90.prefill import forward
+
+        bf = torch.bfloat16  # the benchmark's: safe gate with A_log and dt_bias, q/k L2 norm, beta as given
+        return forward.compile_intra("safe", "none", True, True, True, bf, bf, bf, kind)
+    return build
 
 
 def _prefill_state(affine: bool):
@@ -118,8 +132,11 @@ KERNELS: list[tuple[str, str, object]] = [
     ("decode.recurrent[final,T=4]", "sm90 decode", _decode_recurrent("final", 4)),
     ("decode.recurrent[states,T=4]", "sm90 decode", _decode_recurrent("states", 4)),
     ("decode.recurrent[kvbuffer,T=4]", "sm90 decode", _decode_recurrent("kvbuffer", 4)),
+    ("decode.verify[simt,T=4]", "sm90 decode", _decode_verify(4, False)),
+    ("decode.verify[tc,T=4]", "sm90 decode", _decode_verify(4, True)),
     ("decode.flush[T=4]", "sm90 decode", _decode_flush(4)),
-    ("prefill.chunk_intra (stage 1)", "sm90 prefill", _prefill_intra),
+    ("prefill.chunk_intra_tc (stage 1)", "sm90 prefill", _prefill_intra("tc")),
+    ("prefill.chunk_intra[simt] (stage 1, any gate)", "sm90 prefill", _prefill_intra("simt")),
     ("prefill.chunk_state_tc (stage 2)", "sm90 prefill", _prefill_state(False)),
     ("prefill.chunk_state_tc[affine] (CP maps)", "sm90 prefill", _prefill_state(True)),
     ("fwd.l2norm", "sm100 forward", _tests_helper("sm100_compile_check", "KERNELS", "l2norm")),
@@ -128,8 +145,12 @@ KERNELS: list[tuple[str, str, object]] = [
     ("fwd.chunk_intra", "sm100 forward", _tests_helper("sm100_compile_check", "KERNELS", "chunk_intra")),
     ("fwd.recompute_w_u", "sm100 forward", _tests_helper("sm100_compile_check", "KERNELS", "recompute_w_u")),
     ("fwd.chunk_delta_h", "sm100 forward", _tests_helper("sm100_compile_check", "KERNELS", "chunk_delta_h")),
+    ("fwd.chunk_delta_h[lean]", "sm100 forward",
+     _tests_helper("sm100_compile_check", "KERNELS", "chunk_delta_h[lean]")),
     ("fwd.fwd_o", "sm100 forward", _tests_helper("sm100_compile_check", "KERNELS", "fwd_o")),
     ("bwd.chunk_wy_dqkg", "sm100 backward", _tests_helper("backward_cases", "kernels", "chunk_wy_dqkg")),
+    ("bwd.chunk_bwd_dav", "sm100 backward", _tests_helper("backward_cases", "kernels", "chunk_bwd_dav")),
+    ("bwd.chunk_bwd_intra", "sm100 backward", _tests_helper("backward_cases", "kernels", "chunk_bwd_intra")),
     ("bwd.chunk_bwd_dhu[dht,dh0]", "sm100 backward",
      _tests_helper("backward_cases", "kernels", "chunk_bwd_dhu[dht, dh0]")),
 ]
