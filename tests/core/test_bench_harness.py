@@ -57,6 +57,16 @@ def test_timing_and_method_validation():
         harness.measure(lambda: None, [])
 
 
+def test_closure_inputs_count_as_cuda_when_the_process_uses_cuda(monkeypatch):
+    """`measure(fn, [()])` over a closure of CUDA tensors must not fall back to the host clock (it would time
+    asynchronous launches: train_bwd's first rows read faster than HBM allows)."""
+    monkeypatch.setattr(harness, "_cuda_in_use", lambda: False)
+    assert harness._on_cuda([()]) is False
+    monkeypatch.setattr(harness, "_cuda_in_use", lambda: True)
+    assert harness._on_cuda([()]) is True
+    assert harness._on_cuda([(torch.zeros(2),)]) is False  # tensors decide where they are
+
+
 def test_errors_max_abs_and_relative_over_a_tuple_of_outputs():
     ref = (torch.tensor([1.0, -4.0]), torch.tensor([[10.0, 0.0]]), None)
     ours = (torch.tensor([1.5, -4.0]), torch.tensor([[10.0, 1.0]]), None)

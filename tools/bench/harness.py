@@ -19,7 +19,9 @@ callables, and lets `compare` do the rest:
 What it does:
   * times each callable after warm-up: CUDA events around every call (`method="events"`), or
     `triton.testing.do_bench` (`method="do_bench"`, the default on CUDA where Triton is installed), or the
-    wall clock on a CPU; the figure reported is the median over the repeats;
+    wall clock on a CPU; the figure reported is the median over the repeats. Inputs count as CUDA when they
+    hold a CUDA tensor or, for input sets without tensors (a closure timed with `[()]`), when the process
+    has initialised CUDA; a forced `"wall"` synchronises around each call when CUDA is in use;
   * `rotate=N` cycles through N independent input sets (seeds 0..N-1), so that successive calls do not
     find their inputs in L2;
   * checks cula's outputs against FLA's on input set 0: max abs error and max relative error (per output
@@ -111,7 +113,18 @@ def _on_cuda(inputs: Sequence[Any]) -> bool:
             for v in x:
                 yield from tensors(v)
 
-    return any(t.is_cuda for inp in inputs for t in tensors(inp))
+    found = [t for inp in inputs for t in tensors(inp)]
+    if found:
+        return any(t.is_cuda for t in found)
+    # inputs without tensors (a closure over its own tensors, `[()]`): the work is on the GPU whenever this
+    # process uses CUDA. Timing it with the host clock would time asynchronous launches, not the kernels.
+    return _cuda_in_use()
+
+
+def _cuda_in_use() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 def resolve_method(method: str, cuda: bool) -> str:
@@ -163,11 +176,19 @@ def measure(fn: Callable, inputs: Sequence[Any], timing: Timing = Timing()) -> M
         torch.cuda.synchronize()
         samples = tuple(float(s.elapsed_time(e)) for s, e in events)
     else:
+        # the host clock: synchronise around each call if CUDA is in use, so a forced "wall" still times the work
+        sync = _cuda_in_use()
+        if sync:
+            import torch
         times = []
         for _ in range(timing.repeats):
             inp = next(cycle)
+            if sync:
+                torch.cuda.synchronize()
             t0 = time.perf_counter()
             call_with(fn, inp)
+            if sync:
+                torch.cuda.synchronize()
             times.append((time.perf_counter() - t0) * 1e3)
         samples = tuple(times)
     return Measurement(statistics.median(samples), samples, method)

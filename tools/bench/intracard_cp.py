@@ -39,7 +39,9 @@ SMOKE = [dict(H=8, lens=[16384]), dict(H=8, lens=[16384] + [512] * 7)]
 # --trim (a GPU-time budget): every H, one sequence of each length, two of 65536, the long + short mix at H = 8
 TRIM = ([dict(H=h, lens=[t] * n) for h in (4, 8, 16) for n, t in ((1, 16384), (1, 32768), (1, 65536), (1, 131072),
                                                                    (2, 65536))]
-        + [dict(H=8, lens=[65536] + [512] * 31)])
+        + [dict(H=8, lens=[65536] + [512] * 31)]
+        # outside the grid, where the auto rule's edges are: under min_tokens, and H = 32 (two pieces)
+        + [dict(H=4, lens=[8192]), dict(H=32, lens=[16384]), dict(H=32, lens=[65536])])
 
 
 def make_inputs(shape, seed=0, device="cuda"):

@@ -17,10 +17,9 @@ more piece, again and again, while the main pass still fits one wave (``pieces o
 slices <= num_sms``) and every piece keeps at least ``min_piece_chunks`` chunks. ``on`` uses the same
 construction without the two entry conditions (and at least two pieces); ``off`` never splits.
 
-``min_tokens = 65536`` comes from the H100 measurements (docs/benchmarks/intracard_cp.md): at 16384 tokens,
-H = 4, CP was slower than the serial walk (its map pass and scan cost more than the part of the walk they
-save, the chunk-parallel stage being the larger part of the time); at 65536 tokens, H = 8, it shortened the
-serial stage from 2.98 to 1.41 ms (the whole call from about 7.1 to 5.6 ms).
+``min_tokens = 16384`` comes from the H100 measurements (docs/benchmarks/intracard_cp.md): with the log-depth
+scan of the sm90 prefill, CP was faster than the serial walk on every measured shape of 16384 tokens or more
+at H = 4, 8 and 16 (1.08x to 3.6x); before that scan it lost below 65536 tokens, the old threshold.
 """
 
 from __future__ import annotations
@@ -74,7 +73,7 @@ def _chunks(length: int, chunk_size: int) -> int:
 @functools.lru_cache(maxsize=256)
 def plan_pieces(lengths: tuple[int, ...], num_heads: int, num_sms: int, mode: str = "auto", *,
                 chunk_size: int = 64, slices: int = 4, busy_fraction: float = 0.5,
-                min_tokens: int = 65536, min_piece_chunks: int = 16) -> tuple[int, ...]:
+                min_tokens: int = 16384, min_piece_chunks: int = 16) -> tuple[int, ...]:
     """Number of pieces of each sequence.
 
     Args:
