@@ -36,7 +36,8 @@ from tools.bench.harness import Timing, environment, measure  # noqa: E402
 SHAPES = ([dict(H=h, lens=[t] * n) for h in (4, 8, 16) for n in (1, 2) for t in (16384, 32768, 65536, 131072)]
           + [dict(H=h, lens=[65536] + [512] * 31) for h in (4, 8, 16)])
 SMOKE = [dict(H=8, lens=[16384]), dict(H=8, lens=[16384] + [512] * 7)]
-# --trim (a GPU-time budget): every H, one sequence of each length, two of 65536, the long + short mix at H = 8
+# --trim (a GPU-time budget): every H, one sequence of each length, two of 65536, the long + short mix at H = 8,
+# and three shapes outside the grid at the edges of the auto rule
 TRIM = ([dict(H=h, lens=[t] * n) for h in (4, 8, 16) for n, t in ((1, 16384), (1, 32768), (1, 65536), (1, 131072),
                                                                    (2, 65536))]
         + [dict(H=8, lens=[65536] + [512] * 31)]

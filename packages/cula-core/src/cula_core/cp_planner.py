@@ -17,9 +17,10 @@ more piece, again and again, while the main pass still fits one wave (``pieces o
 slices <= num_sms``) and every piece keeps at least ``min_piece_chunks`` chunks. ``on`` uses the same
 construction without the two entry conditions (and at least two pieces); ``off`` never splits.
 
-``min_tokens = 16384`` comes from the H100 measurements (docs/benchmarks/intracard_cp.md): with the log-depth
-scan of the sm90 prefill, CP was faster than the serial walk on every measured shape of 16384 tokens or more
-at H = 4, 8 and 16 (1.08x to 3.6x); before that scan it lost below 65536 tokens, the old threshold.
+``min_tokens = 32768`` comes from the H100 measurements (docs/benchmarks/intracard_cp.md): with the log-depth
+scan of the sm90 prefill, CP beat the serial walk on every measured shape of 32768 tokens or more at H = 4, 8
+and 16 (1.08x to 3.6x), while at 16384 tokens it went either way from run to run (0.73x to 1.20x: the call
+is short enough for the scan's launches to matter); before that scan it lost below 65536 tokens.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def _chunks(length: int, chunk_size: int) -> int:
 @functools.lru_cache(maxsize=256)
 def plan_pieces(lengths: tuple[int, ...], num_heads: int, num_sms: int, mode: str = "auto", *,
                 chunk_size: int = 64, slices: int = 4, busy_fraction: float = 0.5,
-                min_tokens: int = 16384, min_piece_chunks: int = 16) -> tuple[int, ...]:
+                min_tokens: int = 32768, min_piece_chunks: int = 16) -> tuple[int, ...]:
     """Number of pieces of each sequence.
 
     Args:
