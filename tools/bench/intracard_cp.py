@@ -132,8 +132,9 @@ def main(argv=None) -> int:
         f"GPU: {env.get('gpu', '?')} ({sms} SMs); torch {env.get('torch')}, CUDA {env.get('cuda')}, FLA "
         f"{env.get('fla-core', '?')}, cula-sm90 {env.get('cula-sm90', '?')}.", "",
         f"Command: `python -m tools.bench.intracard_cp {' '.join(argv if argv is not None else sys.argv[1:])}` "
-        "(inputs, timing: the module docstring). `CP gain` = cula no-CP / cula CP; `speed-up` = FLA (intra-card CP on) / cula auto; "
-        "`auto vs best` = cula auto / min(no-CP, CP).", "", *lines]) + "\n"
+        "(inputs, timing: the module docstring). `CP gain` = cula no-CP / cula CP; "
+        "`speed-up` = FLA (intra-card CP on) / cula auto; `auto vs best` = cula auto / min(no-CP, CP).", "",
+        *lines]) + "\n"
     print(report)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
