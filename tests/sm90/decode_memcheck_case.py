@@ -1,7 +1,8 @@
 """Run under compute-sanitizer by test_decode_gpu.py::test_memcheck_clean_on_odd_batches: every decode kernel
 (final state, per-token states, verify, flush with a per-request and a broadcast m, all-layers flush) on odd
 batches N in {1, 5} with padded slots (-1) and an out-of-range slot (= P), T in {1, 3}, K = V in {64, 128}, GVA 2;
-every tiling the dispatch can pick; the chunk-form verify (both variants, T in {1, 3, 9})
+every tiling the dispatch can pick; the chunk-form verify (every chunk variant, the opt-in chunk_flat included, T in
+{1, 3, 9}; chunk_flat also at T = 16)
 (K = V = 64 through the kernels directly: the backend does not serve it yet).
 Prints "cases ok" at the end; memcheck reports any out-of-bounds or misaligned access."""
 
@@ -60,12 +61,14 @@ def main(parts=("all", "tilings", "verify")):
                     n += 1
             finally:
                 _config.TILING_OVERRIDE = None
-        # the chunk-form verify, both product variants, K = V = 128 (public op) and 64 (kernel directly)
+        # the chunk-form verify, every chunk variant (chunk_flat: the opt-in one), K = V = 128 (public op) and 64
+        # (kernel directly)
         for name in (_config.VERIFY_VARIANTS[1:] if "verify" in parts else ()):
             _config.VERIFY_OVERRIDE = name
             try:
                 for K in (64, 128):
-                    for N, T in ((1, 1), (5, 3), (5, 9)):
+                    cases = ((1, 1), (5, 3), (5, 9)) + (((3, 16),) if name == _config.VERIFY_CHUNK_FLAT else ())
+                    for N, T in cases:
                         kw = make_case(N, T, 1, 2, K=K, V=K, out_of_range=True, extra_slots=1, seed=90 + T)
                         if K == 128:
                             cula_core.kda_decode_mtp_kvbuffer(**kw)

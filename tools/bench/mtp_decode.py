@@ -24,7 +24,8 @@ Timing: device time per call, from 20 calls captured in one CUDA graph and repla
 (tools/bench/harness.py; host cost included).
 `--tilings` adds the sweep over the recurrent kernel's tilings that the dispatch table in launch.py comes from.
 Table 1 times every verify variant (recurrent, chunk SIMT, chunk tensor cores); `cula ms` is the best of them.
-`--dispatch` times only what the dispatch tables pick, graph-timed: the verify alone per variant (growth in T),
+`--dispatch` times only what the dispatch tables pick, graph-timed: the verify alone per variant (growth in T; the
+opt-in `chunk_flat` too, with its chain against FLA's: `--dispatch --sections growth` is its next-session run),
 T = 1 decode, the chain grid (in that order, the JSON written after every row).
 Errors: max |o_cula - o_FLA| / max |o_FLA| on the first call of each cell (bf16 outputs).
 """
@@ -99,7 +100,11 @@ def cula_decode(x):
     return cula_core.kda_decode(*_op_args(x), A_log=x["A_log"], dt_bias=x["dt_bias"], use_qk_l2norm_in_kernel=True)
 
 
-VERIFY_VARIANTS = ("recurrent", "chunk_simt", "chunk_tc")  # cula_sm90.decode._config.VERIFY_VARIANTS
+VERIFY_VARIANTS = ("recurrent", "chunk_simt", "chunk_tc")  # the ones the dispatch tables pick from
+#: the opt-in verify whose per-CTA chain does not grow with T (kvbuffer_verify_flat.py): timed in the growth
+#: section beside the others (it is not in the dispatch tables, so not in the chain grid)
+FLAT = "chunk_flat"
+GROWTH_VARIANTS = (*VERIFY_VARIANTS, FLAT)
 
 
 def with_variant(fn, name):
@@ -370,11 +375,12 @@ def main(argv=None) -> int:
     return 0
 
 
-def dispatch_run(timing, hs=HS, ns=NS, ts=TS, growth_ts=(2, 4, 6, 8), growth_ns=(1, 16, 128),
+def dispatch_run(timing, hs=HS, ns=NS, ts=TS, growth_ts=(2, 3, 4, 6, 8), growth_ns=(1, 16, 128),
                  sections=("growth", "decode", "chain"), dump=None):
     """Device (graph) times with the dispatch tables as they are, section by section (the cheapest and the least
     measured first; `dump(out)` after every row, so a run cut short keeps what it measured):
-      growth: the verify alone per variant at H = 64, T in growth_ts, N in growth_ns (the T = 6 / T = 2 goal);
+      growth: the verify alone per variant at H = 64, T in growth_ts, N in growth_ns (the T = 6 / T = 2 goal),
+              the opt-in chunk_flat included, with its error against FLA and its chain against FLA's;
       decode: T = 1 decode (the tiling the dispatch picks) against FLA;
       chain:  verify + commit (each verify call going to the variant `_config.verify_variant` picks) against
               FLA's chain on the issue's grid."""
@@ -391,10 +397,19 @@ def dispatch_run(timing, hs=HS, ns=NS, ts=TS, growth_ts=(2, 4, 6, 8), growth_ns=
     with torch.no_grad():
         for T in (growth_ts if "growth" in sections else ()):
             for N in growth_ns:
-                x = make_inputs(N, T, 64, seed=N + T)
-                keep("growth", dict(H=64, T=T, N=N, **{v: graph_ms(with_variant(cula_verify, v), (x,), timing)
-                                                       for v in VERIFY_VARIANTS}))
-                del x
+                x, xf, pool, idx, ref = chain_case(N, T, 64)
+                row = dict(H=64, T=T, N=N, **{v: graph_ms(with_variant(cula_verify, v), (x,), timing)
+                                              for v in GROWTH_VARIANTS})
+                # the opt-in flat verify against today's chunk kernel and FLA: its outputs (vs FLA's, bf16) and
+                # its chain (verify + commit) beside FLA's chain and the dispatch's
+                _, row["flat_err"] = errors(with_variant(cula_verify, FLAT)(x).float(), ref.float())
+                row["flat_vs_tc"] = (with_variant(cula_verify, FLAT)(x).float()
+                                     - with_variant(cula_verify, "chunk_tc")(x).float()).abs().max().item()
+                row["fla_chain"] = graph_ms(fla_chain, (xf, pool, idx, T), timing)
+                row["chain"] = graph_ms(cula_chain, (x, T), timing)
+                row["flat_chain"] = graph_ms(with_variant(cula_chain, FLAT), (x, T), timing)
+                keep("growth", row)
+                del x, xf, pool, idx
         for H in (hs if "decode" in sections else ()):
             for N in ns:
                 x = make_inputs(N, 1, H, seed=N)
@@ -434,11 +449,18 @@ def render_dispatch(d, env) -> str:
         sp = [r["fla"] / r["cula"] for r in d["chain"]]
         lines += ["", f"chain speed-up: min {min(sp):.2f}x, max {max(sp):.2f}x; at T >= 4: min "
                       f"{min(r['fla'] / r['cula'] for r in d['chain'] if r['T'] >= 4):.2f}x."]
+    gv = [v for v in GROWTH_VARIANTS if d["growth"] and v in d["growth"][0]]
+    flat = bool(d["growth"]) and "flat_chain" in d["growth"][0]
+    extra = " | FLA chain | chain (dispatch) | chain (chunk_flat) | flat vs FLA | flat vs FLA chain |" if flat else " |"
     lines += ["", "### Verify alone, per variant (H = 64; ms)", "",
-              "| T | N | " + " | ".join(VERIFY_VARIANTS) + " |", "|---:|---:|" + "---:|" * len(VERIFY_VARIANTS)]
+              "`chunk_flat` is the opt-in variant (kvbuffer_verify_flat.py); `flat vs FLA`: max rel err of its o "
+              "against FLA's (bf16); `flat vs FLA chain`: FLA's chain time over cula's chain with chunk_flat.", "",
+              "| T | N | " + " | ".join(gv) + extra, "|---:|---:|" + "---:|" * (len(gv) + (5 if flat else 0))]
     for r in d["growth"]:
-        lines.append(f"| {r['T']} | {r['N']} | " + " | ".join(f"{r[v]:.4f}" for v in VERIFY_VARIANTS) + " |")
-    for v in VERIFY_VARIANTS:
+        tail = (f" | {r['fla_chain']:.4f} | {r['chain']:.4f} | {r['flat_chain']:.4f} | {r['flat_err']:.1e} "
+                f"| {_x(r['fla_chain'], r['flat_chain'])} |") if flat else " |"
+        lines.append(f"| {r['T']} | {r['N']} | " + " | ".join(f"{r[v]:.4f}" for v in gv) + tail)
+    for v in gv:
         g = [(b[v] / a[v], a["N"]) for a in d["growth"] for b in d["growth"]
              if a["T"] == 2 and b["T"] == 6 and a["N"] == b["N"]]
         if g:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 MODE_FINAL, MODE_STATES, MODE_KVBUFFER = "final", "states", "kvbuffer"
@@ -42,12 +44,26 @@ def recurrent_tiling(N: int, T: int, HV: int) -> tuple[int, int, int, int]:
     return (32, 2, 2, 1)
 
 
-#: the three ways to run the verify step (kda_decode_mtp_kvbuffer): the recurrent kernel in KVBuffer mode, the
-#: chunk form with SIMT products (token-parallel) or with 3xTF32 tensor-core products (kvbuffer_verify.py)
+#: the ways to run the verify step (kda_decode_mtp_kvbuffer): the recurrent kernel in KVBuffer mode, the
+#: chunk form with SIMT products (token-parallel) or with 3xTF32 tensor-core products (kvbuffer_verify.py), and
+#: the opt-in chunk form whose per-CTA chain does not grow with T (kvbuffer_verify_flat.py: compiled only, not yet
+#: run on a GPU; the dispatch tables never pick it, only VERIFY_OVERRIDE / CULA_SM90_VERIFY does)
 VERIFY_RECURRENT, VERIFY_CHUNK_SIMT, VERIFY_CHUNK_TC = "recurrent", "chunk_simt", "chunk_tc"
-VERIFY_VARIANTS = (VERIFY_RECURRENT, VERIFY_CHUNK_SIMT, VERIFY_CHUNK_TC)
+VERIFY_CHUNK_FLAT = "chunk_flat"
+VERIFY_VARIANTS = (VERIFY_RECURRENT, VERIFY_CHUNK_SIMT, VERIFY_CHUNK_TC, VERIFY_CHUNK_FLAT)
+#: environment variable naming a variant that every verify call then uses (read at import, into VERIFY_OVERRIDE)
+VERIFY_ENV = "CULA_SM90_VERIFY"
+
+
+def _verify_from_env() -> str | None:
+    name = os.environ.get(VERIFY_ENV) or None
+    if name is not None and name not in VERIFY_VARIANTS:
+        raise ValueError(f"{VERIFY_ENV}={name!r}: expected one of {', '.join(VERIFY_VARIANTS)}")
+    return name
+
+
 #: a benchmarking / testing hook: when set, every verify call uses this variant
-VERIFY_OVERRIDE: str | None = None
+VERIFY_OVERRIDE: str | None = _verify_from_env()
 
 
 def verify_variant(N: int, T: int, HV: int) -> str:

@@ -88,22 +88,9 @@ class ChunkVerify:
                A_log: cute.Pointer, dt_bias: cute.Pointer, pool: cute.Pointer, cache_idx: cute.Pointer,
                o: cute.Pointer, buf: cute.Pointer, HQK: Int32, HV: Int32, P: Int32, scale: Float32,
                lower_bound: Float32):
-        T, K, V, MP, KP, EPL, BV, NW = self.T, self.K, self.V, self.MP, self.KP, self.EPL, self.BV, self.NW
+        T, K, V, MP, KP, BV, NW = self.T, self.K, self.V, self.MP, self.KP, self.BV, self.NW
         W = 2 * K + V
-        tid = cute.arch.thread_idx()[0]
-        warp = tid // 32
-        lane = tid % 32
-        bid = cute.arch.block_idx()[0]
-        vb = bid % self.NVB
-        head = bid // self.NVB
-        hv = head % HV
-        n = head // HV
-        h = hv // (HV // HQK)
-        col0 = vb * BV
-        kbase = warp * self.KW
-        idx = cute.make_tensor(cache_idx + Int64(n), cute.make_layout(1))[0]
-        live = (idx >= 0) & (idx < P)
-        tok0 = Int64(n) * T
+        tid, warp, lane, vb, hv, h, col0, kbase, idx, live, tok0 = self._coords(cache_idx, HQK, HV, P)
 
         smem = cutlass.memory.SmemAllocator()
         # rows padded to KP = K + 4 floats: lanes reading row t at the same column hit distinct banks
@@ -123,11 +110,7 @@ class ChunkVerify:
             sbase = (Int64(idx) * HV + hv) * (K * V) + col0
             S = []
             if cutlass.const_expr(self.tc):
-                c4 = (lane // 4) * 4
-                for s in cutlass.range_constexpr(self.KS):
-                    for half in cutlass.range_constexpr(2):
-                        r = kbase + s * 8 + lane % 4 + half * 4
-                        S.append(load_vec(pool, sbase + Int64(r) * V + c4, 4))
+                S = self._state_tc(pool, sbase, lane, kbase)
             else:
                 kr = lane // 8
                 c4 = (lane % 8) * 4
@@ -139,33 +122,8 @@ class ChunkVerify:
                   .load().to(Float32)[0] for t in range(T)]
             br = [cute.make_tensor(beta + ((tok0 + t) * HV + hv), cute.make_layout(1)).load().to(Float32)[0]
                   for t in range(T)]
-            # --- per-token vectors: q (normalised, scaled), k (normalised), log gate from raw g. Warp w takes
-            # tokens w, w + NW, ...; every load of the warp is issued before any of the math (no branch between
-            # them: a token past T loads token T - 1 again and stores into a scratch row)
-            e0 = lane * EPL
-            xs = []
-            for i in cutlass.range_constexpr(self.TPW):
-                tc = cutlass.select_(warp + NW * i < T, warp + NW * i, Int32(T - 1))
-                xs.append((load_vec(q, ((tok0 + tc) * HQK + h) * K + e0, EPL),
-                           load_vec(k, ((tok0 + tc) * HQK + h) * K + e0, EPL),
-                           load_vec(g, ((tok0 + tc) * HV + hv) * K + e0, EPL)))
-            rate = Float32(1.0)
-            if cutlass.const_expr(self.has_A_log):
-                rate = cute.math.exp(cute.make_tensor(A_log + Int64(hv), cute.make_layout(1)).load().to(Float32)[0])
-            if cutlass.const_expr(self.has_dt_bias):
-                bias = load_vec(dt_bias, Int64(hv) * K + e0, EPL)
-            for i in cutlass.range_constexpr(self.TPW):
-                t = warp + NW * i
-                xq, xk, xg = xs[i]
-                if cutlass.const_expr(self.l2norm):
-                    xq = l2_normalize(xq, EPL)
-                    xk = l2_normalize(xk, EPL)
-                if cutlass.const_expr(self.has_dt_bias):
-                    xg = [xg[j] + bias[j] for j in range(EPL)]
-                store_vec(sv, (0 * TP + t) * KP + e0, [x * scale for x in xq], EPL)
-                store_vec(sv, (1 * TP + t) * KP + e0, xk, EPL)
-                store_vec(sv, (2 * TP + t) * KP + e0,
-                          [log_decay(x, rate, lower_bound, self.safe_gate) for x in xg], EPL)
+            self._token_vectors(sv, TP, q, k, g, A_log, dt_bias, tok0, h, hv, HQK, HV, warp, lane, scale,
+                                lower_bound)
             cute.arch.sync_threads()   # live is CTA-uniform: every thread reaches the barriers
             # --- G (cumulative log gate), the Kt / Qt tile (zero rows as padding), the buffer's k_t and G_t
             for rr in cutlass.range_constexpr(self.rows_per_thread):
@@ -186,24 +144,7 @@ class ChunkVerify:
                         At[t, r] = Float32(0.0)
                         At[MP + t, r] = Float32(0.0)
             cute.arch.sync_threads()
-            # --- pair sums A_ts (s < t) and B_ts (s <= t): lane = pair, warp = its K-slice (the products'
-            # split), partial sums into ABp[warp]; no shuffles, one pass of 32 pairs per 32 lanes
-            for ps in cutlass.range_constexpr(NPP // 32):
-                pt = Int32(0)
-                pss = Int32(0)
-                for pp in cutlass.range_constexpr(32 * ps, min(32 * ps + 32, self.NPAIR)):
-                    tt, ss = self._pair(pp)
-                    pt = cutlass.select_(lane == pp - 32 * ps, Int32(tt), pt)
-                    pss = cutlass.select_(lane == pp - 32 * ps, Int32(ss), pss)
-                a = Float32(0.0)
-                b = Float32(0.0)
-                for j in cutlass.range_constexpr(self.KW):
-                    r = kbase + j
-                    d = cute.math.exp(Gs[pt, r] - Gs[pss, r]) * vecs[1, pss, r]
-                    a = a + d * vecs[1, pt, r]
-                    b = b + d * vecs[0, pt, r]
-                ABp[warp, 0, 32 * ps + lane] = a
-                ABp[warp, 1, 32 * ps + lane] = b
+            self._pair_sums(Gs, vecs, ABp, warp, lane, kbase)
             # --- U = Kt S_0 and W = Qt S_0: this warp's K-slice, partial sums into red[warp]
             if cutlass.const_expr(self.tc):
                 self._products_tc(S, sA, sred, warp, lane, kbase)
@@ -231,20 +172,112 @@ class ChunkVerify:
                     store_vec(o, row * V + col0 + lane, [ot], 1)
                     cute.make_tensor(buf + (row * W + 2 * K + col0 + lane), cute.make_layout(1))[0] = d
         else:
-            # padded slot: zero outputs and buffer rows, the pool not touched
-            if warp == 0:
-                for t in cutlass.range_constexpr(T):
-                    row = (tok0 + t) * HV + hv
-                    store_zeros(o, row * V + col0 + lane, 1)
-                    store_zeros(buf, row * W + 2 * K + col0 + lane, 1)
-            if vb == 0:
-                for rr in cutlass.range_constexpr(self.rows_per_thread):
-                    r = tid + rr * 32 * self.NW
-                    if r < K:
-                        for t in cutlass.range_constexpr(T):
-                            row = ((tok0 + t) * HV + hv) * W
-                            store_zeros(buf, row + r, 1)
-                            store_zeros(buf, row + K + r, 1)
+            self._zero_request(o, buf, tok0, hv, HV, col0, vb, tid, warp, lane)
+
+    # ------------------------------------------------------------ pieces shared with kvbuffer_verify_flat.py
+
+    def _coords(self, cache_idx, HQK, HV, P):
+        """Who this thread is: (tid, warp, lane, value block, value head, q/k head (GVA), first column, first
+        state row of the warp's K-slice, the request's pool slot, whether it is live, its first token row)."""
+        tid = cute.arch.thread_idx()[0]
+        warp = tid // 32
+        lane = tid % 32
+        bid = cute.arch.block_idx()[0]
+        vb = bid % self.NVB
+        head = bid // self.NVB
+        hv = head % HV
+        n = head // HV
+        h = hv // (HV // HQK)
+        col0 = vb * self.BV
+        kbase = warp * self.KW
+        idx = cute.make_tensor(cache_idx + Int64(n), cute.make_layout(1))[0]
+        live = (idx >= 0) & (idx < P)
+        return tid, warp, lane, vb, hv, h, col0, kbase, idx, live, Int64(n) * self.T
+
+    def _state_tc(self, pool, sbase, lane, kbase):
+        """This thread's state rows in the MMA's B-fragment layout (_products_tc): for k-step s, rows
+        s 8 + lane % 4 (+ 4) of the warp's slice, CTA columns 4 (lane / 4) .. + 3 (one 16-byte load each)."""
+        S = []
+        c4 = (lane // 4) * 4
+        for s in range(self.KS):
+            for half in range(2):
+                r = kbase + s * 8 + lane % 4 + half * 4
+                S.append(load_vec(pool, sbase + Int64(r) * self.V + c4, 4))
+        return S
+
+    def _token_vectors(self, sv, rows: int, q, k, g, A_log, dt_bias, tok0, h, hv, HQK, HV, warp, lane, scale,
+                       lower_bound):
+        """Per-token vectors into shared memory [3][rows][KP]: q (normalised, scaled), k (normalised), log gate
+        from raw g. Warp w takes tokens w, w + NW, ...; every load of the warp is issued before any of the math
+        (no branch between them: a token past T loads token T - 1 again and stores into a scratch row). Returns
+        this lane's normalised k of each of its tokens, [(t, k elements)], for a caller that stores them."""
+        T, K, KP, EPL, NW = self.T, self.K, self.KP, self.EPL, self.NW
+        e0 = lane * EPL
+        xs = []
+        for i in range(self.TPW):
+            tc = cutlass.select_(warp + NW * i < T, warp + NW * i, Int32(T - 1))
+            xs.append((load_vec(q, ((tok0 + tc) * HQK + h) * K + e0, EPL),
+                       load_vec(k, ((tok0 + tc) * HQK + h) * K + e0, EPL),
+                       load_vec(g, ((tok0 + tc) * HV + hv) * K + e0, EPL)))
+        rate = Float32(1.0)
+        if self.has_A_log:
+            rate = cute.math.exp(cute.make_tensor(A_log + Int64(hv), cute.make_layout(1)).load().to(Float32)[0])
+        if self.has_dt_bias:
+            bias = load_vec(dt_bias, Int64(hv) * K + e0, EPL)
+        ks = []
+        for i in range(self.TPW):
+            t = warp + NW * i
+            xq, xk, xg = xs[i]
+            if self.l2norm:
+                xq = l2_normalize(xq, EPL)
+                xk = l2_normalize(xk, EPL)
+            if self.has_dt_bias:
+                xg = [xg[j] + bias[j] for j in range(EPL)]
+            store_vec(sv, (0 * rows + t) * KP + e0, [x * scale for x in xq], EPL)
+            store_vec(sv, (1 * rows + t) * KP + e0, xk, EPL)
+            store_vec(sv, (2 * rows + t) * KP + e0, [log_decay(x, rate, lower_bound, self.safe_gate) for x in xg],
+                      EPL)
+            ks.append((t, xk))
+        return ks
+
+    def _pair_sums(self, Gs, vecs, ABp, warp, lane, kbase):
+        """Pair sums A_ts (s < t) and B_ts (s <= t): lane = pair, warp = its K-slice (the products' split),
+        partial sums into ABp[warp]; no shuffles, one pass of 32 pairs per 32 lanes."""
+        for ps in range(self.NPP // 32):
+            pt = Int32(0)
+            pss = Int32(0)
+            for pp in range(32 * ps, min(32 * ps + 32, self.NPAIR)):
+                tt, ss = self._pair(pp)
+                pt = cutlass.select_(lane == pp - 32 * ps, Int32(tt), pt)
+                pss = cutlass.select_(lane == pp - 32 * ps, Int32(ss), pss)
+            a = Float32(0.0)
+            b = Float32(0.0)
+            for j in range(self.KW):
+                r = kbase + j
+                d = cute.math.exp(Gs[pt, r] - Gs[pss, r]) * vecs[1, pss, r]
+                a = a + d * vecs[1, pt, r]
+                b = b + d * vecs[0, pt, r]
+            ABp[warp, 0, 32 * ps + lane] = a
+            ABp[warp, 1, 32 * ps + lane] = b
+
+    @cute.jit
+    def _zero_request(self, o, buf, tok0, hv, HV, col0, vb, tid, warp, lane):
+        """A padded / out-of-range request: zero outputs and buffer rows, the pool not touched."""
+        T, K, V = self.T, self.K, self.V
+        W = 2 * K + V
+        if warp == 0:
+            for t in cutlass.range_constexpr(T):
+                row = (tok0 + t) * HV + hv
+                store_zeros(o, row * V + col0 + lane, 1)
+                store_zeros(buf, row * W + 2 * K + col0 + lane, 1)
+        if vb == 0:
+            for rr in cutlass.range_constexpr(self.rows_per_thread):
+                r = tid + rr * 32 * self.NW
+                if r < K:
+                    for t in cutlass.range_constexpr(T):
+                        row = ((tok0 + t) * HV + hv) * W
+                        store_zeros(buf, row + r, 1)
+                        store_zeros(buf, row + K + r, 1)
 
     def _pair_sum(self, ABp, which: int, t: int, s: int):
         """A_ts (which = 0) or B_ts (1): the warps' partial sums added in warp order (deterministic)."""

@@ -281,18 +281,25 @@ def _run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias
 # ---------------------------------------------------------------- chunk-form verify (kvbuffer_verify.py)
 
 def _verify_kernel(T: int, K: int, V: int, qkv, g, beta, A_log, dt_bias, safe: bool, l2norm: bool,
-                   tensor_cores: bool) -> FastLaunch:
+                   tensor_cores: bool, flat: bool = False) -> FastLaunch:
+    """The chunk-form verify: kvbuffer_verify.ChunkVerify, or with `flat` the opt-in FlatChunkVerify
+    (kvbuffer_verify_flat.py, always tensor-core products)."""
     gdt, bdt = g.dtype, beta.dtype
     adt = A_log.dtype if A_log is not None else None
     ddt = dt_bias.dtype if dt_bias is not None else None
-    key = ("verify", T, K, V, qkv, gdt, bdt, adt, ddt, safe, l2norm, tensor_cores)
+    key = ("verify", T, K, V, qkv, gdt, bdt, adt, ddt, safe, l2norm, tensor_cores or flat, flat)
 
     def build():
         d = _dsl()
-        from cula_sm90.decode.kvbuffer_verify import ChunkVerify
+        gate = dict(safe_gate=safe, has_A_log=adt is not None, has_dt_bias=ddt is not None, l2norm=l2norm)
+        if flat:
+            from cula_sm90.decode.kvbuffer_verify_flat import FlatChunkVerify
 
-        kern = ChunkVerify(T=T, K=K, V=V, safe_gate=safe, has_A_log=adt is not None, has_dt_bias=ddt is not None,
-                           l2norm=l2norm, tensor_cores=tensor_cores)
+            kern = FlatChunkVerify(T=T, K=K, V=V, **gate)
+        else:
+            from cula_sm90.decode.kvbuffer_verify import ChunkVerify
+
+            kern = ChunkVerify(T=T, K=K, V=V, tensor_cores=tensor_cores, **gate)
         return _compile(kern, *_fake_recurrent_args(d, qkv, gdt, bdt, adt, ddt))
 
     return _compiled(key, build, _RECURRENT_KINDS)
@@ -302,7 +309,8 @@ def _variant_kernel(mode, variant, tiling, T, K, V, qkv, g, beta, A_log, dt_bias
     if variant == _config.VERIFY_RECURRENT:
         return _recurrent_kernel(mode, T, K, V, qkv, g, beta, A_log, dt_bias, safe, l2norm, tiling)
     # the chunk-form verify: same signature and argument kinds as the recurrent kernel
-    return _verify_kernel(T, K, V, qkv, g, beta, A_log, dt_bias, safe, l2norm, variant == _config.VERIFY_CHUNK_TC)
+    return _verify_kernel(T, K, V, qkv, g, beta, A_log, dt_bias, safe, l2norm, variant == _config.VERIFY_CHUNK_TC,
+                          flat=variant == _config.VERIFY_CHUNK_FLAT)
 
 
 _families: set[tuple] = set()
