@@ -1,8 +1,8 @@
 """Benchmark of cula-sm100's chunk_kda training forward (bf16, K = V = 128, native GVA) against FLA 0.6.0's
 chunk_kda forward with the same flags, plus per-kernel rows (chunk_intra, recompute_w_u) against FLA's.
 
-    python -m tools.bench.train_fwd [--smoke] [--kernels-only] [--hv 64,128] [--out docs/benchmarks/train_fwd.md]
-                                    [--json FILE]
+    python -m tools.bench.train_fwd [--smoke] [--kernels-only] [--hv 64,128] [--fused-prep]
+                                    [--out docs/benchmarks/train_fwd.md] [--json FILE]
 
 End to end (`chunk_kda`): B = 2, HQK = 64, HV in (64, 128, 256), T in (512 .. 32768), and varlen (B = 1, 8
 sequences, 16384 tokens, one of length 1). Inputs as in training: bf16 q, k, v; raw gate (fp32) with
@@ -16,6 +16,10 @@ FLA's `recompute_w_u_fwd`; the `chunk_intra` row compares ours with FLA's differ
 part alone), labelled as derived; then `chunk_delta_h` against `chunk_gated_delta_rule_fwd_h`, `fwd_o` against
 `chunk_gla_fwd_o_gk`, the gate against `kda_gate_chunk_cumsum` and the L2 norm of q against `l2norm_fwd` (the
 forward runs it on q and on k). `--hv` keeps only the listed value-head counts (FLA autotunes per HV).
+`--fused-prep` adds the opt-in one-pass preprocessing (chunk_intra_prep.py): end to end, a second cula row per
+shape with CULA_SM100_FUSED_PREP=1; per stage, the preprocessing plus chunk_intra from raw q, k, g staged (l2norm
+of q and of k, gate_cumsum, chunk_intra) and fused (chunk_intra_prep), both against FLA's l2norm twice + gate +
+intra (derived, as the chunk_intra row).
 Timing: median of `triton.testing.do_bench` through tools/bench/harness.py, after warm-up. The errors column is
 ||cula - FLA|| / ||FLA|| of o on the timed inputs.
 """
@@ -101,12 +105,13 @@ def stage_inputs(x):
     ctab, stab = launch.tables(B, T, cu, x.get("cu_seqlens_cpu"), q.device)
     w, u, kg = launch.recompute_w_u(k, x["v"], G, x["beta"], Akk, ctab, beta_activation="none")
     h, v_new, _ = launch.chunk_delta_h(w, u, kg, G, None, ctab, stab, output_final_state=False)
-    return dict(q=q, k=k, v=x["v"], beta=x["beta"], G=G, gk=gk, ctab=ctab, stab=stab, Akk=Akk, Aqk=Aqk, w=w, u=u,
+    return dict(qraw=x["q"], kraw=x["k"],
+                q=q, k=k, v=x["v"], beta=x["beta"], G=G, gk=gk, ctab=ctab, stab=stab, Akk=Akk, Aqk=Aqk, w=w, u=u,
                 kg=kg, h=h, v_new=v_new, graw=x["g"].reshape(-1, HV, K), A_log=x["A_log"], dt_bias=x["dt_bias"],
                 cu=cu.long() if cu is not None else None)
 
 
-def kernel_fns(s):
+def kernel_fns(s, fused_prep=False):
     from fla.modules.norm.l2norm import l2norm_fwd
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
@@ -124,7 +129,18 @@ def kernel_fns(s):
 
     def fla4(x):  # ours [TT, HV, D] -> FLA's [B, T, HV, D] (same memory)
         return x.reshape(B, T, HV, -1)
-    return {
+
+    def prep_staged():  # what forward(fused_prep=False) runs before recompute_w_u
+        q, k = launch.l2norm(s["qraw"]), launch.l2norm(s["kraw"])
+        G = launch.gate_cumsum(s["graw"], s["A_log"], s["dt_bias"], s["ctab"], gate="softplus", lower_bound=None)
+        return launch.chunk_intra(q, k, G, s["beta"], s["ctab"], scale=scale, beta_activation="none")
+
+    def prep_fused():  # forward(fused_prep=True)
+        return launch.chunk_intra_prep(s["qraw"], s["kraw"], s["graw"], s["A_log"], s["dt_bias"], s["beta"], s["ctab"],
+                                       scale=scale, gate="softplus", lower_bound=None, beta_activation="none",
+                                       l2norm=True)
+    prep = {"prep[staged]": prep_staged, "prep[fused]": prep_fused} if fused_prep else {}
+    return prep | {
         "intra": lambda: launch.chunk_intra(s["q"], s["k"], s["G"], s["beta"], s["ctab"], scale=scale,
                                             beta_activation="none"),
         "w_u": lambda: launch.recompute_w_u(s["k"], s["v"], s["G"], s["beta"], s["Akk"], s["ctab"],
@@ -199,6 +215,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
     ap.add_argument("--kernels-only", action="store_true", help="only the per-kernel rows")
     ap.add_argument("--hv", type=str, help="only these HV (comma-separated), e.g. 64,128")
+    ap.add_argument("--fused-prep", action="store_true",
+                    help="also time the opt-in one-pass preprocessing (chunk_intra_prep.py), end to end and per stage")
     ap.add_argument("--render", type=Path, help="only render a saved --json file as markdown (to --out)")
     args = ap.parse_args(argv)
     if args.render:
@@ -231,11 +249,23 @@ def main(argv=None) -> int:
         x = make_inputs(**s)
         o_c, o_f = cula_e2e(**x), fla_e2e(**x)
         row = dict(kind="chunk_kda", **s, err=rel(o_c, o_f))
-        del o_c, o_f
+        del o_c
         row["cula_ms"] = measure(cula_e2e, [x], timing).median_ms
         row["fla_ms"] = measure(fla_e2e, [x], timing).median_ms
         rows.append(row)
         print(row, flush=True)
+        if args.fused_prep:  # the same call with the one-pass preprocessing (launch.forward reads the variable)
+            os.environ["CULA_SM100_FUSED_PREP"] = "1"
+            try:
+                o_z = cula_e2e(**x)
+                fz = dict(kind="chunk_kda (fused prep, opt-in)", **s, err=rel(o_z, o_f), fla_ms=row["fla_ms"])
+                del o_z
+                fz["cula_ms"] = measure(cula_e2e, [x], timing).median_ms
+            finally:
+                del os.environ["CULA_SM100_FUSED_PREP"]
+            rows.append(fz)
+            print(fz, flush=True)
+        del o_f
         save()
         del x
         torch.cuda.empty_cache()
@@ -244,7 +274,7 @@ def main(argv=None) -> int:
         x = make_inputs(**s)
         st = stage_inputs(x)
         del x
-        fns = kernel_fns(st)
+        fns = kernel_fns(st, args.fused_prep)
         # the harness picks CUDA timing (do_bench) only when it sees a CUDA tensor among the inputs: hand it
         # one (the stage functions ignore it); with no tensor it would time the host alone, unsynchronised
         t = {name: measure(lambda _, fn=fn: fn(), [st["q"]], timing).median_ms for name, fn in fns.items()}
@@ -257,7 +287,13 @@ def main(argv=None) -> int:
         for ours, theirs in (("delta_h", "chunk_delta_h"), ("delta_h[lean]", "chunk_delta_h (lean, not live yet)"),
                              ("fwd_o", "fwd_o"), ("gate", "gate + cumsum"), ("l2norm", "l2norm (q)")):
             rows.append(dict(kind=theirs, **base, cula_ms=t[ours], fla_ms=t["fla " + ours.split("[")[0]]))
-        for r in rows[-8:]:
+        if args.fused_prep:
+            fla_prep = 2 * t["fla l2norm"] + t["fla gate"] + t["fla intra+w_u"] - t["fla w_u"]
+            rows.append(dict(kind="l2norm q, k + gate + chunk_intra, staged (FLA: derived)", **base,
+                             cula_ms=t["prep[staged]"], fla_ms=fla_prep))
+            rows.append(dict(kind="l2norm q, k + gate + chunk_intra, one pass (opt-in) (FLA: derived)", **base,
+                             cula_ms=t["prep[fused]"], fla_ms=fla_prep))
+        for r in rows[-(10 if args.fused_prep else 8):]:
             print(r, flush=True)
         print("stage ms:", {k_: round(v_, 3) for k_, v_ in t.items()}, flush=True)
         save()

@@ -52,24 +52,34 @@ class GateCumsum:
             x[r] = cutlass.Float32(0.0)
             if r < n:
                 x[r] = tg[r, d].to(cutlass.Float32)
+        rate, bias = self.rate_bias(mA, mB, hv, d)
+        acc = cutlass.Float32(0.0)
+        for r in cutlass.range_constexpr(self.BT):
+            acc += self.gate_of(x[r], rate, bias)
+            if r < n:
+                tG[r, d] = acc
+
+    @cute.jit
+    def rate_bias(self, mA: cute.Tensor, mB: cute.Tensor, hv, d):
+        """(exp(A_log[hv]) or 1, dt_bias[hv, d] or 0) in fp32."""
         rate = cutlass.Float32(1.0)
         if cutlass.const_expr(self.has_A_log):
             rate = cute.math.exp(mA[hv].to(cutlass.Float32))
         bias = cutlass.Float32(0.0)
         if cutlass.const_expr(self.has_dt_bias):
             bias = mB[hv, d].to(cutlass.Float32)
-        acc = cutlass.Float32(0.0)
-        for r in cutlass.range_constexpr(self.BT):
-            v = x[r]
-            if cutlass.const_expr(self.gate == "softplus"):
-                z = v + bias
-                sp = z
-                if z <= 20.0:
-                    sp = cute.math.log1p(cute.math.exp(z))
-                v = -rate * sp
-            elif cutlass.const_expr(self.gate == "safe"):
-                z = rate * (v + bias)
-                v = self.lower_bound / (1.0 + cute.math.exp(-z))
-            acc += v
-            if r < n:
-                tG[r, d] = acc
+        return rate, bias
+
+    @cute.jit
+    def gate_of(self, v: cutlass.Float32, rate: cutlass.Float32, bias: cutlass.Float32):
+        """The log decay x_t of one raw g_t (the module docstring's formulas)."""
+        if cutlass.const_expr(self.gate == "softplus"):
+            z = v + bias
+            sp = z
+            if z <= 20.0:
+                sp = cute.math.log1p(cute.math.exp(z))
+            v = -rate * sp
+        elif cutlass.const_expr(self.gate == "safe"):
+            z = rate * (v + bias)
+            v = self.lower_bound / (1.0 + cute.math.exp(-z))
+        return v
