@@ -2,6 +2,7 @@
 
     python -m tools.bench.mtp_decode [--smoke] [--tilings] [--out docs/benchmarks/mtp_decode.md] [--json FILE]
     python -m tools.bench.mtp_decode --dispatch [--sections growth,decode,chain] [--json FILE] [--out FILE]
+    python -m tools.bench.mtp_decode --static [--out FILE]     # no GPU: SASS of the chunk verify variants by T
 
 Inputs: K = V = 128, HQK = HV in (32, 64), bf16 q/k/v/g/beta (raw g, gate and L2 norm in kernel, softplus gate
 with A_log and dt_bias), fp32 state pool, every request live, accept length m = T.
@@ -250,8 +251,55 @@ def tiling_sweep(timing, hs, ns=(1, 16, 128), cases=((1, cula_decode), (4, cula_
     return out
 
 
+STATIC_VARIANTS = ("chunk_simt", "chunk_tc", FLAT)
+
+
+def static_report(ts=(2, 4, 6, 8), variants=STATIC_VARIANTS) -> str:
+    """No GPU: each chunk verify variant compiled for sm_90a at each T (K = V = 128, the benchmark's dtypes and gate)
+    and read with tools.kernel_report.analyse: registers, shared memory, CTAs per SM and the SASS the CTA runs (all
+    loops are unrolled, so the static counts are what each thread issues, branches aside). The T = 6 / T = 2 ratio of
+    the instruction total is the static view of the growth goal. Must run before cutlass is imported."""
+    import tempfile
+
+    if "cutlass" in sys.modules:
+        raise SystemExit("--static must set CUTE_DSL_KEEP before cutlass is imported")
+    dump = tempfile.mkdtemp(prefix="mtp_static_")
+    os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin,ptx", CUTE_DSL_DUMP_DIR=dump)
+    from cula_sm90.decode import _config, launch
+    from tools.kernel_report import analyse
+
+    bf = torch.bfloat16
+    rows = {}
+    for v in variants:
+        for T in ts:
+            fl = launch._verify_kernel(T, K, V, bf, torch.empty(0, dtype=bf), torch.empty(0, dtype=bf), torch.empty(0),
+                                       torch.empty(0), False, True, v == _config.VERIFY_CHUNK_TC,
+                                       flat=v == _config.VERIFY_CHUNK_FLAT)
+            rows[v, T] = analyse(f"{v}[T={T}]", "decode", fl.compiled, "sm_90a", Path(dump))
+    w = lambda t: " ".join(f"{n}x{b}" for b, n in sorted(t.items())) or "-"
+    lines = ["", "## Static view of the verify chain (sm_90a, K = V = 128, no GPU)", "",
+             "`python -m tools.bench.mtp_decode --static`: cubins read with tools.kernel_report.analyse; SASS counts "
+             "are static (every loop here is unrolled: what each thread issues, branches aside; the padded-slot branch "
+             "is counted too); widths as bits x count.",
+             "", "| variant | T | regs | spills (st/ld) | smem KiB | CTAs/SM | SASS | BAR | HMMA | MUFU | SHFL "
+             "| LDS | STS | STG |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
+    for (v, T), r in rows.items():
+        lines.append(f"| {v} | {T} | {r.regs} | {r.spill_stores}/{r.spill_loads} | "
+                     f"{(r.dynamic_smem or 0) / 1024:.1f} | {r.ctas_per_sm} | {r.sass_total} | {r.mix.get('BAR', 0)} | "
+                     f"{r.mix.get('HMMA', 0)} | {r.mix.get('MUFU', 0)} | {r.mix.get('SHFL', 0)} | {w(r.lds)} | "
+                     f"{w(r.sts)} | {w(r.stg)} |")
+    lines.append("")
+    for v in variants:
+        if (v, 2) in rows and (v, 6) in rows:
+            lines.append(f"{v}: SASS instructions T = 6 / T = 2: {rows[v, 6].sass_total / rows[v, 2].sass_total:.2f}x; "
+                         f"BAR {rows[v, 2].mix.get('BAR', 0)} -> {rows[v, 6].mix.get('BAR', 0)}.")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--static", action="store_true",
+                    help="no GPU: compile every chunk verify variant at T = 2, 4, 6, 8 and report its SASS (the chain)")
     ap.add_argument("--smoke", action="store_true", help="two cells only (CI)")
     ap.add_argument("--tilings", action="store_true", help="also time every tiling of the recurrent kernel")
     ap.add_argument("--only-tilings", action="store_true", help="only the tiling sweep")
@@ -265,6 +313,12 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     ap.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
     args = ap.parse_args(argv)
+    if args.static:
+        report = static_report()
+        print(report)
+        if args.out:
+            args.out.write_text(report)
+        return 0
     if not torch.cuda.is_available():
         print("mtp_decode: no CUDA device", file=sys.stderr)
         return 1
