@@ -39,7 +39,8 @@ def run_case(kw, T, N, public: bool):
 
 def main(parts=("all", "tilings", "verify")):
     """parts: "all" (every kernel on odd batches), "tilings" (every dispatched tiling), "verify" (the chunk-form
-    verify); the test runs all three, a quick check may name some (python decode_memcheck_case.py verify)."""
+    verify, every variant), "flat" (only the opt-in chunk_flat); the test runs the first three, a quick check may
+    name some (python decode_memcheck_case.py flat)."""
     n = 0
     with backend():
         for K in ((64, 128) if "all" in parts else ()):
@@ -63,7 +64,9 @@ def main(parts=("all", "tilings", "verify")):
                 _config.TILING_OVERRIDE = None
         # the chunk-form verify, every chunk variant (chunk_flat: the opt-in one), K = V = 128 (public op) and 64
         # (kernel directly)
-        for name in (_config.VERIFY_VARIANTS[1:] if "verify" in parts else ()):
+        names = _config.VERIFY_VARIANTS[1:] if "verify" in parts else ()
+        names = names or ((_config.VERIFY_CHUNK_FLAT,) if "flat" in parts else ())
+        for name in names:
             _config.VERIFY_OVERRIDE = name
             try:
                 for K in (64, 128):
