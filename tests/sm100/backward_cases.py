@@ -87,7 +87,8 @@ def reference_intermediates(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_
 def kernels():
     from cula_sm100.backward import launch
 
-    return {"chunk_wy_dqkg": launch.wy_dqkg_kernel, "chunk_bwd_dav": launch.dav_kernel,
+    return {"chunk_wy_dqkg": launch.wy_dqkg_kernel, "chunk_wy_dqkg_v2": launch.wy_dqkg_v2_kernel,
+            "chunk_bwd_dav": launch.dav_kernel,
             "chunk_bwd_intra": launch.intra_kernel,
             "chunk_bwd_dhu[dht, dh0]": lambda: launch.dhu_kernel(True, True),
             "chunk_bwd_dhu[no states]": lambda: launch.dhu_kernel(False, False)}
@@ -173,6 +174,21 @@ def _memcheck():
     (o.float().sum() + ht.sum()).backward()
     torch.cuda.synchronize()
     print("memcheck cases done")
+
+
+def run_memcheck(**env):
+    """`compute-sanitizer --tool memcheck` over `_memcheck` (this file's `memcheck` mode), with `env` added to the
+    environment. Returns the CompletedProcess; the caller skips when compute-sanitizer is not on PATH."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    cmd = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9", "--leak-check", "no",
+           "--report-api-errors", "no",  # the DSL probes driver entry points that do not exist
+           sys.executable, str(here / "backward_cases.py"), "memcheck"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=here, env=dict(os.environ, **env))
 
 
 if __name__ == "__main__":

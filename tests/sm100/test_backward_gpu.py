@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from backward_cases import fla_one_config, wy_dqkg_expected, wy_problem
+from backward_cases import fla_one_config, run_memcheck, wy_dqkg_expected, wy_problem
 from sm100_cases import rel_err, require_gpu, seqlens_to_cu
 
 pytestmark = pytest.mark.gpu
@@ -226,18 +226,11 @@ def test_backward_deterministic(monkeypatch):
 
 def test_memcheck_clean_on_odd_shapes():
     import shutil
-    import subprocess
-    import sys
-    from pathlib import Path
 
     require_gpu()
     if shutil.which("compute-sanitizer") is None:
         pytest.skip("compute-sanitizer not on PATH")
-    here = Path(__file__).resolve().parent
-    cmd = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9", "--leak-check", "no",
-           "--report-api-errors", "no",  # the DSL probes driver entry points that do not exist
-           sys.executable, str(here / "backward_cases.py"), "memcheck"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=here)
+    proc = run_memcheck(CULA_SM100_WY_DQKG="v1")
     print(proc.stdout[-3000:])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "ERROR SUMMARY: 0 errors" in proc.stdout

@@ -1,7 +1,12 @@
 """Benchmark of cula-sm100's chunk_kda backward against FLA 0.6.0: the fused chunk_wy_dqkg kernel against FLA's
 `chunk_kda_bwd_wy_dqkg_fused`, and the whole forward + backward of `chunk_kda`.
 
-    python -m tools.bench.train_bwd [--smoke] [--out docs/benchmarks/train_bwd.md] [--json FILE]
+    python -m tools.bench.train_bwd [--smoke] [--out docs/benchmarks/train_bwd.md] [--json FILE] [--wy-variant v1,v2]
+
+`--wy-variant` (default v1): the chunk_wy_dqkg kernels to time, comma-separated (v1: chunk_wy_dqkg.py, today's
+default; v2: chunk_wy_dqkg_v2.py, opt-in): one cula column and one speed-up column each, all against the same FLA
+time in one run, plus the largest relative difference of every later variant's outputs from the first's. The
+whole forward + backward rows and the stage times run with the LAST variant listed (CULA_SM100_WY_DQKG).
 
 Kernel rows: H = 32 q/k heads, HV in (32, 64), B = 2, T in (1024, 4096, 8192), plus varlen (B = 1, 8192 tokens)
 with 10 and 20 sequences of uniform, random and skewed lengths, at HV = 32. The issue's grid (B in {1, 2},
@@ -128,11 +133,11 @@ def harness_sanity(timing) -> float:
     return (1 << 30) / (ms * 1e-3) / 1e9
 
 
-def ours_kernel(x, ctab):
+def ours_kernel(x, ctab, variant="v1"):
     from cula_sm100.backward import launch
 
     return launch.chunk_wy_dqkg(x["q"], x["k"], x["v"], x["v_new"], x["G"], x["beta"], x["A"], x["h"], x["do"],
-                                x["dh"], x["dv"], ctab, scale=K ** -0.5)
+                                x["dh"], x["dv"], ctab, scale=K ** -0.5, variant=variant)
 
 
 def fla_kernel_fn(x, shape, cu):
@@ -286,11 +291,18 @@ def main(argv=None) -> int:
                     help="only compile FLA's kernels of this grid (run while the GPU does something else, then the "
                          "timing run with --no-warm)")
     ap.add_argument("--no-warm", action="store_true", help="FLA's kernels are compiled already (--warm-only)")
+    ap.add_argument("--wy-variant", default="v1",
+                    help="chunk_wy_dqkg variants to time, comma-separated: v1 (default kernel), v2 (opt-in); the "
+                         "whole fwd+bwd rows use the last one")
     args = ap.parse_args(argv)
+    variants = [v.strip() for v in args.wy_variant.split(",") if v.strip()]
+    if not variants or any(v not in ("v1", "v2") for v in variants):
+        ap.error(f"--wy-variant: expected v1 and/or v2, comma-separated, got {args.wy_variant!r}")
     if not torch.cuda.is_available():
         print("train_bwd: no CUDA device", file=sys.stderr)
         return 1
     os.environ["CULA_BACKEND"] = "sm100"
+    os.environ["CULA_SM100_WY_DQKG"] = variants[-1]  # the whole fwd+bwd rows and the stage times
     timing = Timing(warmup=args.warmup, repeats=args.rep, method="auto")
     kshapes = SMOKE_KERNELS if args.smoke else QUICK_KERNELS if args.quick else KERNEL_SHAPES
     eshapes = [] if args.no_e2e else (SMOKE_E2E if args.smoke else QUICK_E2E if args.quick else E2E_SHAPES)
@@ -309,22 +321,32 @@ def main(argv=None) -> int:
     sanity = harness_sanity(timing)
     print(f"harness sanity: 1 GiB memset at {sanity:.0f} GB/s (HBM peak ~{HBM_PEAK_GBS:.0f})", flush=True)
     raw["memset_gbs"] = sanity
-    head = ("| shape | H | HV | FLA ms | cula ms | speed-up | cula GB/s (lower bound of bytes) |\n"
-            "|---|---:|---:|---:|---:|---:|---:|")
+    vcols = "".join(f" cula {v} ms | speed-up {v} |" for v in variants)
+    diff_col = f" max rel. diff {', '.join(variants[1:])} vs {variants[0]} |" if len(variants) > 1 else ""
+    head = (f"| shape | H | HV | FLA ms |{vcols} cula {variants[-1]} GB/s (lower bound of bytes) |{diff_col}\n"
+            "|---|---:|---:|---:|" + "---:|---:|" * len(variants) + "---:|" + ("---:|" if diff_col else ""))
     print(head, flush=True)
     for s in kshapes:
         x, ctab, cu = kernel_inputs(s)
-        ours = measure(lambda x=x, ctab=ctab: ours_kernel(x, ctab), [()], timing).median_ms
+        times = {v: measure(lambda x=x, ctab=ctab, v=v: ours_kernel(x, ctab, v), [()], timing).median_ms
+                 for v in variants}
+        ours = times[variants[-1]]
         fla_ms = None
         if have_fla:
             fla_ms = measure(fla_kernel_fn(x, s, cu), [()], timing).median_ms
-        sp = f"{fla_ms / ours:.2f}x" if fla_ms else "n/a"
+        cells = "".join(f" {times[v]:.3f} | {f'{fla_ms / times[v]:.2f}x' if fla_ms else 'n/a'} |" for v in variants)
         nbytes = wy_bytes(s)
-        gbs = [nbytes / (t * 1e-3) / 1e9 for t in (ours, fla_ms) if t]
-        bw = f"{gbs[0]:.0f}" + (" **above HBM peak: not a valid row**" if max(gbs) > HBM_PEAK_GBS else "")
-        rows.append(f"| {shape_label(s)} | {H} | {s['HV']} | {fla_ms or float('nan'):.3f} | {ours:.3f} | {sp} "
-                    f"| {bw} |")
-        raw["kernel"].append(dict(shape=s, fla_ms=fla_ms, cula_ms=ours, bytes=nbytes))
+        gbs = [nbytes / (t * 1e-3) / 1e9 for t in (*times.values(), fla_ms) if t]
+        bw = f"{gbs[len(variants) - 1]:.0f}" + (" **above HBM peak: not a valid row**" if max(gbs) > HBM_PEAK_GBS
+                                                else "")
+        diff = None
+        if len(variants) > 1:  # the variants must agree: a fast wrong kernel is not a row
+            first = ours_kernel(x, ctab, variants[0])
+            diff = max(rel(a, b) for v in variants[1:] for a, b in zip(ours_kernel(x, ctab, v), first, strict=True))
+        rows.append(f"| {shape_label(s)} | {H} | {s['HV']} | {fla_ms or float('nan'):.3f} |{cells} {bw} |"
+                    + (f" {diff:.1e} |" if diff is not None else ""))
+        raw["kernel"].append(dict(shape=s, fla_ms=fla_ms, cula_ms=ours, cula_ms_by_variant=times, bytes=nbytes,
+                                  variant_rel_diff=diff))
         print(rows[-1], flush=True)
         if args.out:
             args.out.write_text("\n".join([head, *rows, ""]))
@@ -375,7 +397,9 @@ def main(argv=None) -> int:
           "speed-up = FLA time / cula time. GB/s: a lower bound of the bytes either kernel must move over "
           f"cula's time; a row above the HBM peak (either kernel) did not time the work. Harness check: a 1 GiB "
           f"memset ran at {sanity:.0f} GB/s.", "",
-          "## chunk_wy_dqkg vs FLA's chunk_kda_bwd_wy_dqkg_fused (autotuned)", "", head, *rows, ""]
+          "## chunk_wy_dqkg vs FLA's chunk_kda_bwd_wy_dqkg_fused (autotuned)", "",
+          f"cula variants: {', '.join(variants)} (v1 chunk_wy_dqkg.py, v2 chunk_wy_dqkg_v2.py); the whole fwd+bwd "
+          f"rows and stage times below ran with {variants[-1]}.", "", head, *rows, ""]
     if erows:
         md += ["## whole forward + backward of chunk_kda (FLA with one configuration per kernel, untuned)", "",
                ehead, *erows, ""]

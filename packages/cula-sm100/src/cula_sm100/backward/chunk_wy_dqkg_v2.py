@@ -1,0 +1,326 @@
+"""chunk_wy_dqkg v2 (opt-in: CULA_SM100_WY_DQKG=v2 or launch.chunk_wy_dqkg(..., variant="v2"); COMPILED ONLY on
+the CPU for sm_90a and sm_100a, not yet run on a GPU): the same math, inputs and outputs as chunk_wy_dqkg.py (its
+docstring has the formulas), one (chunk of 64, q/k head) per CTA looping over the group's value heads, re-blocked
+for latency:
+
+  * 8 warps (256 threads) as a 4 (rows) x 2 (columns) grid of mma.sync m16n8k16 warps (v1: 4 warps along the
+    rows): twice the warps to hide latency and half the accumulator registers per product (a [64 x 128] fp32
+    tile is 32 registers per thread).
+  * dq, dk accumulated over the group's value heads in REGISTERS (two fp32 fragments) and written once per CTA
+    (v1: a fp32 read-add-write of global memory per value head). The same thread sums the value heads in a fixed
+    order: bitwise deterministic, no atomics, no zero-fill before the launch.
+  * dG accumulated in a register fragment within a value head and written once; dL, dv, dG, dq, dk all leave
+    through shared memory in 16-byte stores (`cute_utils.store_rows_s2g`); G arrives by 16-byte cp.async
+    into shared memory with the bf16 tiles (v1 re-read it from global memory in four phases, 4 bytes at a time).
+  * Row / column sums (dbeta; the column sums of k dk_h for dG's last row) from the accumulator fragments:
+    in-thread pairs, warp shuffles, then one slot per warp in shared memory summed in a fixed order.
+  * Each GEMM walks its k-blocks in a runtime loop (unrolled by 2) with one k-block of operand fragments
+    (`gemm_kb`): fully unrolled (cute_utils.gemm_ss) ptxas hoisted every ldmatrix and spilled.
+
+Shared memory ~209 KB (one CTA per SM; 8 warps x <= 255 registers fit it): q, k once; per value head h, dh
+(32 KB each), do (later -dw), v_new (later k exp(G), later the dv staging), dv, v (16 KB each), A (8 KB),
+G fp32 [64 x 132] (later the dG / dq / dk staging); the two 64 x 64 bf16 scratch tiles of the dL chain live
+over dh, dL's fp32 staging over h (both dead by then). Pipeline per value head: cp.async of every tile (rows
+past the chunk end zero-filled, never read from global memory), then phases separated by barriers. Next step
+(not done): prefetch the next value head's h / dh during this one's dL chain (needs a second 64 KB).
+Assumes K = V = 128, bf16 operands, chunks that never cross a sequence.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import warp
+
+from cula_sm100.backward.chunk_wy_dqkg import ChunkWyDqkg
+from cula_sm100.forward.cute_utils import (copy_rows_g2s, g2s_tiled_copy, head_rows, mma_atom,
+                                          smem_layout, store_rows_s2g, transposed)
+
+# tile sizes as module constants: names bound inside the kernel's runtime loop would be traced as dynamic
+_BT, _K, _V = 64, 128, 128
+_FS = _K + 4  # fp32 scratch row stride: 16-byte aligned rows for the vector stores
+_THREADS = 256
+
+
+def _exp(x):
+    return cute.math.exp(x, fastmath=True)
+
+
+def tiled_mma_4x2():
+    """mma.sync m16n8k16 bf16 -> fp32 on 4 x 2 warps (M x N); each warp takes N in pairs of atoms (ldmatrix.x4)."""
+    return cute.make_tiled_mma(mma_atom(), (4, 2, 1), permutation_mnk=(64, 32, 16))
+
+
+@cute.jit
+def gemm_kb(tiled_mma: cute.TiledMma, acc: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor, tidx,
+            a_trans: cutlass.Constexpr, b_trans: cutlass.Constexpr):
+    """acc += sA @ sB^T like cute_utils.gemm_ss (`*_trans`: the view is transposed with respect to storage), but
+    over the k-blocks in a runtime loop (unrolled by 2) with fragments of ONE k-block: ptxas cannot hoist every
+    ldmatrix of the product ahead of the MMAs, which with the register-held dq / dk / dG spilled (255 registers,
+    656 bytes of spill stores on sm_90a with the unrolled gemm_ss; none with this)."""
+    thr_mma = tiled_mma.get_slice(tidx)
+    rA = thr_mma.make_fragment_A(thr_mma.partition_A(cute.local_tile(sA, (cute.size(sA.shape[0]), 16), (0, 0))))
+    rB = thr_mma.make_fragment_B(thr_mma.partition_B(cute.local_tile(sB, (cute.size(sB.shape[0]), 16), (0, 0))))
+    dtype = sA.element_type
+    cA = cute.make_tiled_copy_A(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(a_trans, 4), dtype), tiled_mma)
+    cB = cute.make_tiled_copy_B(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(b_trans, 4), dtype), tiled_mma)
+    tA = cA.get_slice(tidx)
+    tB = cB.get_slice(tidx)
+    sAp = tA.partition_S(sA)
+    sBp = tB.partition_S(sB)
+    rAv = tA.retile(rA)
+    rBv = tB.retile(rB)
+    for kb in cutlass.range(cute.size(sAp.shape[2]), unroll=2):
+        cute.copy(cA, sAp[None, None, kb], rAv[None, None, 0])
+        cute.copy(cB, sBp[None, None, kb], rBv[None, None, 0])
+        cute.gemm(tiled_mma, acc, rA[None, None, 0], rB[None, None, 0], acc)
+
+
+class ChunkWyDqkgV2(ChunkWyDqkg):
+    """The host entry (`__call__`: the global views, grid [NC, HQK]) is v1's; the kernel and the CTA size are new."""
+    threads = _THREADS  # 8 warps: 4 along the chunk's rows x 2 along the columns
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mVn: cute.Tensor, mG: cute.Tensor,
+               mBeta: cute.Tensor, mA: cute.Tensor, mH: cute.Tensor, mDo: cute.Tensor, mDh: cute.Tensor,
+               mDv: cute.Tensor, mDq: cute.Tensor, mDk: cute.Tensor, mDv2: cute.Tensor, mDg: cute.Tensor,
+               mDb: cute.Tensor, mDA: cute.Tensor, mT: cute.Tensor, HV: cutlass.Int32, group: cutlass.Int32,
+               scale: cutlass.Float32):
+        f32, bf16 = cutlass.Float32, cutlass.BFloat16
+        tidx, _, _ = cute.arch.thread_idx()
+        c, hq, _ = cute.arch.block_idx()
+        t0 = mT[c, 0]
+        n = mT[c, 1]
+        lane = tidx % 32
+        wid = tidx // 32
+        ch = tidx % _K      # thread = channel in the h.dh sums (two threads per channel)
+        half = tidx // _K   # which half of V that thread sums
+
+        smem = cutlass.utils.SmemAllocator()
+        sQ = smem.allocate_tensor(bf16, smem_layout(_BT, _K), 128)
+        sK = smem.allocate_tensor(bf16, smem_layout(_BT, _K), 128)
+        sH = smem.allocate_tensor(bf16, smem_layout(_K, _V), 128)      # later: dL staging (fp32)
+        sDh = smem.allocate_tensor(bf16, smem_layout(_K, _V), 128)     # later: the two 64 x 64 scratch tiles
+        sDo = smem.allocate_tensor(bf16, smem_layout(_BT, _V), 128)    # later: -dw
+        sVn = smem.allocate_tensor(bf16, smem_layout(_BT, _V), 128)    # later: k exp(G), then dv staging
+        sDv = smem.allocate_tensor(bf16, smem_layout(_BT, _V), 128)
+        sV = smem.allocate_tensor(bf16, smem_layout(_BT, _V), 128)
+        sA = smem.allocate_tensor(bf16, smem_layout(_BT, _BT), 128)
+        sG = smem.allocate_tensor(f32, cute.make_layout((_BT, _K), stride=(_FS, 1)), 128)  # later: dG/dq/dk staging
+        sBeta = smem.allocate_tensor(f32, cute.make_layout((_BT,)), 16)
+        sPart = smem.allocate_tensor(f32, cute.make_layout((2, _K), stride=(_K, 1)), 16)   # h.dh half sums
+        sCol = smem.allocate_tensor(f32, cute.make_layout((8, _K), stride=(_K, 1)), 16)    # per-warp column sums
+        sRow = smem.allocate_tensor(f32, cute.make_layout((8, _BT), stride=(_BT, 1)), 16)  # per-warp row sums
+        sLast = smem.allocate_tensor(f32, cute.make_layout((_K,)), 16)
+        # tiles over dead ones: h and dh are last read by the dw and dk_h GEMMs, both behind a barrier by then
+        sT1 = cute.make_tensor(sDh.iterator, smem_layout(_BT, _BT))
+        sT2 = cute.make_tensor(sDh.iterator + _BT * _BT, smem_layout(_BT, _BT))
+        sDL = cute.make_tensor(cute.recast_ptr(sH.iterator, dtype=f32),
+                               cute.make_layout((_BT, _BT), stride=(_BT + 4, 1)))
+
+        cp = g2s_tiled_copy(_K, self.threads)
+        cp_a = g2s_tiled_copy(_BT, self.threads)
+        cp_g = g2s_tiled_copy(_K, self.threads, f32)
+        copy_rows_g2s(cp, head_rows(mQ, t0, hq, _BT), sQ, n, tidx)
+        copy_rows_g2s(cp, head_rows(mK, t0, hq, _BT), sK, n, tidx)
+        cute.arch.cp_async_commit_group()
+
+        mma = tiled_mma_4x2()
+        thr = mma.get_slice(tidx)
+        coord = thr.partition_C(cute.make_identity_tensor((_BT, _K)))
+        coord_a = thr.partition_C(cute.make_identity_tensor((_BT, _BT)))
+        # the thread's elements of each shared tile in the accumulator's order: one base address and static
+        # offsets, instead of an address per (row, column) kept live across the phases
+        pG = thr.partition_C(sG)
+        pQ = thr.partition_C(sQ)
+        pK = thr.partition_C(sK)
+        pV = thr.partition_C(sV)
+        pDo = thr.partition_C(sDo)
+        pVn = thr.partition_C(sVn)
+        pT1 = thr.partition_C(sT1)
+        pT2 = thr.partition_C(sT2)
+        pDL = thr.partition_C(sDL)
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((_BT, _K)), f32)
+        acc_a = cute.make_rmem_tensor(thr.partition_shape_C((_BT, _BT)), f32)
+        dq = cute.make_rmem_tensor(thr.partition_shape_C((_BT, _K)), f32)   # summed over the group
+        dk = cute.make_rmem_tensor(thr.partition_shape_C((_BT, _K)), f32)   # summed over the group
+        dg = cute.make_rmem_tensor(thr.partition_shape_C((_BT, _K)), f32)   # this value head's dG
+        dq.fill(0.0)
+        dk.fill(0.0)
+        # The m16n8k16 accumulator: values 4e..4e+3 of a thread are (row g, cols c, c+1), (row g+8, cols c, c+1)
+        # of one 16 x 8 atom (g = lane / 4, c = 2 (lane % 4)); with 4 warps on 64 rows a thread has one atom row
+        # (two rows) and its columns in every value: row sums are two scalars, column sums pair i with i + 2.
+        assert cute.size(acc.shape[1]) == 1
+
+        for j in cutlass.range(group, unroll=1):
+            hv = hq * group + j
+            cute.arch.sync_threads()  # the previous value head's readers of the shared tiles are done
+            copy_rows_g2s(cp, head_rows(mH, (c * HV + hv) * _K, 0, _K), sH, _K, tidx)
+            copy_rows_g2s(cp, head_rows(mDh, (c * HV + hv) * _K, 0, _K), sDh, _K, tidx)
+            copy_rows_g2s(cp, head_rows(mDo, t0, hv, _BT), sDo, n, tidx)
+            copy_rows_g2s(cp, head_rows(mVn, t0, hv, _BT), sVn, n, tidx)
+            copy_rows_g2s(cp, head_rows(mDv, t0, hv, _BT), sDv, n, tidx)
+            copy_rows_g2s(cp, head_rows(mV, t0, hv, _BT), sV, n, tidx)
+            copy_rows_g2s(cp_a, head_rows(mA, t0, hv, _BT), sA, n, tidx)
+            copy_rows_g2s(cp_g, head_rows(mG, t0, hv, _BT), sG, n, tidx)
+            cute.arch.cp_async_commit_group()
+            if tidx < _BT:
+                b = f32(0.0)
+                if tidx < n:
+                    b = head_rows(mBeta, t0, hv, _BT)[tidx, 0].to(f32)
+                sBeta[tidx] = b
+            for e in cutlass.range_constexpr(4):  # per-warp partial sums start at zero (rows a warp never owns)
+                sCol[(tidx + e * _THREADS) // _K, (tidx + e * _THREADS) % _K] = f32(0.0)
+            for e in cutlass.range_constexpr(2):
+                sRow[(tidx + e * _THREADS) // _BT, (tidx + e * _THREADS) % _BT] = f32(0.0)
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()
+
+            # ---- the decay's own gradient on the last row: exp(G_last) sum_v h dh; half the V range per thread
+            dgk = f32(0.0)
+            for vv in cutlass.range(_V // 2, unroll=8):
+                dgk += sH[ch, half * (_V // 2) + vv].to(f32) * sDh[ch, half * (_V // 2) + vv].to(f32)
+            sPart[half, ch] = dgk
+
+            # ---- dq += scale (do @ h^T) exp(G); dG = q dq_h
+            acc.fill(0.0)
+            gemm_kb(mma, acc, sDo, sH, tidx, False, False)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                r, col = coord[i]
+                x = acc[i] * _exp(pG[i]) * scale
+                dq[i] = dq[i] + x
+                dg[i] = pQ[i].to(f32) * x
+
+            # ---- dw = -(dv @ h^T), kept in bf16 where do was
+            acc.fill(0.0)
+            gemm_kb(mma, acc, sDv, sH, tidx, False, False)
+            cute.arch.sync_threads()  # every warp is done reading do; sPart complete
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                r, col = coord[i]
+                pDo[i] = (-acc[i]).to(bf16)
+            if tidx < _K:
+                sLast[tidx] = (sPart[0, tidx] + sPart[1, tidx]) * _exp(sG[n - 1, tidx])
+
+            # ---- state path of k: dk_h = (v_new @ dh^T) exp(G_last - G); dG -= k dk_h; column sums of k dk_h
+            acc.fill(0.0)
+            gemm_kb(mma, acc, sVn, sDh, tidx, False, False)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                r, col = coord[i]
+                kd = f32(0.0)
+                if r < n:
+                    x = acc[i] * _exp(sG[n - 1, col] - pG[i])
+                    kd = pK[i].to(f32) * x
+                    dk[i] = dk[i] + x
+                    dg[i] = dg[i] - kd
+                acc[i] = kd
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                if i % 4 < 2:  # rows g and g + 8 of one column, then the 8 row groups of the warp (lane bits 2-4)
+                    cs = acc[i] + acc[i + 2]
+                    cs += cute.arch.shuffle_sync_bfly(cs, 4)
+                    cs += cute.arch.shuffle_sync_bfly(cs, 8)
+                    cs += cute.arch.shuffle_sync_bfly(cs, 16)
+                    if lane < 4:
+                        sCol[wid, coord[i][1]] = cs
+            cute.arch.sync_threads()  # every warp is done reading v_new and dh; sCol complete
+            # k exp(G) replaces v_new (rows past the end: zero, as sK's)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                r, col = coord[i]
+                pVn[i] = (pK[i].to(f32) * _exp(pG[i])).to(bf16)
+            if tidx < _K:
+                cs8 = sLast[tidx]
+                for w in cutlass.range_constexpr(8):
+                    cs8 += sCol[w, tidx]
+                sLast[tidx] = cs8  # read after the next barriers
+            cute.arch.sync_threads()
+
+            # ---- gradient of A: (dv @ v^T + dw @ kg^T) * beta[col], strictly lower, valid rows/cols
+            acc_a.fill(0.0)
+            gemm_kb(mma, acc_a, sDv, sV, tidx, False, False)
+            gemm_kb(mma, acc_a, sDo, sVn, tidx, False, False)
+            for i in cutlass.range_constexpr(cute.size(acc_a)):
+                r, col = coord_a[i]
+                x = f32(0.0)
+                if r < n:
+                    if r > col:
+                        x = acc_a[i] * sBeta[col]
+                pT1[i] = x.to(bf16)
+            cute.arch.sync_threads()
+            # X = dA @ A^T
+            acc_a.fill(0.0)
+            gemm_kb(mma, acc_a, sT1, sA, tidx, False, False)
+            for i in cutlass.range_constexpr(cute.size(acc_a)):
+                r, col = coord_a[i]
+                pT2[i] = acc_a[i].to(bf16)
+            cute.arch.sync_threads()
+            # dL = -A^T X, strictly lower (zeros past the end), staged over h for 16-byte stores
+            acc_a.fill(0.0)
+            gemm_kb(mma, acc_a, transposed(sA, _BT, _BT), transposed(sT2, _BT, _BT), tidx, True, True)
+            for i in cutlass.range_constexpr(cute.size(acc_a)):
+                r, col = coord_a[i]
+                x = f32(0.0)
+                if r > col:
+                    x = -acc_a[i]
+                pDL[i] = x
+
+            # ---- dvb = A^T @ dv: dv2 = beta dvb, staged where k exp(G) was (its last reader, the dA GEMM, is
+            # behind two barriers); the dbeta row sums of dvb * v in two scalars (rows g and g + 8)
+            acc.fill(0.0)
+            gemm_kb(mma, acc, transposed(sA, _BT, _BT), transposed(sDv, _BT, _V), tidx, True, True)
+            rs0 = f32(0.0)
+            rs1 = f32(0.0)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                r, col = coord[i]
+                pVn[i] = (acc[i] * sBeta[r]).to(bf16)
+                if i % 4 < 2:
+                    rs0 += acc[i] * pV[i].to(f32)
+                else:
+                    rs1 += acc[i] * pV[i].to(f32)
+            cute.arch.sync_threads()  # dL and dv staged
+            store_rows_s2g(sDL, head_rows(mDA, t0, hv, _BT), n, tidx, _THREADS)
+            store_rows_s2g(sVn, head_rows(mDv2, t0, hv, _BT), n, tidx, _THREADS)
+
+            # ---- dkgb = A^T @ dw: dk += beta exp(G) dkgb; dG += beta k exp(G) dkgb; dbeta += k exp(G) dkgb
+            acc.fill(0.0)
+            gemm_kb(mma, acc, transposed(sA, _BT, _BT), transposed(sDo, _BT, _K), tidx, True, True)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                r, col = coord[i]
+                eg = _exp(pG[i])
+                b = sBeta[r]
+                kg = pK[i].to(f32) * eg      # zero past the end: sK rows are zero-filled
+                if i % 4 < 2:
+                    rs0 += acc[i] * kg
+                else:
+                    rs1 += acc[i] * kg
+                dg[i] = dg[i] + kg * acc[i] * b
+                dk[i] = dk[i] + acc[i] * eg * b
+                if r == n - 1:
+                    dg[i] = dg[i] + sLast[col]
+            rs0 += cute.arch.shuffle_sync_bfly(rs0, 1)
+            rs0 += cute.arch.shuffle_sync_bfly(rs0, 2)
+            rs1 += cute.arch.shuffle_sync_bfly(rs1, 1)
+            rs1 += cute.arch.shuffle_sync_bfly(rs1, 2)
+            if lane % 4 == 0:
+                sRow[wid, coord[0][0]] = rs0
+                sRow[wid, coord[2][0]] = rs1
+            cute.arch.sync_threads()  # sRow complete; every warp is done reading G, dL and dv staging
+            if tidx < n:
+                db = f32(0.0)
+                for w in cutlass.range_constexpr(8):
+                    db += sRow[w, tidx]
+                head_rows(mDb, t0, hv, _BT)[tidx, 0] = db
+            for i in cutlass.range_constexpr(cute.size(dg)):
+                pG[i] = dg[i]
+            cute.arch.sync_threads()
+            store_rows_s2g(sG, head_rows(mDg, t0, hv, _BT), n, tidx, _THREADS)
+
+        # ---- dq, dk: once per CTA, through shared memory in 16-byte stores
+        cute.arch.sync_threads()
+        for i in cutlass.range_constexpr(cute.size(dq)):
+            pG[i] = dq[i]
+        cute.arch.sync_threads()
+        store_rows_s2g(sG, head_rows(mDq, t0, hq, _BT), n, tidx, _THREADS)
+        cute.arch.sync_threads()
+        for i in cutlass.range_constexpr(cute.size(dk)):
+            pG[i] = dk[i]
+        cute.arch.sync_threads()
+        store_rows_s2g(sG, head_rows(mDk, t0, hq, _BT), n, tidx, _THREADS)
