@@ -9,6 +9,7 @@ v1 / v2 switch of chunk_wy_dqkg."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import subprocess
@@ -170,13 +171,26 @@ def test_wy_variant_selection(monkeypatch):
         launch.wy_variant()
 
 
+@functools.cache
+def _compile_runs() -> dict:
+    """Both architectures' compile runs (backward_cases.py in a subprocess each), started together: the two
+    tests below then wait on their own, and the pair takes about the time of one."""
+    return {arch: subprocess.Popen([sys.executable, str(HERE / "backward_cases.py")],
+                                   env=dict(os.environ, CUTE_DSL_ARCH=arch), stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+            for arch in ("sm_90a", "sm_100a")}
+
+
 @pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed")
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_kernels_compile(arch):
-    env = dict(os.environ, CUTE_DSL_ARCH=arch)
-    proc = subprocess.run([sys.executable, str(HERE / "backward_cases.py")], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    proc = _compile_runs()[arch]
+    try:
+        out, err = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert proc.returncode == 0, out[-2000:] + err[-4000:]
     from backward_cases import kernels
 
-    assert sum(line.startswith("compiled ") for line in proc.stdout.splitlines()) == len(kernels()), proc.stdout
+    assert sum(line.startswith("compiled ") for line in out.splitlines()) == len(kernels()), out
