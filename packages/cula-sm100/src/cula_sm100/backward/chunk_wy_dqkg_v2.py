@@ -17,12 +17,14 @@ for latency:
   * Each GEMM walks its k-blocks in a runtime loop (unrolled by 2) with one k-block of operand fragments
     (`gemm_kb`): fully unrolled (cute_utils.gemm_ss) ptxas hoisted every ldmatrix and spilled.
 
-Shared memory ~209 KB (one CTA per SM; 8 warps x <= 255 registers fit it): q, k once; per value head h, dh
-(32 KB each), do (later -dw), v_new (later k exp(G), later the dv staging), dv, v (16 KB each), A (8 KB),
-G fp32 [64 x 132] (later the dG / dq / dk staging); the two 64 x 64 bf16 scratch tiles of the dL chain live
-over dh, dL's fp32 staging over h (both dead by then). Pipeline per value head: cp.async of every tile (rows
-past the chunk end zero-filled, never read from global memory), then phases separated by barriers. Next step
-(not done): prefetch the next value head's h / dh during this one's dL chain (needs a second 64 KB).
+Shared memory ~209 KB (one CTA per SM; 8 warps x <= 255 registers fit it): q, k once; per value head h, dh (32 KB
+each), do (later -dw), v_new (later k exp(G), later the dv staging), dv, v (16 KB each), A (8 KB), G fp32 [64 x 132]
+(later the dG / dq / dk staging); the two 64 x 64 bf16 scratch tiles of the dL chain live over dh, dL's fp32 staging
+over h (both dead by then). Pipeline per value head: cp.async of every tile in two groups (h, do, dv, G; then dh,
+v_new, v, A: the second lands during the dq and dw products; rows past the chunk end zero-filled, never read from
+global memory), then phases separated by barriers. Next step (not done, docs/sm100_backward.md): overlap the loads
+with compute across value heads or CTAs (K-half tiles of h / dh in a two-stage pipeline, or <= 113 KB for two CTAs
+per SM).
 Assumes K = V = 128, bf16 operands, chunks that never cross a sequence.
 """
 
@@ -155,14 +157,16 @@ class ChunkWyDqkgV2(ChunkWyDqkg):
         for j in cutlass.range(group, unroll=1):
             hv = hq * group + j
             cute.arch.sync_threads()  # the previous value head's readers of the shared tiles are done
+            # two cp.async groups: what the dq and dw products read first, the rest lands while they run
             copy_rows_g2s(cp, head_rows(mH, (c * HV + hv) * _K, 0, _K), sH, _K, tidx)
-            copy_rows_g2s(cp, head_rows(mDh, (c * HV + hv) * _K, 0, _K), sDh, _K, tidx)
             copy_rows_g2s(cp, head_rows(mDo, t0, hv, _BT), sDo, n, tidx)
-            copy_rows_g2s(cp, head_rows(mVn, t0, hv, _BT), sVn, n, tidx)
             copy_rows_g2s(cp, head_rows(mDv, t0, hv, _BT), sDv, n, tidx)
+            copy_rows_g2s(cp_g, head_rows(mG, t0, hv, _BT), sG, n, tidx)
+            cute.arch.cp_async_commit_group()
+            copy_rows_g2s(cp, head_rows(mDh, (c * HV + hv) * _K, 0, _K), sDh, _K, tidx)
+            copy_rows_g2s(cp, head_rows(mVn, t0, hv, _BT), sVn, n, tidx)
             copy_rows_g2s(cp, head_rows(mV, t0, hv, _BT), sV, n, tidx)
             copy_rows_g2s(cp_a, head_rows(mA, t0, hv, _BT), sA, n, tidx)
-            copy_rows_g2s(cp_g, head_rows(mG, t0, hv, _BT), sG, n, tidx)
             cute.arch.cp_async_commit_group()
             if tidx < _BT:
                 b = f32(0.0)
@@ -173,7 +177,24 @@ class ChunkWyDqkgV2(ChunkWyDqkg):
                 sCol[(tidx + e * _THREADS) // _K, (tidx + e * _THREADS) % _K] = f32(0.0)
             for e in cutlass.range_constexpr(2):
                 sRow[(tidx + e * _THREADS) // _BT, (tidx + e * _THREADS) % _BT] = f32(0.0)
-            cute.arch.cp_async_wait_group(0)
+            cute.arch.cp_async_wait_group(1)  # q, k and the first group (h, do, dv, G)
+            cute.arch.sync_threads()
+
+            # ---- dq += scale (do @ h^T) exp(G); dG = q dq_h
+            acc.fill(0.0)
+            gemm_kb(mma, acc, sDo, sH, tidx, False, False)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                x = acc[i] * _exp(pG[i]) * scale  # rows past the end: do is zero there
+                dq[i] = dq[i] + x
+                dg[i] = pQ[i].to(f32) * x
+
+            # ---- dw = -(dv @ h^T), kept in bf16 where do was
+            acc.fill(0.0)
+            gemm_kb(mma, acc, sDv, sH, tidx, False, False)
+            cute.arch.sync_threads()  # every warp is done reading do
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                pDo[i] = (-acc[i]).to(bf16)
+            cute.arch.cp_async_wait_group(0)  # the second group (dh, v_new, v, A)
             cute.arch.sync_threads()
 
             # ---- the decay's own gradient on the last row: exp(G_last) sum_v h dh; half the V range per thread
@@ -181,25 +202,6 @@ class ChunkWyDqkgV2(ChunkWyDqkg):
             for vv in cutlass.range(_V // 2, unroll=8):
                 dgk += sH[ch, half * (_V // 2) + vv].to(f32) * sDh[ch, half * (_V // 2) + vv].to(f32)
             sPart[half, ch] = dgk
-
-            # ---- dq += scale (do @ h^T) exp(G); dG = q dq_h
-            acc.fill(0.0)
-            gemm_kb(mma, acc, sDo, sH, tidx, False, False)
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                r, col = coord[i]
-                x = acc[i] * _exp(pG[i]) * scale
-                dq[i] = dq[i] + x
-                dg[i] = pQ[i].to(f32) * x
-
-            # ---- dw = -(dv @ h^T), kept in bf16 where do was
-            acc.fill(0.0)
-            gemm_kb(mma, acc, sDv, sH, tidx, False, False)
-            cute.arch.sync_threads()  # every warp is done reading do; sPart complete
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                r, col = coord[i]
-                pDo[i] = (-acc[i]).to(bf16)
-            if tidx < _K:
-                sLast[tidx] = (sPart[0, tidx] + sPart[1, tidx]) * _exp(sG[n - 1, tidx])
 
             # ---- state path of k: dk_h = (v_new @ dh^T) exp(G_last - G); dG -= k dk_h; column sums of k dk_h
             acc.fill(0.0)
@@ -221,13 +223,13 @@ class ChunkWyDqkgV2(ChunkWyDqkg):
                     cs += cute.arch.shuffle_sync_bfly(cs, 16)
                     if lane < 4:
                         sCol[wid, coord[i][1]] = cs
-            cute.arch.sync_threads()  # every warp is done reading v_new and dh; sCol complete
+            cute.arch.sync_threads()  # every warp is done reading v_new, h and dh; sCol, sPart complete
             # k exp(G) replaces v_new (rows past the end: zero, as sK's)
             for i in cutlass.range_constexpr(cute.size(acc)):
                 r, col = coord[i]
                 pVn[i] = (pK[i].to(f32) * _exp(pG[i])).to(bf16)
             if tidx < _K:
-                cs8 = sLast[tidx]
+                cs8 = (sPart[0, tidx] + sPart[1, tidx]) * _exp(sG[n - 1, tidx])
                 for w in cutlass.range_constexpr(8):
                     cs8 += sCol[w, tidx]
                 sLast[tidx] = cs8  # read after the next barriers
