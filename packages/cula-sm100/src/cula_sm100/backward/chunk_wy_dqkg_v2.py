@@ -36,7 +36,7 @@ from cutlass.cute.nvgpu import warp
 
 from cula_sm100.backward.chunk_wy_dqkg import ChunkWyDqkg
 from cula_sm100.forward.cute_utils import (copy_rows_g2s, g2s_tiled_copy, head_rows, mma_atom,
-                                          smem_layout, store_rows_s2g, transposed)
+                                          smem_layout, store_rows_s2g, transposed, vec_copy)
 
 # tile sizes as module constants: names bound inside the kernel's runtime loop would be traced as dynamic
 _BT, _K, _V = 64, 128, 128
@@ -95,8 +95,6 @@ class ChunkWyDqkgV2(ChunkWyDqkg):
         n = mT[c, 1]
         lane = tidx % 32
         wid = tidx // 32
-        ch = tidx % _K      # thread = channel in the h.dh sums (two threads per channel)
-        half = tidx // _K   # which half of V that thread sums
 
         smem = cutlass.utils.SmemAllocator()
         sQ = smem.allocate_tensor(bf16, smem_layout(_BT, _K), 128)
@@ -110,7 +108,7 @@ class ChunkWyDqkgV2(ChunkWyDqkg):
         sA = smem.allocate_tensor(bf16, smem_layout(_BT, _BT), 128)
         sG = smem.allocate_tensor(f32, cute.make_layout((_BT, _K), stride=(_FS, 1)), 128)  # later: dG/dq/dk staging
         sBeta = smem.allocate_tensor(f32, cute.make_layout((_BT,)), 16)
-        sPart = smem.allocate_tensor(f32, cute.make_layout((2, _K), stride=(_K, 1)), 16)   # h.dh half sums
+        sHdh = smem.allocate_tensor(f32, cute.make_layout((_K,)), 16)                      # sum_v h dh per row
         sCol = smem.allocate_tensor(f32, cute.make_layout((8, _K), stride=(_K, 1)), 16)    # per-warp column sums
         sRow = smem.allocate_tensor(f32, cute.make_layout((8, _BT), stride=(_BT, 1)), 16)  # per-warp row sums
         sLast = smem.allocate_tensor(f32, cute.make_layout((_K,)), 16)
@@ -142,6 +140,14 @@ class ChunkWyDqkgV2(ChunkWyDqkg):
         pT1 = thr.partition_C(sT1)
         pT2 = thr.partition_C(sT2)
         pDL = thr.partition_C(sDL)
+        # the h.dh row sums read h and dh in 16-byte vectors
+        vc = vec_copy(_V, _THREADS)
+        thr_v = vc.get_slice(tidx)
+        pHv = thr_v.partition_S(sH)
+        pDhv = thr_v.partition_S(sDh)
+        cHv = thr_v.partition_S(cute.make_identity_tensor((_K, _V)))
+        fH = cute.make_fragment_like(pHv[None, 0, None])
+        fDh = cute.make_fragment_like(pDhv[None, 0, None])
         acc = cute.make_rmem_tensor(thr.partition_shape_C((_BT, _K)), f32)
         acc_a = cute.make_rmem_tensor(thr.partition_shape_C((_BT, _BT)), f32)
         dq = cute.make_rmem_tensor(thr.partition_shape_C((_BT, _K)), f32)   # summed over the group
@@ -197,11 +203,19 @@ class ChunkWyDqkgV2(ChunkWyDqkg):
             cute.arch.cp_async_wait_group(0)  # the second group (dh, v_new, v, A)
             cute.arch.sync_threads()
 
-            # ---- the decay's own gradient on the last row: exp(G_last) sum_v h dh; half the V range per thread
-            dgk = f32(0.0)
-            for vv in cutlass.range(_V // 2, unroll=8):
-                dgk += sH[ch, half * (_V // 2) + vv].to(f32) * sDh[ch, half * (_V // 2) + vv].to(f32)
-            sPart[half, ch] = dgk
+            # ---- the decay's own gradient on the last row: exp(G_last) sum_v h dh. 16 threads per state row,
+            # 8 consecutive columns each (16-byte shared loads; the swizzle keeps 8-column chunks contiguous),
+            # then shuffles within the 16 lanes of the row
+            for m in cutlass.range_constexpr(cute.size(pHv.shape[1])):
+                cute.copy(vc, pHv[None, m, None], fH)
+                cute.copy(vc, pDhv[None, m, None], fDh)
+                hd = f32(0.0)
+                for e in cutlass.range_constexpr(cute.size(fH)):
+                    hd += fH[e].to(f32) * fDh[e].to(f32)
+                for sh in cutlass.range_constexpr(4):
+                    hd += cute.arch.shuffle_sync_bfly(hd, 1 << sh)
+                if tidx % (_V // 8) == 0:
+                    sHdh[cHv[0, m, 0][0]] = hd
 
             # ---- state path of k: dk_h = (v_new @ dh^T) exp(G_last - G); dG -= k dk_h; column sums of k dk_h
             acc.fill(0.0)
@@ -223,13 +237,13 @@ class ChunkWyDqkgV2(ChunkWyDqkg):
                     cs += cute.arch.shuffle_sync_bfly(cs, 16)
                     if lane < 4:
                         sCol[wid, coord[i][1]] = cs
-            cute.arch.sync_threads()  # every warp is done reading v_new, h and dh; sCol, sPart complete
+            cute.arch.sync_threads()  # every warp is done reading v_new, h and dh; sCol, sHdh complete
             # k exp(G) replaces v_new (rows past the end: zero, as sK's)
             for i in cutlass.range_constexpr(cute.size(acc)):
                 r, col = coord[i]
                 pVn[i] = (pK[i].to(f32) * _exp(pG[i])).to(bf16)
             if tidx < _K:
-                cs8 = (sPart[0, tidx] + sPart[1, tidx]) * _exp(sG[n - 1, tidx])
+                cs8 = sHdh[tidx] * _exp(sG[n - 1, tidx])
                 for w in cutlass.range_constexpr(8):
                     cs8 += sCol[w, tidx]
                 sLast[tidx] = cs8  # read after the next barriers
