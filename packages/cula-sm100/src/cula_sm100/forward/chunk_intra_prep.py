@@ -12,9 +12,10 @@ Per (chunk of 64, value head) CTA, 128 threads, the same 104 KiB of shared memor
     path's; the CTA of the first value head of each q/k head group writes the normalised rows out (later
     kernels read them), the others only use them;
   * then chunk_intra's scores and solve unchanged (`ChunkIntra.scores_and_solve`).
-HBM traffic saved against the staged path: the G write + read between gate_cumsum and chunk_intra stays (G is an
-output), but the separate raw-g pass, and the q / k read + write + read of l2norm go: per token and value head
-about 2 x 128 x 4 bytes (g read once, G not re-read) and per q/k head 2 x 2 x 256 bytes, plus two launches.
+HBM traffic against the staged path (l2norm reads q, k and writes them normalised; gate_cumsum reads g and writes
+G; chunk_intra reads normalised q, k and G): raw g, raw q / k are read once and G, normalised q / k written once
+as before (later kernels read them), but chunk_intra's re-reads go: per token, 128 x 4 bytes of G per value head
+and 2 x 256 bytes of q / k per q/k head, and 3 of 4 launches.
 Assumptions as chunk_intra's (bf16 q / k, K = 128, chunks of <= 64 tokens from the chunk table, g <= 0 decays).
 Status: compiled for sm_90a and sm_100a on the CPU; not yet run on a GPU (docs/sm100.md).
 """
