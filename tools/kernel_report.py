@@ -151,6 +151,8 @@ KERNELS: list[tuple[str, str, object]] = [
      _tests_helper("sm100_compile_check", "KERNELS", "chunk_delta_h[lean]")),
     ("fwd.fwd_o", "sm100 forward", _tests_helper("sm100_compile_check", "KERNELS", "fwd_o")),
     ("bwd.chunk_wy_dqkg", "sm100 backward", _tests_helper("backward_cases", "kernels", "chunk_wy_dqkg")),
+    ("bwd.chunk_wy_dqkg_v2 (opt-in)", "sm100 backward",
+     _tests_helper("backward_cases", "kernels", "chunk_wy_dqkg_v2")),
     ("bwd.chunk_bwd_dav", "sm100 backward", _tests_helper("backward_cases", "kernels", "chunk_bwd_dav")),
     ("bwd.chunk_bwd_intra", "sm100 backward", _tests_helper("backward_cases", "kernels", "chunk_bwd_intra")),
     ("bwd.chunk_bwd_dhu[dht,dh0]", "sm100 backward",
