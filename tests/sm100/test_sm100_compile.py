@@ -26,7 +26,12 @@ def compiled_by_arch():
                                     stderr=subprocess.PIPE, text=True) for arch in ARCHS}
     out = {}
     for arch, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=600)
+        try:
+            stdout, stderr = proc.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # this test's own child
+            stdout, stderr = proc.communicate()
+            stderr += "\ntimed out after 600 s"
         out[arch] = (proc.returncode, stdout, stderr)
     return out
 
