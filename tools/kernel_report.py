@@ -145,6 +145,8 @@ KERNELS: list[tuple[str, str, object]] = [
     ("fwd.gate_cumsum[softplus]", "sm100 forward",
      _tests_helper("sm100_compile_check", "KERNELS", "gate_cumsum[softplus]")),
     ("fwd.chunk_intra", "sm100 forward", _tests_helper("sm100_compile_check", "KERNELS", "chunk_intra")),
+    ("fwd.chunk_intra_prep (opt-in)", "sm100 forward",
+     _tests_helper("sm100_compile_check", "KERNELS", "chunk_intra_prep[softplus,l2norm]")),
     ("fwd.recompute_w_u", "sm100 forward", _tests_helper("sm100_compile_check", "KERNELS", "recompute_w_u")),
     ("fwd.chunk_delta_h", "sm100 forward", _tests_helper("sm100_compile_check", "KERNELS", "chunk_delta_h")),
     ("fwd.chunk_delta_h[lean]", "sm100 forward",
