@@ -15,7 +15,7 @@ for latency:
   * Row / column sums (dbeta; the column sums of k dk_h for dG's last row) from the accumulator fragments:
     in-thread pairs, warp shuffles, then one slot per warp in shared memory summed in a fixed order.
   * Each GEMM walks its k-blocks in a runtime loop (unrolled by 2) with one k-block of operand fragments
-    (`gemm_kb`): fully unrolled (cute_utils.gemm_ss) ptxas hoisted every ldmatrix and spilled.
+    (`cute_utils.gemm_kb`): fully unrolled (cute_utils.gemm_ss) ptxas hoisted every ldmatrix and spilled.
 
 Shared memory ~209 KB (one CTA per SM; 8 warps x <= 255 registers fit it): q, k once; per value head h, dh (32 KB
 each), do (later -dw), v_new (later k exp(G), later the dv staging), dv, v (16 KB each), A (8 KB), G fp32 [64 x 132]
@@ -32,10 +32,9 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import warp
 
 from cula_sm100.backward.chunk_wy_dqkg import ChunkWyDqkg
-from cula_sm100.forward.cute_utils import (copy_rows_g2s, g2s_tiled_copy, head_rows, mma_atom,
+from cula_sm100.forward.cute_utils import (copy_rows_g2s, g2s_tiled_copy, gemm_kb, head_rows, mma_atom,
                                           smem_layout, store_rows_s2g, transposed, vec_copy)
 
 # tile sizes as module constants: names bound inside the kernel's runtime loop would be traced as dynamic
@@ -51,31 +50,6 @@ def _exp(x):
 def tiled_mma_4x2():
     """mma.sync m16n8k16 bf16 -> fp32 on 4 x 2 warps (M x N); each warp takes N in pairs of atoms (ldmatrix.x4)."""
     return cute.make_tiled_mma(mma_atom(), (4, 2, 1), permutation_mnk=(64, 32, 16))
-
-
-@cute.jit
-def gemm_kb(tiled_mma: cute.TiledMma, acc: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor, tidx,
-            a_trans: cutlass.Constexpr, b_trans: cutlass.Constexpr):
-    """acc += sA @ sB^T like cute_utils.gemm_ss (`*_trans`: the view is transposed with respect to storage), but
-    over the k-blocks in a runtime loop (unrolled by 2) with fragments of ONE k-block: ptxas cannot hoist every
-    ldmatrix of the product ahead of the MMAs, which with the register-held dq / dk / dG spilled (255 registers,
-    656 bytes of spill stores on sm_90a with the unrolled gemm_ss; none with this)."""
-    thr_mma = tiled_mma.get_slice(tidx)
-    rA = thr_mma.make_fragment_A(thr_mma.partition_A(cute.local_tile(sA, (cute.size(sA.shape[0]), 16), (0, 0))))
-    rB = thr_mma.make_fragment_B(thr_mma.partition_B(cute.local_tile(sB, (cute.size(sB.shape[0]), 16), (0, 0))))
-    dtype = sA.element_type
-    cA = cute.make_tiled_copy_A(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(a_trans, 4), dtype), tiled_mma)
-    cB = cute.make_tiled_copy_B(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(b_trans, 4), dtype), tiled_mma)
-    tA = cA.get_slice(tidx)
-    tB = cB.get_slice(tidx)
-    sAp = tA.partition_S(sA)
-    sBp = tB.partition_S(sB)
-    rAv = tA.retile(rA)
-    rBv = tB.retile(rB)
-    for kb in cutlass.range(cute.size(sAp.shape[2]), unroll=2):
-        cute.copy(cA, sAp[None, None, kb], rAv[None, None, 0])
-        cute.copy(cB, sBp[None, None, kb], rBv[None, None, 0])
-        cute.gemm(tiled_mma, acc, rA[None, None, 0], rB[None, None, 0], acc)
 
 
 class ChunkWyDqkgV2(ChunkWyDqkg):

@@ -122,6 +122,17 @@ def copy_rows_g2s(tiled_copy: cute.TiledCopy, g: cute.Tensor, s: cute.Tensor, va
             dst[None, m, None].fill(0)
 
 
+def ldmatrix_copy_A(tiled_mma: cute.TiledMma, dtype, trans: bool):
+    """The ldmatrix (x4) copy that loads an MMA A operand from shared memory (`trans`: the shared view is
+    transposed with respect to storage, so the load transposes too)."""
+    return cute.make_tiled_copy_A(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(trans, 4), dtype), tiled_mma)
+
+
+def ldmatrix_copy_B(tiled_mma: cute.TiledMma, dtype, trans: bool):
+    """ldmatrix_copy_A for the B operand."""
+    return cute.make_tiled_copy_B(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(trans, 4), dtype), tiled_mma)
+
+
 @cute.jit
 def gemm_ss(tiled_mma: cute.TiledMma, acc: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor, tidx,
             a_trans: cutlass.Constexpr, b_trans: cutlass.Constexpr):
@@ -130,9 +141,8 @@ def gemm_ss(tiled_mma: cute.TiledMma, acc: cute.Tensor, sA: cute.Tensor, sB: cut
     thr_mma = tiled_mma.get_slice(tidx)
     rA = thr_mma.make_fragment_A(thr_mma.partition_A(sA))
     rB = thr_mma.make_fragment_B(thr_mma.partition_B(sB))
-    dtype = sA.element_type
-    cA = cute.make_tiled_copy_A(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(a_trans, 4), dtype), tiled_mma)
-    cB = cute.make_tiled_copy_B(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(b_trans, 4), dtype), tiled_mma)
+    cA = ldmatrix_copy_A(tiled_mma, sA.element_type, a_trans)
+    cB = ldmatrix_copy_B(tiled_mma, sB.element_type, b_trans)
     tA = cA.get_slice(tidx)
     tB = cB.get_slice(tidx)
     sAp = tA.partition_S(sA)
@@ -146,12 +156,36 @@ def gemm_ss(tiled_mma: cute.TiledMma, acc: cute.Tensor, sA: cute.Tensor, sB: cut
 
 
 @cute.jit
+def gemm_kb(tiled_mma: cute.TiledMma, acc: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor, tidx,
+            a_trans: cutlass.Constexpr, b_trans: cutlass.Constexpr):
+    """acc += sA @ sB^T like gemm_ss (`*_trans`: the view is transposed with respect to storage), but
+    over the k-blocks in a runtime loop (unrolled by 2) with fragments of ONE k-block: ptxas cannot hoist every
+    ldmatrix of the product ahead of the MMAs, which with the register-held dq / dk / dG spilled (255 registers,
+    656 bytes of spill stores on sm_90a with the unrolled gemm_ss; none with this)."""
+    thr_mma = tiled_mma.get_slice(tidx)
+    rA = thr_mma.make_fragment_A(thr_mma.partition_A(cute.local_tile(sA, (cute.size(sA.shape[0]), 16), (0, 0))))
+    rB = thr_mma.make_fragment_B(thr_mma.partition_B(cute.local_tile(sB, (cute.size(sB.shape[0]), 16), (0, 0))))
+    cA = ldmatrix_copy_A(tiled_mma, sA.element_type, a_trans)
+    cB = ldmatrix_copy_B(tiled_mma, sB.element_type, b_trans)
+    tA = cA.get_slice(tidx)
+    tB = cB.get_slice(tidx)
+    sAp = tA.partition_S(sA)
+    sBp = tB.partition_S(sB)
+    rAv = tA.retile(rA)
+    rBv = tB.retile(rB)
+    for kb in cutlass.range(cute.size(sAp.shape[2]), unroll=2):
+        cute.copy(cA, sAp[None, None, kb], rAv[None, None, 0])
+        cute.copy(cB, sBp[None, None, kb], rBv[None, None, 0])
+        cute.gemm(tiled_mma, acc, rA[None, None, 0], rB[None, None, 0], acc)
+
+
+@cute.jit
 def gemm_rs(tiled_mma: cute.TiledMma, acc: cute.Tensor, rA: cute.Tensor, sB: cute.Tensor, tidx,
             b_trans: cutlass.Constexpr):
     """acc += A @ sB^T with A already in registers (an MMA A fragment, `partition_shape_A`), B through ldmatrix."""
     thr_mma = tiled_mma.get_slice(tidx)
     rB = thr_mma.make_fragment_B(thr_mma.partition_B(sB))
-    cB = cute.make_tiled_copy_B(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(b_trans, 4), sB.element_type), tiled_mma)
+    cB = ldmatrix_copy_B(tiled_mma, sB.element_type, b_trans)
     tB = cB.get_slice(tidx)
     sBp = tB.partition_S(sB)
     rBv = tB.retile(rB)
