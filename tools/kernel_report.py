@@ -60,16 +60,21 @@ REG_UNIT = 256  # registers are allocated per warp, in units of 256
 
 # ------------------------------------------------------------------------------------------------- the kernels
 
+def _decode_inputs():
+    """(q/k/v dtype, g, beta, A_log, dt_bias, safe, l2norm) of the decode kernels' compile keys, the benchmark's:
+    bf16 q/k/v/g/beta, fp32 A_log and dt_bias, the softplus gate, q/k L2 norm."""
+    import torch
+
+    bf = torch.bfloat16
+    return bf, torch.empty(0, dtype=bf), torch.empty(0, dtype=bf), torch.empty(0), torch.empty(0), False, True
+
+
 def _decode_recurrent(mode: str, T: int):
     def build():
-        import torch
-
         from cula_sm90.decode import _config, launch
 
-        bf = torch.bfloat16  # q/k/v/g/beta bf16, A_log and dt_bias fp32, softplus gate, q/k L2 norm (the benchmark's)
-        return launch._recurrent_kernel(mode, T, 128, 128, bf, torch.empty(0, dtype=bf), torch.empty(0, dtype=bf),
-                                        torch.empty(0), torch.empty(0), False, True,
-                                        _config.recurrent_tiling(1, T, 8)).compiled
+        tiling = _config.recurrent_tiling(1, T, 8)
+        return launch._recurrent_kernel(mode, T, 128, 128, *_decode_inputs(), tiling).compiled
     return build
 
 
@@ -83,13 +88,9 @@ def _decode_flush(T: int):
 
 def _decode_verify(T: int, tensor_cores: bool, flat: bool = False):
     def build():
-        import torch
-
         from cula_sm90.decode import launch
 
-        bf = torch.bfloat16  # as _decode_recurrent: bf16 inputs, fp32 gate parameters, softplus gate, L2 norm
-        return launch._verify_kernel(T, 128, 128, bf, torch.empty(0, dtype=bf), torch.empty(0, dtype=bf),
-                                     torch.empty(0), torch.empty(0), False, True, tensor_cores, flat).compiled
+        return launch._verify_kernel(T, 128, 128, *_decode_inputs(), tensor_cores, flat).compiled
     return build
 
 
@@ -126,6 +127,14 @@ def _tests_helper(module: str, attr: str, name: str):
     return build
 
 
+def _sm100_forward(name: str):
+    return _tests_helper("sm100_compile_check", "KERNELS", name)
+
+
+def _sm100_backward(name: str):
+    return _tests_helper("backward_cases", "kernels", name)
+
+
 # (report name, family, builder): the main configuration of every kernel
 KERNELS: list[tuple[str, str, object]] = [
     ("decode.recurrent[final,T=1]", "sm90 decode", _decode_recurrent("final", 1)),
@@ -141,24 +150,19 @@ KERNELS: list[tuple[str, str, object]] = [
     ("prefill.chunk_intra[simt] (stage 1, any gate)", "sm90 prefill", _prefill_intra("simt")),
     ("prefill.chunk_state_tc (stage 2)", "sm90 prefill", _prefill_state(False)),
     ("prefill.chunk_state_tc[affine] (CP maps)", "sm90 prefill", _prefill_state(True)),
-    ("fwd.l2norm", "sm100 forward", _tests_helper("sm100_compile_check", "KERNELS", "l2norm")),
-    ("fwd.gate_cumsum[softplus]", "sm100 forward",
-     _tests_helper("sm100_compile_check", "KERNELS", "gate_cumsum[softplus]")),
-    ("fwd.chunk_intra", "sm100 forward", _tests_helper("sm100_compile_check", "KERNELS", "chunk_intra")),
-    ("fwd.chunk_intra_prep (opt-in)", "sm100 forward",
-     _tests_helper("sm100_compile_check", "KERNELS", "chunk_intra_prep[softplus,l2norm]")),
-    ("fwd.recompute_w_u", "sm100 forward", _tests_helper("sm100_compile_check", "KERNELS", "recompute_w_u")),
-    ("fwd.chunk_delta_h", "sm100 forward", _tests_helper("sm100_compile_check", "KERNELS", "chunk_delta_h")),
-    ("fwd.chunk_delta_h[lean]", "sm100 forward",
-     _tests_helper("sm100_compile_check", "KERNELS", "chunk_delta_h[lean]")),
-    ("fwd.fwd_o", "sm100 forward", _tests_helper("sm100_compile_check", "KERNELS", "fwd_o")),
-    ("bwd.chunk_wy_dqkg", "sm100 backward", _tests_helper("backward_cases", "kernels", "chunk_wy_dqkg")),
-    ("bwd.chunk_wy_dqkg_v2 (opt-in)", "sm100 backward",
-     _tests_helper("backward_cases", "kernels", "chunk_wy_dqkg_v2")),
-    ("bwd.chunk_bwd_dav", "sm100 backward", _tests_helper("backward_cases", "kernels", "chunk_bwd_dav")),
-    ("bwd.chunk_bwd_intra", "sm100 backward", _tests_helper("backward_cases", "kernels", "chunk_bwd_intra")),
-    ("bwd.chunk_bwd_dhu[dht,dh0]", "sm100 backward",
-     _tests_helper("backward_cases", "kernels", "chunk_bwd_dhu[dht, dh0]")),
+    ("fwd.l2norm", "sm100 forward", _sm100_forward("l2norm")),
+    ("fwd.gate_cumsum[softplus]", "sm100 forward", _sm100_forward("gate_cumsum[softplus]")),
+    ("fwd.chunk_intra", "sm100 forward", _sm100_forward("chunk_intra")),
+    ("fwd.chunk_intra_prep (opt-in)", "sm100 forward", _sm100_forward("chunk_intra_prep[softplus,l2norm]")),
+    ("fwd.recompute_w_u", "sm100 forward", _sm100_forward("recompute_w_u")),
+    ("fwd.chunk_delta_h", "sm100 forward", _sm100_forward("chunk_delta_h")),
+    ("fwd.chunk_delta_h[lean]", "sm100 forward", _sm100_forward("chunk_delta_h[lean]")),
+    ("fwd.fwd_o", "sm100 forward", _sm100_forward("fwd_o")),
+    ("bwd.chunk_wy_dqkg", "sm100 backward", _sm100_backward("chunk_wy_dqkg")),
+    ("bwd.chunk_wy_dqkg_v2 (opt-in)", "sm100 backward", _sm100_backward("chunk_wy_dqkg_v2")),
+    ("bwd.chunk_bwd_dav", "sm100 backward", _sm100_backward("chunk_bwd_dav")),
+    ("bwd.chunk_bwd_intra", "sm100 backward", _sm100_backward("chunk_bwd_intra")),
+    ("bwd.chunk_bwd_dhu[dht,dh0]", "sm100 backward", _sm100_backward("chunk_bwd_dhu[dht, dh0]")),
 ]
 
 
