@@ -87,7 +87,7 @@ def reference_intermediates(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_
 def kernels():
     from cula_sm100.backward import launch
 
-    return {"chunk_wy_dqkg": launch.wy_dqkg_kernel, "chunk_wy_dqkg_v2": launch.wy_dqkg_v2_kernel,
+    return {"chunk_wy_dqkg": launch.wy_dqkg_kernel,
             "chunk_bwd_dav": launch.dav_kernel,
             "chunk_bwd_intra": launch.intra_kernel,
             "chunk_bwd_dhu[dht, dh0]": lambda: launch.dhu_kernel(True, True),

@@ -3,9 +3,8 @@ backward, the gate / L2-norm / beta backward) with chunk_wy_dqkg replaced by its
 reference's intermediates, against the reference backward (torch.func.vjp through the reference forward) in fp64.
 This checks the decomposition and every PyTorch stage, both as the PyTorch path composes them and as the live
 path composes its kernels (the kernels' hooks played by the PyTorch stages in the kernels' calling
-conventions); the kernels themselves are checked on the GPU (test_backward_gpu.py, test_backward_wy_v2_gpu.py).
-Also: the backend's declining reasons, the kernels compile for sm_90a and sm_100a (chunk_wy_dqkg v2 included), the
-v1 / v2 switch of chunk_wy_dqkg."""
+conventions); the kernels themselves are checked on the GPU (test_backward_gpu.py).
+Also: the backend's declining reasons, and every backward kernel compiles for sm_90a and sm_100a."""
 
 from __future__ import annotations
 
@@ -156,19 +155,6 @@ def test_serves_what_the_forward_serves(gate, HQK, HV, monkeypatch):
                        V=128, HQK=HQK, HV=HV, T=1000, gate=gate, varlen=True, requires_grad=True,
                        options=dict(use_qk_l2norm_in_kernel=True, beta_activation="sigmoid"))
         assert backend.unsupported_reason(c) is None
-
-
-def test_wy_variant_selection(monkeypatch):
-    """chunk_wy_dqkg v2 is opt-in: v1 unless asked for by keyword or CULA_SM100_WY_DQKG; unknown names raise."""
-    from cula_sm100.backward import launch
-
-    monkeypatch.delenv("CULA_SM100_WY_DQKG", raising=False)
-    assert launch.wy_variant() == "v1"
-    monkeypatch.setenv("CULA_SM100_WY_DQKG", "v2")
-    assert launch.wy_variant() == "v2" and launch.wy_variant("v1") == "v1"
-    monkeypatch.setenv("CULA_SM100_WY_DQKG", "v3")
-    with pytest.raises(ValueError, match="v3"):
-        launch.wy_variant()
 
 
 @functools.cache

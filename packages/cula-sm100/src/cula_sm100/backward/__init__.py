@@ -1,9 +1,7 @@
 """cula_sm100.backward: the chunk_kda backward (bf16, K = V = 128, native GVA).
 
   chunk_wy_dqkg.py  CuTe DSL kernel: the fused WY / state backward (dq, dk summed over each GVA group, dv,
-                    dbeta, dG, dL), one (chunk, q/k head) per CTA
-  chunk_wy_dqkg_v2.py CuTe DSL kernel, opt-in (CULA_SM100_WY_DQKG=v2; compiled, not yet run on a GPU): the
-                    same outputs, 8 warps, dq / dk summed in registers and written once, 16-byte traffic
+                    dbeta, dG, dL), one (chunk, q/k head) per CTA of 8 warps, dq / dk summed in registers
   chunk_bwd_dav.py  CuTe DSL kernel: dAqk = do v_new^T, dv = Aqk^T do, one (chunk, value head) per CTA
   chunk_bwd_dhu.py  CuTe DSL kernel: the reverse state recurrence (dh per chunk, dv += kg dh, dh0), one
                     (sequence, value head, 64 columns of V) per CTA

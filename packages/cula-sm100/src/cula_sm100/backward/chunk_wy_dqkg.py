@@ -16,21 +16,33 @@ gradient of v_new in total; A = Akk = (I + L)^-1; G natural-log chunk-local cums
             colsum(k dk_h) + exp(G_last) * rowsum_V(h * dh)        (dG: before the reverse cumsum)
 
 This is FLA 0.6.0's `chunk_kda_bwd_kernel_wy_dqkg_fused` (its `A` is loaded transposed; its g is in log2
-units) except that dq, dk are produced per q/k head: the group's value heads run one after another in the
-CTA and every element of dq/dk is read-added-written by the same thread each time (the MMA fragment map
-does not change), so the sum has a fixed order and is bitwise deterministic, with no atomics. dq and dk must
-be zeroed before the launch.
+units) except that dq, dk are produced per q/k head, summed over the group's value heads inside the CTA.
+Tiling and pipeline (session 3's "v2", promoted in session 4 after its H100 tests; the first kernel, 4 warps
+with dq / dk read-added-written in global memory per value head, was 5.7x slower and is gone):
 
-Tiling: 128 threads = 4 warps stacked along the 64 rows; every product is a warp-level mma.sync m16n8k16
-(bf16 operands, fp32 accumulation: `cute_utils.make_tiled_mma(4)`), [64 x 128] @ [128 x 128]^T for the state
-terms, [64 x 64] @ [64 x 128] for the A^T products, [64 x 64] x 3 for dL. Operands stored token-major
-are read with ldmatrix.trans. Shared memory ~200 KB (one CTA per SM): q, k once; per value head h, dh
-(32 KB each), do, v_new, dv, v (16 KB each), A, two 64 x 64 bf16 scratch tiles and a 64 x 129 fp32
-scratch for the row/column sums. After their GEMMs, the do tile is reused for -dw and the v_new tile
-for k exp(G) (same shape, so the same swizzled layout).
-Pipeline per value head: cp.async of all tiles (rows past the chunk end zero-filled, never read from
-global memory), then phases separated by barriers; G is read from global memory (fp32, L2-resident) at
-the elements a thread owns. Assumes K = V = 128, bf16 operands, chunks that never cross a sequence.
+  * 8 warps (256 threads) as a 4 (rows) x 2 (columns) grid of mma.sync m16n8k16 warps (the first kernel: 4
+    warps along the rows): twice the warps to hide latency and half the accumulator registers per product (a
+    [64 x 128] fp32 tile is 32 registers per thread).
+  * dq, dk accumulated over the group's value heads in REGISTERS (two fp32 fragments) and written once per CTA
+    (the first kernel: a fp32 read-add-write of global memory per value head). The same thread sums the value
+    heads in a fixed order: bitwise deterministic, no atomics, no zero-fill before the launch.
+  * dG accumulated in a register fragment within a value head and written once; dL, dv, dG, dq, dk all leave
+    through shared memory in 16-byte stores (`cute_utils.store_rows_s2g`); G arrives by 16-byte cp.async
+    into shared memory with the bf16 tiles.
+  * Row / column sums (dbeta; the column sums of k dk_h for dG's last row) from the accumulator fragments:
+    in-thread pairs, warp shuffles, then one slot per warp in shared memory summed in a fixed order.
+  * Each GEMM walks its k-blocks in a runtime loop (unrolled by 2) with one k-block of operand fragments
+    (`cute_utils.gemm_kb`): fully unrolled (cute_utils.gemm_ss) ptxas hoisted every ldmatrix and spilled.
+
+Shared memory ~209 KB (one CTA per SM; 8 warps x <= 255 registers fit it): q, k once; per value head h, dh (32 KB
+each), do (later -dw), v_new (later k exp(G), later the dv staging), dv, v (16 KB each), A (8 KB), G fp32 [64 x 132]
+(later the dG / dq / dk staging); the two 64 x 64 bf16 scratch tiles of the dL chain live over dh, dL's fp32 staging
+over h (both dead by then). Pipeline per value head: cp.async of every tile in two groups (h, do, dv, G; then dh,
+v_new, v, A: the second lands during the dq and dw products; rows past the chunk end zero-filled, never read from
+global memory), then phases separated by barriers. Next step (not done, docs/sm100_backward.md): overlap the loads
+with compute across value heads or CTAs (K-half tiles of h / dh in a two-stage pipeline, or <= 113 KB for two CTAs
+per SM).
+Assumes K = V = 128, bf16 operands, chunks that never cross a sequence.
 """
 
 from __future__ import annotations
@@ -39,20 +51,27 @@ import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
-from cula_sm100.forward.cute_utils import (copy_rows_g2s, g2s_tiled_copy, gemm_ss, head_rows, make_tiled_mma,
-                                          smem_layout, transposed)
-
+from cula_sm100.forward.cute_utils import (copy_rows_g2s, g2s_tiled_copy, gemm_kb, head_rows, mma_atom,
+                                          smem_layout, store_rows_s2g, transposed, vec_copy)
 
 # tile sizes as module constants: names bound inside the kernel's runtime loop would be traced as dynamic
 _BT, _K, _V = 64, 128, 128
+_FS = _K + 4  # fp32 scratch row stride: 16-byte aligned rows for the vector stores
+_THREADS = 256
 
 
 def _exp(x):
     return cute.math.exp(x, fastmath=True)
 
 
+def tiled_mma_4x2():
+    """mma.sync m16n8k16 bf16 -> fp32 on 4 x 2 warps (M x N); each warp takes N in pairs of atoms (ldmatrix.x4)."""
+    return cute.make_tiled_mma(mma_atom(), (4, 2, 1), permutation_mnk=(64, 32, 16))
+
+
 class ChunkWyDqkg:
-    threads = 128  # 4 warps along the chunk's rows (tile sizes: _BT, _K, _V above)
+    """Host entry (`__call__`: the global views, grid [NC, HQK]) and the kernel; tile sizes are the module's."""
+    threads = _THREADS  # 8 warps: 4 along the chunk's rows x 2 along the columns
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, v_ptr: cute.Pointer, vn_ptr: cute.Pointer,
@@ -91,48 +110,84 @@ class ChunkWyDqkg:
         c, hq, _ = cute.arch.block_idx()
         t0 = mT[c, 0]
         n = mT[c, 1]
+        lane = tidx % 32
+        wid = tidx // 32
 
         smem = cutlass.utils.SmemAllocator()
         sQ = smem.allocate_tensor(bf16, smem_layout(_BT, _K), 128)
         sK = smem.allocate_tensor(bf16, smem_layout(_BT, _K), 128)
-        sH = smem.allocate_tensor(bf16, smem_layout(_K, _V), 128)
-        sDh = smem.allocate_tensor(bf16, smem_layout(_K, _V), 128)
-        sDo = smem.allocate_tensor(bf16, smem_layout(_BT, _V), 128)   # later: -dw
-        sVn = smem.allocate_tensor(bf16, smem_layout(_BT, _V), 128)   # later: k exp(G)
+        sH = smem.allocate_tensor(bf16, smem_layout(_K, _V), 128)      # later: dL staging (fp32)
+        sDh = smem.allocate_tensor(bf16, smem_layout(_K, _V), 128)     # later: the two 64 x 64 scratch tiles
+        sDo = smem.allocate_tensor(bf16, smem_layout(_BT, _V), 128)    # later: -dw
+        sVn = smem.allocate_tensor(bf16, smem_layout(_BT, _V), 128)    # later: k exp(G), then dv staging
         sDv = smem.allocate_tensor(bf16, smem_layout(_BT, _V), 128)
         sV = smem.allocate_tensor(bf16, smem_layout(_BT, _V), 128)
         sA = smem.allocate_tensor(bf16, smem_layout(_BT, _BT), 128)
-        sT1 = smem.allocate_tensor(bf16, smem_layout(_BT, _BT), 128)
-        sT2 = smem.allocate_tensor(bf16, smem_layout(_BT, _BT), 128)
-        # fp32 scratch for row / column sums; odd row stride keeps both walks conflict-free
-        sF = smem.allocate_tensor(f32, cute.make_layout((_BT, _K), stride=(_K + 1, 1)), 16)
+        sG = smem.allocate_tensor(f32, cute.make_layout((_BT, _K), stride=(_FS, 1)), 128)  # later: dG/dq/dk staging
         sBeta = smem.allocate_tensor(f32, cute.make_layout((_BT,)), 16)
+        sHdh = smem.allocate_tensor(f32, cute.make_layout((_K,)), 16)                      # sum_v h dh per row
+        sCol = smem.allocate_tensor(f32, cute.make_layout((8, _K), stride=(_K, 1)), 16)    # per-warp column sums
+        sRow = smem.allocate_tensor(f32, cute.make_layout((8, _BT), stride=(_BT, 1)), 16)  # per-warp row sums
         sLast = smem.allocate_tensor(f32, cute.make_layout((_K,)), 16)
+        # tiles over dead ones: h and dh are last read by the dw and dk_h GEMMs, both behind a barrier by then
+        sT1 = cute.make_tensor(sDh.iterator, smem_layout(_BT, _BT))
+        sT2 = cute.make_tensor(sDh.iterator + _BT * _BT, smem_layout(_BT, _BT))
+        sDL = cute.make_tensor(cute.recast_ptr(sH.iterator, dtype=f32),
+                               cute.make_layout((_BT, _BT), stride=(_BT + 4, 1)))
 
         cp = g2s_tiled_copy(_K, self.threads)
         cp_a = g2s_tiled_copy(_BT, self.threads)
+        cp_g = g2s_tiled_copy(_K, self.threads, f32)
         copy_rows_g2s(cp, head_rows(mQ, t0, hq, _BT), sQ, n, tidx)
         copy_rows_g2s(cp, head_rows(mK, t0, hq, _BT), sK, n, tidx)
         cute.arch.cp_async_commit_group()
 
-        mma = make_tiled_mma(4)
+        mma = tiled_mma_4x2()
         thr = mma.get_slice(tidx)
         coord = thr.partition_C(cute.make_identity_tensor((_BT, _K)))
         coord_a = thr.partition_C(cute.make_identity_tensor((_BT, _BT)))
+        # the thread's elements of each shared tile in the accumulator's order: one base address and static
+        # offsets, instead of an address per (row, column) kept live across the phases
+        pG = thr.partition_C(sG)
+        pQ = thr.partition_C(sQ)
+        pK = thr.partition_C(sK)
+        pV = thr.partition_C(sV)
+        pDo = thr.partition_C(sDo)
+        pVn = thr.partition_C(sVn)
+        pT1 = thr.partition_C(sT1)
+        pT2 = thr.partition_C(sT2)
+        pDL = thr.partition_C(sDL)
+        # the h.dh row sums read h and dh in 16-byte vectors
+        vc = vec_copy(_V, _THREADS)
+        thr_v = vc.get_slice(tidx)
+        pHv = thr_v.partition_S(sH)
+        pDhv = thr_v.partition_S(sDh)
+        cHv = thr_v.partition_S(cute.make_identity_tensor((_K, _V)))
+        fH = cute.make_fragment_like(pHv[None, 0, None])
+        fDh = cute.make_fragment_like(pDhv[None, 0, None])
         acc = cute.make_rmem_tensor(thr.partition_shape_C((_BT, _K)), f32)
         acc_a = cute.make_rmem_tensor(thr.partition_shape_C((_BT, _BT)), f32)
-
-        tDq = head_rows(mDq, t0, hq, _BT)
-        tDk = head_rows(mDk, t0, hq, _BT)
+        dq = cute.make_rmem_tensor(thr.partition_shape_C((_BT, _K)), f32)   # summed over the group
+        dk = cute.make_rmem_tensor(thr.partition_shape_C((_BT, _K)), f32)   # summed over the group
+        dg = cute.make_rmem_tensor(thr.partition_shape_C((_BT, _K)), f32)   # this value head's dG
+        dq.fill(0.0)
+        dk.fill(0.0)
+        # The m16n8k16 accumulator: values 4e..4e+3 of a thread are (row g, cols c, c+1), (row g+8, cols c, c+1)
+        # of one 16 x 8 atom (g = lane / 4, c = 2 (lane % 4)); with 4 warps on 64 rows a thread has one atom row
+        # (two rows) and its columns in every value: row sums are two scalars, column sums pair i with i + 2.
+        assert cute.size(acc.shape[1]) == 1
 
         for j in cutlass.range(group, unroll=1):
             hv = hq * group + j
             cute.arch.sync_threads()  # the previous value head's readers of the shared tiles are done
+            # two cp.async groups: what the dq and dw products read first, the rest lands while they run
             copy_rows_g2s(cp, head_rows(mH, (c * HV + hv) * _K, 0, _K), sH, _K, tidx)
-            copy_rows_g2s(cp, head_rows(mDh, (c * HV + hv) * _K, 0, _K), sDh, _K, tidx)
             copy_rows_g2s(cp, head_rows(mDo, t0, hv, _BT), sDo, n, tidx)
-            copy_rows_g2s(cp, head_rows(mVn, t0, hv, _BT), sVn, n, tidx)
             copy_rows_g2s(cp, head_rows(mDv, t0, hv, _BT), sDv, n, tidx)
+            copy_rows_g2s(cp_g, head_rows(mG, t0, hv, _BT), sG, n, tidx)
+            cute.arch.cp_async_commit_group()
+            copy_rows_g2s(cp, head_rows(mDh, (c * HV + hv) * _K, 0, _K), sDh, _K, tidx)
+            copy_rows_g2s(cp, head_rows(mVn, t0, hv, _BT), sVn, n, tidx)
             copy_rows_g2s(cp, head_rows(mV, t0, hv, _BT), sV, n, tidx)
             copy_rows_g2s(cp_a, head_rows(mA, t0, hv, _BT), sA, n, tidx)
             cute.arch.cp_async_commit_group()
@@ -141,119 +196,164 @@ class ChunkWyDqkg:
                 if tidx < n:
                     b = head_rows(mBeta, t0, hv, _BT)[tidx, 0].to(f32)
                 sBeta[tidx] = b
-            cute.arch.cp_async_wait_group(0)
+            for e in cutlass.range_constexpr(4):  # per-warp partial sums start at zero (rows a warp never owns)
+                sCol[(tidx + e * _THREADS) // _K, (tidx + e * _THREADS) % _K] = f32(0.0)
+            for e in cutlass.range_constexpr(2):
+                sRow[(tidx + e * _THREADS) // _BT, (tidx + e * _THREADS) % _BT] = f32(0.0)
+            cute.arch.cp_async_wait_group(1)  # q, k and the first group (h, do, dv, G)
             cute.arch.sync_threads()
 
-            tG = head_rows(mG, t0, hv, _BT)
-            tDg = head_rows(mDg, t0, hv, _BT)
-
-            # ---- the decay's own gradient on the last row: exp(G_last) * sum_v h dh (thread = channel)
-            dgk = f32(0.0)
-            for vv in cutlass.range(_V, unroll=8):
-                dgk += sH[tidx, vv].to(f32) * sDh[tidx, vv].to(f32)
-            dgk = dgk * _exp(tG[n - 1, tidx].to(f32))
-
-            # ---- dq = scale (do @ h^T) exp(G); dG = q dq
+            # ---- dq += scale (do @ h^T) exp(G); dG = q dq_h
             acc.fill(0.0)
-            gemm_ss(mma, acc, sDo, sH, tidx, False, False)
+            gemm_kb(mma, acc, sDo, sH, tidx, False, False)
             for i in cutlass.range_constexpr(cute.size(acc)):
-                r, col = coord[i]
-                if r < n:
-                    x = acc[i] * _exp(tG[r, col].to(f32)) * scale
-                    tDq[r, col] = tDq[r, col] + x
-                    tDg[r, col] = sQ[r, col].to(f32) * x
+                x = acc[i] * _exp(pG[i]) * scale  # rows past the end: do is zero there
+                dq[i] = dq[i] + x
+                dg[i] = pQ[i].to(f32) * x
 
             # ---- dw = -(dv @ h^T), kept in bf16 where do was
             acc.fill(0.0)
-            gemm_ss(mma, acc, sDv, sH, tidx, False, False)
+            gemm_kb(mma, acc, sDv, sH, tidx, False, False)
             cute.arch.sync_threads()  # every warp is done reading do
             for i in cutlass.range_constexpr(cute.size(acc)):
-                r, col = coord[i]
-                sDo[r, col] = (-acc[i]).to(bf16)
+                pDo[i] = (-acc[i]).to(bf16)
+            cute.arch.cp_async_wait_group(0)  # the second group (dh, v_new, v, A)
+            cute.arch.sync_threads()
 
-            # ---- state path of k: dk_h = (v_new @ dh^T) exp(G_last - G); dG -= k dk_h; colsum via sF
+            # ---- the decay's own gradient on the last row: exp(G_last) sum_v h dh. 16 threads per state row,
+            # 8 consecutive columns each (16-byte shared loads; the swizzle keeps 8-column chunks contiguous),
+            # then shuffles within the 16 lanes of the row
+            for m in cutlass.range_constexpr(cute.size(pHv.shape[1])):
+                cute.copy(vc, pHv[None, m, None], fH)
+                cute.copy(vc, pDhv[None, m, None], fDh)
+                hd = f32(0.0)
+                for e in cutlass.range_constexpr(cute.size(fH)):
+                    hd += fH[e].to(f32) * fDh[e].to(f32)
+                for sh in cutlass.range_constexpr(4):
+                    hd += cute.arch.shuffle_sync_bfly(hd, 1 << sh)
+                if tidx % (_V // 8) == 0:
+                    sHdh[cHv[0, m, 0][0]] = hd
+
+            # ---- state path of k: dk_h = (v_new @ dh^T) exp(G_last - G); dG -= k dk_h; column sums of k dk_h
             acc.fill(0.0)
-            gemm_ss(mma, acc, sVn, sDh, tidx, False, False)
+            gemm_kb(mma, acc, sVn, sDh, tidx, False, False)
             for i in cutlass.range_constexpr(cute.size(acc)):
                 r, col = coord[i]
                 kd = f32(0.0)
                 if r < n:
-                    x = acc[i] * _exp(tG[n - 1, col].to(f32) - tG[r, col].to(f32))
-                    kd = sK[r, col].to(f32) * x
-                    tDk[r, col] = tDk[r, col] + x
-                    tDg[r, col] = tDg[r, col] - kd
-                sF[r, col] = kd
-            cute.arch.sync_threads()  # sF complete; every warp is done reading v_new and dw's GEMM inputs
-            colsum = f32(0.0)
-            for r2 in cutlass.range(n, unroll=1):
-                colsum += sF[r2, tidx]
-            sLast[tidx] = colsum + dgk
-            # k exp(G) replaces v_new (thread = channel); rows past the end stay zero
-            for r3 in cutlass.range_constexpr(_BT):
-                kg = f32(0.0)
-                if r3 < n:
-                    kg = sK[r3, tidx].to(f32) * _exp(tG[r3, tidx].to(f32))
-                sVn[r3, tidx] = kg.to(bf16)
+                    x = acc[i] * _exp(sG[n - 1, col] - pG[i])
+                    kd = pK[i].to(f32) * x
+                    dk[i] = dk[i] + x
+                    dg[i] = dg[i] - kd
+                acc[i] = kd
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                if i % 4 < 2:  # rows g and g + 8 of one column, then the 8 row groups of the warp (lane bits 2-4)
+                    cs = acc[i] + acc[i + 2]
+                    cs += cute.arch.shuffle_sync_bfly(cs, 4)
+                    cs += cute.arch.shuffle_sync_bfly(cs, 8)
+                    cs += cute.arch.shuffle_sync_bfly(cs, 16)
+                    if lane < 4:
+                        sCol[wid, coord[i][1]] = cs
+            cute.arch.sync_threads()  # every warp is done reading v_new, h and dh; sCol, sHdh complete
+            # k exp(G) replaces v_new (rows past the end: zero, as sK's)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                r, col = coord[i]
+                pVn[i] = (pK[i].to(f32) * _exp(pG[i])).to(bf16)
+            if tidx < _K:
+                cs8 = sHdh[tidx] * _exp(sG[n - 1, tidx])
+                for w in cutlass.range_constexpr(8):
+                    cs8 += sCol[w, tidx]
+                sLast[tidx] = cs8  # read after the next barriers
             cute.arch.sync_threads()
 
             # ---- gradient of A: (dv @ v^T + dw @ kg^T) * beta[col], strictly lower, valid rows/cols
             acc_a.fill(0.0)
-            gemm_ss(mma, acc_a, sDv, sV, tidx, False, False)
-            gemm_ss(mma, acc_a, sDo, sVn, tidx, False, False)
+            gemm_kb(mma, acc_a, sDv, sV, tidx, False, False)
+            gemm_kb(mma, acc_a, sDo, sVn, tidx, False, False)
             for i in cutlass.range_constexpr(cute.size(acc_a)):
                 r, col = coord_a[i]
                 x = f32(0.0)
                 if r < n:
                     if r > col:
                         x = acc_a[i] * sBeta[col]
-                sT1[r, col] = x.to(bf16)
+                pT1[i] = x.to(bf16)
             cute.arch.sync_threads()
             # X = dA @ A^T
             acc_a.fill(0.0)
-            gemm_ss(mma, acc_a, sT1, sA, tidx, False, False)
+            gemm_kb(mma, acc_a, sT1, sA, tidx, False, False)
             for i in cutlass.range_constexpr(cute.size(acc_a)):
                 r, col = coord_a[i]
-                sT2[r, col] = acc_a[i].to(bf16)
+                pT2[i] = acc_a[i].to(bf16)
             cute.arch.sync_threads()
-            # dL = -A^T X, strictly lower; rows < n stored, every column (zeros past the end)
+            # dL = -A^T X, strictly lower (zeros past the end), staged over h for 16-byte stores
             acc_a.fill(0.0)
-            gemm_ss(mma, acc_a, transposed(sA, _BT, _BT), transposed(sT2, _BT, _BT), tidx, True, True)
-            tDA = head_rows(mDA, t0, hv, _BT)
+            gemm_kb(mma, acc_a, transposed(sA, _BT, _BT), transposed(sT2, _BT, _BT), tidx, True, True)
             for i in cutlass.range_constexpr(cute.size(acc_a)):
                 r, col = coord_a[i]
-                if r < n:
-                    x = f32(0.0)
-                    if r > col:
-                        x = -acc_a[i]
-                    tDA[r, col] = x
+                x = f32(0.0)
+                if r > col:
+                    x = -acc_a[i]
+                pDL[i] = x
 
-            # ---- dvb = A^T @ dv: dv2 = beta dvb; dbeta partial dvb * v into sF
+            # ---- dvb = A^T @ dv: dv2 = beta dvb, staged where k exp(G) was (its last reader, the dA GEMM, is
+            # behind two barriers); the dbeta row sums of dvb * v in two scalars (rows g and g + 8)
             acc.fill(0.0)
-            gemm_ss(mma, acc, transposed(sA, _BT, _BT), transposed(sDv, _BT, _V), tidx, True, True)
-            tDv2 = head_rows(mDv2, t0, hv, _BT)
+            gemm_kb(mma, acc, transposed(sA, _BT, _BT), transposed(sDv, _BT, _V), tidx, True, True)
+            rs0 = f32(0.0)
+            rs1 = f32(0.0)
             for i in cutlass.range_constexpr(cute.size(acc)):
                 r, col = coord[i]
-                if r < n:
-                    tDv2[r, col] = (acc[i] * sBeta[r]).to(mDv2.element_type)
-                sF[r, col] = acc[i] * sV[r, col].to(f32)
+                pVn[i] = (acc[i] * sBeta[r]).to(bf16)
+                if i % 4 < 2:
+                    rs0 += acc[i] * pV[i].to(f32)
+                else:
+                    rs1 += acc[i] * pV[i].to(f32)
+            cute.arch.sync_threads()  # dL and dv staged
+            store_rows_s2g(sDL, head_rows(mDA, t0, hv, _BT), n, tidx, _THREADS)
+            store_rows_s2g(sVn, head_rows(mDv2, t0, hv, _BT), n, tidx, _THREADS)
 
             # ---- dkgb = A^T @ dw: dk += beta exp(G) dkgb; dG += beta k exp(G) dkgb; dbeta += k exp(G) dkgb
             acc.fill(0.0)
-            gemm_ss(mma, acc, transposed(sA, _BT, _BT), transposed(sDo, _BT, _K), tidx, True, True)
+            gemm_kb(mma, acc, transposed(sA, _BT, _BT), transposed(sDo, _BT, _K), tidx, True, True)
             for i in cutlass.range_constexpr(cute.size(acc)):
                 r, col = coord[i]
-                if r < n:
-                    eg = _exp(tG[r, col].to(f32))
-                    b = sBeta[r]
-                    kg = sK[r, col].to(f32) * eg
-                    sF[r, col] = sF[r, col] + acc[i] * kg
-                    tDg[r, col] = tDg[r, col] + kg * acc[i] * b
-                    tDk[r, col] = tDk[r, col] + acc[i] * eg * b
-            cute.arch.sync_threads()  # sF and this head's dG stores complete
-
+                eg = _exp(pG[i])
+                b = sBeta[r]
+                kg = pK[i].to(f32) * eg      # zero past the end: sK rows are zero-filled
+                if i % 4 < 2:
+                    rs0 += acc[i] * kg
+                else:
+                    rs1 += acc[i] * kg
+                dg[i] = dg[i] + kg * acc[i] * b
+                dk[i] = dk[i] + acc[i] * eg * b
+                if r == n - 1:
+                    dg[i] = dg[i] + sLast[col]
+            rs0 += cute.arch.shuffle_sync_bfly(rs0, 1)
+            rs0 += cute.arch.shuffle_sync_bfly(rs0, 2)
+            rs1 += cute.arch.shuffle_sync_bfly(rs1, 1)
+            rs1 += cute.arch.shuffle_sync_bfly(rs1, 2)
+            if lane % 4 == 0:
+                sRow[wid, coord[0][0]] = rs0
+                sRow[wid, coord[2][0]] = rs1
+            cute.arch.sync_threads()  # sRow complete; every warp is done reading G, dL and dv staging
             if tidx < n:
                 db = f32(0.0)
-                for cc in cutlass.range(_K, unroll=8):
-                    db += sF[tidx, cc]
+                for w in cutlass.range_constexpr(8):
+                    db += sRow[w, tidx]
                 head_rows(mDb, t0, hv, _BT)[tidx, 0] = db
-            tDg[n - 1, tidx] = tDg[n - 1, tidx] + sLast[tidx]
+            for i in cutlass.range_constexpr(cute.size(dg)):
+                pG[i] = dg[i]
+            cute.arch.sync_threads()
+            store_rows_s2g(sG, head_rows(mDg, t0, hv, _BT), n, tidx, _THREADS)
+
+        # ---- dq, dk: once per CTA, through shared memory in 16-byte stores
+        cute.arch.sync_threads()
+        for i in cutlass.range_constexpr(cute.size(dq)):
+            pG[i] = dq[i]
+        cute.arch.sync_threads()
+        store_rows_s2g(sG, head_rows(mDq, t0, hq, _BT), n, tidx, _THREADS)
+        cute.arch.sync_threads()
+        for i in cutlass.range_constexpr(cute.size(dk)):
+            pG[i] = dk[i]
+        cute.arch.sync_threads()
+        store_rows_s2g(sG, head_rows(mDk, t0, hq, _BT), n, tidx, _THREADS)

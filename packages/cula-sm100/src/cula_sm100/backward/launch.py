@@ -19,7 +19,6 @@ no host synchronisation); it is correct but not fast: a kernel still to write.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -31,42 +30,17 @@ from cula_sm100.forward import launch as fwd
 INTRA_KERNEL = True
 
 
-def _compile_wy(kernel_object):
-    """One chunk_wy_dqkg variant compiled (v1 and v2 take the same arguments; one compilation serves every size)."""
-    import cutlass.cute as cute
-
-    bf, f32, fp = torch.bfloat16, torch.float32, fwd._fake_ptr
-    return cute.compile(kernel_object, fp(bf), fp(bf), fp(bf), fp(bf), fp(f32), fp(f32), fp(bf), fp(bf), fp(bf),
-                        fp(bf), fp(bf), fp(f32), fp(f32), fp(bf), fp(f32), fp(f32), fp(f32), fp(torch.int32),
-                        1, 1, 1, 1, 1.0, fwd._compile_stream())
-
-
 @functools.cache
 def wy_dqkg_kernel():
-    """The compiled chunk_wy_dqkg v1 (chunk_wy_dqkg.py, the default)."""
+    """The compiled chunk_wy_dqkg (one compilation serves every size)."""
+    import cutlass.cute as cute
+
     from cula_sm100.backward.chunk_wy_dqkg import ChunkWyDqkg
 
-    return _compile_wy(ChunkWyDqkg())
-
-
-@functools.cache
-def wy_dqkg_v2_kernel():
-    """The compiled chunk_wy_dqkg v2 (chunk_wy_dqkg_v2.py, opt-in)."""
-    from cula_sm100.backward.chunk_wy_dqkg_v2 import ChunkWyDqkgV2
-
-    return _compile_wy(ChunkWyDqkgV2())
-
-
-WY_VARIANTS = ("v1", "v2")
-
-
-def wy_variant(variant: str | None = None) -> str:
-    """Which chunk_wy_dqkg serves: `variant` if given, else $CULA_SM100_WY_DQKG, else "v1" (today's tested kernel;
-    v2 is opt-in until its GPU tests have run)."""
-    v = variant or os.environ.get("CULA_SM100_WY_DQKG") or "v1"
-    if v not in WY_VARIANTS:
-        raise ValueError(f"chunk_wy_dqkg variant {v!r}: expected one of {WY_VARIANTS}")
-    return v
+    bf, f32, fp = torch.bfloat16, torch.float32, fwd._fake_ptr
+    return cute.compile(ChunkWyDqkg(), fp(bf), fp(bf), fp(bf), fp(bf), fp(f32), fp(f32), fp(bf), fp(bf), fp(bf),
+                        fp(bf), fp(bf), fp(f32), fp(f32), fp(bf), fp(f32), fp(f32), fp(f32), fp(torch.int32),
+                        1, 1, 1, 1, 1.0, fwd._compile_stream())
 
 
 @functools.cache
@@ -151,7 +125,7 @@ def chunk_bwd_dhu(q, kg, w, G, do, dv, dht, ctab, stab, *, scale, want_dh0):
     return dh, dv2, dh0
 
 
-def chunk_wy_dqkg(q, k, v, v_new, G, beta, Akk, h, do, dh, dv, ctab, *, scale, variant=None):
+def chunk_wy_dqkg(q, k, v, v_new, G, beta, Akk, h, do, dh, dv, ctab, *, scale):
     """The fused WY / state backward (kernel: chunk_wy_dqkg.py), over packed tokens.
 
     Args (TT packed tokens, NC chunks of the chunk table `ctab` [NC, 2] int32):
@@ -164,15 +138,12 @@ def chunk_wy_dqkg(q, k, v, v_new, G, beta, Akk, h, do, dh, dv, ctab, *, scale, v
         dq, dk [TT, HQK, K] fp32 (summed over each group's value heads), dv [TT, HV, V] bf16 (gradient of v,
         of beta * v: times beta), dbeta [TT, HV] fp32, dG [TT, HV, K] fp32 (before the reverse cumsum),
         dL [TT, HV, 64] fp32 (gradient of the strictly lower L = beta_i k_i k_j decays).
-
-    `variant`: "v1" (chunk_wy_dqkg.py) or "v2" (chunk_wy_dqkg_v2.py); None: `wy_variant()`.
     """
     TT, HQK, K = q.shape
     HV = v.shape[1]
-    v2 = wy_variant(variant) == "v2"
-    # v1 adds every value head into dq / dk (zeroed first); v2 writes each valid row once
-    dq = (torch.empty if v2 else torch.zeros)(TT, HQK, K, device=q.device, dtype=torch.float32)
-    dk = torch.empty_like(dq) if v2 else torch.zeros_like(dq)
+    # the kernel writes every row of dq / dk once (the group's value heads summed in registers): no zero-fill
+    dq = torch.empty(TT, HQK, K, device=q.device, dtype=torch.float32)
+    dk = torch.empty_like(dq)
     dv2 = torch.empty_like(v)
     dg = torch.empty(TT, HV, K, device=q.device, dtype=torch.float32)
     db = torch.empty(TT, HV, device=q.device, dtype=torch.float32)
@@ -180,9 +151,8 @@ def chunk_wy_dqkg(q, k, v, v_new, G, beta, Akk, h, do, dh, dv, ctab, *, scale, v
     NC = ctab.shape[0]
     if NC:
         p = fwd._ptr
-        kern = wy_dqkg_v2_kernel() if v2 else wy_dqkg_kernel()
-        kern(p(q), p(k), p(v), p(v_new), p(G), p(beta), p(Akk), p(h), p(do), p(dh), p(dv), p(dq), p(dk), p(dv2),
-             p(dg), p(db), p(dA), p(ctab), TT, NC, HQK, HV, float(scale), fwd._stream())
+        wy_dqkg_kernel()(p(q), p(k), p(v), p(v_new), p(G), p(beta), p(Akk), p(h), p(do), p(dh), p(dv), p(dq), p(dk),
+                         p(dv2), p(dg), p(db), p(dA), p(ctab), TT, NC, HQK, HV, float(scale), fwd._stream())
     return dq, dk, dv2, db, dg, dA
 
 
