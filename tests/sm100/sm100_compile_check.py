@@ -18,17 +18,9 @@ KERNELS = {
     "gate_cumsum[softplus]": lambda: launch.gate_kernel("softplus", bf, f32, f32, True, True, None),
     "gate_cumsum[safe]": lambda: launch.gate_kernel("safe", f32, f32, f32, False, True, -5.0),
     "chunk_intra": lambda: launch.intra_kernel(bf, "sigmoid"),
-    # opt-in one-pass preprocessing (chunk_intra_prep.py): the benchmark's configuration, and the safe gate
-    # with raw fp32 g and no L2 norm (the other compile-time branches)
-    "chunk_intra_prep[softplus,l2norm]": lambda: launch.intra_prep_kernel(bf, "sigmoid", "softplus", bf, f32, f32,
-                                                                          True, True, None, True),
-    "chunk_intra_prep[safe]": lambda: launch.intra_prep_kernel(f32, "none", "safe", f32, f32, f32, False, True, -5.0,
-                                                               False),
     "recompute_w_u": lambda: launch.wu_kernel(f32, "none"),
     "chunk_delta_h": lambda: launch.delta_h_kernel(True, True),
     "chunk_delta_h[no states]": lambda: launch.delta_h_kernel(False, False),
-    "chunk_delta_h[BV=64]": lambda: launch.delta_h_kernel(False, False, 64),
-    "chunk_delta_h[lean]": lambda: launch.delta_h_kernel(True, True, 32, True),
     "fwd_o": lambda: launch.fwd_o_kernel(),
 }
 

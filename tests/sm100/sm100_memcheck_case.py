@@ -1,10 +1,7 @@
 """Run under compute-sanitizer by test_sm100_forward_gpu.py::test_memcheck_clean_on_odd_shapes: the whole
 forward (every kernel, every gate mode, q/k L2 norm, states) on odd shapes: T = 1, 63, 65, N = 1, GVA 1/2/4,
-a varlen batch with empty and length-1 sequences; staged and with the opt-in one-pass preprocessing
-(fused_prep=True: chunk_intra_prep.py). Prints "cases ok" at the end; memcheck reports any
+a varlen batch with empty and length-1 sequences. Prints "cases ok" at the end; memcheck reports any
 out-of-bounds or misaligned access."""
-
-import itertools
 
 import torch
 
@@ -16,22 +13,21 @@ from cula_sm100.forward import launch
 def main():
     n = 0
     gates = [("precomputed", None), ("softplus", None), ("safe", -5.0)]
-    for (T, HQK, HV, B), fused in itertools.product(((1, 1, 1, 1), (63, 2, 4, 2), (65, 1, 4, 1)), (False, True)):
+    for T, HQK, HV, B in ((1, 1, 1, 1), (63, 2, 4, 2), (65, 1, 4, 1)):
         for gate, lb in gates:
             q, k, v, g, beta, h0 = make_inputs(B, T, HQK, HV, seed=T, h0=True)
             A_log = torch.zeros(HV, device="cuda")
             dt_bias = torch.zeros(HV * 128, device="cuda")
             launch.forward(q, k, v, g, beta, A_log, dt_bias, h0, None, None, scale=0.1, output_final_state=True,
-                           use_qk_l2norm_in_kernel=True, gate=gate, lower_bound=lb, beta_activation="sigmoid",
-                           fused_prep=fused)
+                           use_qk_l2norm_in_kernel=True, gate=gate, lower_bound=lb, beta_activation="sigmoid")
             n += 1
     lengths = [0, 1, 63, 0, 65, 1]
     cu, cu_cpu = seqlens_to_cu(lengths)
     q, k, v, g, beta, h0 = make_inputs(1, sum(lengths), 2, 8, seed=1, h0=True, N=len(lengths))
-    for final, fused in itertools.product((False, True), (False, True)):
+    for final in (False, True):
         launch.forward(q, k, v, g, beta, None, None, h0 if final else None, cu, cu_cpu, scale=0.1,
                        output_final_state=final, use_qk_l2norm_in_kernel=False, gate="precomputed", lower_bound=None,
-                       beta_activation="none", fused_prep=fused)
+                       beta_activation="none")
         n += 1
     torch.cuda.synchronize()
     print(f"{n} cases ok")

@@ -1,7 +1,7 @@
 """CPU: every cula-sm100 forward kernel compiles (CuTe DSL, fake pointers) for sm_90a and sm_100a.
 
 The two architectures compile in two processes started together (one fixture), so the test takes the time of
-one (~1.5 min with the opt-in chunk_intra_prep variants), not of both."""
+one (about a minute), not of both."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Benchmark of cula-sm100's chunk_kda training forward (bf16, K = V = 128, native GVA) against FLA 0.6.0's
 chunk_kda forward with the same flags, plus per-kernel rows (chunk_intra, recompute_w_u) against FLA's.
 
-    python -m tools.bench.train_fwd [--smoke] [--kernels-only] [--hv 64,128] [--fused-prep]
-                                    [--out docs/benchmarks/train_fwd.md] [--json FILE]
+    python -m tools.bench.train_fwd [--smoke] [--kernels-only] [--hv 64,128] [--out docs/benchmarks/train_fwd.md]
+                                    [--json FILE]
 
 End to end (`chunk_kda`): B = 2, HQK = 64, HV in (64, 128, 256), T in (512 .. 32768), and varlen (B = 1, 8
 sequences, 16384 tokens, one of length 1). Inputs as in training: bf16 q, k, v; raw gate (fp32) with
@@ -16,10 +16,6 @@ FLA's `recompute_w_u_fwd`; the `chunk_intra` row compares ours with FLA's differ
 part alone), labelled as derived; then `chunk_delta_h` against `chunk_gated_delta_rule_fwd_h`, `fwd_o` against
 `chunk_gla_fwd_o_gk`, the gate against `kda_gate_chunk_cumsum` and the L2 norm of q against `l2norm_fwd` (the
 forward runs it on q and on k). `--hv` keeps only the listed value-head counts (FLA autotunes per HV).
-`--fused-prep` adds the opt-in one-pass preprocessing (chunk_intra_prep.py): end to end, a second cula row per
-shape with CULA_SM100_FUSED_PREP=1; per stage, the preprocessing plus chunk_intra from raw q, k, g staged (l2norm
-of q and of k, gate_cumsum, chunk_intra) and fused (chunk_intra_prep), both against FLA's l2norm twice + gate +
-intra (derived, as the chunk_intra row).
 Timing: median of `triton.testing.do_bench` through tools/bench/harness.py, after warm-up. The errors column is
 ||cula - FLA|| / ||FLA|| of o on the timed inputs.
 """
@@ -111,7 +107,7 @@ def stage_inputs(x):
                 cu=cu.long() if cu is not None else None)
 
 
-def kernel_fns(s, fused_prep=False):
+def kernel_fns(s):
     from fla.modules.norm.l2norm import l2norm_fwd
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
@@ -130,17 +126,7 @@ def kernel_fns(s, fused_prep=False):
     def fla4(x):  # ours [TT, HV, D] -> FLA's [B, T, HV, D] (same memory)
         return x.reshape(B, T, HV, -1)
 
-    def prep_staged():  # what forward(fused_prep=False) runs before recompute_w_u
-        q, k = launch.l2norm(s["qraw"]), launch.l2norm(s["kraw"])
-        G = launch.gate_cumsum(s["graw"], s["A_log"], s["dt_bias"], s["ctab"], gate="softplus", lower_bound=None)
-        return launch.chunk_intra(q, k, G, s["beta"], s["ctab"], scale=scale, beta_activation="none")
-
-    def prep_fused():  # forward(fused_prep=True)
-        return launch.chunk_intra_prep(s["qraw"], s["kraw"], s["graw"], s["A_log"], s["dt_bias"], s["beta"], s["ctab"],
-                                       scale=scale, gate="softplus", lower_bound=None, beta_activation="none",
-                                       l2norm=True)
-    prep = {"prep[staged]": prep_staged, "prep[fused]": prep_fused} if fused_prep else {}
-    return prep | {
+    return {
         "intra": lambda: launch.chunk_intra(s["q"], s["k"], s["G"], s["beta"], s["ctab"], scale=scale,
                                             beta_activation="none"),
         "w_u": lambda: launch.recompute_w_u(s["k"], s["v"], s["G"], s["beta"], s["Akk"], s["ctab"],
@@ -151,10 +137,6 @@ def kernel_fns(s, fused_prep=False):
                                                   s["ctab"], beta_activation="none"),
         "delta_h": lambda: launch.chunk_delta_h(s["w"], s["u"], s["kg"], s["G"], None, s["ctab"], s["stab"],
                                                 output_final_state=False),
-        "delta_h[BV=64]": lambda: launch.chunk_delta_h(s["w"], s["u"], s["kg"], s["G"], None, s["ctab"], s["stab"],
-                                                       output_final_state=False, BV=64),
-        "delta_h[lean]": lambda: launch.chunk_delta_h(s["w"], s["u"], s["kg"], s["G"], None, s["ctab"], s["stab"],
-                                                      output_final_state=False, lean=True),
         "fwd_o": lambda: launch.fwd_o(s["q"], s["G"], s["h"], s["Aqk"], s["v_new"], s["ctab"], scale=scale),
         "gate": lambda: launch.gate_cumsum(s["graw"], s["A_log"], s["dt_bias"], s["ctab"], gate="softplus",
                                            lower_bound=None),
@@ -215,8 +197,6 @@ def main(argv=None) -> int:
     ap.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
     ap.add_argument("--kernels-only", action="store_true", help="only the per-kernel rows")
     ap.add_argument("--hv", type=str, help="only these HV (comma-separated), e.g. 64,128")
-    ap.add_argument("--fused-prep", action="store_true",
-                    help="also time the opt-in one-pass preprocessing (chunk_intra_prep.py), end to end and per stage")
     ap.add_argument("--render", type=Path, help="only render a saved --json file as markdown (to --out)")
     args = ap.parse_args(argv)
     if args.render:
@@ -254,17 +234,6 @@ def main(argv=None) -> int:
         row["fla_ms"] = measure(fla_e2e, [x], timing).median_ms
         rows.append(row)
         print(row, flush=True)
-        if args.fused_prep:  # the same call with the one-pass preprocessing (launch.forward reads the variable)
-            os.environ["CULA_SM100_FUSED_PREP"] = "1"
-            try:
-                o_z = cula_e2e(**x)
-                fz = dict(kind="chunk_kda (fused prep, opt-in)", **s, err=rel(o_z, o_f), fla_ms=row["fla_ms"])
-                del o_z
-                fz["cula_ms"] = measure(cula_e2e, [x], timing).median_ms
-            finally:
-                del os.environ["CULA_SM100_FUSED_PREP"]
-            rows.append(fz)
-            print(fz, flush=True)
         del o_f
         save()
         del x
@@ -274,7 +243,7 @@ def main(argv=None) -> int:
         x = make_inputs(**s)
         st = stage_inputs(x)
         del x
-        fns = kernel_fns(st, args.fused_prep)
+        fns = kernel_fns(st)
         # the harness picks CUDA timing (do_bench) only when it sees a CUDA tensor among the inputs: hand it
         # one (the stage functions ignore it); with no tensor it would time the host alone, unsynchronised
         t = {name: measure(lambda _, fn=fn: fn(), [st["q"]], timing).median_ms for name, fn in fns.items()}
@@ -284,16 +253,9 @@ def main(argv=None) -> int:
         rows.append(dict(kind="recompute_w_u", **base, cula_ms=t["w_u"], fla_ms=t["fla w_u"]))
         rows.append(dict(kind="chunk_intra + recompute_w_u", **base, cula_ms=t["intra+w_u"],
                          fla_ms=t["fla intra+w_u"]))
-        for ours, theirs in (("delta_h", "chunk_delta_h"), ("delta_h[lean]", "chunk_delta_h (lean, not live yet)"),
-                             ("fwd_o", "fwd_o"), ("gate", "gate + cumsum"), ("l2norm", "l2norm (q)")):
+        for ours, theirs in (("delta_h", "chunk_delta_h"), ("fwd_o", "fwd_o"), ("gate", "gate + cumsum"), ("l2norm", "l2norm (q)")):
             rows.append(dict(kind=theirs, **base, cula_ms=t[ours], fla_ms=t["fla " + ours.split("[")[0]]))
-        if args.fused_prep:
-            fla_prep = 2 * t["fla l2norm"] + t["fla gate"] + t["fla intra+w_u"] - t["fla w_u"]
-            rows.append(dict(kind="l2norm q, k + gate + chunk_intra, staged (FLA: derived)", **base,
-                             cula_ms=t["prep[staged]"], fla_ms=fla_prep))
-            rows.append(dict(kind="l2norm q, k + gate + chunk_intra, one pass (opt-in) (FLA: derived)", **base,
-                             cula_ms=t["prep[fused]"], fla_ms=fla_prep))
-        for r in rows[-(10 if args.fused_prep else 8):]:
+        for r in rows[-7:]:
             print(r, flush=True)
         print("stage ms:", {k_: round(v_, 3) for k_, v_ in t.items()}, flush=True)
         save()

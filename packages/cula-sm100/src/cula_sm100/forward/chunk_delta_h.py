@@ -1,7 +1,6 @@
-"""chunk_delta_h: the inter-chunk state recurrence, one (sequence, value head, BV-column slice of V) per CTA.
+"""chunk_delta_h: the inter-chunk state recurrence, one (sequence, value head, BV = 32 columns of V) per CTA.
 
-For each chunk of the sequence, in order (h: the state [K = 128, BV] at the chunk start, fp32 registers;
-BV = 32 by default):
+For each chunk of the sequence, in order (h: the state [K = 128, BV] at the chunk start, fp32 registers):
 
     h_out[chunk] = h                                  (saved, bf16 as FLA, for fwd_o and the backward)
     v_new = u - w @ h                                 (bf16 out)
@@ -9,13 +8,21 @@ BV = 32 by default):
 
 starting from initial_state (or zeros) and ending in final_state (fp32) if asked. Sequences come from the
 sequence table (first token, end, first global chunk), so varlen and empty sequences need nothing more.
-Tiling: 128 threads (4 warps along M); `w @ h` is [64 x 128] @ [128 x BV] and `kg^T @ v_new` is
-[128 x 64] @ [64 x BV], both mma.sync m16n8k16 with bf16 operands (h and v_new rounded to bf16 as FLA) and
-fp32 accumulation; transposed operands read with ldmatrix.trans. Pipeline: two shared-memory stages;
-chunk ci + 1's w, kg and u load (cp.async, rows past the end zero) while chunk ci stores h, multiplies,
-writes v_new and updates h; G at chunk ci + 1's last row is loaded during chunk ci. h and v_new leave from
-their bf16 shared tiles (the GEMM operands) in 16-byte rows. chunk_delta_h_lean.py subclasses this one with
-a pipeline of fewer bytes per CTA (not on the live path yet).
+
+Tiling: 128 threads (4 warps along M); `w @ h` is [64 x 128] @ [128 x 32] and `kg^T @ v_new` is
+[128 x 64] @ [64 x 32], both mma.sync m16n8k16 with bf16 operands (h and v_new rounded to bf16 as FLA) and
+fp32 accumulation; transposed operands read with ldmatrix.trans.
+Grid (V / BV, HV, N): the 4 V slices of one (sequence, head) are neighbouring CTAs, scheduled together, so
+w and kg come from HBM once and the other three slices hit L2.
+Pipeline, 48.5 KiB of shared memory and a launch bound of 4 CTAs per SM (128 registers), so 528 CTAs run at
+once on an H100's 132 SMs (N HV 4 CTAs: one wave at B = 2, HV = 64; see docs/sm100.md for HV >= 128):
+  * w and kg have one buffer each, refilled by cp.async with chunk ci + 1's tile (rows past the end zero) as
+    soon as chunk ci's GEMM that reads it is done: w after `w @ h`, kg after the state update;
+  * u has two stages, and v_new replaces u in its stage (each element is read and written by one thread);
+  * G at chunk ci + 1's last row is loaded during chunk ci;
+  * h and v_new leave from their bf16 shared tiles (the GEMM operands) in 16-byte rows.
+(Session 3's pipeline, two stages of w / kg / u at 84.5 KiB and 2 CTAs per SM with grid (N, HV, V / BV), was
+0.52x / 0.41x FLA at HV = 64 / 128 against this one's 1.02x / 0.87x, bitwise equal results; it was removed.)
 """
 
 from __future__ import annotations
@@ -32,14 +39,13 @@ class ChunkDeltaH:
     BT = 64
     K = 128
     V = 128
+    BV = 32  # columns of V per CTA: 4 CTAs per (sequence, head), sharing w and kg through L2
     threads = 128
+    MIN_CTAS = 4  # per SM: the launch bound caps registers at 65536 / (128 x 4) = 128
 
-    def __init__(self, has_initial_state: bool, output_final_state: bool, BV: int = 32):
+    def __init__(self, has_initial_state: bool, output_final_state: bool):
         self.has_h0 = has_initial_state
         self.store_ht = output_final_state
-        # columns of V per CTA: 32 gives 4 CTAs per (sequence, head), so N * HV * 4 CTAs (3 per SM by shared
-        # memory) keep the SMs busy; each re-reads w and kg, which mostly hit in L2 (FLA's autotuner picks 32 too)
-        self.BV = BV
 
     @cute.jit
     def __call__(self, w_ptr: cute.Pointer, u_ptr: cute.Pointer, kg_ptr: cute.Pointer, G_ptr: cute.Pointer,
@@ -64,74 +70,98 @@ class ChunkDeltaH:
 
     @cute.jit
     def launch(self, args, N, HV, stream):
-        self.kernel(*args).launch(grid=[N, HV, self.V // self.BV], block=[self.threads, 1, 1], stream=stream)
+        self.kernel(*args).launch(grid=[self.V // self.BV, HV, N], block=[self.threads, 1, 1], stream=stream,
+                                  min_blocks_per_mp=self.MIN_CTAS, preferred_smem_carveout=100)
 
     @cute.kernel
     def kernel(self, mW: cute.Tensor, mU: cute.Tensor, mKg: cute.Tensor, mG: cute.Tensor, mH0: cute.Tensor,
                mH: cute.Tensor, mVn: cute.Tensor, mHt: cute.Tensor, mS: cute.Tensor, HV: cutlass.Int32):
-        K, BT, BV = self.K, self.BT, self.BV
-        tidx, _, _ = cute.arch.thread_idx()
-        s, hv, vb = cute.arch.block_idx()
-        v0 = vb * BV
+        vb, hv, s = cute.arch.block_idx()  # V slices fastest (see launch)
         bos, eos, first, nchunks = self.sequence(mS, s)
+        tidx, _, _ = cute.arch.thread_idx()
+        K, BT, BV = self.K, self.BT, self.BV
+        v0 = vb * BV
 
         smem = cutlass.utils.SmemAllocator()
-        # two stages of the chunk inputs: chunk ci + 1 loads while chunk ci computes
-        sW = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K, 2), 128)
-        sKg = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K, 2), 128)
-        sU = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, BV, 2), 128)
+        sW = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 128)
+        sKg = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 128)
+        sU = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, BV, 2), 128)  # u, then v_new in its place
         sH = smem.allocate_tensor(cutlass.BFloat16, smem_layout(K, BV), 128)
-        sVn = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, BV), 128)
         sGl = smem.allocate_tensor(cutlass.Float32, cute.make_layout((K,)), 16)
 
         mma, thr, acc_h, coord_h, acc_v, coord_v = self.fragments(tidx)
         sH_part = thr.partition_C(sH)
-        sVn_part = thr.partition_C(sVn)
-
         self.init_state(acc_h, coord_h, mH0, s, hv, v0, HV)
 
         gl = cutlass.Float32(0.0)  # G at the last row of the current chunk, channel tidx (loaded one chunk ahead)
+        cp_k = g2s_tiled_copy(K, self.threads)
         if nchunks > 0:
-            self.load_chunk(mW, mKg, mU, sW, sKg, sU, bos, eos, 0, 0, hv, vb, tidx)
+            self.load_rows(cp_k, mW, sW, bos, eos, 0, hv)
+            self.load_rows(cp_k, mKg, sKg, bos, eos, 0, hv)
+            self.load_u(mU, sU, bos, eos, 0, 0, hv, vb, tidx)
             gl = self.last_g(mG, bos, eos, hv, tidx)
         cute.arch.cp_async_commit_group()
         for ci in cutlass.range(nchunks, unroll=1):
             stage = ci % 2
+            more = ci + 1 < nchunks
             t0 = bos + ci * BT
             n = cutlass.min(eos - t0, BT)
-            if ci + 1 < nchunks:
-                self.load_chunk(mW, mKg, mU, sW, sKg, sU, bos, eos, ci + 1, 1 - stage, hv, vb, tidx)
+            # cp.async groups: each chunk commits [u next], [w next], [kg next], in that order; waiting for all
+            # but the newest group below leaves this chunk's w, kg and u landed
+            if more:
+                self.load_u(mU, sU, bos, eos, ci + 1, 1 - stage, hv, vb, tidx)
             cute.arch.cp_async_commit_group()
             sGl[tidx] = cute.math.exp(gl, fastmath=True)
-            if ci + 1 < nchunks:  # the next chunk's last-row G: its latency hides behind this chunk's work
+            if more:  # the next chunk's last-row G: its latency hides behind this chunk's work
                 gl = self.last_g(mG, t0 + BT, eos, hv, tidx)
             for i in cutlass.range_constexpr(cute.size(acc_h)):
                 sH_part[i] = acc_h[i].to(cutlass.BFloat16)
-            cute.arch.cp_async_wait_group(1)  # this chunk's stage has landed; the next one may still fly
+            cute.arch.cp_async_wait_group(1)
             cute.arch.sync_threads()
-            # h out in 16-byte rows (from the bf16 copy the GEMM reads)
             store_rows_s2g(sH, cute.local_tile(head_rows(mH, ((first + ci) * HV + hv) * K, 0, K), (K, BV), (0, vb)),
                            K, tidx, self.threads)
 
             sU_s = sU[None, None, stage]
+            sU_part = thr.partition_C(sU_s)
             acc_v.fill(0.0)
-            gemm_ss(mma, acc_v, sW[None, None, stage], transposed(sH, K, BV), tidx, False, True)
+            gemm_ss(mma, acc_v, sW, transposed(sH, K, BV), tidx, False, True)
             for i in cutlass.range_constexpr(cute.size(acc_v)):
-                r2, c2 = coord_v[i]
+                r2, _ = coord_v[i]
                 x = cutlass.Float32(0.0)
                 if r2 < n:
-                    x = sU_s[r2, c2].to(cutlass.Float32) - acc_v[i]
-                sVn_part[i] = x.to(cutlass.BFloat16)
-            cute.arch.sync_threads()
-            store_rows_s2g(sVn, cute.local_tile(head_rows(mVn, t0, hv, BT), (BT, BV), (0, vb)), n, tidx, self.threads)
+                    x = sU_part[i].to(cutlass.Float32) - acc_v[i]
+                sU_part[i] = x.to(cutlass.BFloat16)  # v_new, bf16 as FLA (GEMM operand and output)
+            cute.arch.sync_threads()  # every warp is done with w; v_new is complete
+            if more:
+                self.load_rows(cp_k, mW, sW, bos, eos, ci + 1, hv)
+            cute.arch.cp_async_commit_group()
+            store_rows_s2g(sU_s, cute.local_tile(head_rows(mVn, t0, hv, BT), (BT, BV), (0, vb)), n, tidx, self.threads)
 
             for i in cutlass.range_constexpr(cute.size(acc_h)):
                 k3, _ = coord_h[i]
                 acc_h[i] = acc_h[i] * sGl[k3]
-            gemm_ss(mma, acc_h, transposed(sKg[None, None, stage], BT, K), transposed(sVn, BT, BV), tidx, True, True)
-            cute.arch.sync_threads()
+            gemm_ss(mma, acc_h, transposed(sKg, BT, K), transposed(sU_s, BT, BV), tidx, True, True)
+            cute.arch.sync_threads()  # every warp is done with kg and v_new
+            if more:
+                self.load_rows(cp_k, mKg, sKg, bos, eos, ci + 1, hv)
+            cute.arch.cp_async_commit_group()
 
         self.final_state(acc_h, coord_h, mHt, s, hv, v0, HV)
+
+    @cute.jit
+    def load_rows(self, cp, m, s, bos, eos, ci, hv):
+        """cp.async of chunk ci's [64, 128] tile of m (w or kg) into s (rows past the end zero)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        t0 = bos + ci * self.BT
+        copy_rows_g2s(cp, head_rows(m, t0, hv, self.BT), s, cutlass.min(eos - t0, self.BT), tidx)
+
+    @cute.jit
+    def load_u(self, mU, sU, bos, eos, ci, stage, hv, vb, tidx):
+        """cp.async of this CTA's columns of chunk ci's u into `stage` (rows past the end zero)."""
+        BT, BV = self.BT, self.BV
+        t0 = bos + ci * BT
+        copy_rows_g2s(g2s_tiled_copy(BV, self.threads), cute.local_tile(head_rows(mU, t0, hv, BT), (BT, BV), (0, vb)),
+                       sU[None, None, stage], cutlass.min(eos - t0, BT), tidx)
 
     @cute.jit
     def sequence(self, mS, s):
@@ -176,15 +206,3 @@ class ChunkDeltaH:
             for i in cutlass.range_constexpr(cute.size(acc_h)):
                 k4, c4 = coord_h[i]
                 tHt[k4, v0 + c4] = acc_h[i]
-
-    @cute.jit
-    def load_chunk(self, mW, mKg, mU, sW, sKg, sU, bos, eos, ci, stage, hv, vb, tidx):
-        """cp.async of chunk ci's w, kg and this CTA's columns of u into `stage` (rows past the end zero)."""
-        BT, K, BV = self.BT, self.K, self.BV
-        t0 = bos + ci * BT
-        n = cutlass.min(eos - t0, BT)
-        cp = g2s_tiled_copy(K, self.threads)
-        copy_rows_g2s(cp, head_rows(mW, t0, hv, BT), sW[None, None, stage], n, tidx)
-        copy_rows_g2s(cp, head_rows(mKg, t0, hv, BT), sKg[None, None, stage], n, tidx)
-        copy_rows_g2s(g2s_tiled_copy(BV, self.threads), cute.local_tile(head_rows(mU, t0, hv, BT), (BT, BV), (0, vb)),
-                      sU[None, None, stage], n, tidx)

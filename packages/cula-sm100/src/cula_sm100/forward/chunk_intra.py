@@ -65,8 +65,24 @@ class ChunkIntra:
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor, mAqk: cute.Tensor,
                mAkk: cute.Tensor, mT: cute.Tensor, group: cutlass.Int32, scale: cutlass.Float32):
         K, BT = self.K, self.BT
-        tidx, hv, t0, n, w, lane, sQ, sK, sG, r_raw, sBeta = self.begin(mQ, mK, mT, group)
-        # ---- loads (q / k issued by begin)
+        tidx, _, hv, t0, n = chunk_block(mT)
+        w = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tidx % 32
+        hq = hv // group  # GVA: q / k at the value head's q/k head
+
+        smem = cutlass.utils.SmemAllocator()  # 104 KiB
+        sQ = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 1024)
+        sK = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 1024)
+        sG = smem.allocate_tensor(cutlass.Float32, cute.make_layout((BT, K), stride=(K, 1)), 128)
+        # region R (40 KiB), in turn: the decayed keys of every warp (warp w: blocks 0..w, 16 rows each, from
+        # block w (w + 1) / 2 on), then the fp32 score matrices and the solve's scratch
+        r_raw = smem.allocate(self.Y_BLOCKS * self.BC * K * 2, 1024)
+        sBeta = smem.allocate_tensor(cutlass.Float32, cute.make_layout((BT,)), 16)
+
+        # ---- loads: q / k (zero rows past the chunk end), G, beta
+        cp_bf16 = g2s_tiled_copy(K, self.threads)
+        copy_rows_g2s(cp_bf16, head_rows(mQ, t0, hq, BT), sQ, n, tidx)
+        copy_rows_g2s(cp_bf16, head_rows(mK, t0, hq, BT), sK, n, tidx)
         copy_rows_g2s(g2s_tiled_copy(K, self.threads, cutlass.Float32), head_rows(mG, t0, hv, BT), sG, n, tidx)
         cute.arch.cp_async_commit_group()
         load_beta(sBeta, mBeta, t0, hv, n, tidx, self.beta_activation)
@@ -78,31 +94,6 @@ class ChunkIntra:
                 sG[r, tidx] = sG[n - 1, tidx]
         cute.arch.sync_threads()
         self.scores_and_solve(sQ, sK, sG, r_raw, sBeta, mAqk, mAkk, tidx, w, lane, hv, t0, n, scale)
-
-    def begin(self, mQ: cute.Tensor, mK: cute.Tensor, mT: cute.Tensor, group):
-        """The CTA's coordinates and shared memory, with the cp.async copies of its q / k rows issued (not
-        committed): (tidx, hv, t0, n, warp, lane, sQ, sK, sG, region R, sBeta)."""
-        tidx, _, hv, t0, n = chunk_block(mT)
-        w = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        hq = hv // group
-        sQ, sK, sG, r_raw, sBeta = self.alloc_smem()
-        cp_bf16 = g2s_tiled_copy(self.K, self.threads)
-        copy_rows_g2s(cp_bf16, head_rows(mQ, t0, hq, self.BT), sQ, n, tidx)
-        copy_rows_g2s(cp_bf16, head_rows(mK, t0, hq, self.BT), sK, n, tidx)
-        return tidx, hv, t0, n, w, tidx % 32, sQ, sK, sG, r_raw, sBeta
-
-    def alloc_smem(self):
-        """(sQ, sK, sG, region R's raw pointer, sBeta): the shared memory of one CTA (104 KiB)."""
-        K, BT, BC = self.K, self.BT, self.BC
-        smem = cutlass.utils.SmemAllocator()
-        sQ = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 1024)
-        sK = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 1024)
-        sG = smem.allocate_tensor(cutlass.Float32, cute.make_layout((BT, K), stride=(K, 1)), 128)
-        # region R (40 KiB), in turn: the decayed keys of every warp (warp w: blocks 0..w, 16 rows each, from
-        # block w (w + 1) / 2 on), then the fp32 score matrices and the solve's scratch
-        r_raw = smem.allocate(self.Y_BLOCKS * BC * K * 2, 1024)
-        sBeta = smem.allocate_tensor(cutlass.Float32, cute.make_layout((BT,)), 16)
-        return sQ, sK, sG, r_raw, sBeta
 
     @cute.jit
     def scores_and_solve(self, sQ: cute.Tensor, sK: cute.Tensor, sG: cute.Tensor, r_raw: cute.Pointer,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -97,21 +96,6 @@ def intra_kernel(beta_dtype: torch.dtype, beta_activation: str):
 
 
 @functools.cache
-def intra_prep_kernel(beta_dtype: torch.dtype, beta_activation: str, gate: str, g_dtype, a_dtype, b_dtype,
-                      has_A_log: bool, has_dt_bias: bool, lower_bound, l2norm: bool):
-    """chunk_intra_prep.py: gate + cumsum + q/k L2 norm folded into chunk_intra (opt-in; compiled, not yet run)."""
-    import cutlass.cute as cute
-
-    from cula_sm100.forward.chunk_intra_prep import ChunkIntraPrep
-
-    bf, f32 = torch.bfloat16, torch.float32
-    op = ChunkIntraPrep(beta_activation, gate, has_A_log, has_dt_bias, lower_bound, l2norm)
-    return cute.compile(op, _fake_ptr(bf), _fake_ptr(bf), _fake_ptr(g_dtype), _fake_ptr(a_dtype), _fake_ptr(b_dtype),
-                        _fake_ptr(beta_dtype), _fake_ptr(bf), _fake_ptr(bf), _fake_ptr(f32), _fake_ptr(bf),
-                        _fake_ptr(bf), _fake_ptr(torch.int32), 1, 1, 1, 1, 1.0, _compile_stream())
-
-
-@functools.cache
 def wu_kernel(beta_dtype: torch.dtype, beta_activation: str):
     import cutlass.cute as cute
 
@@ -124,17 +108,13 @@ def wu_kernel(beta_dtype: torch.dtype, beta_activation: str):
 
 
 @functools.cache
-def delta_h_kernel(has_initial_state: bool, output_final_state: bool, BV: int = 32, lean: bool = False):
-    """lean: chunk_delta_h_lean.py (BV = 32 only; compiled, not yet on the live path: docs/sm100.md)."""
+def delta_h_kernel(has_initial_state: bool, output_final_state: bool):
     import cutlass.cute as cute
 
     from cula_sm100.forward.chunk_delta_h import ChunkDeltaH
-    from cula_sm100.forward.chunk_delta_h_lean import ChunkDeltaHLean
 
     bf, f32 = torch.bfloat16, torch.float32
-    op = ChunkDeltaHLean(has_initial_state, output_final_state) if lean else \
-        ChunkDeltaH(has_initial_state, output_final_state, BV)
-    return cute.compile(op, _fake_ptr(bf), _fake_ptr(bf),
+    return cute.compile(ChunkDeltaH(has_initial_state, output_final_state), _fake_ptr(bf), _fake_ptr(bf),
                         _fake_ptr(bf), _fake_ptr(f32), _fake_ptr(f32), _fake_ptr(bf), _fake_ptr(bf), _fake_ptr(f32),
                         _fake_ptr(torch.int32), 1, 1, 1, 1, _compile_stream())
 
@@ -241,26 +221,6 @@ def chunk_intra(q, k, G, beta, ctab, *, scale, beta_activation):
     return Aqk, Akk
 
 
-def chunk_intra_prep(q, k, g, A_log, dt_bias, beta, ctab, *, scale, gate, lower_bound, beta_activation, l2norm):
-    """One pass for gate_cumsum + l2norm + chunk_intra (kernel: chunk_intra_prep.py): returns (q, k) normalised
-    when l2norm (else the inputs themselves), G [TT, HV, K] fp32, Aqk, Akk [TT, HV, 64] bf16."""
-    HV, K = g.shape[-2:]
-    TT = g.numel() // (HV * K)
-    HQK = q.shape[-2]
-    G = _empty(TT, HV, K, like=g, dtype=torch.float32)
-    Aqk, Akk = _empty(TT, HV, BT, like=g), _empty(TT, HV, BT, like=g)
-    qn, kn = (torch.empty_like(q), torch.empty_like(k)) if l2norm else (q, k)
-    if ctab.shape[0]:
-        f32 = torch.float32
-        a_dtype = A_log.dtype if A_log is not None else f32
-        b_dtype = dt_bias.dtype if dt_bias is not None else f32
-        kern = intra_prep_kernel(beta.dtype, beta_activation, gate, g.dtype, a_dtype, b_dtype, A_log is not None,
-                                 dt_bias is not None, lower_bound if gate == "safe" else None, l2norm)
-        kern(_ptr(q), _ptr(k), _ptr(g), _ptr(A_log, f32), _ptr(dt_bias, f32), _ptr(beta), _ptr(qn), _ptr(kn), _ptr(G),
-             _ptr(Aqk), _ptr(Akk), _ptr(ctab), TT, ctab.shape[0], HQK, HV, float(scale), _stream())
-    return qn, kn, G, Aqk, Akk
-
-
 def recompute_w_u(k, v, G, beta, Akk, ctab, *, beta_activation):
     """(w, u, kg) [TT, HV, 128] bf16 (kernel: recompute_w_u.py)."""
     TT, HV, K = G.shape
@@ -272,7 +232,7 @@ def recompute_w_u(k, v, G, beta, Akk, ctab, *, beta_activation):
     return w, u, kg
 
 
-def chunk_delta_h(w, u, kg, G, initial_state, ctab, stab, *, output_final_state, BV=32, lean=False):
+def chunk_delta_h(w, u, kg, G, initial_state, ctab, stab, *, output_final_state):
     """(h [NC, HV, K, V] bf16, v_new [TT, HV, V] bf16, final state [N, HV, K, V] fp32 or None)
     (kernel: chunk_delta_h.py)."""
     TT, HV, K = G.shape
@@ -283,7 +243,7 @@ def chunk_delta_h(w, u, kg, G, initial_state, ctab, stab, *, output_final_state,
     ht = _empty(N, HV, K, V, like=G, dtype=torch.float32) if output_final_state else None
     if N:
         h0 = initial_state.contiguous() if initial_state is not None else None
-        delta_h_kernel(h0 is not None, output_final_state, 32 if lean else BV, lean)(
+        delta_h_kernel(h0 is not None, output_final_state)(
             _ptr(w), _ptr(u), _ptr(kg), _ptr(G), _ptr(h0, torch.float32), _ptr(h), _ptr(v_new),
             _ptr(ht, torch.float32), _ptr(stab), TT, NC, N, HV, _stream())
     return h, v_new, ht
@@ -300,36 +260,18 @@ def fwd_o(q, G, h, Aqk, v_new, ctab, *, scale):
     return o
 
 
-FUSED_PREP_ENV = "CULA_SM100_FUSED_PREP"
-
-
-def fused_prep_default() -> bool:
-    """`CULA_SM100_FUSED_PREP=1` turns the one-pass preprocessing on for every call (off by default: compiled,
-    not yet run on a GPU)."""
-    return os.environ.get(FUSED_PREP_ENV, "0") == "1"
-
-
 def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *, scale,
-            output_final_state, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, fused_prep=None):
-    """The chunk_kda forward; returns (o [B, T, HV, V], final_state [N, HV, K, V] or None, Intermediates).
-    fused_prep: gate + cumsum + q/k L2 norm inside chunk_intra (chunk_intra_prep.py) instead of three kernels;
-    None reads CULA_SM100_FUSED_PREP."""
+            output_final_state, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation):
+    """The chunk_kda forward; returns (o [B, T, HV, V], final_state [N, HV, K, V] or None, Intermediates)."""
     B, T, HQK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     ctab, stab = tables(B, T, cu_seqlens, cu_seqlens_cpu, q.device)
     A_log = A_log.contiguous() if A_log is not None else None
     dt_bias = dt_bias.contiguous() if dt_bias is not None else None
-    if fused_prep is None:
-        fused_prep = fused_prep_default()
-    if fused_prep:
-        q, k, G, Aqk, Akk = chunk_intra_prep(q, k, g.reshape(B * T, HV, K), A_log, dt_bias, beta, ctab, scale=scale,
-                                             gate=gate, lower_bound=lower_bound, beta_activation=beta_activation,
-                                             l2norm=use_qk_l2norm_in_kernel)
-    else:
-        if use_qk_l2norm_in_kernel:
-            q, k = l2norm(q), l2norm(k)
-        G = gate_cumsum(g.reshape(B * T, HV, K), A_log, dt_bias, ctab, gate=gate, lower_bound=lower_bound)
-        Aqk, Akk = chunk_intra(q, k, G, beta, ctab, scale=scale, beta_activation=beta_activation)
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    G = gate_cumsum(g.reshape(B * T, HV, K), A_log, dt_bias, ctab, gate=gate, lower_bound=lower_bound)
+    Aqk, Akk = chunk_intra(q, k, G, beta, ctab, scale=scale, beta_activation=beta_activation)
     w, u, kg = recompute_w_u(k, v, G, beta, Akk, ctab, beta_activation=beta_activation)
     h, v_new, ht = chunk_delta_h(w, u, kg, G, initial_state, ctab, stab, output_final_state=output_final_state)
     o = fwd_o(q, G, h, Aqk, v_new, ctab, scale=scale)
