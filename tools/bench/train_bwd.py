@@ -1,27 +1,24 @@
 """Benchmark of cula-sm100's chunk_kda backward against FLA 0.6.0: the fused chunk_wy_dqkg kernel against FLA's
-`chunk_kda_bwd_wy_dqkg_fused`, and the whole forward + backward of `chunk_kda`.
+`chunk_kda_bwd_wy_dqkg_fused`, the whole forward + backward of `chunk_kda`, and where cula's backward spends its time.
 
-    python -m tools.bench.train_bwd [--smoke] [--out docs/benchmarks/train_bwd.md] [--json FILE] [--wy-variant v1,v2]
+    python -m tools.bench.train_bwd [--smoke | --quick] [--out docs/benchmarks/train_bwd.md] [--json FILE]
+                                    [--deadline-s 400] [--keep-autotune] [--save-autotune FILE.tar]
 
-`--wy-variant` (default v1): the chunk_wy_dqkg kernels to time, comma-separated (v1: chunk_wy_dqkg.py, today's
-default; v2: chunk_wy_dqkg_v2.py, opt-in): one cula column and one speed-up column each, all against the same FLA
-time in one run, plus the largest relative difference of every later variant's outputs from the first's. The
-whole forward + backward rows and the stage times run with the LAST variant listed (CULA_SM100_WY_DQKG).
-
-Kernel rows: H = 32 q/k heads, HV in (32, 64), B = 2, T in (1024, 4096, 8192), plus varlen (B = 1, 8192 tokens)
-with 10 and 20 sequences of uniform, random and skewed lengths, at HV = 32. The issue's grid (B in {1, 2},
-T from 256) is trimmed to the device time this run had; the trimmed rows are the smaller ones. Both kernels get
-the same inputs in their own conventions (ours: G in natural log, dq/dk summed per q/k head inside the kernel;
-FLA: g in log2 units and dq/dk per value head; the FLA row includes the GVA sum FLA's caller does, a
-`.view(...).sum()`, timed separately and shown). FLA's kernel is autotuned (Triton) before timing: its
-configurations compile in parallel processes first (tools/bench/sm89_prefill.py's warm-up pattern), then the
-timing process tunes alone.
-Whole forward + backward rows: `cula_core.chunk_kda` (CULA_BACKEND=sm100) and `fla.ops.kda.chunk_kda` with
-use_gate_in_kernel and use_qk_l2norm_in_kernel, then `.backward(do)`. FLA runs there with the first of its
-autotune configurations per kernel (not tuned: autotuning all of FLA's forward and backward kernels takes
-minutes of device time this run did not have), so those rows are indicative only. cula's backward still runs
-four of its stages in PyTorch (docs/sm100_backward.md), which dominates them.
-Timing: median of `triton.testing.do_bench` through tools/bench/harness.py, after warm-up.
+The issue's grid. Kernel rows: H = 32 q/k heads, HV in (32, 64), B in (1, 2), T in (256 ... 8192), plus varlen
+(B = 1, 8192 tokens) with 10 and 20 sequences of uniform, random and skewed lengths. Whole forward + backward rows
+(`cula_core.chunk_kda` with CULA_BACKEND=sm100 and `fla.ops.kda.chunk_kda`, use_gate_in_kernel and
+use_qk_l2norm_in_kernel, then `.backward(do)`), each with cula's per-stage backward times.
+Both kernels get the same inputs in their own conventions (ours: G in natural log, dq/dk summed per q/k head inside
+the kernel; FLA: g in log2 units and dq/dk per value head; the FLA row includes the GVA sum FLA's caller does, a
+`.view(...).sum()`).
+FLA autotuned: its Triton kernels compile in parallel processes first (one per autotuning key: HV, kernel or whole
+op), whose autotuning choices are then dropped (they ran with the GPU shared) unless `--keep-autotune` (choices
+of an earlier run, tuned alone, restored from .bench-cache); this process then tunes alone. `--save-autotune`
+writes Triton's autotune results to a tar for the next run's .bench-cache.
+One device slot: the rows are written (markdown and JSON) as they finish; past `--deadline-s` the remaining rows
+are skipped and listed as not run.
+Timing: median of `triton.testing.do_bench` (kernel rows) or of CUDA events over 5 calls after 2 (whole op),
+through tools/bench/harness.py.
 """
 
 from __future__ import annotations
@@ -46,15 +43,16 @@ from tools.bench.harness import Timing, environment, measure  # noqa: E402
 H = 32
 K = V = 128
 TOKENS = 8192
-# most telling rows first: a run cut short by its time limit still has them (the table is written row by row)
-KERNEL_SHAPES = [dict(B=2, T=8192, HV=hv) for hv in (32, 64)]
-KERNEL_SHAPES += [dict(B=1, T=TOKENS, HV=32, varlen=(kind, n)) for n in (10, 20)
-                  for kind in ("uniform", "random", "skewed")]
-KERNEL_SHAPES += [dict(B=2, T=t, HV=hv) for hv in (32, 64) for t in (1024, 4096)]
-E2E_SHAPES = [dict(B=2, T=4096, HV=32), dict(B=1, T=TOKENS, HV=32, varlen=("random", 10))]
+T_GRID = (256, 512, 1024, 2048, 4096, 8192)
+VARLEN = [("uniform", n) for n in (10, 20)] + [("random", n) for n in (10, 20)] + [("skewed", n) for n in (10, 20)]
+KERNEL_SHAPES = [dict(B=b, T=t, HV=hv) for hv in (32, 64) for b in (1, 2) for t in T_GRID]
+KERNEL_SHAPES += [dict(B=1, T=TOKENS, HV=hv, varlen=vl) for hv in (32, 64) for vl in VARLEN]
+E2E_SHAPES = [dict(B=b, T=t, HV=hv) for hv in (32, 64) for b, t in ((1, 1024), (2, 1024), (2, 4096), (1, 8192),
+                                                                     (2, 8192))]
+E2E_SHAPES += [dict(B=1, T=TOKENS, HV=32, varlen=vl) for vl in (("random", 10), ("skewed", 20))]
 # --quick: the rows a short device slot affords (the most telling of each kind)
 QUICK_KERNELS = [dict(B=2, T=8192, HV=32), dict(B=2, T=8192, HV=64), dict(B=1, T=TOKENS, HV=32, varlen=("random", 20)),
-                 dict(B=2, T=1024, HV=32)]
+                 dict(B=1, T=256, HV=32)]
 QUICK_E2E = [dict(B=2, T=4096, HV=32)]
 SMOKE_KERNELS = [dict(B=2, T=1024, HV=32)]
 SMOKE_E2E = [dict(B=1, T=1024, HV=32)]
@@ -133,11 +131,11 @@ def harness_sanity(timing) -> float:
     return (1 << 30) / (ms * 1e-3) / 1e9
 
 
-def ours_kernel(x, ctab, variant="v1"):
+def ours_kernel(x, ctab):
     from cula_sm100.backward import launch
 
     return launch.chunk_wy_dqkg(x["q"], x["k"], x["v"], x["v_new"], x["G"], x["beta"], x["A"], x["h"], x["do"],
-                                x["dh"], x["dv"], ctab, scale=K ** -0.5, variant=variant)
+                                x["dh"], x["dv"], ctab, scale=K ** -0.5)
 
 
 def fla_kernel_fn(x, shape, cu):
@@ -158,42 +156,52 @@ def fla_kernel_fn(x, shape, cu):
     return run
 
 
-def warm_one(hv: int):
-    """Compile FLA's fused kernel's configurations for HV = hv (one process per HV, run in parallel)."""
-    shape = dict(B=1, T=1024, HV=hv)
-    x, _, cu = kernel_inputs(shape)
-    fla_kernel_fn(x, shape, cu)()
+def warm_one(kind: str, hv: int):
+    """Compile FLA's kernels of one autotuning key: `kind` "wy" (the fused kernel) or "e2e" (the whole op's forward
+    and backward kernels), at HV = hv. Run in parallel processes by `warm_fla`."""
+    if kind == "wy":
+        shape = dict(B=1, T=1024, HV=hv)
+        x, _, cu = kernel_inputs(shape)
+        fla_kernel_fn(x, shape, cu)()
+    else:
+        e2e_fn("fla", e2e_inputs(dict(B=1, T=1024, HV=hv)))()
     torch.cuda.synchronize()
 
 
-def warm_fla(hvs) -> None:
+def triton_cache_dir() -> Path:
+    return Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+
+
+def warm_fla(keys, keep_autotune: bool) -> None:
+    """FLA's first call per autotuning key compiles every configuration of each kernel (minutes in one process):
+    compile them in parallel processes, one per key. Their autotuning choices (made with the GPU shared) are
+    dropped unless `keep_autotune`; choices restored from .bench-cache before (an earlier run's, tuned alone) are
+    kept either way, so that this process tunes alone only what is new."""
     t0 = time.perf_counter()
+    before = set(triton_cache_dir().rglob("*.autotune.json"))
     procs = [subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
-                               f"from tools.bench.train_bwd import warm_one; warm_one({hv})"]) for hv in hvs]
-    bad = [p.args for p in procs if p.wait() != 0]
-    # the processes tuned with the GPU shared: drop their choices, so that this process tunes alone (on kernels
-    # already compiled)
-    cache = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+                               f"from tools.bench.train_bwd import warm_one; warm_one({kind!r}, {hv})"])
+             for kind, hv in keys]
+    bad = [p.args[-1] for p in procs if p.wait() != 0]
     removed = 0
-    for f in cache.rglob("*.autotune.json"):
-        f.unlink()
-        removed += 1
-    print(f"FLA warm-up: {len(procs)} processes in {time.perf_counter() - t0:.0f} s ({removed} autotune results "
+    if not keep_autotune:
+        for f in set(triton_cache_dir().rglob("*.autotune.json")) - before:
+            f.unlink()
+            removed += 1
+    print(f"FLA warm-up: {len(procs)} processes in {time.perf_counter() - t0:.0f} s ({removed} new autotune results "
           f"dropped; failures: {bad})", flush=True)
 
 
-def warm_e2e(eshapes) -> None:
-    """Compile FLA's forward and backward kernels of the whole-op rows (one configuration each, as timed)."""
-    sys.path.insert(0, str(ROOT / "tests" / "sm100"))
-    from backward_cases import fla_one_config
+def save_autotune(path: Path) -> None:
+    """Triton's autotune results (FLA's choices, tuned in this process) as a tar for .bench-cache."""
+    import tarfile
 
-    t0 = time.perf_counter()
-    for s in eshapes:
-        fn = e2e_fn("fla", e2e_inputs(s))
-        fla_one_config()
-        fn()
-        torch.cuda.synchronize()
-    print(f"FLA whole-op warm-up: {time.perf_counter() - t0:.0f} s", flush=True)
+    root = triton_cache_dir()
+    files = sorted(root.rglob("*.autotune.json"))
+    with tarfile.open(path, "w") as tar:
+        for f in files:
+            tar.add(f, arcname=str(f.relative_to(root)))
+    print(f"saved {len(files)} autotune results to {path}", flush=True)
 
 
 def e2e_inputs(shape, seed=0):
@@ -239,7 +247,7 @@ def e2e_fn(impl, x):
 STAGES = ("recompute", "dav", "dhu", "chunk_wy_dqkg", "intra", "finish")
 
 
-def stage_times(shape, reps=5):
+def stage_times(shape, reps=3):
     """Median ms of each stage of cula's backward (launch.chunk_kda_backward with CUDA events between stages):
     where the backward's time goes, to order the remaining work."""
     from cula_sm100.backward import launch
@@ -281,30 +289,27 @@ def rel(a, b):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="one shape of each table (CI)")
-    ap.add_argument("--quick", action="store_true", help="the trimmed grid of a short device slot")
-    ap.add_argument("--out", type=Path, help="write the markdown report here")
-    ap.add_argument("--json", type=Path, help="write the raw numbers here")
-    ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
-    ap.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
+    ap.add_argument("--quick", action="store_true", help="a few rows of each table")
+    ap.add_argument("--out", type=Path, help="write the markdown report here (rewritten after every row)")
+    ap.add_argument("--json", type=Path, help="write the raw numbers here (rewritten after every row)")
+    ap.add_argument("--warmup", type=int, default=10, help="do_bench warm-up, ms")
+    ap.add_argument("--rep", type=int, default=40, help="do_bench measuring time, ms")
     ap.add_argument("--no-e2e", action="store_true", help="kernel rows only")
-    ap.add_argument("--warm-only", action="store_true",
-                    help="only compile FLA's kernels of this grid (run while the GPU does something else, then the "
-                         "timing run with --no-warm)")
-    ap.add_argument("--no-warm", action="store_true", help="FLA's kernels are compiled already (--warm-only)")
-    ap.add_argument("--wy-variant", default="v1",
-                    help="chunk_wy_dqkg variants to time, comma-separated: v1 (default kernel), v2 (opt-in); the "
-                         "whole fwd+bwd rows use the last one")
+    ap.add_argument("--no-kernels", action="store_true", help="whole-op rows only")
+    ap.add_argument("--no-warm", action="store_true", help="no parallel FLA compile processes")
+    ap.add_argument("--keep-autotune", action="store_true",
+                    help="keep the warm-up processes' autotune choices (Triton's cache holds an earlier run's)")
+    ap.add_argument("--save-autotune", type=Path, help="tar of Triton's autotune results, written at the end")
+    ap.add_argument("--deadline-s", type=float, default=1e9, help="skip the rows left after this many seconds")
     args = ap.parse_args(argv)
-    variants = [v.strip() for v in args.wy_variant.split(",") if v.strip()]
-    if not variants or any(v not in ("v1", "v2") for v in variants):
-        ap.error(f"--wy-variant: expected v1 and/or v2, comma-separated, got {args.wy_variant!r}")
+    t_start = time.perf_counter()
     if not torch.cuda.is_available():
         print("train_bwd: no CUDA device", file=sys.stderr)
         return 1
     os.environ["CULA_BACKEND"] = "sm100"
-    os.environ["CULA_SM100_WY_DQKG"] = variants[-1]  # the whole fwd+bwd rows and the stage times
     timing = Timing(warmup=args.warmup, repeats=args.rep, method="auto")
-    kshapes = SMOKE_KERNELS if args.smoke else QUICK_KERNELS if args.quick else KERNEL_SHAPES
+    kshapes = [] if args.no_kernels else (SMOKE_KERNELS if args.smoke else QUICK_KERNELS if args.quick
+                                           else KERNEL_SHAPES)
     eshapes = [] if args.no_e2e else (SMOKE_E2E if args.smoke else QUICK_E2E if args.quick else E2E_SHAPES)
     try:
         import fla  # noqa: F401
@@ -312,68 +317,43 @@ def main(argv=None) -> int:
     except ImportError:
         have_fla = False
     if have_fla and not args.no_warm:
-        warm_fla(sorted({s["HV"] for s in kshapes}))
-    if args.warm_only:
-        if have_fla:
-            warm_e2e(eshapes)
-        return 0
-    rows, raw = [], {"kernel": [], "e2e": []}
-    sanity = harness_sanity(timing)
-    print(f"harness sanity: 1 GiB memset at {sanity:.0f} GB/s (HBM peak ~{HBM_PEAK_GBS:.0f})", flush=True)
-    raw["memset_gbs"] = sanity
-    vcols = "".join(f" cula {v} ms | speed-up {v} |" for v in variants)
-    diff_col = f" max rel. diff {', '.join(variants[1:])} vs {variants[0]} |" if len(variants) > 1 else ""
-    head = (f"| shape | H | HV | FLA ms |{vcols} cula {variants[-1]} GB/s (lower bound of bytes) |{diff_col}\n"
-            "|---|---:|---:|---:|" + "---:|---:|" * len(variants) + "---:|" + ("---:|" if diff_col else ""))
-    print(head, flush=True)
-    for s in kshapes:
-        x, ctab, cu = kernel_inputs(s)
-        times = {v: measure(lambda x=x, ctab=ctab, v=v: ours_kernel(x, ctab, v), [()], timing).median_ms
-                 for v in variants}
-        ours = times[variants[-1]]
-        fla_ms = None
-        if have_fla:
-            fla_ms = measure(fla_kernel_fn(x, s, cu), [()], timing).median_ms
-        cells = "".join(f" {times[v]:.3f} | {f'{fla_ms / times[v]:.2f}x' if fla_ms else 'n/a'} |" for v in variants)
-        nbytes = wy_bytes(s)
-        gbs = [nbytes / (t * 1e-3) / 1e9 for t in (*times.values(), fla_ms) if t]
-        bw = f"{gbs[len(variants) - 1]:.0f}" + (" **above HBM peak: not a valid row**" if max(gbs) > HBM_PEAK_GBS
-                                                else "")
-        diff = None
-        if len(variants) > 1:  # the variants must agree: a fast wrong kernel is not a row
-            first = ours_kernel(x, ctab, variants[0])
-            diff = max(rel(a, b) for v in variants[1:] for a, b in zip(ours_kernel(x, ctab, v), first, strict=True))
-        rows.append(f"| {shape_label(s)} | {H} | {s['HV']} | {fla_ms or float('nan'):.3f} |{cells} {bw} |"
-                    + (f" {diff:.1e} |" if diff is not None else ""))
-        raw["kernel"].append(dict(shape=s, fla_ms=fla_ms, cula_ms=ours, cula_ms_by_variant=times, bytes=nbytes,
-                                  variant_rel_diff=diff))
-        print(rows[-1], flush=True)
+        warm_fla(sorted({("wy", s["HV"]) for s in kshapes} | {("e2e", s["HV"]) for s in eshapes}),
+                 args.keep_autotune)
+    raw = {"kernel": [], "e2e": [], "skipped": []}
+    env = environment("cuda")
+    cmd = "python -m tools.bench.train_bwd " + " ".join(argv if argv is not None else sys.argv[1:])
+    raw["memset_gbs"] = harness_sanity(timing)
+    print(f"harness sanity: 1 GiB memset at {raw['memset_gbs']:.0f} GB/s (HBM peak ~{HBM_PEAK_GBS:.0f})", flush=True)
+
+    def late(kind, s):
+        if time.perf_counter() - t_start < args.deadline_s:
+            return False
+        raw["skipped"].append(dict(kind=kind, shape=s))
+        return True
+
+    def save():
+        text = render(raw, env, cmd.strip())
         if args.out:
-            args.out.write_text("\n".join([head, *rows, ""]))
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(text)
+        if args.json:
+            args.json.write_text(json.dumps(dict(env=env, cmd=cmd.strip(), **raw), indent=1, default=str))
+        return text
+
+    for s in kshapes:
+        if late("kernel", s):
+            continue
+        x, ctab, cu = kernel_inputs(s)
+        ours = measure(lambda x=x, ctab=ctab: ours_kernel(x, ctab), [()], timing).median_ms
+        fla_ms = measure(fla_kernel_fn(x, s, cu), [()], timing).median_ms if have_fla else None
+        raw["kernel"].append(dict(shape=s, fla_ms=fla_ms, cula_ms=ours, bytes=wy_bytes(s)))
+        print(kernel_row(raw["kernel"][-1]), flush=True)
+        save()
         del x
         torch.cuda.empty_cache()
-    srows = []
-    shead = ("| shape | HV | " + " | ".join(STAGES) + " | total |\n|---|---:|" + "---:|" * (len(STAGES) + 1))
-    if eshapes:
-        print(shead, flush=True)
     for s in eshapes:
-        st = stage_times(s)
-        srows.append(f"| {shape_label(s)} | {s['HV']} | " + " | ".join(f"{st[n]:.2f}" for n in STAGES)
-                     + f" | {sum(st.values()):.2f} |")
-        raw.setdefault("stages", []).append(dict(shape=s, **st))
-        print(srows[-1], flush=True)
-        torch.cuda.empty_cache()
-    erows = []
-    if eshapes:
-        ehead = ("| shape | H | HV | FLA ms (untuned) | cula ms | speed-up | max rel. diff of grads |\n"
-                 "|---|---:|---:|---:|---:|---:|---:|")
-        print(ehead, flush=True)
-        if have_fla:  # after the kernel rows: their tuned configuration stays cached
-            sys.path.insert(0, str(ROOT / "tests" / "sm100"))
-            from backward_cases import fla_one_config
-
-            fla_one_config()
-    for s in eshapes:
+        if late("e2e", s):
+            continue
         x = e2e_inputs(s)
         ours_fn = e2e_fn("cula", x)
         ours = measure(ours_fn, [()], Timing(warmup=2, repeats=5, method="events")).median_ms
@@ -382,38 +362,76 @@ def main(argv=None) -> int:
             fla_fn = e2e_fn("fla", x)
             fla_ms = measure(fla_fn, [()], Timing(warmup=2, repeats=5, method="events")).median_ms
             diff = max(rel(a, b) for a, b in zip(ours_fn(), fla_fn(), strict=False))
-        sp = f"{fla_ms / ours:.2f}x" if fla_ms else "n/a"
-        erows.append(f"| {shape_label(s)} | {H} | {s['HV']} | {fla_ms or float('nan'):.2f} | {ours:.2f} | {sp} | "
-                     f"{diff if diff is not None else float('nan'):.1e} |")
-        raw["e2e"].append(dict(shape=s, fla_ms=fla_ms, cula_ms=ours, max_rel_diff=diff))
-        print(erows[-1], flush=True)
         del x
+        st = stage_times(s)
+        raw["e2e"].append(dict(shape=s, fla_ms=fla_ms, cula_ms=ours, max_rel_diff=diff, stages=st))
+        print(e2e_row(raw["e2e"][-1]), "|", stage_row(raw["e2e"][-1]), flush=True)
+        save()
         torch.cuda.empty_cache()
-    env = environment("cuda")
-    cmd = "python -m tools.bench.train_bwd " + " ".join(argv if argv is not None else sys.argv[1:])
-    md = [f"# chunk_kda backward (cula-sm100) vs FLA 0.6.0 on {env.get('gpu', 'cuda')}", "",
-          f"Command: `{cmd.strip()}`; torch {env.get('torch')}, CUDA {env.get('cuda')}. Median of do_bench "
-          "(kernel rows) / CUDA events over 5 calls after 2 warm-up calls (whole fwd+bwd rows). "
-          "speed-up = FLA time / cula time. GB/s: a lower bound of the bytes either kernel must move over "
-          f"cula's time; a row above the HBM peak (either kernel) did not time the work. Harness check: a 1 GiB "
-          f"memset ran at {sanity:.0f} GB/s.", "",
-          "## chunk_wy_dqkg vs FLA's chunk_kda_bwd_wy_dqkg_fused (autotuned)", "",
-          f"cula variants: {', '.join(variants)} (v1 chunk_wy_dqkg.py, v2 chunk_wy_dqkg_v2.py); the whole fwd+bwd "
-          f"rows and stage times below ran with {variants[-1]}.", "", head, *rows, ""]
-    if erows:
-        md += ["## whole forward + backward of chunk_kda (FLA with one configuration per kernel, untuned)", "",
-               ehead, *erows, ""]
-    if srows:
-        md += ["## where cula's backward spends its time", "",
-               "ms per stage, median of 5 calls; recompute = the forward's kernels.", "", shead, *srows, ""]
-    text = "\n".join(md)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
-    if args.json:
-        args.json.write_text(json.dumps(dict(env=env, **raw), indent=1, default=str))
+    print(save())
+    if args.save_autotune:
+        save_autotune(args.save_autotune)
+    print(f"train_bwd: {time.perf_counter() - t_start:.0f} s", flush=True)
     return 0
+
+
+def kernel_row(r) -> str:
+    s, fla_ms, ours = r["shape"], r["fla_ms"], r["cula_ms"]
+    gbs = r["bytes"] / (ours * 1e-3) / 1e9
+    bad = max(gbs, r["bytes"] / (fla_ms * 1e-3) / 1e9 if fla_ms else 0) > HBM_PEAK_GBS
+    sp = f"{fla_ms / ours:.2f}x" if fla_ms else "n/a"
+    return (f"| {shape_label(s)} | {H} | {s['HV']} | {fla_ms or float('nan'):.3f} | {ours:.3f} | {sp} | {gbs:.0f}"
+            + (" **above HBM peak: not a valid row**" if bad else "") + " |")
+
+
+def e2e_row(r) -> str:
+    s, fla_ms, ours = r["shape"], r["fla_ms"], r["cula_ms"]
+    sp = f"{fla_ms / ours:.2f}x" if fla_ms else "n/a"
+    d = r["max_rel_diff"]
+    return (f"| {shape_label(s)} | {H} | {s['HV']} | {fla_ms or float('nan'):.2f} | {ours:.2f} | {sp} | "
+            f"{d if d is not None else float('nan'):.1e} |")
+
+
+def stage_row(r) -> str:
+    st = r["stages"]
+    return (f"| {shape_label(r['shape'])} | {r['shape']['HV']} | " + " | ".join(f"{st[n]:.3f}" for n in STAGES)
+            + f" | {sum(st.values()):.3f} |")
+
+
+def _summary(rows) -> str:
+    sp = [r["fla_ms"] / r["cula_ms"] for r in rows if r["fla_ms"]]
+    if not sp:
+        return ""
+    return (f"speed-up over {len(sp)} rows: min {min(sp):.2f}x, mean {sum(sp) / len(sp):.2f}x, "
+            f"geomean {math.exp(sum(map(math.log, sp)) / len(sp)):.2f}x, max {max(sp):.2f}x")
+
+
+def render(raw, env, cmd) -> str:
+    md = [f"# chunk_kda backward (cula-sm100) vs FLA 0.6.0 on {env.get('gpu', 'cuda')}", "",
+          f"Command: `{cmd}`; torch {env.get('torch')}, CUDA {env.get('cuda')}. speed-up = FLA time / cula time. "
+          f"Harness check: a 1 GiB memset ran at {raw['memset_gbs']:.0f} GB/s (HBM peak ~{HBM_PEAK_GBS:.0f}).", ""]
+    if raw["kernel"]:
+        md += ["## chunk_wy_dqkg vs FLA's chunk_kda_bwd_wy_dqkg_fused (autotuned)", "",
+               "Median of do_bench. GB/s: a lower bound of the bytes either kernel must move, over cula's time; a "
+               "row above the HBM peak (either kernel) did not time the work.", "", _summary(raw["kernel"]), "",
+               "| shape | H | HV | FLA ms | cula ms | speed-up | cula GB/s (lower bound of bytes) |",
+               "|---|---:|---:|---:|---:|---:|---:|", *map(kernel_row, raw["kernel"]), ""]
+    if raw["e2e"]:
+        md += ["## whole forward + backward of chunk_kda (both autotuned)", "",
+               "Median of CUDA events over 5 calls after 2 warm-up calls; max rel. diff: the largest relative "
+               "difference between cula's and FLA's gradients of (q, k, v, g, beta, A_log, dt_bias).", "",
+               _summary(raw["e2e"]), "",
+               "| shape | H | HV | FLA ms | cula ms | speed-up | max rel. diff of grads |",
+               "|---|---:|---:|---:|---:|---:|---:|", *map(e2e_row, raw["e2e"]), "",
+               "## where cula's backward spends its time", "",
+               "ms per stage (CUDA events between the stages of one backward, median of 3 calls after 2); "
+               "recompute = the forward's kernels less the output.", "",
+               "| shape | HV | " + " | ".join(STAGES) + " | total |", "|---|---:|" + "---:|" * (len(STAGES) + 1),
+               *map(stage_row, raw["e2e"]), ""]
+    if raw["skipped"]:
+        left = [f"{r['kind']} {shape_label(r['shape'])} HV={r['shape']['HV']}" for r in raw["skipped"]]
+        md += ["Not run (past the deadline): " + "; ".join(left), ""]
+    return "\n".join(md)
 
 
 if __name__ == "__main__":
