@@ -86,11 +86,11 @@ def _decode_flush(T: int):
     return build
 
 
-def _decode_verify(T: int, tensor_cores: bool, flat: bool = False):
+def _decode_verify(T: int, tensor_cores: bool):
     def build():
         from cula_sm90.decode import launch
 
-        return launch._verify_kernel(T, 128, 128, *_decode_inputs(), tensor_cores, flat).compiled
+        return launch._verify_kernel(T, 128, 128, *_decode_inputs(), tensor_cores).compiled
     return build
 
 
@@ -143,8 +143,6 @@ KERNELS: list[tuple[str, str, object]] = [
     ("decode.recurrent[kvbuffer,T=4]", "sm90 decode", _decode_recurrent("kvbuffer", 4)),
     ("decode.verify[simt,T=4]", "sm90 decode", _decode_verify(4, False)),
     ("decode.verify[tc,T=4]", "sm90 decode", _decode_verify(4, True)),
-    ("decode.verify_flat[T=2] (opt-in)", "sm90 decode", _decode_verify(2, True, True)),
-    ("decode.verify_flat[T=6] (opt-in)", "sm90 decode", _decode_verify(6, True, True)),
     ("decode.flush[T=4]", "sm90 decode", _decode_flush(4)),
     ("prefill.chunk_intra_tc (stage 1)", "sm90 prefill", _prefill_intra("tc")),
     ("prefill.chunk_intra[simt] (stage 1, any gate)", "sm90 prefill", _prefill_intra("simt")),

@@ -1,8 +1,7 @@
 """Run under compute-sanitizer by test_decode_gpu.py::test_memcheck_clean_on_odd_batches: every decode kernel
 (final state, per-token states, verify, flush with a per-request and a broadcast m, all-layers flush) on odd
 batches N in {1, 5} with padded slots (-1) and an out-of-range slot (= P), T in {1, 3}, K = V in {64, 128}, GVA 2;
-every tiling the dispatch can pick; the chunk-form verify (every chunk variant, the opt-in chunk_flat included, T in
-{1, 3, 9}; chunk_flat also at T = 16)
+every tiling the dispatch can pick; the chunk-form verify (every chunk variant, T in {1, 3, 9})
 (K = V = 64 through the kernels directly: the backend does not serve it yet).
 Prints "cases ok" at the end; memcheck reports any out-of-bounds or misaligned access."""
 
@@ -39,8 +38,8 @@ def run_case(kw, T, N, public: bool):
 
 def main(parts=("all", "tilings", "verify")):
     """parts: "all" (every kernel on odd batches), "tilings" (every dispatched tiling), "verify" (the chunk-form
-    verify, every variant), "flat" (only the opt-in chunk_flat); the test runs the first three, a quick check may
-    name some (python decode_memcheck_case.py flat)."""
+    verify, every chunk variant); the test runs all three, a quick check may name some
+    (python decode_memcheck_case.py verify)."""
     n = 0
     with backend():
         for K in ((64, 128) if "all" in parts else ()):
@@ -62,16 +61,12 @@ def main(parts=("all", "tilings", "verify")):
                     n += 1
             finally:
                 _config.TILING_OVERRIDE = None
-        # the chunk-form verify, every chunk variant (chunk_flat: the opt-in one), K = V = 128 (public op) and 64
-        # (kernel directly)
-        names = _config.VERIFY_VARIANTS[1:] if "verify" in parts else ()
-        names = names or ((_config.VERIFY_CHUNK_FLAT,) if "flat" in parts else ())
-        for name in names:
+        # the chunk-form verify, every chunk variant, K = V = 128 (public op) and 64 (kernel directly)
+        for name in (_config.VERIFY_VARIANTS[1:] if "verify" in parts else ()):
             _config.VERIFY_OVERRIDE = name
             try:
                 for K in (64, 128):
-                    cases = ((1, 1), (5, 3), (5, 9)) + (((3, 16),) if name == _config.VERIFY_CHUNK_FLAT else ())
-                    for N, T in cases:
+                    for N, T in ((1, 1), (5, 3), (5, 9)):
                         kw = make_case(N, T, 1, 2, K=K, V=K, out_of_range=True, extra_slots=1, seed=90 + T)
                         if K == 128:
                             cula_core.kda_decode_mtp_kvbuffer(**kw)

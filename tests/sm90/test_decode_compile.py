@@ -96,46 +96,16 @@ def test_chunk_verify_compiles_for_sm90a(sm90a, tc, T, K, safe):
     assert fl.compiled is not None and len(fl.cells) == len(launch._RECURRENT_KINDS)
 
 
-def _compile_flat(T, K, safe, gdt=torch.float32):
-    from cula_sm90.decode import launch
-
-    bf = torch.bfloat16
-    fl = launch._verify_kernel(T, K, K, bf, torch.empty(0, dtype=gdt), torch.empty(0, dtype=bf), torch.empty(0),
-                               torch.empty(0), safe, True, False, flat=True)
-    assert fl.compiled is not None and len(fl.cells) == len(launch._RECURRENT_KINDS)
-
-
-# every T once (K alternating, both gates; 9 and 16: MP = 16), the whole T x K grid under -m slow
-FLAT_QUICK = [(1, 64), (2, 128), (3, 64), (6, 128), (8, 64), (9, 128), (16, 64)]
-
-
-@pytest.mark.parametrize(("T", "K"), FLAT_QUICK)
-def test_flat_verify_compiles_for_sm90a(sm90a, T, K):
-    """The opt-in flat chunk verify (kvbuffer_verify_flat.py): compiled (ptxas included) for sm_90a."""
-    _compile_flat(T, K, safe=bool(T % 2), gdt=torch.bfloat16 if T % 3 else torch.float32)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("T", "K"), [(T, K) for T in range(1, 17) for K in (64, 128) if (T, K) not in FLAT_QUICK])
-def test_flat_verify_compiles_every_T(sm90a, T, K):
-    """The rest of the grid (with FLAT_QUICK: every T in 1..16 at K = 64 and 128; ~2.5 min on the CPU)."""
-    _compile_flat(T, K, safe=bool(T % 2))
-
-
-def test_flat_variant_is_opt_in(monkeypatch):
-    """chunk_flat is never picked by the dispatch tables nor prepared for a family unless asked for; the override
-    and the environment variable select it; an unknown name in the environment is an error."""
+def test_verify_override(monkeypatch):
+    """The override (a benchmarking / testing hook) pins every verify call to one variant; the environment
+    variable names one; an unknown name in the environment is an error."""
     from cula_sm90.decode import _config
 
-    for N in (1, 16, 300):
-        for T in range(1, _config.MAX_T + 1):
-            assert _config.verify_variant(N, T, 8) != _config.VERIFY_CHUNK_FLAT
-            assert _config.VERIFY_CHUNK_FLAT not in _config.verify_variants_for(T)
-    monkeypatch.setattr(_config, "VERIFY_OVERRIDE", _config.VERIFY_CHUNK_FLAT)
-    assert _config.verify_variant(300, 4, 8) == _config.VERIFY_CHUNK_FLAT
-    assert _config.verify_variants_for(4) == (_config.VERIFY_CHUNK_FLAT,)
-    monkeypatch.setenv(_config.VERIFY_ENV, "chunk_flat")
-    assert _config._verify_from_env() == "chunk_flat"
+    monkeypatch.setattr(_config, "VERIFY_OVERRIDE", _config.VERIFY_CHUNK_TC)
+    assert _config.verify_variant(300, 4, 8) == _config.VERIFY_CHUNK_TC
+    assert _config.verify_variants_for(4) == (_config.VERIFY_CHUNK_TC,)
+    monkeypatch.setenv(_config.VERIFY_ENV, "chunk_simt")
+    assert _config._verify_from_env() == "chunk_simt"
     monkeypatch.setenv(_config.VERIFY_ENV, "nope")
     with pytest.raises(ValueError, match="CULA_SM90_VERIFY='nope': expected one of"):
         _config._verify_from_env()

@@ -25,9 +25,8 @@ Timing: device time per call, from 20 calls captured in one CUDA graph and repla
 (tools/bench/harness.py; host cost included).
 `--tilings` adds the sweep over the recurrent kernel's tilings that the dispatch table in launch.py comes from.
 Table 1 times every verify variant (recurrent, chunk SIMT, chunk tensor cores); `cula ms` is the best of them.
-`--dispatch` times only what the dispatch tables pick, graph-timed: the verify alone per variant (growth in T; the
-opt-in `chunk_flat` too, with its chain against FLA's: `--dispatch --sections growth` is its next-session run),
-T = 1 decode, the chain grid (in that order, the JSON written after every row).
+`--dispatch` times only what the dispatch tables pick, graph-timed: the verify alone per variant (growth in T,
+beside FLA's chain and ours), T = 1 decode, the chain grid (in that order, the JSON written after every row).
 Errors: max |o_cula - o_FLA| / max |o_FLA| on the first call of each cell (bf16 outputs).
 """
 
@@ -102,10 +101,6 @@ def cula_decode(x):
 
 
 VERIFY_VARIANTS = ("recurrent", "chunk_simt", "chunk_tc")  # the ones the dispatch tables pick from
-#: the opt-in verify whose per-CTA chain does not grow with T (kvbuffer_verify_flat.py): timed in the growth
-#: section beside the others (it is not in the dispatch tables, so not in the chain grid)
-FLAT = "chunk_flat"
-GROWTH_VARIANTS = (*VERIFY_VARIANTS, FLAT)
 
 
 def with_variant(fn, name):
@@ -251,7 +246,7 @@ def tiling_sweep(timing, hs, ns=(1, 16, 128), cases=((1, cula_decode), (4, cula_
     return out
 
 
-STATIC_VARIANTS = ("chunk_simt", "chunk_tc", FLAT)
+STATIC_VARIANTS = ("chunk_simt", "chunk_tc")
 
 
 def static_report(ts=(2, 4, 6, 8), variants=STATIC_VARIANTS) -> str:
@@ -273,8 +268,7 @@ def static_report(ts=(2, 4, 6, 8), variants=STATIC_VARIANTS) -> str:
     for v in variants:
         for T in ts:
             fl = launch._verify_kernel(T, K, V, bf, torch.empty(0, dtype=bf), torch.empty(0, dtype=bf), torch.empty(0),
-                                       torch.empty(0), False, True, v == _config.VERIFY_CHUNK_TC,
-                                       flat=v == _config.VERIFY_CHUNK_FLAT)
+                                       torch.empty(0), False, True, v == _config.VERIFY_CHUNK_TC)
             rows[v, T] = analyse(f"{v}[T={T}]", "decode", fl.compiled, "sm_90a", Path(dump))
     w = lambda t: " ".join(f"{n}x{b}" for b, n in sorted(t.items())) or "-"
     lines = ["", "## Static view of the verify chain (sm_90a, K = V = 128, no GPU)", "",
@@ -434,7 +428,7 @@ def dispatch_run(timing, hs=HS, ns=NS, ts=TS, growth_ts=(2, 3, 4, 6, 8), growth_
     """Device (graph) times with the dispatch tables as they are, section by section (the cheapest and the least
     measured first; `dump(out)` after every row, so a run cut short keeps what it measured):
       growth: the verify alone per variant at H = 64, T in growth_ts, N in growth_ns (the T = 6 / T = 2 goal),
-              the opt-in chunk_flat included, with its error against FLA and its chain against FLA's;
+              with FLA's chain and ours (the dispatch's) beside it;
       decode: T = 1 decode (the tiling the dispatch picks) against FLA;
       chain:  verify + commit (each verify call going to the variant `_config.verify_variant` picks) against
               FLA's chain on the issue's grid."""
@@ -453,15 +447,9 @@ def dispatch_run(timing, hs=HS, ns=NS, ts=TS, growth_ts=(2, 3, 4, 6, 8), growth_
             for N in growth_ns:
                 x, xf, pool, idx, ref = chain_case(N, T, 64)
                 row = dict(H=64, T=T, N=N, **{v: graph_ms(with_variant(cula_verify, v), (x,), timing)
-                                              for v in GROWTH_VARIANTS})
-                # the opt-in flat verify against today's chunk kernel and FLA: its outputs (vs FLA's, bf16) and
-                # its chain (verify + commit) beside FLA's chain and the dispatch's
-                _, row["flat_err"] = errors(with_variant(cula_verify, FLAT)(x).float(), ref.float())
-                row["flat_vs_tc"] = (with_variant(cula_verify, FLAT)(x).float()
-                                     - with_variant(cula_verify, "chunk_tc")(x).float()).abs().max().item()
+                                              for v in VERIFY_VARIANTS})
                 row["fla_chain"] = graph_ms(fla_chain, (xf, pool, idx, T), timing)
                 row["chain"] = graph_ms(cula_chain, (x, T), timing)
-                row["flat_chain"] = graph_ms(with_variant(cula_chain, FLAT), (x, T), timing)
                 keep("growth", row)
                 del x, xf, pool, idx
         for H in (hs if "decode" in sections else ()):
@@ -503,17 +491,13 @@ def render_dispatch(d, env) -> str:
         sp = [r["fla"] / r["cula"] for r in d["chain"]]
         lines += ["", f"chain speed-up: min {min(sp):.2f}x, max {max(sp):.2f}x; at T >= 4: min "
                       f"{min(r['fla'] / r['cula'] for r in d['chain'] if r['T'] >= 4):.2f}x."]
-    gv = [v for v in GROWTH_VARIANTS if d["growth"] and v in d["growth"][0]]
-    flat = bool(d["growth"]) and "flat_chain" in d["growth"][0]
-    extra = " | FLA chain | chain (dispatch) | chain (chunk_flat) | flat vs FLA | flat vs FLA chain |" if flat else " |"
-    lines += ["", "### Verify alone, per variant (H = 64; ms)", "",
-              "`chunk_flat` is the opt-in variant (kvbuffer_verify_flat.py); `flat vs FLA`: max rel err of its o "
-              "against FLA's (bf16); `flat vs FLA chain`: FLA's chain time over cula's chain with chunk_flat.", "",
-              "| T | N | " + " | ".join(gv) + extra, "|---:|---:|" + "---:|" * (len(gv) + (5 if flat else 0))]
+    gv = [v for v in VERIFY_VARIANTS if d["growth"] and v in d["growth"][0]]
+    lines += ["", "### Verify alone, per variant (H = 64; ms), with the chains", "",
+              "| T | N | " + " | ".join(gv) + " | FLA chain | chain (dispatch) | speed-up |",
+              "|---:|---:|" + "---:|" * (len(gv) + 3)]
     for r in d["growth"]:
-        tail = (f" | {r['fla_chain']:.4f} | {r['chain']:.4f} | {r['flat_chain']:.4f} | {r['flat_err']:.1e} "
-                f"| {_x(r['fla_chain'], r['flat_chain'])} |") if flat else " |"
-        lines.append(f"| {r['T']} | {r['N']} | " + " | ".join(f"{r[v]:.4f}" for v in gv) + tail)
+        lines.append(f"| {r['T']} | {r['N']} | " + " | ".join(f"{r[v]:.4f}" for v in gv)
+                     + f" | {r['fla_chain']:.4f} | {r['chain']:.4f} | {_x(r['fla_chain'], r['chain'])} |")
     for v in gv:
         g = [(b[v] / a[v], a["N"]) for a in d["growth"] for b in d["growth"]
              if a["T"] == 2 and b["T"] == 6 and a["N"] == b["N"]]

@@ -45,12 +45,11 @@ def recurrent_tiling(N: int, T: int, HV: int) -> tuple[int, int, int, int]:
 
 
 #: the ways to run the verify step (kda_decode_mtp_kvbuffer): the recurrent kernel in KVBuffer mode, the
-#: chunk form with SIMT products (token-parallel) or with 3xTF32 tensor-core products (kvbuffer_verify.py), and
-#: the opt-in chunk form whose per-CTA chain does not grow with T (kvbuffer_verify_flat.py: compiled only, not yet
-#: run on a GPU; the dispatch tables never pick it, only VERIFY_OVERRIDE / CULA_SM90_VERIFY does)
+#: chunk form with SIMT products (token-parallel) or with 3xTF32 tensor-core products (kvbuffer_verify.py)
 VERIFY_RECURRENT, VERIFY_CHUNK_SIMT, VERIFY_CHUNK_TC = "recurrent", "chunk_simt", "chunk_tc"
-VERIFY_CHUNK_FLAT = "chunk_flat"
-VERIFY_VARIANTS = (VERIFY_RECURRENT, VERIFY_CHUNK_SIMT, VERIFY_CHUNK_TC, VERIFY_CHUNK_FLAT)
+VERIFY_VARIANTS = (VERIFY_RECURRENT, VERIFY_CHUNK_SIMT, VERIFY_CHUNK_TC)
+#: the chunk form uses SIMT products up to this many tokens (one m-tile of 8 padded rows), tensor cores beyond
+CHUNK_SIMT_MAX_T = 8
 #: environment variable naming a variant that every verify call then uses (read at import, into VERIFY_OVERRIDE)
 VERIFY_ENV = "CULA_SM90_VERIFY"
 
@@ -70,10 +69,9 @@ def verify_variant(N: int, T: int, HV: int) -> str:
     """Which verify kernel serves a batch; the table is in launch.py's docstring."""
     if VERIFY_OVERRIDE is not None:
         return VERIFY_OVERRIDE
-    heads = N * HV
-    if heads <= 32 or (T >= 6 and heads <= 64):
+    if N * HV <= 32:
         return VERIFY_RECURRENT
-    return VERIFY_CHUNK_TC if T >= 8 else VERIFY_CHUNK_SIMT
+    return VERIFY_CHUNK_TC if T > CHUNK_SIMT_MAX_T else VERIFY_CHUNK_SIMT
 
 
 def recurrent_tilings_for(T: int) -> tuple[tuple[int, int, int, int], ...]:
@@ -89,7 +87,7 @@ def verify_variants_for(T: int) -> tuple[str, ...]:
     """Every variant verify_variant can return for T, whatever N and HV."""
     if VERIFY_OVERRIDE is not None:
         return (VERIFY_OVERRIDE,)
-    return (VERIFY_RECURRENT, VERIFY_CHUNK_TC if T >= 8 else VERIFY_CHUNK_SIMT)
+    return (VERIFY_RECURRENT, VERIFY_CHUNK_TC if T > CHUNK_SIMT_MAX_T else VERIFY_CHUNK_SIMT)
 
 
 def dispatched_tilings() -> tuple[tuple[int, int, int, int], ...]:

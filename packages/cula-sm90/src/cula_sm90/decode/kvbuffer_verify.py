@@ -174,7 +174,7 @@ class ChunkVerify:
         else:
             self._zero_request(o, buf, tok0, hv, HV, col0, vb, tid, warp, lane)
 
-    # ------------------------------------------------------------ pieces shared with kvbuffer_verify_flat.py
+    # ------------------------------------------------------------ the kernel's phases, one method each
 
     def _coords(self, cache_idx, HQK, HV, P):
         """Who this thread is: (tid, warp, lane, value block, value head, q/k head (GVA), first column, first

@@ -29,15 +29,17 @@ the final-state and per-token-states modes as well (same state traffic and token
 | >= 2 | 65 .. 1023 | 64, 4, 4, 0 | T = 4, 512 heads: best (0.0241 ms; 32,4,4,0: 0.0281)                   |
 | >= 2 | >= 1024    | 32, 2, 2, 1 | T = 4, 1024 / 4096 / 8192 heads: best (12-19% faster than 32,4,4,0)    |
 
-Verify (kda_decode_mtp_kvbuffer). The chain grid that chose it ran with an earlier prologue of the chunk kernel
-(per-job loads); the final H100 run with this table and the current kernel is in the benchmark doc.
+Verify (kda_decode_mtp_kvbuffer): the verify alone per variant at H = 64, T in 2..8, N in 1, 16, 128 (64, 1024,
+8192 heads; session 4), and the chain grid (T in 2..6, 32 .. 8192 heads; session 3, recurrent vs chunk).
 
-| heads                      | T    | variant    | measured (chain grid: T in 2..6, 32 .. 8192 heads)              |
-| -------------------------- | ---- | ---------- | --------------------------------------------------------------- |
-| <= 32, or <= 64 at T >= 6  | any  | recurrent  | best in those 6 cells, by 1-9% (a single wave of CTAs)          |
-| otherwise                  | <= 7 | chunk SIMT | best in 56 of the other 58 cells, within 1.4% in the 2 left     |
-| otherwise                  | >= 8 | chunk TC   | NOT measured, extrapolated: its products cost the same up to    |
-|                            |      |            | T = 8 (and 16); both variants pass the tests at T = 8 and 9     |
+| heads | T    | variant    | measured                                                                          |
+| ----- | ---- | ---------- | --------------------------------------------------------------------------------- |
+| <= 32 | any  | recurrent  | session 3: best in those cells by 1-9% (a single wave of CTAs)                     |
+| > 32  | <= 8 | chunk SIMT | best or within 3% at T = 2..8: recurrent 2.5-2.7% faster at T = 2 (64 and 8192     |
+|       |      |            | heads), 21-41% slower from T = 4; TC 3% slower at T = 8 with 1024 / 8192 heads,    |
+|       |      |            | 4% faster with 64                                                                  |
+| > 32  | >= 9 | chunk TC   | NOT measured, extrapolated: its products cost the same from T = 9 to 16 (two       |
+|       |      |            | m-tiles), where the SIMT pair sums grow with T^2; both variants pass the tests at 9 |
 """
 
 from __future__ import annotations
@@ -281,25 +283,19 @@ def _run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias
 # ---------------------------------------------------------------- chunk-form verify (kvbuffer_verify.py)
 
 def _verify_kernel(T: int, K: int, V: int, qkv, g, beta, A_log, dt_bias, safe: bool, l2norm: bool,
-                   tensor_cores: bool, flat: bool = False) -> FastLaunch:
-    """The chunk-form verify: kvbuffer_verify.ChunkVerify, or with `flat` the opt-in FlatChunkVerify
-    (kvbuffer_verify_flat.py, always tensor-core products)."""
+                   tensor_cores: bool) -> FastLaunch:
+    """The chunk-form verify: kvbuffer_verify.ChunkVerify, with 3xTF32 tensor-core or SIMT products."""
     gdt, bdt = g.dtype, beta.dtype
     adt = A_log.dtype if A_log is not None else None
     ddt = dt_bias.dtype if dt_bias is not None else None
-    key = ("verify", T, K, V, qkv, gdt, bdt, adt, ddt, safe, l2norm, tensor_cores or flat, flat)
+    key = ("verify", T, K, V, qkv, gdt, bdt, adt, ddt, safe, l2norm, tensor_cores)
 
     def build():
         d = _dsl()
         gate = dict(safe_gate=safe, has_A_log=adt is not None, has_dt_bias=ddt is not None, l2norm=l2norm)
-        if flat:
-            from cula_sm90.decode.kvbuffer_verify_flat import FlatChunkVerify
+        from cula_sm90.decode.kvbuffer_verify import ChunkVerify
 
-            kern = FlatChunkVerify(T=T, K=K, V=V, **gate)
-        else:
-            from cula_sm90.decode.kvbuffer_verify import ChunkVerify
-
-            kern = ChunkVerify(T=T, K=K, V=V, tensor_cores=tensor_cores, **gate)
+        kern = ChunkVerify(T=T, K=K, V=V, tensor_cores=tensor_cores, **gate)
         return _compile(kern, *_fake_recurrent_args(d, qkv, gdt, bdt, adt, ddt))
 
     return _compiled(key, build, _RECURRENT_KINDS)
@@ -309,8 +305,7 @@ def _variant_kernel(mode, variant, tiling, T, K, V, qkv, g, beta, A_log, dt_bias
     if variant == _config.VERIFY_RECURRENT:
         return _recurrent_kernel(mode, T, K, V, qkv, g, beta, A_log, dt_bias, safe, l2norm, tiling)
     # the chunk-form verify: same signature and argument kinds as the recurrent kernel
-    return _verify_kernel(T, K, V, qkv, g, beta, A_log, dt_bias, safe, l2norm, variant == _config.VERIFY_CHUNK_TC,
-                          flat=variant == _config.VERIFY_CHUNK_FLAT)
+    return _verify_kernel(T, K, V, qkv, g, beta, A_log, dt_bias, safe, l2norm, variant == _config.VERIFY_CHUNK_TC)
 
 
 _families: set[tuple] = set()
