@@ -91,7 +91,15 @@ def kernels():
             "chunk_bwd_dav": launch.dav_kernel,
             "chunk_bwd_intra": launch.intra_kernel,
             "chunk_bwd_dhu[dht, dh0]": lambda: launch.dhu_kernel(True, True),
-            "chunk_bwd_dhu[no states]": lambda: launch.dhu_kernel(False, False)}
+            "chunk_bwd_dhu[no states]": lambda: launch.dhu_kernel(False, False),
+            "gate_bwd[softplus, A_log, dt_bias, fp32 g, bf16 beta]":
+                lambda: launch.gate_bwd_kernel("softplus", True, True, None, "none", torch.float32, torch.bfloat16),
+            "gate_bwd[safe, dt_bias, bf16 g, sigmoid fp32 beta]":
+                lambda: launch.gate_bwd_kernel("safe", False, True, -5.0, "sigmoid", torch.bfloat16, torch.float32),
+            "gate_bwd[precomputed, 2sigmoid]":
+                lambda: launch.gate_bwd_kernel("precomputed", False, False, None, "2sigmoid", torch.float32,
+                                               torch.bfloat16),
+            "l2norm_bwd": lambda: launch.l2norm_bwd_kernel(torch.bfloat16)}
 
 
 def fla_one_config():

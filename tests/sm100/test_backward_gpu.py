@@ -350,3 +350,49 @@ def test_chunk_bwd_intra_matches_torch_stage(lengths, HQK, HV, decay):
     print(f"\nchunk_bwd_intra {lengths=} {HQK=} {HV=} {decay=}: " + " ".join(f"{n}={v:.2e}" for n, v in errs.items()))
     for n, v in errs.items():
         assert v < 1e-4, f"{n}: rel err {v:.3e}"  # fp32 both; summation orders differ
+
+
+@pytest.mark.parametrize("lengths,HQK,HV,gate,l2,act,g_dtype,beta_dtype", [
+    (None, 2, 4, "softplus", True, "none", torch.float32, torch.bfloat16),
+    ([17, 1, 64, 65, 0, 200], 1, 2, "safe", False, "sigmoid", torch.bfloat16, torch.float32),
+    (None, 1, 1, "precomputed", True, "2sigmoid", torch.float32, torch.bfloat16),
+    ([1, 0, 63], 2, 2, "safe", True, "none", torch.float32, torch.float32),  # safe with A_log
+])
+def test_finish_kernels_match_torch_stage(lengths, HQK, HV, gate, l2, act, g_dtype, beta_dtype):
+    """launch.finish (gate_bwd.py + l2norm_bwd.py: the gate, beta-activation and L2-norm backward) against the
+    PyTorch stage torch_stages.finish (a vector-Jacobian product through cula_core.reference) on the same inputs,
+    dG already reverse-cumsummed in both (summed=True); and bitwise determinism."""
+    require_gpu()
+    from cula_sm100.backward import launch, torch_stages
+
+    T, ctab, ch, r, gen = _stage_problem(lengths, seed=13)
+    q, k = (r(1, T, HQK, 128).bfloat16() for _ in range(2))
+    g = r(1, T, HV, 128).to(g_dtype) if gate != "precomputed" else \
+        (torch.nn.functional.logsigmoid(r(1, T, HV, 128)) / 8).to(g_dtype)
+    beta = r(1, T, HV).to(beta_dtype)
+    with_a = gate == "softplus" or lengths == [1, 0, 63]  # the first safe case has no A_log (rate 1), the second has
+    A_log = torch.log(torch.rand(HV, generator=gen, device="cuda") * 15 + 1) if with_a else None
+    dt_bias = 0.1 * r(HV * 128) if gate != "precomputed" else None
+    dq, dk = r(T, HQK, 128), r(T, HQK, 128)
+    dv, dbeta, dG = r(T, HV, 128).bfloat16(), r(T, HV), r(T, HV, 128)
+    kw = dict(v_dtype=torch.bfloat16, use_qk_l2norm_in_kernel=l2, gate=gate, lower_bound=-5.0 if gate == "safe"
+              else None, beta_activation=act)
+    args = (dq, dk, dv, dbeta, dG, None, q, k, g, beta, A_log, dt_bias, None)
+    ours = launch.finish(*args, ctab, **kw)
+    again = launch.finish(*args, ctab, **kw)
+    exp = torch_stages.finish(*args, ch, summed=True, **kw)
+    names = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0")
+    errs = {}
+    for n, o, e, a in zip(names, ours, exp, again, strict=True):
+        assert (o is None) == (e is None), n
+        if e is None:
+            continue
+        assert o.shape == e.shape and o.dtype == e.dtype, (n, o.shape, e.shape, o.dtype, e.dtype)
+        assert torch.equal(o, a), f"{n}: two runs differ"
+        errs[n] = rel_err(o, e)
+    print(f"\nfinish {lengths=} {HQK=} {HV=} {gate} l2={l2} {act} g={g_dtype} beta={beta_dtype}: "
+          + " ".join(f"{n}={v:.2e}" for n, v in errs.items()))
+    for n, v in errs.items():
+        # fp32 arithmetic on both sides, rounded to the inputs' dtypes (bf16: 2^-8); dA_log / ddt_bias are sums
+        # in different orders
+        assert v < (1e-2 if n in ("dq", "dk", "dg", "dbeta", "dv") else 1e-4), f"{n}: rel err {v:.3e}"

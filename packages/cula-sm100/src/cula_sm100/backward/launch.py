@@ -28,6 +28,9 @@ from cula_sm100.forward import launch as fwd
 
 # chunk_bwd_intra on the live path (False: the PyTorch form torch_stages.intra, the kernel's oracle)
 INTRA_KERNEL = True
+# gate_bwd + l2norm_bwd on the live path (False: the PyTorch form torch_stages.finish, the kernels' oracle); needs
+# INTRA_KERNEL (the kernels take dG after chunk_bwd_intra's reverse cumsum)
+FINISH_KERNEL = True
 
 
 @functools.cache
@@ -156,6 +159,71 @@ def chunk_wy_dqkg(q, k, v, v_new, G, beta, Akk, h, do, dh, dv, ctab, *, scale):
     return dq, dk, dv2, db, dg, dA
 
 
+@functools.cache
+def gate_bwd_kernel(gate: str, has_A_log: bool, has_dt_bias: bool, lower_bound, beta_activation: str, g_dtype,
+                    beta_dtype):
+    """The compiled gate_bwd per (gate mode, parameters present, lower bound, beta activation, g / beta dtypes)."""
+    import cutlass.cute as cute
+
+    from cula_sm100.backward.gate_bwd import GateBwd
+
+    f32, fp = torch.float32, fwd._fake_ptr
+    op = GateBwd(gate, has_A_log, has_dt_bias, lower_bound, beta_activation)
+    return cute.compile(op, fp(f32), fp(g_dtype), fp(f32), fp(f32), fp(f32), fp(beta_dtype), fp(g_dtype),
+                        fp(beta_dtype), fp(f32), fp(f32), fp(torch.int32), 1, 1, 1, fwd._compile_stream())
+
+
+@functools.cache
+def l2norm_bwd_kernel(x_dtype):
+    """The compiled l2norm_bwd per dtype of q / k."""
+    import cutlass.cute as cute
+
+    from cula_sm100.backward.l2norm_bwd import L2NormBwd
+
+    fp = fwd._fake_ptr
+    return cute.compile(L2NormBwd(), fp(x_dtype), fp(torch.float32), fp(x_dtype), 1, fwd._compile_stream())
+
+
+def finish(dq, dk, dv, dbeta, dG, dh0, q, k, g, beta, A_log, dt_bias, initial_state, ctab, *, v_dtype,
+           use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation):
+    """The gate / L2-norm / beta backward as kernels (gate_bwd.py, l2norm_bwd.py): `torch_stages.finish`'s calling
+    convention with dG already the gradient of the raw log decay (chunk_bwd_intra's reverse cumsum). dq, dk
+    [TT, HQK, K], dbeta [TT, HV], dG [TT, HV, K] fp32; raw inputs in their shapes and dtypes. Returns the
+    gradients of (q, k, v, g, beta, A_log, dt_bias, initial_state), None for absent inputs."""
+    B, T, HQK, K = q.shape
+    HV = g.shape[2]
+    TT = B * T
+    NC = ctab.shape[0]
+    p = fwd._ptr
+    if use_qk_l2norm_in_kernel:
+        dqo, dko = torch.empty_like(q), torch.empty_like(k)
+        if TT * HQK:
+            kern = l2norm_bwd_kernel(q.dtype)
+            for x, dy, dx in ((q, dq, dqo), (k, dk, dko)):
+                kern(p(x.contiguous()), p(dy), p(dx), TT * HQK, fwd._stream())
+    else:
+        dqo, dko = dq.reshape(q.shape).to(q.dtype), dk.reshape(k.shape).to(k.dtype)
+    g_c, beta_c = g.contiguous(), beta.contiguous()
+    has_a, has_b = A_log is not None and gate != "precomputed", dt_bias is not None and gate != "precomputed"
+    a32 = A_log.float().contiguous() if has_a else None
+    b32 = dt_bias.float().contiguous() if has_b else None
+    dgo, dbo = torch.empty_like(g_c), torch.empty_like(beta_c)
+    pa = torch.empty(NC, HV, K, device=g.device, dtype=torch.float32) if has_a else None
+    pb = torch.empty(NC, HV, K, device=g.device, dtype=torch.float32) if has_b else None
+    if NC:
+        kern = gate_bwd_kernel(gate, has_a, has_b, lower_bound if gate == "safe" else None, beta_activation,
+                               g.dtype, beta.dtype)
+        f32 = torch.float32
+        kern(p(dG), p(g_c), p(a32, f32), p(b32, f32), p(dbeta), p(beta_c), p(dgo), p(dbo), p(pa, f32), p(pb, f32),
+             p(ctab), TT, NC, HV, fwd._stream())
+    # partial sums per (chunk, head, channel) summed by torch in a fixed order: deterministic
+    dAo = pa.sum((0, 2)).reshape(A_log.shape).to(A_log.dtype) if has_a else None
+    dto = pb.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype) if has_b else None
+    dvo = dv.reshape(B, T, HV, dv.shape[-1]).to(v_dtype)
+    dh0o = dh0.to(initial_state.dtype) if initial_state is not None and dh0 is not None else None
+    return dqo, dko, dvo, dgo, dbo, dAo, dto, dh0o
+
+
 def recompute(q, k, v, g, beta, A_log, dt_bias, initial_state, ctab, stab, *, scale, use_qk_l2norm_in_kernel, gate,
               lower_bound, beta_activation):
     """The forward's intermediates with cula_sm100.forward's kernels: its composition (`forward.launch.forward`)
@@ -199,9 +267,12 @@ def chunk_kda_backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state,
     def dhu(*args, scale, want_dh0):
         return chunk_bwd_dhu(*args, ctab, stab, scale=scale, want_dh0=want_dh0)
 
+    def fin(*args, **kw):
+        return finish(*args, ctab, **kw)
+
     return torch_stages.backward(it, do, dht, v, (q, k, g, beta, A_log, dt_bias, initial_state), wy=wy, scale=scale,
                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate, lower_bound=lower_bound,
                                  beta_activation=beta_activation,
                                  bounds=torch_stages.bounds_of(B, T, cu_seqlens, cu_seqlens_cpu), dav_kernel=dav,
                                  dhu_kernel=dhu, intra_kernel=intra if INTRA_KERNEL else None,
-                                 marks=marks)
+                                 finish_kernel=fin if INTRA_KERNEL and FINISH_KERNEL else None, marks=marks)

@@ -3,8 +3,8 @@ composition of the whole backward from the forward's intermediates.
 
 Stages here (`chunk_wy_dqkg` is the CuTe DSL kernel, passed in as `wy`; `dav` and `dhu` are the PyTorch forms of
 the kernels chunk_bwd_dav / chunk_bwd_dhu, and `intra` of chunk_bwd_intra, which the live backward passes in
-instead: the CPU tests and the kernels' GPU tests use these forms as the oracle; finish is a kernel still to
-write):
+instead: the CPU tests and the kernels' GPU tests use these forms as the oracle; `finish` is the oracle of the
+kernels gate_bwd / l2norm_bwd, `launch.finish`):
   dav     dAqk = do @ v_new^T (causal), dv = Aqk^T @ do                         (FLA: chunk_kda_bwd_dAv)
   dhu     reverse state recurrence over each sequence's chunks: dh, dv += kg dh, dh0
                                                                                (FLA: chunk_gated_delta_rule_bwd_dhu)
@@ -206,7 +206,7 @@ def finish(dq, dk, dv, dbeta, dG, dh0, q, k, g, beta, A_log, dt_bias, initial_st
 
 
 def backward(it, do, dht, v, raw, *, wy, scale, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation,
-             bounds, dav_kernel=None, dhu_kernel=None, intra_kernel=None, marks=None):
+             bounds, dav_kernel=None, dhu_kernel=None, intra_kernel=None, finish_kernel=None, marks=None):
     """The whole backward from the forward's intermediates `it` (fields q, k, g_cumsum, Aqk, Akk, w, kg, h,
     v_new over packed tokens, as `cula_sm100.forward.launch.Intermediates`) and the raw inputs
     raw = (q, k, g, beta, A_log, dt_bias, initial_state). `wy` is chunk_wy_dqkg's calling convention
@@ -216,8 +216,9 @@ def backward(it, do, dht, v, raw, *, wy, scale, use_qk_l2norm_in_kernel, gate, l
     its tables: dv goes in as bf16 and dh comes out as bf16, as FLA's chunk_gated_delta_rule_bwd_dhu).
     `intra_kernel` (needs `dav_kernel`), when given, replaces the PyTorch `intra` and the reverse cumsum
     (`launch.chunk_bwd_intra` less its table: adds in place to chunk_wy_dqkg's dq, dk, dbeta, dG, then
-    reverse-cumsums dG). `marks`, when given, is a callable `marks(name)` called after each stage (the
-    benchmark records CUDA events there).
+    reverse-cumsums dG). `finish_kernel` (needs `intra_kernel`), when given, replaces `finish`
+    (`launch.finish` less its table: the same arguments less `ch` and `summed`). `marks`, when given, is a
+    callable `marks(name)` called after each stage (the benchmark records CUDA events there).
     Returns the gradients of (q, k, v, g, beta, A_log, dt_bias, initial_state)."""
     q, k, g, beta, A_log, dt_bias, initial_state = raw
     HQK, HV, V = q.shape[2], v.shape[2], v.shape[3]
@@ -255,8 +256,12 @@ def backward(it, do, dht, v, raw, *, wy, scale, use_qk_l2norm_in_kernel, gate, l
         dq2, dk2, dbeta2, dG2 = intra(it.q, it.k, it.g_cumsum, beta_act, dAqk, dL, ch, scale=scale)
         dq, dk, dbeta, dG = dq + dq2, dk + dk2, dbeta + dbeta2, dG + dG2
     mark("intra")
-    out = finish(dq, dk, dv, dbeta, dG, dh0, q, k, g, beta, A_log, dt_bias,
-                 initial_state, ch, v_dtype=v.dtype, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate,
-                 lower_bound=lower_bound, beta_activation=beta_activation, summed=intra_kernel is not None)
+    kw = dict(v_dtype=v.dtype, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate, lower_bound=lower_bound,
+              beta_activation=beta_activation)
+    if finish_kernel is not None and intra_kernel is not None:
+        out = finish_kernel(dq, dk, dv, dbeta, dG, dh0, q, k, g, beta, A_log, dt_bias, initial_state, **kw)
+    else:
+        out = finish(dq, dk, dv, dbeta, dG, dh0, q, k, g, beta, A_log, dt_bias, initial_state, ch,
+                     summed=intra_kernel is not None, **kw)
     mark("finish")
     return out
