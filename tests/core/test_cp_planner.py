@@ -15,11 +15,42 @@ def test_off_never_splits():
     assert cp_planner.plan_pieces((131072,), 4, SMS, "off") == (1,)
 
 
+# the sm90 prefill's stage 2: 2 CTAs of 64 state columns per (piece, head) in the main pass, 4 in the map pass
+SM90 = dict(slices=2, map_slices=4)
+
+
 def test_auto_splits_one_long_sequence_with_few_heads():
     pieces = cp_planner.plan_pieces((131072,), 8, SMS, "auto")
     assert pieces[0] > 1
-    # the main pass stays within one wave: pieces * heads * 4 slices <= SMs
-    assert pieces[0] * 8 * 4 <= SMS
+    # the main pass stays within max_waves (2) waves: pieces * heads * 4 slices <= 2 SMs
+    assert pieces[0] * 8 * 4 <= 2 * SMS
+
+
+def test_piece_counts_are_the_h100_sweep_optima():
+    # docs/benchmarks/intracard_cp.md, run 1's sweep at one sequence of 131072 tokens: the fastest counts were
+    # 16 (H = 4; 8, 12, 24, 32 slower), 8 (H = 8; 4, 6, 12, 16 slower), 3 (H = 16; 2, 4, 6, 8 slower; the
+    # one-wave rule gave 4) and at 65536 tokens 8 (H = 8) and 3 (H = 16)
+    for H, L, best in ((4, 131072, 16), (8, 131072, 8), (16, 131072, 3), (8, 65536, 8), (16, 65536, 3)):
+        assert cp_planner.plan_pieces((L,), H, SMS, "auto", **SM90) == (best,), (H, L)
+    # two sequences of 65536 at H = 16: 2 pieces each (3 measured 21% slower)
+    assert cp_planner.plan_pieces((65536, 65536), 16, SMS, "auto", **SM90) == (2, 2)
+
+
+def test_stage2_model_counts_waves():
+    assert cp_planner._makespan([1.0] * 264, SMS) == 2.0
+    assert cp_planner._makespan([1.0] * 133, SMS) == 2.0
+    assert cp_planner._makespan([5.0, 1.0, 1.0], 2) == 5.0
+    assert cp_planner._makespan([], SMS) == 0.0
+    # H = 16, 2048 chunks in 4 pieces: map pass 3 * 16 * 4 = 192 CTAs (two waves of 512 chunks at weight 0.6),
+    # main pass 4 * 16 * 2 = 128 CTAs (one wave of 512)
+    cost = cp_planner._stage2_cost((131072,), (4,), 16, SMS, 64, 2, 4, 0.6)
+    assert cost == pytest.approx(2 * 512 * 0.6 + 512)
+
+
+def test_force_pieces():
+    assert cp_planner.plan_pieces((131072, 512), 16, SMS, "on", force_pieces=6) == (6, 1)
+    assert cp_planner.plan_pieces((64 * 40,), 1, SMS, "on", force_pieces=8) == (2,)  # min_piece_chunks = 16
+    assert cp_planner.plan_pieces((131072,), 16, SMS, "off", force_pieces=6) == (1,)
 
 
 def test_auto_leaves_full_launches_and_short_sequences_alone():

@@ -20,6 +20,8 @@ import argparse
 import json
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -66,8 +68,120 @@ def fla_cp(**kw):
 
 
 def warm_one(H: int, varlen: bool) -> None:
+    """One FLA call with its intra-card CP at H: one sequence FLA splits (it splits from 3 x 8192 tokens) and
+    three short ones, so that the pre-scan and merge kernels compile too."""
     with torch.inference_mode():
-        pb.warm_one(H, varlen)
+        fla_cp(**make_inputs(dict(H=H, lens=[32768, 512, 512, 512])))
+    torch.cuda.synchronize()
+
+
+def warm_cula() -> None:
+    """Compile cula's kernels (stage 1, stage 2 and its affine mode) with one CP call."""
+    t0 = time.perf_counter()
+    cula_with(True)(**make_inputs(dict(H=4, lens=[4096, 4096])))
+    torch.cuda.synchronize()
+    print(f"cula warm-up: {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+# --sweep: CP with a forced piece count (CULA_SM90_CP_PIECES) per shape, to see where the planner's rule stands
+SWEEP = [(dict(H=4, lens=[131072]), (8, 12, 16, 24, 32)), (dict(H=8, lens=[131072]), (4, 6, 8, 12, 16)),
+         (dict(H=16, lens=[131072]), (2, 3, 4, 6, 8)), (dict(H=8, lens=[65536]), (4, 6, 8, 12)),
+         (dict(H=16, lens=[65536]), (2, 3, 4, 6)), (dict(H=16, lens=[65536] * 2), (2, 3)),
+         (dict(H=4, lens=[16384]), (2, 4, 8, 16)), (dict(H=16, lens=[32768]), (2, 3, 4))]
+# --compare: the shapes where the modelled piece count (cp_planner._stage2_cost) differs from the one-wave rule of
+# run 1 (its count is the third item): auto (the model) against that count forced, each timed twice, in turn
+COMPARE = ([(dict(H=16, lens=[t]), 4) for t in (32768, 65536, 131072)]
+           + [(dict(H=8, lens=[t] * 2), 4) for t in (32768, 65536, 131072)]
+           + [(dict(H=h, lens=[65536] + [512] * 31), n) for h, n in ((4, 16), (8, 8), (16, 4))])
+PROFILE = [dict(H=4, lens=[16384]), dict(H=4, lens=[131072]), dict(H=16, lens=[131072])]
+
+
+def sweep(timing) -> list[str]:
+    lines = ["| H | sequences | pieces | cula CP ms | o, final state vs no-CP (rel.) |", "|---:|---:|---:|---:|---:|"]
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    for s, counts in SWEEP:
+        x = make_inputs(s)
+        ref = cula_with(False)(**x)
+        for n in counts:
+            os.environ["CULA_SM90_CP_PIECES"] = str(n)
+            try:
+                ms = measure(cula_with(True), [x], timing).median_ms
+                o, ht = cula_with(True)(**x)
+            finally:
+                del os.environ["CULA_SM90_CP_PIECES"]
+            lines.append(f"| {s['H']} | {describe(s['lens'])} | {n} | {ms:.3f} | {rel(o, ref[0]):.1e}, "
+                         f"{rel(ht, ref[1]):.1e} |")
+            print(lines[-1], flush=True)
+        del x
+        torch.cuda.empty_cache()
+    return lines
+
+
+def compare(timing, sms) -> list[str]:
+    lines = ["| H | sequences | no-CP ms | auto pieces | auto ms (twice) | one-wave pieces | one-wave ms (twice) | "
+             "one-wave / auto |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for s, old in COMPARE:
+        x = make_inputs(s)
+        t_off = measure(cula_with(False), [x], timing).median_ms
+        t_new, t_old = [], []
+        for _ in range(2):
+            t_new.append(measure(cula_with("auto"), [x], timing).median_ms)
+            os.environ["CULA_SM90_CP_PIECES"] = str(old)
+            try:
+                t_old.append(measure(cula_with(True), [x], timing).median_ms)
+            finally:
+                del os.environ["CULA_SM90_CP_PIECES"]
+        lines.append(f"| {s['H']} | {describe(s['lens'])} | {t_off:.3f} | {pieces(s['lens'], s['H'], sms, 'auto')} | "
+                     f"{t_new[0]:.3f} / {t_new[1]:.3f} | {old} | {t_old[0]:.3f} / {t_old[1]:.3f} | "
+                     f"{min(t_old) / min(t_new):.2f} |")
+        print(lines[-1], flush=True)
+        del x
+        torch.cuda.empty_cache()
+    return lines
+
+
+def host_profile(s=None, calls: int = 20) -> list[str]:
+    """Host side of one CP call (torch.profiler, CPU and CUDA): the CPU operators that take the time, and any
+    synchronising calls."""
+    s = s or dict(H=4, lens=[16384])
+    prof = pb.profiled(cula_with(True), make_inputs(s), calls, cpu=True)
+    ev = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    out = [f"host profile H={s['H']} {describe(s['lens'])} CP on, per call (self CPU us, calls):"]
+    out += [f"  {e.self_cpu_time_total / calls:9.1f} us x{e.count / calls:<5.1f} {e.key[:80]}" for e in ev[:25]]
+    out += [f"  sync: {e.key} x{e.count / calls:.1f} {e.self_cpu_time_total / calls:.1f} us" for e in ev
+            if "ynchronize" in e.key or "Memcpy" in e.key]
+    print("\n".join(out), flush=True)
+    return out
+
+
+def profile(calls: int = 10) -> list[str]:
+    """Per-kernel CUDA time per call of cula's prefill with CP on (torch.profiler), beside the call's wall time:
+    the difference is time the GPU waits on the host (launch overhead of the CP path)."""
+    out = []
+    for s in PROFILE:
+        x = make_inputs(s)
+        run = cula_with(True)
+        prof = pb.profiled(run, x, calls)
+        ev = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+        total = sum(e.device_time_total for e in ev) / calls / 1000
+        wall = measure(run, [x], Timing(warmup=20, repeats=100, method="auto")).median_ms
+        out.append(f"profile H={s['H']} {describe(s['lens'])} CP on: wall {wall:.3f} ms, kernels {total:.3f} ms")
+        out += [f"  {e.device_time_total / calls / 1000:8.3f} ms x{e.count // calls:<3d} {e.key[:80]}" for e in ev[:10]]
+        print("\n".join(out[-11:]), flush=True)
+        del x
+        torch.cuda.empty_cache()
+    return out
+
+
+def pieces(lens, H, sms, mode) -> int:
+    from cula_core import cp_planner
+
+    from cula_sm90.prefill import forward
+
+    return max(cp_planner.plan(tuple(lens), H, sms, mode, **forward.planner_kwargs()).pieces)
 
 
 def describe(lens) -> str:
@@ -84,48 +198,68 @@ def main(argv=None) -> int:
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--out", type=Path, help="write the markdown report here")
     ap.add_argument("--json", type=Path, help="write the rows (times in ms) here as JSON")
-    ap.add_argument("--warmup", type=int, default=25)
-    ap.add_argument("--rep", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--rep", type=int, default=300)
+    ap.add_argument("--warm-timeout", type=float, help="seconds FLA's warm-up processes may run")
+    ap.add_argument("--sweep", action="store_true", help="also time CP at forced piece counts (SWEEP)")
+    ap.add_argument("--profile", action="store_true", help="also profile the CP path at a few shapes (PROFILE)")
+    ap.add_argument("--compare", action="store_true", help="only: auto against the one-wave piece counts (COMPARE)")
+    ap.add_argument("--host-profile", action="store_true", help="also the host side of one CP call")
+    ap.add_argument("--save-autotune", type=Path, help="write Triton's autotune results (FLA's) here as a tar")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("intracard_cp: no CUDA device", file=sys.stderr)
         return 1
     os.environ["CULA_BACKEND"] = "sm90"
-    shapes = SMOKE if args.smoke else TRIM if args.trim else SHAPES
+    shapes = [] if args.compare else SMOKE if args.smoke else TRIM if args.trim else SHAPES
+    # cula's kernels compile (CPU-bound, the GIL released in the compiler) while FLA's warm-up processes run
+    warm = threading.Thread(target=warm_cula)
+    warm.start()
     fla = None
     if not args.no_fla:
         try:
             import fla.ops.kda
 
             fla = fla_cp
-            pb.warm_fla({(s["H"], True) for s in shapes}, args.keep_autotune, module="tools.bench.intracard_cp")
+            pb.warm_fla({(s["H"], True) for s in shapes}, args.keep_autotune, module="tools.bench.intracard_cp",
+                        timeout=args.warm_timeout)
+            if args.save_autotune:
+                pb.save_autotune(args.save_autotune)  # what compiled, before the timing (in case it runs out)
         except ImportError as exc:
             print(f"intracard_cp: FLA not importable ({exc})", file=sys.stderr)
-    from cula_core import cp_planner
-
-    from cula_sm90.prefill import forward
-
+    warm.join()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     timing = Timing(warmup=args.warmup, repeats=args.rep, method="auto")
-    head = ["H", "sequences", "cula no-CP ms", "cula CP ms", "CP gain", "cula auto ms", "auto splits", "FLA CP ms",
-            "speed-up", "auto vs best"]
+    head = ["H", "sequences", "cula no-CP ms", "cula CP ms", "CP gain", "cula auto ms", "pieces CP / auto",
+            "FLA CP ms", "speed-up", "auto vs best"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---:"] * len(head)) + "|"]
     rows = []
     for s in shapes:
         x = make_inputs(s)
         t = {cp: measure(cula_with(cp), [x], timing).median_ms for cp in (False, True, "auto")}
         f = measure(fla, [x], timing).median_ms if fla is not None else None
-        split = cp_planner.plan(tuple(s["lens"]), s["H"], sms, "auto", **forward.planner_kwargs()).split
+        p_on, p_auto = (pieces(s["lens"], s["H"], sms, m) for m in ("on", "auto"))
         best = min(t[False], t[True])
         rows.append({"H": s["H"], "lens": s["lens"], "no_cp_ms": t[False], "cp_ms": t[True], "auto_ms": t["auto"],
-                     "auto_splits": bool(split), "fla_cp_ms": f})
+                     "pieces_cp": p_on, "pieces_auto": p_auto, "fla_cp_ms": f})
         lines.append("| " + " | ".join([
             str(s["H"]), describe(s["lens"]), f"{t[False]:.3f}", f"{t[True]:.3f}", f"{t[False] / t[True]:.2f}x",
-            f"{t['auto']:.3f}", "yes" if split else "no", "n/a" if f is None else f"{f:.3f}",
+            f"{t['auto']:.3f}", f"{p_on} / {p_auto}", "n/a" if f is None else f"{f:.3f}",
             "n/a" if f is None else f"{f / t['auto']:.2f}x", f"{t['auto'] / best:.2f}"]) + " |")
         print(lines[-1], flush=True)
         del x
         torch.cuda.empty_cache()
+    if fla is not None and args.save_autotune:
+        pb.save_autotune(args.save_autotune)  # with what this process tuned alone
+    extra = []
+    if args.compare:
+        extra += ["", "## auto (modelled piece count) against the one-wave rule's count", "", *compare(timing, sms)]
+    if args.host_profile:
+        extra += ["", "## Host side of a CP call", "", "```", *host_profile(), "```"]
+    if args.sweep:
+        extra += ["", "## Piece-count sweep (CULA_SM90_CP_PIECES, intracard_cp=True)", "", *sweep(timing)]
+    if args.profile:
+        extra += ["", "## CP path per kernel (torch.profiler, CP on)", "", "```", *profile(), "```"]
     env = environment("cuda")
     report = "\n".join([
         "# cula-sm90 intra-card context parallel vs FLA 0.6.0", "",
@@ -134,7 +268,7 @@ def main(argv=None) -> int:
         f"Command: `python -m tools.bench.intracard_cp {' '.join(argv if argv is not None else sys.argv[1:])}` "
         "(inputs, timing: the module docstring). `CP gain` = cula no-CP / cula CP; "
         "`speed-up` = FLA (intra-card CP on) / cula auto; `auto vs best` = cula auto / min(no-CP, CP).", "",
-        *lines]) + "\n"
+        *lines, *extra]) + "\n"
     print(report)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -13,8 +13,9 @@ warm-up); cula is timed through the public op (validation, dispatch and the cust
 `speed-up` = FLA ms / cula ms; the error columns compare cula's (o, final state) with FLA's.
 
 FLA autotunes each kernel on its first call per configuration (minutes): `warm_fla` compiles them in parallel
-processes first, and `--keep-autotune` keeps Triton's autotune results of an earlier run (restore the cache
-from .bench-cache/ first).
+processes first and drops what they tuned on the shared GPU (this process then tunes alone); autotune results
+already in Triton's cache (restored from .bench-cache/: an earlier run's) are kept; `--keep-autotune` keeps the
+parallel processes' results too.
 """
 
 from __future__ import annotations
@@ -104,35 +105,69 @@ def triton_cache_dir() -> Path:
     return Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
 
 
-def warm_fla(keys, keep_autotune: bool = False, module: str = "tools.bench.prefill") -> None:
+def autotune_results() -> set[Path]:
+    return set(triton_cache_dir().rglob("*.autotune.json"))
+
+
+def warm_fla(keys, keep_autotune: bool = False, module: str = "tools.bench.prefill",
+             timeout: float | None = None) -> None:
     """Compile FLA's kernels for each (H, varlen) in parallel processes, then drop the autotuning they did
-    with the GPU shared (unless `keep_autotune`: results of an earlier lone run), so that this process tunes
-    alone on compiled kernels."""
+    with the GPU shared, so that this process tunes alone on compiled kernels. Results that were in Triton's
+    cache before (restored from .bench-cache/: an earlier run's, tuned alone) stay; `keep_autotune` keeps the
+    parallel processes' results too (saves the tuning time, at the cost of configurations picked on a shared GPU).
+    `timeout` (s): processes still running then are killed (what they compiled stays in the cache)."""
     t0 = time.perf_counter()
+    before = autotune_results()
     procs = [subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
                                f"from {module} import warm_one; warm_one({H}, {varlen})"])
              for H, varlen in sorted(keys)]
-    bad = [p.args[-1] for p in procs if p.wait() != 0]
+    def wait(p):
+        try:
+            return p.wait(timeout=None if timeout is None else max(1.0, t0 + timeout - time.perf_counter()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            return p.wait()
+
+    bad = [p.args[-1] for p in procs if wait(p) != 0]
     removed = 0
-    for f in [] if keep_autotune else triton_cache_dir().rglob("*.autotune.json"):
+    for f in [] if keep_autotune else autotune_results() - before:
         f.unlink()
         removed += 1
-    print(f"FLA warm-up: {len(procs)} processes in {time.perf_counter() - t0:.0f} s ({removed} autotune results "
-          f"dropped; failures: {bad})", flush=True)
+    print(f"FLA warm-up: {len(procs)} processes in {time.perf_counter() - t0:.0f} s ({len(before)} autotune results "
+          f"restored, {removed} tuned in parallel dropped; failures: {bad})", flush=True)
+
+
+def save_autotune(path: Path) -> None:
+    """Triton's autotune results (FLA's, *.autotune.json) as a tar for .bench-cache/ (restore: tar -xf into
+    ~/.triton/cache)."""
+    import tarfile
+
+    root = triton_cache_dir()
+    files = sorted(autotune_results())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w") as tar:
+        for f in files:
+            tar.add(f, arcname=str(f.relative_to(root)))
+    print(f"saved {len(files)} autotune results to {path}", flush=True)
+
+
+def profiled(fn, kw: dict, calls: int, cpu: bool = False):
+    """torch.profiler over `calls` calls of fn(**kw) after three warm-up calls (CUDA activity; CPU too with `cpu`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn(**kw)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if cpu else [])) as prof:
+        for _ in range(calls):
+            fn(**kw)
+        torch.cuda.synchronize()
+    return prof
 
 
 def profile_kernels(shape, calls: int = 10) -> None:
     """Mean CUDA time per call of each kernel of cula's prefill at one shape (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    kw = make_inputs(shape)
-    for _ in range(3):
-        cula_prefill(**kw)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            cula_prefill(**kw)
-        torch.cuda.synchronize()
+    prof = profiled(cula_prefill, make_inputs(shape), calls)
     print(f"profile {shape}: per call")
     for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]:
         print(f"  {e.device_time_total / calls / 1000:8.3f} ms  {e.key[:90]}")

@@ -12,15 +12,18 @@ reads device memory; plans are cached by their arguments (lengths as a tuple).
 ``auto`` rule (:func:`plan_pieces`): CP pays when the serial walk, not the SM count, bounds the time. Only
 sequences at least half as long as the longest count ("long": short ones finish early and free their SMs).
 Nothing is split if the un-split launch already has ``long * heads * slices >= busy_fraction * num_sms`` CTAs,
-or if the longest sequence is under ``min_tokens``. Otherwise the sequence with the longest pieces gets one
-more piece, again and again, while the main pass still fits one wave (``pieces of long sequences * heads *
-slices <= num_sms``) and every piece keeps at least ``min_piece_chunks`` chunks. ``on`` uses the same
-construction without the two entry conditions (and at least two pieces); ``off`` never splits.
+or if the longest sequence is under ``min_tokens``. Otherwise pieces are added one at a time to the sequence
+with the longest pieces, up to ``max_waves`` waves of the main pass, and the plan kept is the one a model of
+stage 2 finds fastest (:func:`_stage2_cost`: the map pass's and the main pass's CTAs dispatched in grid order
+onto the SMs, a map chunk step weighing ``map_weight`` of a main one, plus ``piece_cost`` per piece; a plan
+with more pieces must win by ``tie``). ``on`` uses the same construction without the two entry conditions (and
+at least two pieces); ``off`` never splits.
 
-``min_tokens = 32768`` comes from the H100 measurements (docs/benchmarks/intracard_cp.md): with the log-depth
-scan of the sm90 prefill, CP beat the serial walk on every measured shape of 32768 tokens or more at H = 4, 8
-and 16 (1.08x to 3.6x), while at 16384 tokens it went either way from run to run (0.73x to 1.20x: the call
-is short enough for the scan's launches to matter); before that scan it lost below 65536 tokens.
+Measured on the H100 (docs/benchmarks/intracard_cp.md): ``min_tokens = 32768``: CP lost at 16384 tokens on 5
+of 6 shapes (0.73x - 1.04x; host launches of the CP path cost ~1 ms) and won from 32768 except at H = 16 with
+two sequences (1.01x - 1.08x, where the model finds no plan faster either); the model picks the fastest count
+of run 1's piece sweep at every swept shape (16 / 8 / 3 pieces at H = 4 / 8 / 16 for 131072 tokens, where the
+one-wave rule gave 4 at H = 16: its map pass took two waves).
 """
 
 from __future__ import annotations
@@ -74,7 +77,9 @@ def _chunks(length: int, chunk_size: int) -> int:
 @functools.lru_cache(maxsize=256)
 def plan_pieces(lengths: tuple[int, ...], num_heads: int, num_sms: int, mode: str = "auto", *,
                 chunk_size: int = 64, slices: int = 4, busy_fraction: float = 0.5,
-                min_tokens: int = 32768, min_piece_chunks: int = 16) -> tuple[int, ...]:
+                min_tokens: int = 32768, min_piece_chunks: int = 16, map_slices: int | None = None,
+                map_weight: float = 0.6, piece_cost: float = 2.0, max_waves: int = 2, tie: float = 0.02,
+                force_pieces: int | None = None) -> tuple[int, ...]:
     """Number of pieces of each sequence.
 
     Args:
@@ -88,6 +93,16 @@ def plan_pieces(lengths: tuple[int, ...], num_heads: int, num_sms: int, mode: st
             CTAs.
         min_tokens: ``auto`` leaves CP off when no sequence is this long.
         min_piece_chunks: no piece is shorter than this many chunks (the last one of a sequence excepted).
+        map_slices: CTAs per (piece, head) of the map pass (default ``2 * slices``: the augmented state [M | c]
+            has K + V columns).
+        map_weight: a map-pass chunk step's time relative to a main-pass one (no output product; 0.6 fitted to
+            the H100 profile of H = 16, 131072 tokens: docs/benchmarks/intracard_cp.md).
+        piece_cost: modelled cost of each piece (the scan's work and launches), in chunk steps.
+        max_waves: the main pass may take up to this many waves of CTAs.
+        tie: a plan with more pieces must model at least this fraction faster to be taken (each piece costs
+            scan work and launches the model leaves out).
+        force_pieces: (benchmarks) in ``on`` and ``auto`` mode, every long sequence gets this many pieces (fewer
+            where ``min_piece_chunks`` forbids), whatever the rule says.
 
     Returns:
         One int ``>= 1`` per sequence (1 for empty ones).
@@ -104,13 +119,19 @@ def plan_pieces(lengths: tuple[int, ...], num_heads: int, num_sms: int, mode: st
     longest = max(lengths)
     # sequences that bound the time: within a factor 2 of the longest (short ones finish early and free SMs)
     long = [i for i, L in enumerate(lengths) if L > 0 and 2 * L >= longest]
+    if force_pieces is not None:
+        for i in long:
+            pieces[i] = max(1, min(force_pieces, _chunks(lengths[i], chunk_size) // min_piece_chunks))
+        return tuple(pieces)
     if mode == "auto" and (len(long) * num_heads * slices >= busy_fraction * num_sms or longest < min_tokens):
         return tuple(pieces)
-    # pieces of the long sequences: as many as the main pass runs in one wave (at least two in "on" mode)
-    budget = max(num_sms // (num_heads * slices), 2 if mode == "on" else 1)
+    # candidates: add pieces one at a time to the sequence whose pieces are longest, up to `max_waves` waves of
+    # the main pass; keep the candidate the stage-2 model (`_stage2_cost`) finds fastest (fewer pieces on a tie)
+    budget = max(max_waves * num_sms // (num_heads * slices), 2 if mode == "on" else 1)
     heap = [(-_chunks(L, chunk_size), i) for i, L in enumerate(lengths) if L > 0]
     heapq.heapify(heap)
     total = len(long)
+    best = None
     while heap and total < budget:
         _, i = heapq.heappop(heap)
         n_chunks = _chunks(lengths[i], chunk_size)
@@ -119,7 +140,41 @@ def plan_pieces(lengths: tuple[int, ...], num_heads: int, num_sms: int, mode: st
         pieces[i] += 1
         total += 1
         heapq.heappush(heap, (-(n_chunks // pieces[i]), i))
-    return tuple(pieces)
+        cost = piece_cost * sum(pieces) + _stage2_cost(lengths, tuple(pieces), num_heads, num_sms, chunk_size,
+                                                         slices, map_slices or 2 * slices, map_weight)
+        if best is None or cost < best[0] * (1 - tie):
+            best = (cost, tuple(pieces))
+    return best[1] if best is not None else tuple(pieces)
+
+
+def _makespan(durations, num_sms: int) -> float:
+    """Time to run CTAs of these durations, in launch order, one per SM at a time (each goes to the SM that
+    frees first: how the hardware dispatches a grid when one CTA fills an SM)."""
+    free = [0.0] * min(num_sms, len(durations))
+    heapq.heapify(free)
+    end = 0.0
+    for d in durations:
+        t = heapq.heappop(free) + d
+        end = max(end, t)
+        heapq.heappush(free, t)
+    return end
+
+
+def _stage2_cost(lengths, pieces, num_heads, num_sms, chunk_size, slices, map_slices, map_weight) -> float:
+    """Modelled time of stage 2 with CP, in units of one chunk step of one main-pass CTA: the map pass (every
+    piece but the last, `map_slices` CTAs per head, `map_weight` per chunk: no output product) then the main
+    pass (every piece, `slices` CTAs per head). Launch order as the kernel's grid: segment fastest, then head,
+    then slice."""
+    main, maps = [], []
+    for L, P in zip(lengths, pieces, strict=True):
+        bounds = _split(L, P, chunk_size)
+        for p in range(P):
+            n = _chunks(bounds[p + 1] - bounds[p], chunk_size)
+            main.append(n)
+            if p < P - 1:
+                maps.append(n * map_weight)
+    return (_makespan([d for _ in range(map_slices * num_heads) for d in maps], num_sms)
+            + _makespan([d for _ in range(slices * num_heads) for d in main], num_sms))
 
 
 def _split(length: int, pieces: int, chunk_size: int) -> list[int]:

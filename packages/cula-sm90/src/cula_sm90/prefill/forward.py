@@ -145,16 +145,22 @@ def _host_lengths(B, T, cu_seqlens, cu_seqlens_cpu):
 
 
 def planner_kwargs() -> dict:
-    """What the CP planner needs to know of stage 2: CTAs per (segment, head) of the main pass."""
-    return {"slices": DK // 32 if STATE_KERNEL == "simt" else DK // STATE_BV}
+    """What the CP planner needs to know of stage 2: CTAs per (segment, head) of the main pass; and
+    CULA_SM90_CP_PIECES (benchmarks: pieces per long sequence, whatever the rule says)."""
+    kw = {"slices": DK // 32 if STATE_KERNEL == "simt" else DK // STATE_BV}
+    if os.environ.get("CULA_SM90_CP_PIECES"):
+        kw["force_pieces"] = int(os.environ["CULA_SM90_CP_PIECES"])
+    return kw
 
 
 @functools.lru_cache(maxsize=64)
-def _host_tables(lengths: tuple[int, ...], num_heads: int, num_sms: int, mode: str):
-    """cu_seqlens, chunk offsets and the CP plan for host-known lengths (cached by lengths)."""
+def _host_tables(lengths: tuple[int, ...], num_heads: int, num_sms: int, mode: str, pk: tuple | None = None):
+    """cu_seqlens, chunk offsets and the CP plan for host-known lengths (cached by lengths and the planner's
+    arguments `pk`, planner_kwargs() as items; None: planner_kwargs() now)."""
     from cula_core import cp_planner
 
-    p = cp_planner.plan(lengths, num_heads, num_sms, mode, chunk_size=BT, **planner_kwargs())
+    kw = planner_kwargs() if pk is None else dict(pk)
+    p = cp_planner.plan(lengths, num_heads, num_sms, mode, chunk_size=BT, **kw)
     cu, co = [0], [0]
     for L in lengths:
         cu.append(cu[-1] + L)
@@ -168,8 +174,8 @@ def _device_int32(values, device) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_device_tables(lengths, num_heads, num_sms, mode, device, has_h0, want_ht):
-    cu, co, p = _host_tables(lengths, num_heads, num_sms, mode)
+def _cached_device_tables(lengths, num_heads, num_sms, mode, device, has_h0, want_ht, pk):
+    cu, co, p = _host_tables(lengths, num_heads, num_sms, mode, pk)
     N = len(lengths)
     tables = {"cu": _device_int32(cu, device), "co": _device_int32(co, device), "plan": p, "NC": co[-1]}
     if not p.split:
@@ -230,7 +236,7 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     mode = os.environ.get("CULA_SM90_CP", intracard_cp)
     if lengths is not None:
         tables = _cached_device_tables(lengths, HV, _num_sms(device.index or 0), mode, device, has_h0,
-                                       bool(output_final_state))
+                                       bool(output_final_state), tuple(sorted(planner_kwargs().items())))
     else:
         tables = _device_tables(B, T, N, cu_seqlens, device, has_h0, bool(output_final_state))
     NC = max(tables["NC"], 1)
