@@ -147,9 +147,23 @@ def host_profile(s=None, calls: int = 20) -> list[str]:
     """Host side of one CP call (torch.profiler, CPU and CUDA): the CPU operators that take the time, and any
     synchronising calls."""
     s = s or dict(H=4, lens=[16384])
-    prof = pb.profiled(cula_with(True), make_inputs(s), calls, cpu=True)
+    x = make_inputs(s)
+    out = []
+    for cp in (False, True):  # Python time of a call, the GPU left to catch up afterwards (host-bound if ~wall)
+        run = cula_with(cp)
+        run(**x)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            run(**x)
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        out.append(f"host time per call, intracard_cp={cp}: {(t1 - t0) / calls * 1e3:.3f} ms "
+                   f"(with the GPU's: {(t2 - t0) / calls * 1e3:.3f} ms)")
+    prof = pb.profiled(cula_with(True), x, calls, cpu=True)
     ev = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
-    out = [f"host profile H={s['H']} {describe(s['lens'])} CP on, per call (self CPU us, calls):"]
+    out.append(f"host profile H={s['H']} {describe(s['lens'])} CP on, per call (self CPU us, calls):")
     out += [f"  {e.self_cpu_time_total / calls:9.1f} us x{e.count / calls:<5.1f} {e.key[:80]}" for e in ev[:25]]
     out += [f"  sync: {e.key} x{e.count / calls:.1f} {e.self_cpu_time_total / calls:.1f} us" for e in ev
             if "ynchronize" in e.key or "Memcpy" in e.key]
