@@ -21,6 +21,7 @@ KERNELS = {
     "recompute_w_u": lambda: launch.wu_kernel(f32, "none"),
     "chunk_delta_h": lambda: launch.delta_h_kernel(True, True),
     "chunk_delta_h[no states]": lambda: launch.delta_h_kernel(False, False),
+    "chunk_delta_h[no cluster]": lambda: launch.delta_h_kernel(False, False, False),
     "fwd_o": lambda: launch.fwd_o_kernel(),
 }
 

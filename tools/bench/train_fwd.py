@@ -1,8 +1,8 @@
 """Benchmark of cula-sm100's chunk_kda training forward (bf16, K = V = 128, native GVA) against FLA 0.6.0's
 chunk_kda forward with the same flags, plus per-kernel rows (chunk_intra, recompute_w_u) against FLA's.
 
-    python -m tools.bench.train_fwd [--smoke] [--kernels-only] [--hv 64,128] [--out docs/benchmarks/train_fwd.md]
-                                    [--json FILE]
+    python -m tools.bench.train_fwd [--smoke] [--kernels-only] [--hv 64,128] [--delta-h-sweep]
+                                    [--out docs/benchmarks/train_fwd.md] [--json FILE]
 
 End to end (`chunk_kda`): B = 2, HQK = 64, HV in (64, 128, 256), T in (512 .. 32768), and varlen (B = 1, 8
 sequences, 16384 tokens, one of length 1). Inputs as in training: bf16 q, k, v; raw gate (fp32) with
@@ -183,6 +183,40 @@ def warm_fla(shapes) -> None:
           f"(failures: {bad})", flush=True)
 
 
+SWEEP = [(1, 64), (2, 64), (3, 64), (4, 64), (1, 128), (2, 128), (3, 128), (4, 128), (2, 256)]  # FLA tunes per HV
+
+
+def delta_h_sweep(timing):
+    """chunk_delta_h (ours: N HV 4 CTAs of 128 threads, 4 per SM, launched as clusters of the 4 V slices or
+    not; FLA's) at T = 8192 for (B, HV) in SWEEP: how the time grows with the number of CTAs (132 SMs x 4 = 528
+    run at once on an H100), w / u / kg random (the recurrence's cost does not depend on the values)."""
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+
+    from cula_sm100.forward import launch
+
+    rows, T = [], 8192
+    for B, HV in SWEEP:
+        gen = torch.Generator(device="cuda").manual_seed(B * HV)
+        w, u, kg = (0.05 * torch.randn(B * T, HV, K, generator=gen, device="cuda").bfloat16() for _ in range(3))
+        gate = -torch.rand(B, T, HV, K, generator=gen, device="cuda")
+        G = chunk_local_cumsum(gate, chunk_size=64).reshape(B * T, HV, K).contiguous()
+        gk = chunk_local_cumsum(gate, chunk_size=64, scale=RCP_LN2)
+        ctab, stab = launch.tables(B, T, None, None, w.device)
+        ours = {c: measure(lambda _, c=c: launch.chunk_delta_h(w, u, kg, G, None, ctab, stab, output_final_state=False,
+                                                             cluster=c), [w], timing).median_ms for c in (True, False)}
+        fla = measure(lambda _: chunk_gated_delta_rule_fwd_h(k=kg.reshape(B, T, HV, K), w=w.reshape(B, T, HV, K),
+                                                             u=u.reshape(B, T, HV, V), gk=gk), [w], timing).median_ms
+        for c, label in ((True, "clusters of 4 (live)"), (False, "no cluster")):
+            rows.append(dict(kind=f"chunk_delta_h, {B * HV * 4} CTAs, {label}", B=B, T=T, HV=HV, cula_ms=ours[c],
+                             fla_ms=fla))
+            print(rows[-1], flush=True)
+        del w, u, kg, gate, G, gk
+        torch.cuda.empty_cache()
+    return rows
+
+
 def rel(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm()).item()
@@ -197,6 +231,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
     ap.add_argument("--kernels-only", action="store_true", help="only the per-kernel rows")
     ap.add_argument("--hv", type=str, help="only these HV (comma-separated), e.g. 64,128")
+    ap.add_argument("--delta-h-sweep", action="store_true",
+                    help="only chunk_delta_h (ours and FLA's) at T = 8192 over a range of CTA counts (B, HV)")
     ap.add_argument("--render", type=Path, help="only render a saved --json file as markdown (to --out)")
     args = ap.parse_args(argv)
     if args.render:
@@ -219,6 +255,13 @@ def main(argv=None) -> int:
         e2e = [s for s in e2e if s["HV"] in keep]
         kshapes = [s for s in kshapes if s["HV"] in keep]
     rows = []
+    if args.delta_h_sweep:
+        rows = delta_h_sweep(timing)
+        text = render(rows, environment("cuda"))
+        print(text)
+        if args.json:
+            args.json.write_text(json.dumps({"env": environment("cuda"), "rows": rows}, indent=2, default=str))
+        return 0
     warm_fla(e2e + kshapes)
 
     def save():
@@ -253,9 +296,13 @@ def main(argv=None) -> int:
         rows.append(dict(kind="recompute_w_u", **base, cula_ms=t["w_u"], fla_ms=t["fla w_u"]))
         rows.append(dict(kind="chunk_intra + recompute_w_u", **base, cula_ms=t["intra+w_u"],
                          fla_ms=t["fla intra+w_u"]))
+        live = ("l2norm", "l2norm", "gate", "intra", "w_u", "delta_h", "fwd_o")
+        rows.append(dict(kind="sum of the forward's stages (l2norm twice)", **base, cula_ms=sum(t[x] for x in live),
+                         fla_ms=2 * t["fla l2norm"] + t["fla gate"] + t["fla intra+w_u"] + t["fla delta_h"]
+                         + t["fla fwd_o"]))
         for ours, theirs in (("delta_h", "chunk_delta_h"), ("fwd_o", "fwd_o"), ("gate", "gate + cumsum"), ("l2norm", "l2norm (q)")):
             rows.append(dict(kind=theirs, **base, cula_ms=t[ours], fla_ms=t["fla " + ours.split("[")[0]]))
-        for r in rows[-7:]:
+        for r in rows[-8:]:
             print(r, flush=True)
         print("stage ms:", {k_: round(v_, 3) for k_, v_ in t.items()}, flush=True)
         save()

@@ -43,9 +43,12 @@ class ChunkDeltaH:
     threads = 128
     MIN_CTAS = 4  # per SM: the launch bound caps registers at 65536 / (128 x 4) = 128
 
-    def __init__(self, has_initial_state: bool, output_final_state: bool):
+    def __init__(self, has_initial_state: bool, output_final_state: bool, cluster: bool = True):
         self.has_h0 = has_initial_state
         self.store_ht = output_final_state
+        # the 4 V slices of a (sequence, head) as one thread-block cluster: launched together in every wave, so
+        # they stay in step and share w / kg through L2 (see the module docstring)
+        self.cluster = cluster
 
     @cute.jit
     def __call__(self, w_ptr: cute.Pointer, u_ptr: cute.Pointer, kg_ptr: cute.Pointer, G_ptr: cute.Pointer,
@@ -70,8 +73,13 @@ class ChunkDeltaH:
 
     @cute.jit
     def launch(self, args, N, HV, stream):
-        self.kernel(*args).launch(grid=[self.V // self.BV, HV, N], block=[self.threads, 1, 1], stream=stream,
-                                  min_blocks_per_mp=self.MIN_CTAS, preferred_smem_carveout=100)
+        if cutlass.const_expr(self.cluster):
+            self.kernel(*args).launch(grid=[self.V // self.BV, HV, N], block=[self.threads, 1, 1], stream=stream,
+                                      cluster=[self.V // self.BV, 1, 1], min_blocks_per_mp=self.MIN_CTAS,
+                                      preferred_smem_carveout=100)
+        else:
+            self.kernel(*args).launch(grid=[self.V // self.BV, HV, N], block=[self.threads, 1, 1], stream=stream,
+                                      min_blocks_per_mp=self.MIN_CTAS, preferred_smem_carveout=100)
 
     @cute.kernel
     def kernel(self, mW: cute.Tensor, mU: cute.Tensor, mKg: cute.Tensor, mG: cute.Tensor, mH0: cute.Tensor,

@@ -65,9 +65,9 @@ class FwdO:
         copy_rows_g2s(g2s_tiled_copy(BT, self.threads), head_rows(mAqk, t0, hv, BT), sA, n, tidx)
         copy_rows_g2s(cp, head_rows(mVn, t0, hv, BT), sVn, n, tidx)
         cute.arch.cp_async_commit_group()
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.sync_threads()
-        # q * exp(G) in place, 8 channels per thread in 16-byte vectors (all G loads issued first)
+        # q * exp(G) in place, 8 channels per thread in 16-byte vectors. The G loads (to registers) are issued
+        # before waiting for the cp.async copies, so their latency overlaps those copies' (session 4: with an
+        # L2-norm pass of q placed between these loads and their use, fwd_o ran ~8% faster, H100)
         vb = vec_copy(K, self.threads)
         vf = vec_copy(K, self.threads, cutlass.Float32)
         tb = vb.get_slice(tidx)
@@ -79,6 +79,8 @@ class FwdO:
         for m in cutlass.range_constexpr(cute.size(pG.shape[1])):
             if coord[0, m, 0][0] < n:
                 cute.copy(vf, pG[None, m, None], fg[None, m, None])
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
         fq = cute.make_fragment_like(pQs[None, 0, None])
         for m in cutlass.range_constexpr(cute.size(pG.shape[1])):
             if coord[0, m, 0][0] < n:

@@ -108,13 +108,13 @@ def wu_kernel(beta_dtype: torch.dtype, beta_activation: str):
 
 
 @functools.cache
-def delta_h_kernel(has_initial_state: bool, output_final_state: bool):
+def delta_h_kernel(has_initial_state: bool, output_final_state: bool, cluster: bool = True):
     import cutlass.cute as cute
 
     from cula_sm100.forward.chunk_delta_h import ChunkDeltaH
 
     bf, f32 = torch.bfloat16, torch.float32
-    return cute.compile(ChunkDeltaH(has_initial_state, output_final_state), _fake_ptr(bf), _fake_ptr(bf),
+    return cute.compile(ChunkDeltaH(has_initial_state, output_final_state, cluster), _fake_ptr(bf), _fake_ptr(bf),
                         _fake_ptr(bf), _fake_ptr(f32), _fake_ptr(f32), _fake_ptr(bf), _fake_ptr(bf), _fake_ptr(f32),
                         _fake_ptr(torch.int32), 1, 1, 1, 1, _compile_stream())
 
@@ -232,7 +232,7 @@ def recompute_w_u(k, v, G, beta, Akk, ctab, *, beta_activation):
     return w, u, kg
 
 
-def chunk_delta_h(w, u, kg, G, initial_state, ctab, stab, *, output_final_state):
+def chunk_delta_h(w, u, kg, G, initial_state, ctab, stab, *, output_final_state, cluster=True):
     """(h [NC, HV, K, V] bf16, v_new [TT, HV, V] bf16, final state [N, HV, K, V] fp32 or None)
     (kernel: chunk_delta_h.py)."""
     TT, HV, K = G.shape
@@ -243,7 +243,7 @@ def chunk_delta_h(w, u, kg, G, initial_state, ctab, stab, *, output_final_state)
     ht = _empty(N, HV, K, V, like=G, dtype=torch.float32) if output_final_state else None
     if N:
         h0 = initial_state.contiguous() if initial_state is not None else None
-        delta_h_kernel(h0 is not None, output_final_state)(
+        delta_h_kernel(h0 is not None, output_final_state, cluster)(
             _ptr(w), _ptr(u), _ptr(kg), _ptr(G), _ptr(h0, torch.float32), _ptr(h), _ptr(v_new),
             _ptr(ht, torch.float32), _ptr(stab), TT, NC, N, HV, _stream())
     return h, v_new, ht

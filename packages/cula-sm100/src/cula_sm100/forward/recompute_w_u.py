@@ -69,10 +69,8 @@ class RecomputeWU:
         copy_rows_g2s(cp, head_rows(mV, t0, hv, BT), sV, n, tidx)
         cute.arch.cp_async_commit_group()
         load_beta(sBeta, mBeta, t0, hv, n, tidx, self.beta_activation)
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.sync_threads()
 
-        scale_k_v(mG, mKg, sK, sV, sBeta, t0, hv, n, tidx, self.threads)
+        scale_k_v(mG, mKg, sK, sV, sBeta, t0, hv, n, tidx, self.threads)  # waits for the copies itself
         cute.arch.sync_threads()
         wu_gemms(sA, sK, sV, mW, mU, t0, hv, n, tidx, self.threads)
 
@@ -82,7 +80,9 @@ def scale_k_v(mG: cute.Tensor, mKg: cute.Tensor, sK: cute.Tensor, sV: cute.Tenso
               tidx, threads: cutlass.Constexpr):
     """In place: sK = beta k exp(G), sV = beta v (bf16, as FLA); kg = k exp(G_last - G) straight to global
     memory. 8 channels per thread in 16-byte vectors; G read from global memory, all of the thread's loads
-    issued before any use so their latencies overlap. Rows >= n of sK / sV stay as they are (zero)."""
+    issued before any use so their latencies overlap. Rows >= n of sK / sV stay as they are (zero).
+    Call with the cp.async copies of sK / sV (and sBeta's stores) issued, not waited for: the G loads are issued
+    first, then this waits for the copies and synchronises the CTA, so G's latency overlaps the copies'."""
     BT, K = 64, 128
     vb = vec_copy(K, threads)
     vf = vec_copy(K, threads, cutlass.Float32)
@@ -103,6 +103,8 @@ def scale_k_v(mG: cute.Tensor, mKg: cute.Tensor, sK: cute.Tensor, sV: cute.Tenso
     for m in cutlass.range_constexpr(cute.size(pG.shape[1])):
         if coord[0, m, 0][0] < n:
             cute.copy(vf, pG[None, m, None], fg[None, m, None])
+    cute.arch.cp_async_wait_group(0)
+    cute.arch.sync_threads()
     fk = cute.make_fragment_like(pKs[None, 0, None])
     fv = cute.make_fragment_like(pKs[None, 0, None])
     fo = cute.make_fragment_like(pKs[None, 0, None])
