@@ -183,7 +183,7 @@ def warm_fla(shapes) -> None:
           f"(failures: {bad})", flush=True)
 
 
-SWEEP = [(1, 64), (2, 64), (3, 64), (4, 64), (1, 128), (2, 128), (3, 128), (4, 128), (2, 256)]  # FLA tunes per HV
+SWEEP = [(1, 64), (2, 64), (2, 128), (4, 128), (2, 256)]  # FLA tunes per HV
 
 
 def delta_h_sweep(timing):

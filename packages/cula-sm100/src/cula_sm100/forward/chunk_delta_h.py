@@ -12,8 +12,11 @@ sequence table (first token, end, first global chunk), so varlen and empty seque
 Tiling: 128 threads (4 warps along M); `w @ h` is [64 x 128] @ [128 x 32] and `kg^T @ v_new` is
 [128 x 64] @ [64 x 32], both mma.sync m16n8k16 with bf16 operands (h and v_new rounded to bf16 as FLA) and
 fp32 accumulation; transposed operands read with ldmatrix.trans.
-Grid (V / BV, HV, N): the 4 V slices of one (sequence, head) are neighbouring CTAs, scheduled together, so
-w and kg come from HBM once and the other three slices hit L2.
+Grid (V / BV, HV, N), launched as clusters of the 4 V slices of one (sequence, head): the hardware starts them
+together in every wave, so they walk the chunks in step, w and kg come from HBM once and the other three slices
+hit L2. (Without clusters, measured: one wave runs at FLA's speed, but the time grows super-linearly with more
+waves, 0.82x FLA at HV = 128, B = 2, T = 8192; the cluster launch is the fix for slices drifting apart in later
+waves, its own effect not yet timed: `tools/bench/train_fwd.py --delta-h-sweep`, docs/sm100.md.)
 Pipeline, 48.5 KiB of shared memory and a launch bound of 4 CTAs per SM (128 registers), so 528 CTAs run at
 once on an H100's 132 SMs (N HV 4 CTAs: one wave at B = 2, HV = 64; see docs/sm100.md for HV >= 128):
   * w and kg have one buffer each, refilled by cp.async with chunk ci + 1's tile (rows past the end zero) as
