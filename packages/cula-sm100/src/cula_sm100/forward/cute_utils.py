@@ -20,6 +20,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import CopyUniversalOp, cpasync, warp
 
+from cula_core.reference.gates import L2NORM_EPS
+
 LOG2E = math.log2(math.e)
 COPY_BITS = 128  # 16-byte cp.async / vector accesses
 
@@ -228,3 +230,16 @@ def load_beta(sBeta: cute.Tensor, mBeta: cute.Tensor, t0, hv, n, tidx, act: cutl
         if tidx < n:
             b = beta_act(head_rows(mBeta, t0, hv, cute.size(sBeta))[tidx, 0].to(cutlass.Float32), act)
         sBeta[tidx] = b
+
+
+@cute.jit
+def l2norm_scale(vals: cute.Tensor):
+    """rsqrt(sum of squares + eps) of a 128-wide row spread over a warp, 4 consecutive channels per lane in
+    `vals` (fp32): the lane's squares summed in order, then a 5-level butterfly. The one definition of the q/k
+    L2 norm's arithmetic: l2norm.py (forward) and the backward's l2norm_bwd.py use it, so both see the same r."""
+    ss = cutlass.Float32(0.0)
+    for i in cutlass.range_constexpr(4):
+        ss += vals[i] * vals[i]
+    for s in cutlass.range_constexpr(5):
+        ss += cute.arch.shuffle_sync_bfly(ss, 1 << s)
+    return cute.math.rsqrt(ss + L2NORM_EPS)

@@ -11,7 +11,7 @@ import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
-from cula_core.reference.gates import L2NORM_EPS
+from cula_sm100.forward.cute_utils import l2norm_scale
 
 
 class L2Norm:
@@ -35,12 +35,8 @@ class L2Norm:
         row = bidx * self.ROWS_PER_CTA + tidx // 32
         if row < rows:
             vals = cute.make_rmem_tensor((4,), cutlass.Float32)
-            ss = cutlass.Float32(0.0)
             for i in cutlass.range_constexpr(4):
                 vals[i] = mX[row, lane * 4 + i].to(cutlass.Float32)
-                ss += vals[i] * vals[i]
-            for s in cutlass.range_constexpr(5):
-                ss += cute.arch.shuffle_sync_bfly(ss, 1 << s)
-            r = cute.math.rsqrt(ss + L2NORM_EPS)
+            r = l2norm_scale(vals)  # shared with the backward's l2norm_bwd.py
             for i in cutlass.range_constexpr(4):
                 mY[row, lane * 4 + i] = (vals[i] * r).to(mY.element_type)
