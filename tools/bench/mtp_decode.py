@@ -3,6 +3,7 @@
     python -m tools.bench.mtp_decode [--smoke] [--tilings] [--out docs/benchmarks/mtp_decode.md] [--json FILE]
     python -m tools.bench.mtp_decode --dispatch [--sections growth,decode,chain] [--json FILE] [--out FILE]
     python -m tools.bench.mtp_decode --static [--out FILE]     # no GPU: SASS of the chunk verify variants by T
+    python -m tools.bench.mtp_decode --first-call [--out FILE] # each decode family's first call (compiles)
 
 Inputs: K = V = 128, HQK = HV in (32, 64), bf16 q/k/v/g/beta (raw g, gate and L2 norm in kernel, softplus gate
 with A_log and dt_bias), fp32 state pool, every request live, accept length m = T.
@@ -246,6 +247,36 @@ def tiling_sweep(timing, hs, ns=(1, 16, 128), cases=((1, cula_decode), (4, cula_
     return out
 
 
+def first_call_report(H: int = 32) -> str:
+    """Wall time of the first call of each decode family in this process (compiling and loading every kernel
+    the dispatch can pick for it: launch._prepare_family), then of the second call, synchronised. Must run
+    before any other cula call in the process; CuTe DSL keeps no compiled kernel across processes."""
+    import cula_core
+
+    def timed(fn):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    x1, x4 = make_inputs(8, 1, H, seed=1), make_inputs(8, 4, H, seed=4)
+    buf = []
+    rows = [("kda_decode (T = 1)", lambda: cula_decode(x1)),
+            ("kda_decode_mtp (T = 4)", lambda: cula_core.kda_decode_mtp(*_op_args(x4), A_log=x4["A_log"],
+                                                                      dt_bias=x4["dt_bias"],
+                                                                      use_qk_l2norm_in_kernel=True)),
+            ("kda_decode_mtp_kvbuffer (T = 4)", lambda: buf.append(cula_verify(x4)[1])),
+            ("kda_flush_kvbuffer (T = 4)", lambda: cula_core.kda_flush_kvbuffer(x4["state_pool"], x4["cache_idx"],
+                                                                               buf[-1], 2))]
+    lines = ["", f"### First call of each family (wall seconds, H = {H}, N = 8; GPU: {torch.cuda.get_device_name()})",
+             "", "| op | first call s | second call s |", "|---|---:|---:|"]
+    for name, fn in rows:
+        first = timed(fn)
+        lines.append(f"| {name} | {first:.2f} | {timed(fn):.5f} |")
+    return "\n".join(lines) + "\n"
+
+
 STATIC_VARIANTS = ("chunk_simt", "chunk_tc")
 
 
@@ -295,6 +326,8 @@ def main(argv=None) -> int:
     ap.add_argument("--static", action="store_true",
                     help="no GPU: compile every chunk verify variant at T = 2, 4, 6, 8 and report its SASS (the chain)")
     ap.add_argument("--smoke", action="store_true", help="two cells only (CI)")
+    ap.add_argument("--first-call", action="store_true",
+                    help="only the wall time of each decode family's first call in a fresh process (compiles)")
     ap.add_argument("--tilings", action="store_true", help="also time every tiling of the recurrent kernel")
     ap.add_argument("--only-tilings", action="store_true", help="only the tiling sweep")
     ap.add_argument("--quick", action="store_true", help="H = 64, T in (2, 6), N in (1, 128): device times only")
@@ -317,6 +350,12 @@ def main(argv=None) -> int:
         print("mtp_decode: no CUDA device", file=sys.stderr)
         return 1
     os.environ["CULA_BACKEND"] = "sm90"  # fail loudly rather than time the reference
+    if args.first_call:
+        report = first_call_report()
+        print(report)
+        if args.out:
+            args.out.write_text(report)
+        return 0
     timing = Timing(warmup=args.warmup, repeats=args.rep, method="auto")
     ns, ts, hs = ((1, 64), (4,), (32,)) if args.smoke else (NS, TS, HS)
     if args.quick:
