@@ -180,6 +180,18 @@ def _memcheck():
                                 use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
                                 cu_seqlens=cu_cpu.cuda(), cu_seqlens_cpu=cu_cpu)
     (o.float().sum() + ht.sum()).backward()
+    # the gate / beta / L2-norm backward kernels called directly (whether or not launch.FINISH_KERNEL puts them on
+    # the live path): softplus with L2 norm, and safe without, on the same odd chunks
+    from cula_sm100.forward import launch as fwd
+
+    ctab, _ = fwd.tables(1, T, cu_cpu.cuda(), cu_cpu, "cuda")
+    dq, dk = torch.randn(T, 1, 128, device="cuda"), torch.randn(T, 1, 128, device="cuda")
+    dv, db, dG = torch.randn(T, 2, 128, device="cuda"), torch.randn(T, 2, device="cuda"), torch.randn(T, 2, 128,
+                                                                                                     device="cuda")
+    for gate, l2, act in (("softplus", True, "none"), ("safe", False, "sigmoid")):
+        launch.finish(dq, dk, dv, db, dG, None, q.detach(), k.detach(), g.detach(), beta.detach(), A_log.detach(),
+                      dt_bias.detach(), None, ctab, v_dtype=torch.bfloat16, use_qk_l2norm_in_kernel=l2, gate=gate,
+                      lower_bound=-5.0 if gate == "safe" else None, beta_activation=act)
     torch.cuda.synchronize()
     print("memcheck cases done")
 
