@@ -214,6 +214,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="write the rows (times in ms) here as JSON")
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--rep", type=int, default=300)
+    ap.add_argument("--longest", type=lambda v: {int(x) for x in v.split(",")},
+                    help="only the grid's shapes whose longest sequence is one of these (comma-separated)")
     ap.add_argument("--warm-timeout", type=float, help="seconds FLA's warm-up processes may run")
     ap.add_argument("--sweep", action="store_true", help="also time CP at forced piece counts (SWEEP)")
     ap.add_argument("--profile", action="store_true", help="also profile the CP path at a few shapes (PROFILE)")
@@ -226,6 +228,8 @@ def main(argv=None) -> int:
         return 1
     os.environ["CULA_BACKEND"] = "sm90"
     shapes = [] if args.compare else SMOKE if args.smoke else TRIM if args.trim else SHAPES
+    if args.longest:
+        shapes = [s for s in shapes if max(s["lens"]) in args.longest]
     # cula's kernels compile (CPU-bound, the GIL released in the compiler) while FLA's warm-up processes run
     warm = threading.Thread(target=warm_cula)
     warm.start()
