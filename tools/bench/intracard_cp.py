@@ -3,8 +3,12 @@
 torch.inference_mode, varlen), on the same bf16 inputs (gate, q/k L2 norm, safe gate with lower_bound = -5 in
 kernel for both).
 
-    python -m tools.bench.intracard_cp [--smoke] [--out docs/benchmarks/intracard_cp.md] [--json rows.json]
-                                       [--keep-autotune]
+    python -m tools.bench.intracard_cp [--smoke | --trim | --compare] [--longest 16384,131072] [--no-fla]
+        [--sweep] [--profile] [--host-profile] [--save-autotune .bench-cache/fla_autotune_cp.tar]
+        [--warm-timeout S] [--out docs/benchmarks/intracard_cp.md] [--json rows.json] [--keep-autotune]
+
+`--sweep` times CP at forced piece counts (CULA_SM90_CP_PIECES), `--compare` the planner's count against the
+one-wave rule's, `--profile` / `--host-profile` the CP path's kernels and host side.
 
 Shapes (the issue's grid): H in (4, 8, 16); one or two sequences of T in (16384, 32768, 65536, 131072) tokens each;
 and a mix of one long sequence (65536) with 31 short ones (512 each). Always varlen with `cu_seqlens_cpu` (FLA's
