@@ -156,15 +156,16 @@ def fla_kernel_fn(x, shape, cu):
     return run
 
 
-def warm_one(kind: str, hv: int):
+def warm_one(kind: str, hv: int, varlen: bool = False):
     """Compile FLA's kernels of one autotuning key: `kind` "wy" (the fused kernel) or "e2e" (the whole op's forward
-    and backward kernels), at HV = hv. Run in parallel processes by `warm_fla`."""
+    and backward kernels), at HV = hv, fixed length or varlen (a varlen call is another key: Triton's autotuner
+    keys on the argument types too, and cu_seqlens is a tensor there). Run in parallel processes by `warm_fla`."""
+    shape = dict(B=1, T=TOKENS, HV=hv, varlen=("uniform", 4)) if varlen else dict(B=1, T=1024, HV=hv)
     if kind == "wy":
-        shape = dict(B=1, T=1024, HV=hv)
         x, _, cu = kernel_inputs(shape)
         fla_kernel_fn(x, shape, cu)()
     else:
-        e2e_fn("fla", e2e_inputs(dict(B=1, T=1024, HV=hv)))()
+        e2e_fn("fla", e2e_inputs(shape))()
     torch.cuda.synchronize()
 
 
@@ -180,8 +181,8 @@ def warm_fla(keys, keep_autotune: bool) -> None:
     t0 = time.perf_counter()
     before = set(triton_cache_dir().rglob("*.autotune.json"))
     procs = [subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
-                               f"from tools.bench.train_bwd import warm_one; warm_one({kind!r}, {hv})"])
-             for kind, hv in keys]
+                               f"from tools.bench.train_bwd import warm_one; warm_one({kind!r}, {hv}, {vl})"])
+             for kind, hv, vl in keys]
     bad = [p.args[-1] for p in procs if p.wait() != 0]
     removed = 0
     if not keep_autotune:
@@ -317,8 +318,8 @@ def main(argv=None) -> int:
     except ImportError:
         have_fla = False
     if have_fla and not args.no_warm:
-        warm_fla(sorted({("wy", s["HV"]) for s in kshapes} | {("e2e", s["HV"]) for s in eshapes}),
-                 args.keep_autotune)
+        warm_fla(sorted({("wy", s["HV"], "varlen" in s) for s in kshapes}
+                        | {("e2e", s["HV"], "varlen" in s) for s in eshapes}), args.keep_autotune)
     raw = {"kernel": [], "e2e": [], "skipped": []}
     env = environment("cuda")
     cmd = "python -m tools.bench.train_bwd " + " ".join(argv if argv is not None else sys.argv[1:])
