@@ -180,3 +180,14 @@ def test_kernels_compile(arch):
     from backward_cases import kernels
 
     assert sum(line.startswith("compiled ") for line in out.splitlines()) == len(kernels()), out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed")
+def test_reused_pointer_args_marshal_like_fresh_ones():
+    """launch.PointerArgs: chunk_wy_dqkg's reused pointer arguments give the DSL's executor byte-identical C cells to
+    fresh make_ptr pointers (two fills, different tensors), and a wrong dtype is refused (backward_cases.py
+    pointer-args, in a subprocess: the compile needs CUTE_DSL_ARCH before cutlass is imported)."""
+    proc = subprocess.run([sys.executable, str(HERE / "backward_cases.py"), "pointer-args"], capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, CUTE_DSL_ARCH="sm_90a"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "pointer args: byte-identical" in proc.stdout

@@ -19,6 +19,7 @@ no host synchronisation); it is correct but not fast: a kernel still to write.
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
@@ -35,6 +36,49 @@ INTRA_KERNEL = True
 FINISH_KERNEL = False
 
 
+class PointerArgs:
+    """Reusable CuTe pointer arguments of one compiled kernel: `cute.runtime.make_ptr` costs ~4 us of Python per
+    pointer (chunk_wy_dqkg takes 18), which on small calls is most of the host time per call and, with the GPU
+    waiting on the host, of the measured time (docs/benchmarks/train_bwd.md). Each slot keeps one pointer object
+    whose C address cell (`_desc`, the cell the DSL's executor hands to the compiled host function through
+    `__c_pointers__`) is rewritten per call instead; the dtypes are the compiled ones, checked, as is the 16-byte
+    alignment make_ptr would assert. Callers hold `lock` from `fill` until the launch has returned (the cells are
+    shared). tests/sm100/test_backward_cpu.py checks that the executor's arguments are byte-identical to fresh
+    make_ptr ones."""
+
+    def __init__(self, dtypes):
+        self.dtypes = tuple(dtypes)
+        self.ptrs = [fwd._fake_ptr(dt) for dt in self.dtypes]
+        self.lock = threading.Lock()
+
+    def fill(self, tensors):
+        for i, (ptr, dt, t) in enumerate(zip(self.ptrs, self.dtypes, tensors, strict=True)):
+            if t is None:  # an absent optional tensor: the dummy address make_ptr's callers pass (never read)
+                ptr._pointer = _DUMMY_ADDRESS
+                ptr._desc.value = _DUMMY_ADDRESS
+                continue
+            if t.dtype != dt:
+                raise TypeError(f"argument {i}: {t.dtype}, the kernel was compiled for {dt}")
+            a = t.data_ptr()
+            if a % 16:
+                raise ValueError(f"argument {i}: address {a:#x} is not 16-byte aligned")
+            ptr._pointer = a
+            ptr._desc.value = a
+        return self.ptrs
+
+
+_DUMMY_ADDRESS = 16  # forward.launch._ptr(None, ...)'s address
+_BF, _F32, _I32 = torch.bfloat16, torch.float32, torch.int32
+# chunk_wy_dqkg's pointer arguments in order: q, k, v, v_new, G, beta, A, h, do, dh, dv | dq, dk, dv2, dG, dbeta,
+# dL | chunk table
+WY_DTYPES = (_BF, _BF, _BF, _BF, _F32, _F32, _BF, _BF, _BF, _BF, _BF, _F32, _F32, _BF, _F32, _F32, _F32, torch.int32)
+
+
+@functools.cache
+def wy_args() -> PointerArgs:
+    return PointerArgs(WY_DTYPES)
+
+
 @functools.cache
 def wy_dqkg_kernel():
     """The compiled chunk_wy_dqkg (one compilation serves every size)."""
@@ -42,10 +86,8 @@ def wy_dqkg_kernel():
 
     from cula_sm100.backward.chunk_wy_dqkg import ChunkWyDqkg
 
-    bf, f32, fp = torch.bfloat16, torch.float32, fwd._fake_ptr
-    return cute.compile(ChunkWyDqkg(), fp(bf), fp(bf), fp(bf), fp(bf), fp(f32), fp(f32), fp(bf), fp(bf), fp(bf),
-                        fp(bf), fp(bf), fp(f32), fp(f32), fp(bf), fp(f32), fp(f32), fp(f32), fp(torch.int32),
-                        1, 1, 1, 1, 1.0, fwd._compile_stream())
+    return cute.compile(ChunkWyDqkg(), *(fwd._fake_ptr(dt) for dt in WY_DTYPES), 1, 1, 1, 1, 1.0,
+                        fwd._compile_stream())
 
 
 @functools.cache
@@ -55,9 +97,13 @@ def dav_kernel():
 
     from cula_sm100.backward.chunk_bwd_dav import ChunkBwdDav
 
-    bf, f32, fp = torch.bfloat16, torch.float32, fwd._fake_ptr
-    return cute.compile(ChunkBwdDav(), fp(bf), fp(bf), fp(bf), fp(f32), fp(bf), fp(torch.int32), 1, 1, 1,
-                        fwd._compile_stream())
+    return cute.compile(ChunkBwdDav(), *map(fwd._fake_ptr, dav_args().dtypes), 1, 1, 1, fwd._compile_stream())
+
+
+@functools.cache
+def dav_args() -> PointerArgs:
+    """chunk_bwd_dav's pointer arguments: do, v_new, Aqk, dAqk, dv, chunk table."""
+    return PointerArgs((_BF, _BF, _BF, _F32, _BF, _I32))
 
 
 def chunk_bwd_dav(do, v_new, Aqk, ctab):
@@ -69,8 +115,9 @@ def chunk_bwd_dav(do, v_new, Aqk, ctab):
     dv = torch.empty_like(do)
     NC = ctab.shape[0]
     if NC:
-        p = fwd._ptr
-        dav_kernel()(p(do), p(v_new), p(Aqk), p(dA), p(dv), p(ctab), TT, NC, HV, fwd._stream())
+        kern, args = dav_kernel(), dav_args()
+        with args.lock:
+            kern(*args.fill((do, v_new, Aqk, dA, dv, ctab)), TT, NC, HV, fwd._stream())
     return dA, dv
 
 
@@ -81,9 +128,14 @@ def intra_kernel():
 
     from cula_sm100.backward.chunk_bwd_intra import ChunkBwdIntra
 
-    bf, f32, fp = torch.bfloat16, torch.float32, fwd._fake_ptr
-    return cute.compile(ChunkBwdIntra(), fp(bf), fp(bf), fp(f32), fp(f32), fp(f32), fp(f32), fp(f32), fp(f32),
-                        fp(f32), fp(f32), fp(torch.int32), 1, 1, 1, 1, 1.0, fwd._compile_stream())
+    return cute.compile(ChunkBwdIntra(), *map(fwd._fake_ptr, intra_args().dtypes), 1, 1, 1, 1, 1.0,
+                        fwd._compile_stream())
+
+
+@functools.cache
+def intra_args() -> PointerArgs:
+    """chunk_bwd_intra's pointer arguments: q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, chunk table."""
+    return PointerArgs((_BF, _BF, _F32, _F32, _F32, _F32, _F32, _F32, _F32, _F32, _I32))
 
 
 def chunk_bwd_intra(q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab, *, scale):
@@ -95,9 +147,10 @@ def chunk_bwd_intra(q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab, *, scale):
     HV = G.shape[1]
     NC = ctab.shape[0]
     if NC:
-        p = fwd._ptr
-        intra_kernel()(p(q), p(k), p(G), p(beta), p(dAqk), p(dL), p(dq), p(dk), p(dbeta), p(dG), p(ctab), TT, NC,
-                       HQK, HV, float(scale), fwd._stream())
+        kern, args = intra_kernel(), intra_args()
+        with args.lock:
+            kern(*args.fill((q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab)), TT, NC, HQK, HV, float(scale),
+                 fwd._stream())
 
 
 @functools.cache
@@ -107,9 +160,17 @@ def dhu_kernel(has_dht: bool, want_dh0: bool):
 
     from cula_sm100.backward.chunk_bwd_dhu import ChunkBwdDhu
 
-    bf, f32, fp = torch.bfloat16, torch.float32, fwd._fake_ptr
-    return cute.compile(ChunkBwdDhu(has_dht, want_dh0), fp(bf), fp(bf), fp(bf), fp(f32), fp(bf), fp(bf), fp(f32),
-                        fp(bf), fp(bf), fp(f32), fp(torch.int32), 1, 1, 1, 1, 1, 1.0, fwd._compile_stream())
+    return cute.compile(ChunkBwdDhu(has_dht, want_dh0), *map(fwd._fake_ptr, DHU_DTYPES), 1, 1, 1, 1, 1, 1.0,
+                        fwd._compile_stream())
+
+
+# chunk_bwd_dhu's pointer arguments: q, kg, w, G, do, dv, dht (or None), dh, dv_tot, dh0 (or None), sequence table
+DHU_DTYPES = (_BF, _BF, _BF, _F32, _BF, _BF, _F32, _BF, _BF, _F32, _I32)
+
+
+@functools.cache
+def dhu_args(has_dht: bool, want_dh0: bool) -> PointerArgs:
+    return PointerArgs(DHU_DTYPES)
 
 
 def chunk_bwd_dhu(q, kg, w, G, do, dv, dht, ctab, stab, *, scale, want_dh0):
@@ -123,10 +184,10 @@ def chunk_bwd_dhu(q, kg, w, G, do, dv, dht, ctab, stab, *, scale, want_dh0):
     dv2 = torch.empty_like(dv)
     dh0 = torch.empty(N, HV, K, V, device=G.device, dtype=torch.float32) if want_dh0 else None
     if N:
-        p = fwd._ptr
-        dhu_kernel(dht is not None, want_dh0)(
-            p(q), p(kg), p(w), p(G), p(do), p(dv), p(dht, torch.float32), p(dh), p(dv2), p(dh0, torch.float32),
-            p(stab), TT, NC, N, HQK, HV, float(scale), fwd._stream())
+        kern, args = dhu_kernel(dht is not None, want_dh0), dhu_args(dht is not None, want_dh0)
+        with args.lock:
+            kern(*args.fill((q, kg, w, G, do, dv, dht, dh, dv2, dh0, stab)), TT, NC, N, HQK, HV, float(scale),
+                 fwd._stream())
     return dh, dv2, dh0
 
 
@@ -155,9 +216,10 @@ def chunk_wy_dqkg(q, k, v, v_new, G, beta, Akk, h, do, dh, dv, ctab, *, scale):
     dA = torch.empty(TT, HV, fwd.BT, device=q.device, dtype=torch.float32)
     NC = ctab.shape[0]
     if NC:
-        p = fwd._ptr
-        wy_dqkg_kernel()(p(q), p(k), p(v), p(v_new), p(G), p(beta), p(Akk), p(h), p(do), p(dh), p(dv), p(dq), p(dk),
-                         p(dv2), p(dg), p(db), p(dA), p(ctab), TT, NC, HQK, HV, float(scale), fwd._stream())
+        kern, args = wy_dqkg_kernel(), wy_args()
+        with args.lock:
+            kern(*args.fill((q, k, v, v_new, G, beta, Akk, h, do, dh, dv, dq, dk, dv2, dg, db, dA, ctab)), TT, NC, HQK,
+                 HV, float(scale), fwd._stream())
     return dq, dk, dv2, db, dg, dA
 
 
