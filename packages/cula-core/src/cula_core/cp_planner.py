@@ -19,11 +19,12 @@ onto the SMs, a map chunk step weighing ``map_weight`` of a main one, plus ``pie
 with more pieces must win by ``tie``). ``on`` uses the same construction without the two entry conditions (and
 at least two pieces); ``off`` never splits.
 
-Measured on the H100 (docs/benchmarks/intracard_cp.md): ``min_tokens = 32768``: CP lost at 16384 tokens on 5
-of 6 shapes (0.73x - 1.04x; host launches of the CP path cost ~1 ms) and won from 32768 except at H = 16 with
-two sequences (1.01x - 1.08x, where the model finds no plan faster either); the model picks the fastest count
-of run 1's piece sweep at every swept shape (16 / 8 / 3 pieces at H = 4 / 8 / 16 for 131072 tokens, where the
-one-wave rule gave 4 at H = 16: its map pass took two waves).
+Measured on the H100 (docs/benchmarks/intracard_cp.md): ``min_tokens = 16384``: once the CP call stopped
+synchronising the stream (run 3), CP won at 16384 tokens on all 6 shapes timed there (1.09x - 1.82x; it lost on
+5 of them while the call synchronised, run 1) and from 32768 on the whole grid except two sequences at H = 16
+(1.01x - 1.08x, where the model finds no plan faster either); the model picks the fastest count of run 1's piece
+sweep at every swept shape (16 / 8 / 3 pieces at H = 4 / 8 / 16 for 131072 tokens, where the one-wave rule gave
+4 at H = 16: its map pass took two waves). Shorter sequences are left serial: not measured without the sync.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def _chunks(length: int, chunk_size: int) -> int:
 @functools.lru_cache(maxsize=256)
 def plan_pieces(lengths: tuple[int, ...], num_heads: int, num_sms: int, mode: str = "auto", *,
                 chunk_size: int = 64, slices: int = 4, busy_fraction: float = 0.5,
-                min_tokens: int = 32768, min_piece_chunks: int = 16, map_slices: int | None = None,
+                min_tokens: int = 16384, min_piece_chunks: int = 16, map_slices: int | None = None,
                 map_weight: float = 0.6, piece_cost: float = 2.0, max_waves: int = 2, tie: float = 0.02,
                 force_pieces: int | None = None) -> tuple[int, ...]:
     """Number of pieces of each sequence.
