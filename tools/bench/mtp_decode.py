@@ -266,7 +266,8 @@ def first_call_report(H: int = 32) -> str:
             ("kda_decode_mtp (T = 4)", lambda: cula_core.kda_decode_mtp(*_op_args(x4), A_log=x4["A_log"],
                                                                       dt_bias=x4["dt_bias"],
                                                                       use_qk_l2norm_in_kernel=True)),
-            ("kda_decode_mtp_kvbuffer (T = 4)", lambda: buf.append(cula_verify(x4)[1])),
+            ("kda_decode_mtp_kvbuffer (T = 4)", lambda: buf.append(cula_core.kda_decode_mtp_kvbuffer(
+                *_op_args(x4), A_log=x4["A_log"], dt_bias=x4["dt_bias"], use_qk_l2norm_in_kernel=True)[1])),
             ("kda_flush_kvbuffer (T = 4)", lambda: cula_core.kda_flush_kvbuffer(x4["state_pool"], x4["cache_idx"],
                                                                                buf[-1], 2))]
     lines = ["", f"### First call of each family (wall seconds, H = {H}, N = 8; GPU: {torch.cuda.get_device_name()})",
