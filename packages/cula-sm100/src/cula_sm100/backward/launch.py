@@ -36,6 +36,11 @@ INTRA_KERNEL = True
 FINISH_KERNEL = False
 
 
+# PointerArgs reuses its pointer objects only when this is True. False (the default) until a GPU run has passed the
+# backward tests with it: fill() then returns fresh make_ptr pointers, the path every GPU test so far has run.
+REUSE_POINTERS = False
+
+
 class PointerArgs:
     """Reusable CuTe pointer arguments of one compiled kernel: `cute.runtime.make_ptr` costs ~4 us of Python per
     pointer (chunk_wy_dqkg takes 18), which on small calls is most of the host time per call and, with the GPU
@@ -52,6 +57,8 @@ class PointerArgs:
         self.lock = threading.Lock()
 
     def fill(self, tensors):
+        if not REUSE_POINTERS:  # what the kernels were called with before PointerArgs
+            return [fwd._ptr(t, dt) for dt, t in zip(self.dtypes, tensors, strict=True)]
         for i, (ptr, dt, t) in enumerate(zip(self.ptrs, self.dtypes, tensors, strict=True)):
             if t is None:  # an absent optional tensor: the dummy address make_ptr's callers pass (never read)
                 ptr._pointer = _DUMMY_ADDRESS
