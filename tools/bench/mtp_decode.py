@@ -322,6 +322,15 @@ def static_report(ts=(2, 4, 6, 8), variants=STATIC_VARIANTS) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _emit(report: str, out: Path | None) -> int:
+    """Print a markdown report and, with --out, write it there."""
+    print(report)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(report)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--static", action="store_true",
@@ -342,21 +351,13 @@ def main(argv=None) -> int:
     ap.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
     args = ap.parse_args(argv)
     if args.static:
-        report = static_report()
-        print(report)
-        if args.out:
-            args.out.write_text(report)
-        return 0
+        return _emit(static_report(), args.out)
     if not torch.cuda.is_available():
         print("mtp_decode: no CUDA device", file=sys.stderr)
         return 1
     os.environ["CULA_BACKEND"] = "sm90"  # fail loudly rather than time the reference
     if args.first_call:
-        report = first_call_report()
-        print(report)
-        if args.out:
-            args.out.write_text(report)
-        return 0
+        return _emit(first_call_report(), args.out)
     timing = Timing(warmup=args.warmup, repeats=args.rep, method="auto")
     ns, ts, hs = ((1, 64), (4,), (32,)) if args.smoke else (NS, TS, HS)
     if args.quick:
@@ -383,11 +384,7 @@ def main(argv=None) -> int:
 
         raw["dispatch"] = dispatch_run(timing, hs, ns, ts, sections=tuple(args.sections.split(",")), dump=keep)
         dump()
-        report = render_dispatch(raw["dispatch"], environment("cuda"))
-        print(report)
-        if args.out:
-            args.out.write_text(report)
-        return 0
+        return _emit(render_dispatch(raw["dispatch"], environment("cuda")), args.out)
     if args.only_tilings:
         sweep()
         print(render_tilings(raw["tilings"]))
@@ -456,11 +453,7 @@ def main(argv=None) -> int:
     report = render(raw, environment("cuda"), peak_hbm_gbs())
     if raw.get("tilings"):
         report += render_tilings(raw["tilings"])
-    print(report)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(report)
-    return 0
+    return _emit(report, args.out)
 
 
 def dispatch_run(timing, hs=HS, ns=NS, ts=TS, growth_ts=(2, 3, 4, 6, 8), growth_ns=(1, 16, 128),
