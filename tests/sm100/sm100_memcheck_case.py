@@ -1,7 +1,13 @@
 """Run under compute-sanitizer by test_sm100_forward_gpu.py::test_memcheck_clean_on_odd_shapes: the whole
 forward (every kernel, every gate mode, q/k L2 norm, states) on odd shapes: T = 1, 63, 65, N = 1, GVA 1/2/4,
-a varlen batch with empty and length-1 sequences. Prints "cases ok" at the end; memcheck reports any
+a varlen batch with empty and length-1 sequences, and extreme decay (chunk_intra's fp32 sub-block path). Prints
+the chunk_intra variant in use ($CULA_SM100_CHUNK_INTRA) first and "cases ok" at the end; memcheck reports any
 out-of-bounds or misaligned access."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -11,6 +17,7 @@ from cula_sm100.forward import launch
 
 
 def main():
+    print(f"chunk_intra {launch.intra_variant()}", flush=True)
     n = 0
     gates = [("precomputed", None), ("softplus", None), ("safe", -5.0)]
     for T, HQK, HV, B in ((1, 1, 1, 1), (63, 2, 4, 2), (65, 1, 4, 1)):
@@ -29,8 +36,24 @@ def main():
                        output_final_state=final, use_qk_l2norm_in_kernel=False, gate="precomputed", lower_bound=None,
                        beta_activation="none")
         n += 1
+    for T, HQK, HV in ((1, 1, 2), (65, 2, 4)):  # every diagonal block through the fp32 sub-block path
+        q, k, v, g, beta, _ = make_inputs(1, T, HQK, HV, seed=T, decay="extreme")
+        launch.forward(q, k, v, g, beta, None, None, None, None, None, scale=0.1, output_final_state=False,
+                       use_qk_l2norm_in_kernel=False, gate="precomputed", lower_bound=None, beta_activation="none")
+        n += 1
     torch.cuda.synchronize()
     print(f"{n} cases ok")
+
+
+def run_under_memcheck(**env):
+    """This file under `compute-sanitizer --tool memcheck`, with `env` added to the environment (e.g.
+    CULA_SM100_CHUNK_INTRA="v2"); returns the CompletedProcess. API errors are not reported: the DSL probes
+    device attributes through calls that may fail by design; every access of every kernel launch is checked.
+    The caller skips when compute-sanitizer is not on PATH."""
+    here = Path(__file__).resolve().parent
+    cmd = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9", "--leak-check", "no",
+           "--report-api-errors", "no", sys.executable, str(here / "sm100_memcheck_case.py")]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=here, env=dict(os.environ, **env))
 
 
 if __name__ == "__main__":

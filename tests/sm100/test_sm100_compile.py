@@ -43,3 +43,35 @@ def test_kernels_compile(arch, compiled_by_arch):
     assert rc == 0, stdout[-2000:] + stderr[-4000:]
     compiled = [line for line in stdout.splitlines() if line.startswith("compiled ")]
     assert len(compiled) == len(KERNELS), stdout
+
+
+def test_chunk_intra_switch(monkeypatch):
+    """CULA_SM100_CHUNK_INTRA picks chunk_intra's variant per call (v1 when unset or empty), rejects other values
+    with a message naming the variable, and the compiled-kernel cache keys on the variant (compile stubbed:
+    what is cached is the object handed to cute.compile)."""
+    import torch
+
+    pytest.importorskip("cutlass")
+    import cutlass.cute as cute
+
+    from cula_sm100.forward import launch
+
+    for env, want in ((None, "v1"), ("", "v1"), ("v1", "v1"), ("v2", "v2")):
+        if env is None:
+            monkeypatch.delenv(launch.INTRA_ENV, raising=False)
+        else:
+            monkeypatch.setenv(launch.INTRA_ENV, env)
+        assert launch.intra_variant() == want
+        assert launch.intra_variant("v1") == "v1"  # an explicit variant wins over the environment
+    monkeypatch.setenv(launch.INTRA_ENV, "fast")
+    with pytest.raises(ValueError, match="CULA_SM100_CHUNK_INTRA must be one of v1, v2, got 'fast'"):
+        launch.intra_variant()
+
+    monkeypatch.setattr(cute, "compile", lambda obj, *args: type(obj).__name__)
+    launch.intra_kernel.cache_clear()
+    try:
+        assert launch.intra_kernel(torch.bfloat16, "none", "v1") == "ChunkIntra"
+        assert launch.intra_kernel(torch.bfloat16, "none", "v2") == "ChunkIntraV2"
+        assert launch.intra_kernel.cache_info().currsize == 2
+    finally:
+        launch.intra_kernel.cache_clear()  # drop the stubs

@@ -2,7 +2,7 @@
 chunk_kda forward with the same flags, plus per-kernel rows (chunk_intra, recompute_w_u) against FLA's.
 
     python -m tools.bench.train_fwd [--smoke] [--kernels-only] [--hv 64,128] [--delta-h-sweep]
-                                    [--out docs/benchmarks/train_fwd.md] [--json FILE]
+                                    [--intra-variant v1,v2] [--out docs/benchmarks/train_fwd.md] [--json FILE]
 
 End to end (`chunk_kda`): B = 2, HQK = 64, HV in (64, 128, 256), T in (512 .. 32768), and varlen (B = 1, 8
 sequences, 16384 tokens, one of length 1). Inputs as in training: bf16 q, k, v; raw gate (fp32) with
@@ -16,6 +16,10 @@ FLA's `recompute_w_u_fwd`; the `chunk_intra` row compares ours with FLA's differ
 part alone), labelled as derived; then `chunk_delta_h` against `chunk_gated_delta_rule_fwd_h`, `fwd_o` against
 `chunk_gla_fwd_o_gk`, the gate against `kda_gate_chunk_cumsum` and the L2 norm of q against `l2norm_fwd` (the
 forward runs it on q and on k). `--hv` keeps only the listed value-head counts (FLA autotunes per HV).
+`--intra-variant v1,v2` times each listed chunk_intra variant (v1: chunk_intra.py, live; v2: the opt-in
+chunk_intra_v2.py) in its own row beside FLA's derived intra time, on the same inputs, and checks v2's Aqk / Akk
+against v1's there; the first listed variant feeds the composed rows (intra + w_u, the stage sum). End-to-end rows
+use whatever CULA_SM100_CHUNK_INTRA selects (v1 when unset).
 Timing: median of `triton.testing.do_bench` through tools/bench/harness.py, after warm-up. The errors column is
 ||cula - FLA|| / ||FLA|| of o on the timed inputs.
 """
@@ -97,7 +101,7 @@ def stage_inputs(x):
     ctab, _ = launch.tables(B, T, cu, x.get("cu_seqlens_cpu"), q.device)
     G = launch.gate_cumsum(gate.reshape(-1, HV, K), None, None, ctab, gate="precomputed", lower_bound=None)
     gk = chunk_local_cumsum(gate, chunk_size=64, scale=RCP_LN2, cu_seqlens=cu.long() if cu is not None else None)
-    Aqk, Akk = launch.chunk_intra(q, k, G, x["beta"], ctab, scale=K ** -0.5, beta_activation="none")
+    Aqk, Akk = launch.chunk_intra(q, k, G, x["beta"], ctab, scale=K ** -0.5, beta_activation="none", variant="v1")
     ctab, stab = launch.tables(B, T, cu, x.get("cu_seqlens_cpu"), q.device)
     w, u, kg = launch.recompute_w_u(k, x["v"], G, x["beta"], Akk, ctab, beta_activation="none")
     h, v_new, _ = launch.chunk_delta_h(w, u, kg, G, None, ctab, stab, output_final_state=False)
@@ -107,7 +111,7 @@ def stage_inputs(x):
                 cu=cu.long() if cu is not None else None)
 
 
-def kernel_fns(s):
+def kernel_fns(s, intra_variants=("v1",)):
     from fla.modules.norm.l2norm import l2norm_fwd
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
@@ -126,14 +130,17 @@ def kernel_fns(s):
     def fla4(x):  # ours [TT, HV, D] -> FLA's [B, T, HV, D] (same memory)
         return x.reshape(B, T, HV, -1)
 
-    return {
-        "intra": lambda: launch.chunk_intra(s["q"], s["k"], s["G"], s["beta"], s["ctab"], scale=scale,
-                                            beta_activation="none"),
+    first = intra_variants[0]
+    fns = {f"intra[{v}]": (lambda v=v: launch.chunk_intra(s["q"], s["k"], s["G"], s["beta"], s["ctab"], scale=scale,
+                                                          beta_activation="none", variant=v))
+           for v in intra_variants}
+    return fns | {
         "w_u": lambda: launch.recompute_w_u(s["k"], s["v"], s["G"], s["beta"], s["Akk"], s["ctab"],
                                             beta_activation="none"),
         "intra+w_u": lambda: launch.recompute_w_u(s["k"], s["v"], s["G"], s["beta"],
                                                   launch.chunk_intra(s["q"], s["k"], s["G"], s["beta"], s["ctab"],
-                                                                     scale=scale, beta_activation="none")[1],
+                                                                     scale=scale, beta_activation="none",
+                                                                     variant=first)[1],
                                                   s["ctab"], beta_activation="none"),
         "delta_h": lambda: launch.chunk_delta_h(s["w"], s["u"], s["kg"], s["G"], None, s["ctab"], s["stab"],
                                                 output_final_state=False),
@@ -233,8 +240,13 @@ def main(argv=None) -> int:
     ap.add_argument("--hv", type=str, help="only these HV (comma-separated), e.g. 64,128")
     ap.add_argument("--delta-h-sweep", action="store_true",
                     help="only chunk_delta_h (ours and FLA's) at T = 8192 over a range of CTA counts (B, HV)")
+    ap.add_argument("--intra-variant", type=str, default="v1",
+                    help="chunk_intra variants to time in the per-kernel rows (comma-separated: v1, v2), e.g. v1,v2")
     ap.add_argument("--render", type=Path, help="only render a saved --json file as markdown (to --out)")
     args = ap.parse_args(argv)
+    from cula_sm100.forward.launch import intra_variant
+
+    intra_variants = tuple(intra_variant(v.strip()) for v in args.intra_variant.split(","))
     if args.render:
         saved = json.loads(args.render.read_text())
         text = render(saved["rows"], saved["env"])
@@ -286,13 +298,23 @@ def main(argv=None) -> int:
         x = make_inputs(**s)
         st = stage_inputs(x)
         del x
-        fns = kernel_fns(st)
+        fns = kernel_fns(st, intra_variants)
         # the harness picks CUDA timing (do_bench) only when it sees a CUDA tensor among the inputs: hand it
         # one (the stage functions ignore it); with no tensor it would time the host alone, unsynchronised
         t = {name: measure(lambda _, fn=fn: fn(), [st["q"]], timing).median_ms for name, fn in fns.items()}
+        t["intra"] = t[f"intra[{intra_variants[0]}]"]
         base = dict(s)
-        rows.append(dict(kind="chunk_intra (FLA: derived)", **base, cula_ms=t["intra"],
-                         fla_ms=t["fla intra+w_u"] - t["fla w_u"]))
+        for v in intra_variants:
+            kind = ("chunk_intra (FLA: derived)" if v == "v1" else
+                    f"chunk_intra[{v}] (FLA: derived; last column: max rel. diff of Aqk / Akk vs v1)")
+            row = dict(kind=kind, **base, cula_ms=t[f"intra[{v}]"], fla_ms=t["fla intra+w_u"] - t["fla w_u"])
+            if v != "v1":  # the variant's outputs against the live kernel's on the timed inputs
+                from cula_sm100.forward import launch
+
+                a = launch.chunk_intra(st["q"], st["k"], st["G"], st["beta"], st["ctab"], scale=K ** -0.5,
+                                       beta_activation="none", variant=v)
+                row["err"] = max(rel(a[0], st["Aqk"]), rel(a[1], st["Akk"]))
+            rows.append(row)
         rows.append(dict(kind="recompute_w_u", **base, cula_ms=t["w_u"], fla_ms=t["fla w_u"]))
         rows.append(dict(kind="chunk_intra + recompute_w_u", **base, cula_ms=t["intra+w_u"],
                          fla_ms=t["fla intra+w_u"]))
@@ -302,7 +324,7 @@ def main(argv=None) -> int:
                          + t["fla fwd_o"]))
         for ours, theirs in (("delta_h", "chunk_delta_h"), ("fwd_o", "fwd_o"), ("gate", "gate + cumsum"), ("l2norm", "l2norm (q)")):
             rows.append(dict(kind=theirs, **base, cula_ms=t[ours], fla_ms=t["fla " + ours.split("[")[0]]))
-        for r in rows[-8:]:
+        for r in rows[-(7 + len(intra_variants)):]:
             print(r, flush=True)
         print("stage ms:", {k_: round(v_, 3) for k_, v_ in t.items()}, flush=True)
         save()

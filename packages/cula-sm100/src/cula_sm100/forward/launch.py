@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -83,11 +84,28 @@ def gate_kernel(gate: str, g_dtype, a_dtype, b_dtype, has_A_log: bool, has_dt_bi
                         1, 1, 1, _compile_stream())
 
 
+# chunk_intra variants: "v1" the live kernel (chunk_intra.py), "v2" the opt-in 8-warp one (chunk_intra_v2.py,
+# compiled only until a GPU run decides). The environment variable is read per call (no restart needed).
+INTRA_VARIANTS = ("v1", "v2")
+INTRA_ENV = "CULA_SM100_CHUNK_INTRA"
+
+
+def intra_variant(variant: str | None = None) -> str:
+    """The chunk_intra variant a call uses: `variant` if given, else $CULA_SM100_CHUNK_INTRA, else "v1"."""
+    v = variant if variant is not None else (os.environ.get(INTRA_ENV) or "v1")
+    if v not in INTRA_VARIANTS:
+        raise ValueError(f"{INTRA_ENV} must be one of {', '.join(INTRA_VARIANTS)}, got {v!r}")
+    return v
+
+
 @functools.cache
-def intra_kernel(beta_dtype: torch.dtype, beta_activation: str):
+def intra_kernel(beta_dtype: torch.dtype, beta_activation: str, variant: str = "v1"):
     import cutlass.cute as cute
 
-    from cula_sm100.forward.chunk_intra import ChunkIntra
+    if variant == "v2":
+        from cula_sm100.forward.chunk_intra_v2 import ChunkIntraV2 as ChunkIntra
+    else:
+        from cula_sm100.forward.chunk_intra import ChunkIntra
 
     bf = torch.bfloat16
     return cute.compile(ChunkIntra(beta_activation), _fake_ptr(bf), _fake_ptr(bf), _fake_ptr(torch.float32),
@@ -210,14 +228,17 @@ def gate_cumsum(g, A_log, dt_bias, ctab, *, gate, lower_bound):
     return G
 
 
-def chunk_intra(q, k, G, beta, ctab, *, scale, beta_activation):
-    """(Aqk, Akk) [TT, HV, 64] bf16 (kernel: chunk_intra.py). q, k [.., T, HQK, K] bf16; G [TT, HV, K] fp32."""
+def chunk_intra(q, k, G, beta, ctab, *, scale, beta_activation, variant=None):
+    """(Aqk, Akk) [TT, HV, 64] bf16 (kernel: chunk_intra.py; chunk_intra_v2.py when `variant`, or else
+    $CULA_SM100_CHUNK_INTRA, is "v2"). q, k [.., T, HQK, K] bf16; G [TT, HV, K] fp32."""
     TT, HV, _ = G.shape
     HQK = q.shape[-2]
+    variant = intra_variant(variant)
     Aqk, Akk = _empty(TT, HV, BT, like=G), _empty(TT, HV, BT, like=G)
     if ctab.shape[0]:
-        intra_kernel(beta.dtype, beta_activation)(_ptr(q), _ptr(k), _ptr(G), _ptr(beta), _ptr(Aqk), _ptr(Akk),
-                                                  _ptr(ctab), TT, ctab.shape[0], HQK, HV, float(scale), _stream())
+        intra_kernel(beta.dtype, beta_activation, variant)(_ptr(q), _ptr(k), _ptr(G), _ptr(beta), _ptr(Aqk), _ptr(Akk),
+                                                           _ptr(ctab), TT, ctab.shape[0], HQK, HV, float(scale),
+                                                           _stream())
     return Aqk, Akk
 
 

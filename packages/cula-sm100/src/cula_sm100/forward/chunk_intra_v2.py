@@ -1,0 +1,335 @@
+"""chunk_intra v2 (opt-in, `CULA_SM100_CHUNK_INTRA=v2`): the live chunk_intra's math on 8 warps, at 16 warps per SM.
+
+Same outputs as chunk_intra.py (read its docstring for the math and the factorisation that keeps every exponent
+<= 0): Aqk and Akk = (I + L)^{-1} per (chunk of 64, value head), bf16, GVA as there (q/k at hv // (HV // HQK)).
+
+Why: the live kernel holds 242 registers per thread, so 2 CTAs of 4 warps (8 warps) share an SM, and its longest
+warp (rows 48..63) builds 4 decayed-key blocks, runs 4 score GEMMs of 32 rows and the whole exact fp32 path of
+its diagonal block (8 serial row steps over 64 channels per lane). v2 splits each row block between two warps:
+
+  * warp wid = 2 w + s owns rows n = 16 w .. n + 15 and side s (0: q, Aqk; 1: k, L); its A fragment is 16 x 128
+    (one side, 32 registers instead of 64) and its score accumulators 16 x 16 per column block (8 registers);
+    the B operand (decayed keys k_j e^{G_n - G_j}) is shared by the pair, each warp building the blocks
+    nt <= w with nt % 2 == s (at most 2 instead of 4). Operand values, MMA shapes and k order are the live
+    kernel's, so the GEMM parts of the scores are bitwise the live ones;
+  * the exact fp32 path of a strong-decay diagonal block: warp s takes the 8 x 8 sub-block s (the live kernel's
+    warp did both), lane (column c = lane % 8, channel quarter h = lane // 8) over 32 channels (16 m + 4 h + e),
+    quarters added by two shuffles: half the serial work per warp, 32 registers of running decayed keys instead
+    of 64 (summation order differs from the live kernel's: fp32 rounding);
+  * per-step decays a_t: rows 32..63 and 1..31 by the two halves of the CTA (the half that reads row 31 takes it
+    before the barrier that precedes the writes);
+  * solve: diagonal 16 x 16 inverses as live (warps with s = 0), off-diagonal blocks one element per thread (256
+    threads: half the serial chain per thread), the live kernel's summation order (bitwise the same);
+  * launch bound of 2 CTAs per SM: 65536 / (256 x 2) = 128 registers per thread, so 16 warps per SM; shared
+    memory unchanged (104 KiB, 2 CTAs per SM).
+Status: compiled for sm_90a and sm_100a only (no GPU run yet); tests/sm100/test_sm100_intra_v2_gpu.py decides.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cuda.bindings.driver as cuda
+
+from cula_sm100.forward.chunk_intra import ChunkIntra
+from cula_sm100.forward.cute_utils import (LOG2E, chunk_block, copy_rows_g2s, g2s_tiled_copy, head_rows,
+                                          ldmatrix_copy_B, load_beta, make_tiled_mma, smem_layout, store_rows_s2g,
+                                          token_layout)
+
+
+class ChunkIntraV2(ChunkIntra):
+    threads = 256
+    MIN_CTAS = 2  # per SM: caps registers at 65536 / (256 x 2) = 128
+
+    @cute.jit
+    def __call__(self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, G_ptr: cute.Pointer, beta_ptr: cute.Pointer,
+                 Aqk_ptr: cute.Pointer, Akk_ptr: cute.Pointer, table_ptr: cute.Pointer, TT: cutlass.Int32,
+                 NC: cutlass.Int32, HQK: cutlass.Int32, HV: cutlass.Int32, scale: cutlass.Float32,
+                 stream: cuda.CUstream):
+        K, BT = self.K, self.BT
+        mQ = cute.make_tensor(q_ptr, token_layout(TT, HQK, K))
+        mK = cute.make_tensor(k_ptr, token_layout(TT, HQK, K))
+        mG = cute.make_tensor(G_ptr, token_layout(TT, HV, K))
+        mBeta = cute.make_tensor(beta_ptr, token_layout(TT, HV, 1))
+        mAqk = cute.make_tensor(Aqk_ptr, token_layout(TT, HV, BT))
+        mAkk = cute.make_tensor(Akk_ptr, token_layout(TT, HV, BT))
+        mT = cute.make_tensor(table_ptr, cute.make_layout((NC, 2), stride=(2, 1)))
+        self.kernel(mQ, mK, mG, mBeta, mAqk, mAkk, mT, HV // HQK, scale).launch(
+            grid=[NC, HV, 1], block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=self.MIN_CTAS,
+            preferred_smem_carveout=100)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor, mAqk: cute.Tensor,
+               mAkk: cute.Tensor, mT: cute.Tensor, group: cutlass.Int32, scale: cutlass.Float32):
+        K, BT = self.K, self.BT
+        tidx, _, hv, t0, n = chunk_block(mT)
+        wid = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tidx % 32
+        hq = hv // group  # GVA: q / k at the value head's q/k head
+
+        smem = cutlass.utils.SmemAllocator()  # 104 KiB, the live kernel's regions
+        sQ = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 1024)
+        sK = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 1024)
+        sG = smem.allocate_tensor(cutlass.Float32, cute.make_layout((BT, K), stride=(K, 1)), 128)
+        r_raw = smem.allocate(self.Y_BLOCKS * self.BC * K * 2, 1024)
+        sBeta = smem.allocate_tensor(cutlass.Float32, cute.make_layout((BT,)), 16)
+
+        cp_bf16 = g2s_tiled_copy(K, self.threads)
+        copy_rows_g2s(cp_bf16, head_rows(mQ, t0, hq, BT), sQ, n, tidx)
+        copy_rows_g2s(cp_bf16, head_rows(mK, t0, hq, BT), sK, n, tidx)
+        copy_rows_g2s(g2s_tiled_copy(K, self.threads, cutlass.Float32), head_rows(mG, t0, hv, BT), sG, n, tidx)
+        cute.arch.cp_async_commit_group()
+        load_beta(sBeta, mBeta, t0, hv, n, tidx, self.beta_activation)
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+        # rows past the chunk end repeat the last valid G (their q/k are zero): exponents stay <= 0. Thread =
+        # (channel, row parity); row n - 1 is never written here, so the reads race with nothing.
+        ch = tidx % K
+        par = tidx // K
+        for rr in cutlass.range_constexpr(BT // 2):
+            r = 2 * rr + par
+            if r >= n:
+                sG[r, ch] = sG[n - 1, ch]
+        cute.arch.sync_threads()
+        self.scores_and_solve_v2(sQ, sK, sG, r_raw, sBeta, mAqk, mAkk, tidx, wid, lane, hv, t0, n, scale)
+
+    @cute.jit
+    def scores_and_solve_v2(self, sQ: cute.Tensor, sK: cute.Tensor, sG: cute.Tensor, r_raw: cute.Pointer,
+                            sBeta: cute.Tensor, mAqk: cute.Tensor, mAkk: cute.Tensor, tidx, wid, lane, hv, t0, n,
+                            scale: cutlass.Float32):
+        """ChunkIntra.scores_and_solve on 8 warps (module docstring); same shared-memory regions and layouts."""
+        K, BT, BC = self.K, self.BT, self.BC
+        w = wid // 2  # row block
+        s = wid % 2   # side: 0 q (Aqk), 1 k (L); in the fp32 path, the 8 x 8 diagonal sub-block
+        r0 = w * BC
+        sY = cute.make_tensor(cute.recast_ptr(r_raw, dtype=cutlass.BFloat16), smem_layout(self.Y_BLOCKS * BC, K))
+        r_f32 = cute.recast_ptr(r_raw, dtype=cutlass.Float32)
+        sA = cute.make_tensor(r_f32, cute.make_layout((BT, BT), stride=(BT + 1, 1)))
+        sL = cute.make_tensor(r_f32 + BT * (BT + 1), cute.make_layout((BT, BT), stride=(BT + 1, 1)))
+        sD = cute.make_tensor(r_f32 + 2 * BT * (BT + 1),
+                              cute.make_layout((4, BC, BC), stride=(BC * (BC + 1), BC + 1, 1)))
+        sTmp = cute.make_tensor(r_f32 + 2 * BT * (BT + 1) + 4 * BC * (BC + 1),
+                                cute.make_layout((BC, 3 * BC), stride=(3 * BC + 1, 1)))
+
+        # ---- the row block's decay span (both warps of the pair compute it: same value), as the live kernel
+        span = cutlass.Float32(0.0)
+        for e in cutlass.range_constexpr(4):
+            span = cute.arch.fmax(span, sG[r0, lane * 4 + e] - sG[r0 + BC - 1, lane * 4 + e])
+        for sh in cutlass.range_constexpr(5):
+            span = cute.arch.fmax(span, cute.arch.shuffle_sync_bfly(span, 1 << sh))
+        mild = span * LOG2E < 100.0
+        half_rows = BC // 2
+        lo = half_rows
+        hi = half_rows
+        if mild:
+            lo = 0
+            hi = BC
+
+        # ---- B: the pair's decayed keys, block nt built by the warp with s == nt % 2 (live kernel's values)
+        gref = cute.make_rmem_tensor((4,), cutlass.Float32)
+        gdia = cute.make_rmem_tensor((4,), cutlass.Float32)
+        self.load4(sG, r0, lane, gref)
+        self.load4(sG, r0 + lo, lane, gdia)
+        for e in cutlass.range_constexpr(4):
+            gref[e] = gref[e] * LOG2E
+            gdia[e] = gdia[e] * LOG2E
+        gv = cute.make_rmem_tensor((4,), cutlass.Float32)
+        kv = cute.make_rmem_tensor((4,), cutlass.BFloat16)
+        yv = cute.make_rmem_tensor((4,), cutlass.BFloat16)
+        yb0 = w * (w + 1) // 2
+        for nt in cutlass.range_constexpr(4):
+            if nt % 2 == s:
+                if nt < w:
+                    self.build_keys(sG, sK, cute.local_tile(sY, (BC, K), (yb0 + nt, 0)), nt * BC, gref, BC, lane,
+                                    gv, kv, yv)
+                if nt == w:
+                    self.build_keys(sG, sK, cute.local_tile(sY, (BC, K), (yb0 + nt, 0)), nt * BC, gdia, hi, lane,
+                                    gv, kv, yv)
+        # the per-step decays' rows 32..63 read G_31, which the other half of the CTA overwrites: read it now
+        ch = tidx % K
+        par = tidx // K
+        g_edge = sG[BT // 2 - 1, ch]
+        sX = sQ
+        if s == 1:
+            sX = sK
+        cute.arch.sync_threads()  # every warp's B operand is built
+
+        # ---- scores by warp-level MMA, k-block by k-block: A (this side's rows x exp2(G_i - G_n), and for the
+        #      diagonal block x exp2(G_i - G_{n+lo}) with rows < lo zero) is built 16 channels at a time right
+        #      before the MMAs that read it, so at most 32 accumulator registers and two A slices are live (the
+        #      live kernel builds the whole 32 x 128 A first: 64 registers). Each accumulator still sums k-blocks
+        #      0..7 in order with the live operand values, so the products are the live ones.
+        mma = make_tiled_mma(1)
+        thr = mma.get_slice(lane)
+        rA = cute.make_rmem_tensor(thr.partition_shape_A((BC, K)), cutlass.BFloat16)
+        rAd = cute.make_rmem_tensor(thr.partition_shape_A((BC, K)), cutlass.BFloat16)
+        cA = thr.partition_A(cute.make_identity_tensor((BC, K)))
+        cB = ldmatrix_copy_B(mma, cutlass.BFloat16, False)
+        tB = cB.get_slice(lane)
+        rB = thr.make_fragment_B(thr.partition_B(cute.local_tile(sY, (BC, K), (0, 0))))
+        rBv = tB.retile(rB)
+        accs = [cute.make_rmem_tensor(thr.partition_shape_C((BC, BC)), cutlass.Float32) for _ in range(4)]
+        for nt in cutlass.range_constexpr(4):
+            accs[nt].fill(0.0)
+        for kb in cutlass.range_constexpr(K // 16):
+            self.build_slice(rA[None, None, kb], rAd[None, None, kb], cA[None, None, kb], sX, sG, r0, lo, mild)
+            for nt in cutlass.range_constexpr(4):
+                sBp = tB.partition_S(cute.local_tile(sY, (BC, K), (yb0 + nt, 0)))
+                if nt < w:
+                    cute.copy(cB, sBp[None, None, kb], rBv[None, None, kb])
+                    cute.gemm(mma, accs[nt], rA[None, None, kb], rB[None, None, kb], accs[nt])
+                if nt == w:
+                    cute.copy(cB, sBp[None, None, kb], rBv[None, None, kb])
+                    cute.gemm(mma, accs[nt], rAd[None, None, kb], rB[None, None, kb], accs[nt])
+        cute.arch.sync_threads()  # every warp is done reading G
+        # ---- per-step decays a_t = exp(G_t - G_{t-1}) in place of G, descending t: half par = 1 rows 63..32
+        #      (G_31 from the register read above), half par = 0 rows 31..1 (row 0 keeps G_0, as live)
+        if par == 1:
+            for tt in cutlass.range_constexpr(BT // 2 - 1):
+                t = BT - 1 - tt
+                sG[t, ch] = cute.math.exp2((sG[t, ch] - sG[t - 1, ch]) * LOG2E, fastmath=True)
+            sG[BT // 2, ch] = cute.math.exp2((sG[BT // 2, ch] - g_edge) * LOG2E, fastmath=True)
+        else:
+            for tt in cutlass.range_constexpr(BT // 2 - 1):
+                t = BT // 2 - 1 - tt
+                sG[t, ch] = cute.math.exp2((sG[t, ch] - sG[t - 1, ch]) * LOG2E, fastmath=True)
+        cute.arch.sync_threads()  # every GEMM is done with R; the decays are in place
+        coord = thr.partition_C(cute.make_identity_tensor((BC, BC)))
+        for nt in cutlass.range_constexpr(4):
+            if nt < w:
+                self.store_side(accs[nt], coord, sA, sL, sBeta, s, r0, nt * BC, 0, BC, scale)
+            if nt == w:
+                self.store_side(accs[nt], coord, sA, sL, sBeta, s, r0, nt * BC, lo, hi, scale)
+
+        # ---- diagonal 8 x 8 sub-block s in fp32 (not mild): lane (c, h) carries the decayed key of column
+        #      base + c over channels 16 m + 4 h + e (m < 8, e < 4), z_j(i) = k_j a_{j+1} ... a_i, dots it with
+        #      q_i and k_i; the 4 quarters add by two shuffles
+        c = lane % half_rows
+        h = lane // half_rows
+        base = r0 + s * half_rows
+        z = cute.make_rmem_tensor((32,), cutlass.Float32)
+        z.fill(0.0)
+        av = cute.make_rmem_tensor((4,), cutlass.Float32)
+        qv = cute.make_rmem_tensor((4,), cutlass.BFloat16)
+        n_diag = half_rows
+        if mild:
+            n_diag = 0
+        for ii in cutlass.range(n_diag, unroll=1):
+            row = base + ii
+            aq = cute.make_rmem_tensor((4,), cutlass.Float32)
+            ak = cute.make_rmem_tensor((4,), cutlass.Float32)
+            aq.fill(0.0)
+            ak.fill(0.0)
+            for m in cutlass.range_constexpr(8):
+                self.load4(sG, row, 4 * m + h, av)
+                self.load4(sK, row, 4 * m + h, kv)
+                self.load4(sQ, row, 4 * m + h, qv)
+                for e in cutlass.range_constexpr(4):
+                    z[4 * m + e] = z[4 * m + e] * av[e]
+                if c == ii:
+                    for e in cutlass.range_constexpr(4):
+                        z[4 * m + e] = kv[e].to(cutlass.Float32)
+                for e in cutlass.range_constexpr(4):
+                    aq[e] += qv[e].to(cutlass.Float32) * z[4 * m + e]
+                    ak[e] += kv[e].to(cutlass.Float32) * z[4 * m + e]
+            sq = (aq[0] + aq[1]) + (aq[2] + aq[3])
+            sk = (ak[0] + ak[1]) + (ak[2] + ak[3])
+            for sh in cutlass.range_constexpr(2):
+                sq += cute.arch.shuffle_sync_bfly(sq, half_rows << sh)
+                sk += cute.arch.shuffle_sync_bfly(sk, half_rows << sh)
+            if h == 0:
+                if c <= ii:
+                    sA[row, base + c] = sq * scale
+                    sL[row, base + c] = sk * sBeta[row]  # the diagonal entry is written but never read
+        cute.arch.sync_threads()
+
+        # ---- solve: diagonal block inverses (warp 2 w, lane = column), the live kernel's code
+        if s == 0:
+            if lane < BC:
+                x = cute.make_rmem_tensor((BC,), cutlass.Float32)
+                for j in cutlass.range_constexpr(BC):
+                    x[j] = cutlass.Float32(0.0)
+                    if j == lane:
+                        x[j] = cutlass.Float32(1.0)
+                for di in cutlass.range_constexpr(1, BC):
+                    dsum = cutlass.Float32(0.0)
+                    for j in cutlass.range_constexpr(di):
+                        dsum += sL[r0 + di, r0 + j] * x[j]
+                    if di > lane:
+                        x[di] = -dsum
+                for di in cutlass.range_constexpr(BC):
+                    sD[w, di, lane] = x[di]
+        cute.arch.sync_threads()
+
+        # ---- solve: off-diagonal blocks, row block p after row block p - 1, one element (oi, oj) per thread
+        oi = tidx // BC
+        oj = tidx % BC
+        for p in cutlass.range_constexpr(1, 4):
+            for q in cutlass.range_constexpr(p):
+                osum = cutlass.Float32(0.0)
+                for r in cutlass.range_constexpr(q, p):
+                    for xx in cutlass.range_constexpr(BC):
+                        if cutlass.const_expr(r == q):
+                            osum += sL[p * BC + oi, r * BC + xx] * sD[q, xx, oj]
+                        else:
+                            osum += sL[p * BC + oi, r * BC + xx] * sL[r * BC + xx, q * BC + oj]
+                sTmp[oi, q * BC + oj] = osum
+            cute.arch.sync_threads()
+            for q in cutlass.range_constexpr(p):
+                osum = cutlass.Float32(0.0)
+                for xx in cutlass.range_constexpr(BC):
+                    osum += sD[p, oi, xx] * sTmp[xx, q * BC + oj]
+                sL[p * BC + oi, q * BC + oj] = -osum
+            cute.arch.sync_threads()
+
+        # ---- stores: bf16 tiles staged where q was, zeros above the diagonal, then 16-byte rows < n
+        sAqk_o = cute.make_tensor(sQ.iterator, smem_layout(BT, BT))
+        sAkk_o = cute.make_tensor(sQ.iterator + BT * BT, smem_layout(BT, BT))
+        for m in cutlass.range_constexpr(BT * BT // self.threads):
+            e = tidx + self.threads * m
+            ei = e // BT
+            ej = e % BT
+            a = cutlass.Float32(0.0)
+            xo = cutlass.Float32(0.0)
+            if ej <= ei:
+                a = sA[ei, ej]
+                if ei // BC == ej // BC:
+                    xo = sD[ei // BC, ei % BC, ej % BC]
+                else:
+                    xo = sL[ei, ej]
+            sAqk_o[ei, ej] = a.to(cutlass.BFloat16)
+            sAkk_o[ei, ej] = xo.to(cutlass.BFloat16)
+        cute.arch.sync_threads()
+        store_rows_s2g(sAqk_o, head_rows(mAqk, t0, hv, BT), n, tidx, self.threads)
+        store_rows_s2g(sAkk_o, head_rows(mAkk, t0, hv, BT), n, tidx, self.threads)
+
+    @cute.jit
+    def build_slice(self, rA, rAd, cA, sX, sG, r0, lo, mild):
+        """One k-block of this side's A fragments (x = q or k, rows i = r0 + r of the warp): rA = x_i exp2(G_i - G_n)
+        (the off-diagonal blocks' A), rAd the diagonal block's: the same when `mild`, else x_i exp2(G_i - G_{n+lo})
+        with rows r < lo zero. The live build_rows' arithmetic, for one of its two halves."""
+        for j in cutlass.range_constexpr(cute.size(rA)):
+            r, d = cA[j]
+            gi = sG[r0 + r, d] * LOG2E
+            xi = sX[r0 + r, d].to(cutlass.Float32)
+            xv = (xi * cute.math.exp2(gi - sG[r0, d] * LOG2E, fastmath=True)).to(cutlass.BFloat16)
+            rA[j] = xv
+            rAd[j] = xv
+            if not mild:
+                xd = cutlass.Float32(0.0)
+                if r >= lo:
+                    xd = xi * cute.math.exp2(gi - sG[r0 + lo, d] * LOG2E, fastmath=True)
+                rAd[j] = xd.to(cutlass.BFloat16)
+
+    @cute.jit
+    def store_side(self, acc, coord, sA, sL, sBeta, s, r0, c0, lo, hi, scale):
+        """One side's block of scores (rows r0 + r, r >= lo; columns c0 + c, c < hi): sA (q side, times scale)
+        or sL (k side, times beta of the row)."""
+        for v in cutlass.range_constexpr(cute.size(acc)):
+            r, c = coord[v]
+            if r >= lo:
+                if c < hi:
+                    if s == 0:
+                        sA[r0 + r, c0 + c] = acc[v] * scale
+                    else:
+                        sL[r0 + r, c0 + c] = acc[v] * sBeta[r0 + r]
