@@ -21,7 +21,8 @@ its diagonal block (8 serial row steps over 64 channels per lane). v2 splits eac
   * solve: diagonal 16 x 16 inverses as live (warps with s = 0), off-diagonal blocks one element per thread (256
     threads: half the serial chain per thread), the live kernel's summation order (bitwise the same);
   * launch bound of 2 CTAs per SM: 65536 / (256 x 2) = 128 registers per thread, so 16 warps per SM; shared
-    memory unchanged (104 KiB, 2 CTAs per SM).
+    memory as live but G's rows padded to 136 floats (106.2 KiB, still 2 CTAs per SM): the A fragment's reads of
+    G_i are free of the live kernel's 8-way bank conflicts.
 Status: compiled for sm_90a and sm_100a only (no GPU run yet); tests/sm100/test_sm100_intra_v2_gpu.py decides.
 """
 
@@ -40,6 +41,7 @@ from cula_sm100.forward.cute_utils import (LOG2E, chunk_block, copy_rows_g2s, g2
 class ChunkIntraV2(ChunkIntra):
     threads = 256
     MIN_CTAS = 2  # per SM: caps registers at 65536 / (256 x 2) = 128
+    G_STRIDE = 136  # fp32 row stride of G in shared memory (K + 8; 544 bytes keeps 16-byte copies aligned)
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, G_ptr: cute.Pointer, beta_ptr: cute.Pointer,
@@ -70,7 +72,9 @@ class ChunkIntraV2(ChunkIntra):
         smem = cutlass.utils.SmemAllocator()  # 104 KiB, the live kernel's regions
         sQ = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 1024)
         sK = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 1024)
-        sG = smem.allocate_tensor(cutlass.Float32, cute.make_layout((BT, K), stride=(K, 1)), 128)
+        # G rows padded by 8 floats: the A fragment's G_i reads (rows lane / 4, 8-byte column pairs lane % 4) hit 4
+        # rows per half-warp in distinct banks (unpadded, the 8 rows share banks: 8-way conflicts, as live)
+        sG = smem.allocate_tensor(cutlass.Float32, cute.make_layout((BT, K), stride=(self.G_STRIDE, 1)), 128)
         r_raw = smem.allocate(self.Y_BLOCKS * self.BC * K * 2, 1024)
         sBeta = smem.allocate_tensor(cutlass.Float32, cute.make_layout((BT,)), 16)
 
@@ -137,14 +141,19 @@ class ChunkIntraV2(ChunkIntra):
         kv = cute.make_rmem_tensor((4,), cutlass.BFloat16)
         yv = cute.make_rmem_tensor((4,), cutlass.BFloat16)
         yb0 = w * (w + 1) // 2
-        for nt in cutlass.range_constexpr(4):
-            if nt % 2 == s:
+        gsel = cute.make_rmem_tensor((4,), cutlass.Float32)
+        for it in cutlass.range(2, unroll=1):  # runtime loop: one copy of build_keys in the code, not eight
+            nt = s + 2 * it  # this warp's blocks: nt = s, s + 2 (those <= w)
+            if nt <= w:
+                rows = hi
+                for e in cutlass.range_constexpr(4):
+                    gsel[e] = gdia[e]
                 if nt < w:
-                    self.build_keys(sG, sK, cute.local_tile(sY, (BC, K), (yb0 + nt, 0)), nt * BC, gref, BC, lane,
-                                    gv, kv, yv)
-                if nt == w:
-                    self.build_keys(sG, sK, cute.local_tile(sY, (BC, K), (yb0 + nt, 0)), nt * BC, gdia, hi, lane,
-                                    gv, kv, yv)
+                    rows = BC
+                    for e in cutlass.range_constexpr(4):
+                        gsel[e] = gref[e]
+                self.build_keys(sG, sK, cute.local_tile(sY, (BC, K), (yb0 + nt, 0)), nt * BC, gsel, rows, lane,
+                                gv, kv, yv)
         # the per-step decays' rows 32..63 read G_31, which the other half of the CTA overwrites: read it now
         ch = tidx % K
         par = tidx // K
