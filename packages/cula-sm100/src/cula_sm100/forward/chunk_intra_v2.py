@@ -42,6 +42,9 @@ class ChunkIntraV2(ChunkIntra):
     threads = 256
     MIN_CTAS = 2  # per SM: caps registers at 65536 / (256 x 2) = 128
     G_STRIDE = 136  # fp32 row stride of G in shared memory (K + 8; 544 bytes keeps 16-byte copies aligned)
+    L_STRIDE = 68   # fp32 row strides of L, of the inverted diagonal blocks and of the solve's partial products:
+    D_STRIDE = 20   # multiples of 4 floats, so the solve reads rows 4 at a time (16-byte loads)
+    TMP_STRIDE = 52
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, G_ptr: cute.Pointer, beta_ptr: cute.Pointer,
@@ -108,12 +111,15 @@ class ChunkIntraV2(ChunkIntra):
         r0 = w * BC
         sY = cute.make_tensor(cute.recast_ptr(r_raw, dtype=cutlass.BFloat16), smem_layout(self.Y_BLOCKS * BC, K))
         r_f32 = cute.recast_ptr(r_raw, dtype=cutlass.Float32)
+        # fp32 score matrices in region R once the GEMMs are done with it: sA as live (odd row stride 65); sL, which
+        # the solve reads along rows, with rows of 68 floats so that 4 of them are one 16-byte load. The solve's
+        # scratch (inverted diagonal blocks sD, rows of 20; partial products sTmp, rows of 52) goes where G was:
+        # nothing reads G after the fp32 sub-block path
         sA = cute.make_tensor(r_f32, cute.make_layout((BT, BT), stride=(BT + 1, 1)))
-        sL = cute.make_tensor(r_f32 + BT * (BT + 1), cute.make_layout((BT, BT), stride=(BT + 1, 1)))
-        sD = cute.make_tensor(r_f32 + 2 * BT * (BT + 1),
-                              cute.make_layout((4, BC, BC), stride=(BC * (BC + 1), BC + 1, 1)))
-        sTmp = cute.make_tensor(r_f32 + 2 * BT * (BT + 1) + 4 * BC * (BC + 1),
-                                cute.make_layout((BC, 3 * BC), stride=(3 * BC + 1, 1)))
+        sL = cute.make_tensor(r_f32 + BT * (BT + 1), cute.make_layout((BT, BT), stride=(self.L_STRIDE, 1)))
+        sD = cute.make_tensor(sG.iterator, cute.make_layout((4, BC, BC), stride=(BC * self.D_STRIDE, self.D_STRIDE, 1)))
+        sTmp = cute.make_tensor(sG.iterator + 4 * BC * self.D_STRIDE,
+                                cute.make_layout((BC, 3 * BC), stride=(self.TMP_STRIDE, 1)))
 
         # ---- the row block's decay span (both warps of the pair compute it: same value), as the live kernel
         span = cutlass.Float32(0.0)
@@ -270,24 +276,31 @@ class ChunkIntraV2(ChunkIntra):
                     sD[w, di, lane] = x[di]
         cute.arch.sync_threads()
 
-        # ---- solve: off-diagonal blocks, row block p after row block p - 1, one element (oi, oj) per thread
+        # ---- solve: off-diagonal blocks, row block p after row block p - 1, one element (oi, oj) per thread; the
+        #      row operand (L_pr, X_pp) read 4 columns per 16-byte load, the live kernel's summation order
         oi = tidx // BC
         oj = tidx % BC
+        lrow = cute.make_rmem_tensor((4,), cutlass.Float32)
         for p in cutlass.range_constexpr(1, 4):
             for q in cutlass.range_constexpr(p):
                 osum = cutlass.Float32(0.0)
                 for r in cutlass.range_constexpr(q, p):
-                    for xx in cutlass.range_constexpr(BC):
-                        if cutlass.const_expr(r == q):
-                            osum += sL[p * BC + oi, r * BC + xx] * sD[q, xx, oj]
-                        else:
-                            osum += sL[p * BC + oi, r * BC + xx] * sL[r * BC + xx, q * BC + oj]
+                    for x4 in cutlass.range_constexpr(BC // 4):
+                        self.load4(sL, p * BC + oi, r * (BC // 4) + x4, lrow)
+                        for e in cutlass.range_constexpr(4):
+                            xx = 4 * x4 + e
+                            if cutlass.const_expr(r == q):
+                                osum += lrow[e] * sD[q, xx, oj]
+                            else:
+                                osum += lrow[e] * sL[r * BC + xx, q * BC + oj]
                 sTmp[oi, q * BC + oj] = osum
             cute.arch.sync_threads()
             for q in cutlass.range_constexpr(p):
                 osum = cutlass.Float32(0.0)
-                for xx in cutlass.range_constexpr(BC):
-                    osum += sD[p, oi, xx] * sTmp[xx, q * BC + oj]
+                for x4 in cutlass.range_constexpr(BC // 4):
+                    self.load4(sD[p, None, None], oi, x4, lrow)
+                    for e in cutlass.range_constexpr(4):
+                        osum += lrow[e] * sTmp[4 * x4 + e, q * BC + oj]
                 sL[p * BC + oi, q * BC + oj] = -osum
             cute.arch.sync_threads()
 
