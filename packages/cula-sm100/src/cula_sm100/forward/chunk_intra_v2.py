@@ -8,10 +8,11 @@ warp (rows 48..63) builds 4 decayed-key blocks, runs 4 score GEMMs of 32 rows an
 its diagonal block (8 serial row steps over 64 channels per lane). v2 splits each row block between two warps:
 
   * warp wid = 2 w + s owns rows n = 16 w .. n + 15 and side s (0: q, Aqk; 1: k, L); its A fragment is 16 x 128
-    (one side, 32 registers instead of 64) and its score accumulators 16 x 16 per column block (8 registers);
-    the B operand (decayed keys k_j e^{G_n - G_j}) is shared by the pair, each warp building the blocks
-    nt <= w with nt % 2 == s (at most 2 instead of 4). Operand values, MMA shapes and k order are the live
-    kernel's, so the GEMM parts of the scores are bitwise the live ones;
+    (one side), built one k-block at a time right before the MMAs that read it, and its score accumulators are
+    16 x 16 per column block (8 registers); the B operand (decayed keys k_j e^{G_n - G_j}) is shared by the
+    pair, each warp building the blocks nt <= w with nt % 2 == s (at most 2 instead of 4; a runtime loop, one
+    copy of the code). Operand values and the k order of every accumulation are the live kernel's, so the GEMM
+    parts of the scores are the live ones;
   * the exact fp32 path of a strong-decay diagonal block: warp s takes the 8 x 8 sub-block s (the live kernel's
     warp did both), lane (column c = lane % 8, channel quarter h = lane // 8) over 32 channels (16 m + 4 h + e),
     quarters added by two shuffles: half the serial work per warp, 32 registers of running decayed keys instead
@@ -19,7 +20,9 @@ its diagonal block (8 serial row steps over 64 channels per lane). v2 splits eac
   * per-step decays a_t: rows 32..63 and 1..31 by the two halves of the CTA (the half that reads row 31 takes it
     before the barrier that precedes the writes);
   * solve: diagonal 16 x 16 inverses as live (warps with s = 0), off-diagonal blocks one element per thread (256
-    threads: half the serial chain per thread), the live kernel's summation order (bitwise the same);
+    threads: half the serial chain per thread), the row operand read 4 columns per 16-byte load (L in rows of
+    68 floats, the inverted diagonal blocks in rows of 20, the scratch where G was), the live kernel's
+    summation order (bitwise the same);
   * launch bound of 2 CTAs per SM: 65536 / (256 x 2) = 128 registers per thread, so 16 warps per SM; shared
     memory as live but G's rows padded to 136 floats (106.2 KiB, still 2 CTAs per SM): the A fragment's reads of
     G_i are free of the live kernel's 8-way bank conflicts.
