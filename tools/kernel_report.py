@@ -151,6 +151,7 @@ KERNELS: list[tuple[str, str, object]] = [
     ("fwd.l2norm", "sm100 forward", _sm100_forward("l2norm")),
     ("fwd.gate_cumsum[softplus]", "sm100 forward", _sm100_forward("gate_cumsum[softplus]")),
     ("fwd.chunk_intra", "sm100 forward", _sm100_forward("chunk_intra")),
+    ("fwd.chunk_intra[v2] (opt-in)", "sm100 forward", _sm100_forward("chunk_intra[v2]")),
     ("fwd.recompute_w_u", "sm100 forward", _sm100_forward("recompute_w_u")),
     ("fwd.chunk_delta_h", "sm100 forward", _sm100_forward("chunk_delta_h")),
     ("fwd.fwd_o", "sm100 forward", _sm100_forward("fwd_o")),
