@@ -24,6 +24,8 @@ KERNELS = {
     "chunk_delta_h[no states]": lambda: launch.delta_h_kernel(False, False),
     "chunk_delta_h[no cluster]": lambda: launch.delta_h_kernel(False, False, False),
     "fwd_o": lambda: launch.fwd_o_kernel(),
+    "chunk_delta_h_o": lambda: launch.delta_h_o_kernel(True, True),  # opt-in: CULA_SM100_FUSED_O=1
+    "chunk_delta_h_o[no states]": lambda: launch.delta_h_o_kernel(False, False),
 }
 
 if __name__ == "__main__":

@@ -75,3 +75,39 @@ def test_chunk_intra_switch(monkeypatch):
         assert launch.intra_kernel.cache_info().currsize == 2
     finally:
         launch.intra_kernel.cache_clear()  # drop the stubs
+
+
+def test_fused_o_switch(monkeypatch):
+    """CULA_SM100_FUSED_O (read per call) makes chunk_kda, and only chunk_kda, ask forward for the fused
+    chunk_delta_h + fwd_o; other values are rejected with a message naming the variable; the fused kernel has its
+    own compiled-kernel cache, keyed on the state flags (forward stubbed to record what it was asked; compile
+    stubbed: what is cached is the object handed to cute.compile)."""
+    pytest.importorskip("cutlass")
+    import cutlass.cute as cute
+
+    from cula_sm100.forward import launch
+
+    asked = []
+    monkeypatch.setattr(launch, "forward", lambda *a, fused_o=False, **kw: (asked.append(fused_o), (1, 2, 3))[1])
+    kw = dict(scale=1.0, output_final_state=False, use_qk_l2norm_in_kernel=False, gate="precomputed",
+              lower_bound=None, beta_activation="none")
+    for env, want in ((None, False), ("", False), ("0", False), ("1", True)):
+        if env is None:
+            monkeypatch.delenv(launch.FUSED_O_ENV, raising=False)
+        else:
+            monkeypatch.setenv(launch.FUSED_O_ENV, env)
+        assert launch.fused_o_enabled() is want
+        assert launch.chunk_kda(*([None] * 10), **kw) == (1, 2)
+        assert asked[-1] is want
+    monkeypatch.setenv(launch.FUSED_O_ENV, "yes")
+    with pytest.raises(ValueError, match="CULA_SM100_FUSED_O must be 0 or 1, got 'yes'"):
+        launch.chunk_kda(*([None] * 10), **kw)
+
+    monkeypatch.setattr(cute, "compile", lambda obj, *args: (type(obj).__name__, obj.has_h0, obj.store_ht))
+    launch.delta_h_o_kernel.cache_clear()
+    try:
+        assert launch.delta_h_o_kernel(True, False) == ("ChunkDeltaHO", True, False)
+        assert launch.delta_h_o_kernel(False, True) == ("ChunkDeltaHO", False, True)
+        assert launch.delta_h_o_kernel.cache_info().currsize == 2
+    finally:
+        launch.delta_h_o_kernel.cache_clear()  # drop the stubs

@@ -138,6 +138,19 @@ def delta_h_kernel(has_initial_state: bool, output_final_state: bool, cluster: b
 
 
 @functools.cache
+def delta_h_o_kernel(has_initial_state: bool, output_final_state: bool):
+    """The fused chunk_delta_h + fwd_o (opt-in, CULA_SM100_FUSED_O=1: its own cache, keyed like delta_h_kernel)."""
+    import cutlass.cute as cute
+
+    from cula_sm100.forward.chunk_delta_h_o import ChunkDeltaHO
+
+    bf, f32 = torch.bfloat16, torch.float32
+    return cute.compile(ChunkDeltaHO(has_initial_state, output_final_state), _fake_ptr(bf), _fake_ptr(bf),
+                        _fake_ptr(bf), _fake_ptr(bf), _fake_ptr(f32), _fake_ptr(bf), _fake_ptr(f32), _fake_ptr(bf),
+                        _fake_ptr(f32), _fake_ptr(torch.int32), 1, 1, 1, 1, 1.0, _compile_stream())
+
+
+@functools.cache
 def fwd_o_kernel():
     import cutlass.cute as cute
 
@@ -197,8 +210,8 @@ class Intermediates:
     w: torch.Tensor        # [TT, HV, K] bf16
     u: torch.Tensor        # [TT, HV, V] bf16
     kg: torch.Tensor       # [TT, HV, K] bf16
-    h: torch.Tensor        # [NC, HV, K, V] bf16
-    v_new: torch.Tensor    # [TT, HV, V] bf16
+    h: torch.Tensor | None      # [NC, HV, K, V] bf16 (None when fused_o)
+    v_new: torch.Tensor | None  # [TT, HV, V] bf16 (None when fused_o)
 
 
 def _empty(*shape, like, dtype=torch.bfloat16):
@@ -281,9 +294,39 @@ def fwd_o(q, G, h, Aqk, v_new, ctab, *, scale):
     return o
 
 
+def chunk_delta_h_o(q, w, u, kg, G, Aqk, initial_state, ctab, stab, *, scale, output_final_state):
+    """(o [TT, HV, V] bf16, final state [N, HV, K, V] fp32 or None): chunk_delta_h and fwd_o in one kernel, h and
+    v_new never written (kernel: chunk_delta_h_o.py; opt-in, compiled only until a GPU run decides)."""
+    TT, HV, K = G.shape
+    HQK, V = q.shape[-2], u.shape[-1]
+    N = stab.shape[0]
+    o = _empty(TT, HV, V, like=G)
+    ht = _empty(N, HV, K, V, like=G, dtype=torch.float32) if output_final_state else None
+    if N:
+        h0 = initial_state.contiguous() if initial_state is not None else None
+        delta_h_o_kernel(h0 is not None, output_final_state)(
+            _ptr(q), _ptr(w), _ptr(u), _ptr(kg), _ptr(G), _ptr(Aqk), _ptr(h0, torch.float32), _ptr(o),
+            _ptr(ht, torch.float32), _ptr(stab), TT, N, HQK, HV, float(scale), _stream())
+    return o, ht
+
+
+# The public forward's fused chunk_delta_h + fwd_o: "1" turns it on, read per call (no restart needed).
+FUSED_O_ENV = "CULA_SM100_FUSED_O"
+
+
+def fused_o_enabled() -> bool:
+    """Whether chunk_kda fuses chunk_delta_h and fwd_o: $CULA_SM100_FUSED_O "1" on; "0", unset or empty off."""
+    v = os.environ.get(FUSED_O_ENV) or "0"
+    if v not in ("0", "1"):
+        raise ValueError(f"{FUSED_O_ENV} must be 0 or 1, got {v!r}")
+    return v == "1"
+
+
 def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *, scale,
-            output_final_state, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation):
-    """The chunk_kda forward; returns (o [B, T, HV, V], final_state [N, HV, K, V] or None, Intermediates)."""
+            output_final_state, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, fused_o=False):
+    """The chunk_kda forward; returns (o [B, T, HV, V], final_state [N, HV, K, V] or None, Intermediates).
+    `fused_o` (only chunk_kda sets it, from $CULA_SM100_FUSED_O; the backward's recompute never does, it needs h
+    and v_new): chunk_delta_h and fwd_o as one kernel, and the Intermediates' h and v_new are None."""
     B, T, HQK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     ctab, stab = tables(B, T, cu_seqlens, cu_seqlens_cpu, q.device)
@@ -294,8 +337,13 @@ def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     G = gate_cumsum(g.reshape(B * T, HV, K), A_log, dt_bias, ctab, gate=gate, lower_bound=lower_bound)
     Aqk, Akk = chunk_intra(q, k, G, beta, ctab, scale=scale, beta_activation=beta_activation)
     w, u, kg = recompute_w_u(k, v, G, beta, Akk, ctab, beta_activation=beta_activation)
-    h, v_new, ht = chunk_delta_h(w, u, kg, G, initial_state, ctab, stab, output_final_state=output_final_state)
-    o = fwd_o(q, G, h, Aqk, v_new, ctab, scale=scale)
+    if fused_o:
+        h = v_new = None
+        o, ht = chunk_delta_h_o(q, w, u, kg, G, Aqk, initial_state, ctab, stab, scale=scale,
+                                output_final_state=output_final_state)
+    else:
+        h, v_new, ht = chunk_delta_h(w, u, kg, G, initial_state, ctab, stab, output_final_state=output_final_state)
+        o = fwd_o(q, G, h, Aqk, v_new, ctab, scale=scale)
     inter = Intermediates(q=q.reshape(B * T, HQK, K), k=k.reshape(B * T, HQK, K), g_cumsum=G, Aqk=Aqk, Akk=Akk,
                           w=w, u=u, kg=kg, h=h, v_new=v_new)
     return o.reshape(B, T, HV, V), ht, inter
@@ -303,8 +351,10 @@ def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
 
 def chunk_kda(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *, scale,
               output_final_state, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation):
-    """The backend's kernel for `chunk_kda` (calling convention: docs/backends.md)."""
+    """The backend's kernel for `chunk_kda` (calling convention: docs/backends.md). With $CULA_SM100_FUSED_O=1
+    (read per call) chunk_delta_h and fwd_o run as one kernel (chunk_delta_h_o.py): no intermediate is kept here,
+    so h and v_new need not exist."""
     o, ht, _ = forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale=scale,
                        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                       gate=gate, lower_bound=lower_bound, beta_activation=beta_activation)
+                       gate=gate, lower_bound=lower_bound, beta_activation=beta_activation, fused_o=fused_o_enabled())
     return o, ht
