@@ -132,7 +132,7 @@ def test_public_op_with_fused_o(varlen, monkeypatch):
     og2, grads2 = run("sm100", "1", grad=True)
     og1, grads1 = run("sm100", "0", grad=True)
     assert torch.equal(og2, og1), line
-    for name, a, b in zip("qkv", grads2, grads1):
+    for name, a, b in zip("qkv", grads2, grads1, strict=True):
         assert torch.equal(a, b), f"d{name}: fused run {rel_err(a, b):.2e} from the unfused run"
     try:
         from fla.ops.kda import chunk_kda as fla_chunk_kda

@@ -146,8 +146,7 @@ class ChunkDeltaHO(ChunkDeltaH):
                 self.load_rows(cp_k, mKg, sKg, bos, eos, ci + 1, hv)
                 self.load_aqk(mA, sA, bos, eos, ci + 1, hv, tidx)
             # o staged in v_new's tile, then out in 16-byte rows (rows past n not stored)
-            for i in cutlass.range_constexpr(cute.size(acc_o)):
-                sU_part[i] = acc_o[i].to(cutlass.BFloat16)
+            store_acc_s(mma, acc_o, sU, tidx)
             cute.arch.sync_threads()
             store_rows_s2g(sU, cute.local_tile(head_rows(mO, t0, hv, BT), (BT, BV), (0, vb)), n, tidx, self.threads)
             cute.arch.sync_threads()  # o has left sU
