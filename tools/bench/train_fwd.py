@@ -2,7 +2,8 @@
 chunk_kda forward with the same flags, plus per-kernel rows (chunk_intra, recompute_w_u) against FLA's.
 
     python -m tools.bench.train_fwd [--smoke] [--kernels-only] [--hv 64,128] [--delta-h-sweep]
-                                    [--intra-variant v1,v2] [--out docs/benchmarks/train_fwd.md] [--json FILE]
+                                    [--intra-variant v1,v2] [--fused-o] [--out docs/benchmarks/train_fwd.md]
+                                    [--json FILE]
 
 End to end (`chunk_kda`): B = 2, HQK = 64, HV in (64, 128, 256), T in (512 .. 32768), and varlen (B = 1, 8
 sequences, 16384 tokens, one of length 1). Inputs as in training: bf16 q, k, v; raw gate (fp32) with
@@ -20,6 +21,11 @@ forward runs it on q and on k). `--hv` keeps only the listed value-head counts (
 chunk_intra_v2.py) in its own row beside FLA's derived intra time, on the same inputs, and checks v2's Aqk / Akk
 against v1's there; the first listed variant feeds the composed rows (intra + w_u, the stage sum). End-to-end rows
 use whatever CULA_SM100_CHUNK_INTRA selects (v1 when unset).
+`--fused-o` adds the opt-in fused chunk_delta_h + fwd_o (chunk_delta_h_o.py, CULA_SM100_FUSED_O=1): per-kernel,
+a row timing it against ours unfused (chunk_delta_h then fwd_o, in the "FLA ms" column of that row, so its
+speed-up is fused vs unfused, and its last column the o difference fused vs unfused, expected 0) and a row against
+FLA's chunk_gated_delta_rule_fwd_h + chunk_gla_fwd_o_gk; end to end, every shape also as "chunk_kda
+[CULA_SM100_FUSED_O=1]" (the switch set around that measurement only).
 Timing: median of `triton.testing.do_bench` through tools/bench/harness.py, after warm-up. The errors column is
 ||cula - FLA|| / ||FLA|| of o on the timed inputs.
 """
@@ -111,7 +117,7 @@ def stage_inputs(x):
                 cu=cu.long() if cu is not None else None)
 
 
-def kernel_fns(s, intra_variants=("v1",)):
+def kernel_fns(s, intra_variants=("v1",), fused_o=False):
     from fla.modules.norm.l2norm import l2norm_fwd
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
@@ -131,9 +137,19 @@ def kernel_fns(s, intra_variants=("v1",)):
         return x.reshape(B, T, HV, -1)
 
     first = intra_variants[0]
-    fns = {f"intra[{v}]": (lambda v=v: launch.chunk_intra(s["q"], s["k"], s["G"], s["beta"], s["ctab"], scale=scale,
-                                                          beta_activation="none", variant=v))
-           for v in intra_variants}
+    def unfused_o():  # ours today: h and v_new through HBM
+        h, v_new, _ = launch.chunk_delta_h(s["w"], s["u"], s["kg"], s["G"], None, s["ctab"], s["stab"],
+                                           output_final_state=False)
+        return launch.fwd_o(s["q"], s["G"], h, s["Aqk"], v_new, s["ctab"], scale=scale)
+
+    def fused_o_fn():
+        return launch.chunk_delta_h_o(s["q"], s["w"], s["u"], s["kg"], s["G"], s["Aqk"], None, s["ctab"], s["stab"],
+                                      scale=scale, output_final_state=False)[0]
+
+    fused_fns = {"delta_h_o": fused_o_fn, "delta_h+fwd_o": unfused_o} if fused_o else {}
+    fns = fused_fns | {f"intra[{v}]": (lambda v=v: launch.chunk_intra(s["q"], s["k"], s["G"], s["beta"], s["ctab"],
+                                                                      scale=scale, beta_activation="none", variant=v))
+                       for v in intra_variants}
     return fns | {
         "w_u": lambda: launch.recompute_w_u(s["k"], s["v"], s["G"], s["beta"], s["Akk"], s["ctab"],
                                             beta_activation="none"),
@@ -224,6 +240,22 @@ def delta_h_sweep(timing):
     return rows
 
 
+def fused_e2e_row(x, shape, timing, fla_ms, o_fla):
+    """The end-to-end row of chunk_kda with CULA_SM100_FUSED_O=1, set around this measurement only."""
+    old = os.environ.get("CULA_SM100_FUSED_O")
+    os.environ["CULA_SM100_FUSED_O"] = "1"
+    try:
+        row = dict(kind="chunk_kda [CULA_SM100_FUSED_O=1]", **shape, err=rel(cula_e2e(**x), o_fla))
+        row["cula_ms"] = measure(cula_e2e, [x], timing).median_ms
+    finally:
+        if old is None:
+            del os.environ["CULA_SM100_FUSED_O"]
+        else:
+            os.environ["CULA_SM100_FUSED_O"] = old
+    row["fla_ms"] = fla_ms
+    return row
+
+
 def rel(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm()).item()
@@ -242,6 +274,9 @@ def main(argv=None) -> int:
                     help="only chunk_delta_h (ours and FLA's) at T = 8192 over a range of CTA counts (B, HV)")
     ap.add_argument("--intra-variant", type=str, default="v1",
                     help="chunk_intra variants to time in the per-kernel rows (comma-separated: v1, v2), e.g. v1,v2")
+    ap.add_argument("--fused-o", action="store_true",
+                    help="also time the opt-in fused chunk_delta_h + fwd_o (per kernel, and end to end with "
+                         "CULA_SM100_FUSED_O=1)")
     ap.add_argument("--render", type=Path, help="only render a saved --json file as markdown (to --out)")
     args = ap.parse_args(argv)
     from cula_sm100.forward.launch import intra_variant
@@ -289,6 +324,9 @@ def main(argv=None) -> int:
         row["fla_ms"] = measure(fla_e2e, [x], timing).median_ms
         rows.append(row)
         print(row, flush=True)
+        if args.fused_o:
+            rows.append(fused_e2e_row(x, s, timing, row["fla_ms"], o_f))
+            print(rows[-1], flush=True)
         del o_f
         save()
         del x
@@ -298,7 +336,7 @@ def main(argv=None) -> int:
         x = make_inputs(**s)
         st = stage_inputs(x)
         del x
-        fns = kernel_fns(st, intra_variants)
+        fns = kernel_fns(st, intra_variants, args.fused_o)
         # the harness picks CUDA timing (do_bench) only when it sees a CUDA tensor among the inputs: hand it
         # one (the stage functions ignore it); with no tensor it would time the host alone, unsynchronised
         t = {name: measure(lambda _, fn=fn: fn(), [st["q"]], timing).median_ms for name, fn in fns.items()}
@@ -324,7 +362,15 @@ def main(argv=None) -> int:
                          + t["fla fwd_o"]))
         for ours, theirs in (("delta_h", "chunk_delta_h"), ("fwd_o", "fwd_o"), ("gate", "gate + cumsum"), ("l2norm", "l2norm (q)")):
             rows.append(dict(kind=theirs, **base, cula_ms=t[ours], fla_ms=t["fla " + ours.split("[")[0]]))
-        for r in rows[-(7 + len(intra_variants)):]:
+        if args.fused_o:
+            o_fused = fns["delta_h_o"]()
+            rows.append(dict(kind="chunk_delta_h_o fused (FLA ms column: ours unfused chunk_delta_h + fwd_o; "
+                                  "last column: o fused vs unfused)", **base, cula_ms=t["delta_h_o"],
+                             fla_ms=t["delta_h+fwd_o"], err=rel(o_fused, fns["delta_h+fwd_o"]())))
+            rows.append(dict(kind="chunk_delta_h_o fused vs FLA chunk_delta_h + fwd_o", **base, cula_ms=t["delta_h_o"],
+                             fla_ms=t["fla delta_h"] + t["fla fwd_o"]))
+            del o_fused
+        for r in rows[-(7 + len(intra_variants) + 2 * args.fused_o):]:
             print(r, flush=True)
         print("stage ms:", {k_: round(v_, 3) for k_, v_ in t.items()}, flush=True)
         save()
