@@ -10,7 +10,7 @@ One (sequence, value head, BV = 32 columns of V) per CTA, as chunk_delta_h. For 
 starting from initial_state (or zeros) and ending in final_state (fp32) if asked. Neither h [NC, HV, K, V] nor
 v_new [TT, HV, V] is written: at B = 2, T = 8192, HV = 64 they are ~1.6 GB of HBM traffic between the two
 kernels, which only the public forward (`launch.chunk_kda`, no intermediates kept) can drop; `launch.forward`
-(the backward's recompute) keeps the two kernels.
+without `fused_o` (tests, benchmark stages) and the backward's recompute (backward/launch.py) keep the two kernels.
 
 Numerics as the two kernels: h and v_new rounded to bf16 as GEMM operands, qg = q * exp(G) rounded to bf16 as
 FLA, fp32 accumulation, Aqk already holds scale and the causal mask; o rounded to bf16 once.

@@ -325,8 +325,9 @@ def fused_o_enabled() -> bool:
 def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *, scale,
             output_final_state, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, fused_o=False):
     """The chunk_kda forward; returns (o [B, T, HV, V], final_state [N, HV, K, V] or None, Intermediates).
-    `fused_o` (only chunk_kda sets it, from $CULA_SM100_FUSED_O; the backward's recompute never does, it needs h
-    and v_new): chunk_delta_h and fwd_o as one kernel, and the Intermediates' h and v_new are None."""
+    `fused_o` (chunk_kda sets it from $CULA_SM100_FUSED_O; nothing else reads that variable, and the backward's
+    recompute, which needs h and v_new, calls the stages itself): chunk_delta_h and fwd_o as one kernel
+    (chunk_delta_h_o), and the Intermediates' h and v_new are None."""
     B, T, HQK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     ctab, stab = tables(B, T, cu_seqlens, cu_seqlens_cpu, q.device)
