@@ -154,7 +154,8 @@ def test_public_op_with_fused_o(varlen, monkeypatch):
 
 def memcheck_cases():
     """The fused kernel (through chunk_kda with the switch on, as the public op calls it) on odd shapes: T = 1, 63,
-    65, N = 1, GVA 1 / 2 / 4, varlen with empty and length-1 sequences (first, last, all), every state flag."""
+    65, 130, N = 1, GVA 1 / 2 / 4, varlen with empty and length-1 sequences (first, last, alone), with and without
+    states."""
     from cula_sm100.forward import launch
 
     assert launch.fused_o_enabled(), "run with CULA_SM100_FUSED_O=1"
@@ -165,7 +166,7 @@ def memcheck_cases():
         for h, final in ((None, False), (h0, True)):
             launch.chunk_kda(q, k, v, g, beta, None, None, h, None, None, output_final_state=final, **kw)
             n += 1
-    for lengths in ([0, 1, 63, 0, 65, 1], [0], [1]):
+    for lengths in ([0, 1, 63, 0, 65, 1], [0, 1], [1]):
         cu, cu_cpu = seqlens_to_cu(lengths)
         q, k, v, g, beta, h0 = make_inputs(1, sum(lengths), 2, 8, seed=1, h0=True, N=len(lengths))
         for h, final in ((None, False), (h0, True)):

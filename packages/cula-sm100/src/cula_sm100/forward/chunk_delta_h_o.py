@@ -24,14 +24,19 @@ three other slices hit L2. Each slice forms all K = 128 channels of its chunk's 
 Shared memory, 52.5 KiB, launch bound 4 CTAs per SM (128 registers), the occupancy chunk_delta_h has: at
 B = 2, HV = 64 the grid's 512 CTAs still fit one wave of an H100 (528 slots); 3 CTAs per SM (396 slots) would
 make it 1.3 waves, which costs more than the 1.6 GB saves. What that takes, against chunk_delta_h's 48.5 KiB:
-  * sW [64, 128] holds w, then (after w @ h) the chunk's qg: w's next-chunk prefetch moves after the o GEMM;
-  * sU [64, 32] has ONE stage (chunk_delta_h: two): u, v_new in its place, then o staged for its 16-byte
-    stores; the next chunk's u is loaded after o leaves, so its latency is covered only by the other CTAs;
-  * sA [64, 64] Aqk (+8 KiB), loaded with kg a chunk ahead; sKg, sH, exp(G_last) as chunk_delta_h.
-Pipeline per chunk: [h -> sH] wait all, sync; w @ h -> v_new; sync; qg into sW; sync; o = qg @ h, scale,
-+= Aqk @ v_new; state update; sync; cp.async w, kg, Aqk of the next chunk; o -> sU; sync; o out; sync;
-cp.async u next. The o GEMMs depend only on h and v_new; the state update that follows them is the
-recurrence's critical path within the CTA, and the other 3 CTAs per SM fill the gaps.
+  * sKg [64, 128] holds kg, then (after the state update) the chunk's qg: kg's next-chunk load waits for the o
+    GEMM (it is needed only after the next chunk's w @ h);
+  * sU [64, 32] has ONE stage (chunk_delta_h: two): u, then v_new in its place; the next chunk's u is loaded once
+    the o GEMM has read v_new, so its latency is covered by o's stores, the h tile and the other CTAs;
+  * sH [128, 32]: h at the chunk start (the GEMM operand of w @ h and of qg @ h), then o's staging tile;
+  * sA [64, 64] Aqk (+8 KiB), loaded with kg; sW and exp(G_last) as chunk_delta_h (w's next-chunk load right
+    after w @ h, a whole chunk ahead).
+Pipeline per chunk:
+  h -> sH; wait all, sync; v_new = u - w @ h; sync; cp.async w next; state update (reads kg, v_new; o needs only
+  the chunk-start h, which stays in sH); sync; qg into sKg; sync; o = scale qg @ h + Aqk @ v_new; sync;
+  cp.async kg, Aqk, u next; o -> sH; sync; o out (16-byte rows); sync.
+The state update comes first so the next chunk's recurrence never waits for the o work's loads; within the CTA
+the o work still adds to each chunk's serial time (the other 3 CTAs per SM fill its gaps).
 """
 
 from __future__ import annotations
@@ -82,10 +87,11 @@ class ChunkDeltaHO(ChunkDeltaH):
         hq = hv // group
 
         smem = cutlass.utils.SmemAllocator()
-        sW = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 128)  # w, then qg of the same chunk
-        sKg = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 128)
-        sU = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, BV), 128)  # u, v_new in its place, then o
-        sH = smem.allocate_tensor(cutlass.BFloat16, smem_layout(K, BV), 128)
+        sW = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 128)
+        sKg = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 128)  # kg, then qg of the same chunk
+        sU = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, BV), 128)  # u, then v_new in its place
+        sH = smem.allocate_tensor(cutlass.BFloat16, smem_layout(K, BV), 128)  # h (chunk start), then o staged
+        sO = cute.local_tile(sH, (BT, BV), (0, 0))
         sA = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, BT), 128)
         sGl = smem.allocate_tensor(cutlass.Float32, cute.make_layout((K,)), 16)
 
@@ -113,7 +119,7 @@ class ChunkDeltaHO(ChunkDeltaH):
                 gl = self.last_g(mG, t0 + BT, eos, hv, tidx)
             for i in cutlass.range_constexpr(cute.size(acc_h)):
                 sH_part[i] = acc_h[i].to(cutlass.BFloat16)
-            # every copy in flight is this chunk's (w, kg, Aqk one chunk ahead; u after the previous o left)
+            # every copy in flight is this chunk's (w from the previous chunk's middle, kg / Aqk / u from its end)
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
 
@@ -126,33 +132,36 @@ class ChunkDeltaHO(ChunkDeltaH):
                     x = sU_part[i].to(cutlass.Float32) - acc_v[i]
                 sU_part[i] = x.to(cutlass.BFloat16)  # v_new, bf16 as FLA (the GEMM operand); rows past n zero
             cute.arch.sync_threads()  # every warp is done with w; v_new is complete
-
-            self.form_qg(mQ, mG, sW, t0, n, hq, hv, tidx)
-            cute.arch.sync_threads()  # qg complete
-
-            acc_o.fill(0.0)
-            gemm_ss(mma, acc_o, sW, transposed(sH, K, BV), tidx, False, True)
-            for i in cutlass.range_constexpr(cute.size(acc_o)):
-                acc_o[i] = acc_o[i] * scale
-            gemm_ss(mma, acc_o, sA, transposed(sU, BT, BV), tidx, False, True)
+            if more:
+                self.load_rows(cp_k, mW, sW, bos, eos, ci + 1, hv)
+            cute.arch.cp_async_commit_group()
 
             for i in cutlass.range_constexpr(cute.size(acc_h)):
                 k3, _ = coord_h[i]
                 acc_h[i] = acc_h[i] * sGl[k3]
             gemm_ss(mma, acc_h, transposed(sKg, BT, K), transposed(sU, BT, BV), tidx, True, True)
-            cute.arch.sync_threads()  # every warp is done with qg, kg, Aqk, v_new and h
+            cute.arch.sync_threads()  # every warp is done with kg
+
+            self.form_qg(mQ, mG, sKg, t0, n, hq, hv, tidx)
+            cute.arch.sync_threads()  # qg complete
+
+            acc_o.fill(0.0)
+            gemm_ss(mma, acc_o, sKg, transposed(sH, K, BV), tidx, False, True)
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[i] = acc_o[i] * scale
+            gemm_ss(mma, acc_o, sA, transposed(sU, BT, BV), tidx, False, True)
+            cute.arch.sync_threads()  # every warp is done with qg, Aqk, v_new and h
             if more:
-                self.load_rows(cp_k, mW, sW, bos, eos, ci + 1, hv)
                 self.load_rows(cp_k, mKg, sKg, bos, eos, ci + 1, hv)
                 self.load_aqk(mA, sA, bos, eos, ci + 1, hv, tidx)
-            # o staged in v_new's tile, then out in 16-byte rows (rows past n not stored)
-            store_acc_s(mma, acc_o, sU, tidx)
-            cute.arch.sync_threads()
-            store_rows_s2g(sU, cute.local_tile(head_rows(mO, t0, hv, BT), (BT, BV), (0, vb)), n, tidx, self.threads)
-            cute.arch.sync_threads()  # o has left sU
-            if more:
                 self.load_u1(mU, sU, bos, eos, ci + 1, hv, vb, tidx)
             cute.arch.cp_async_commit_group()
+            # o staged in h's tile (its first 64 rows: the same swizzle as a [64, 32] tile), then out in 16-byte rows
+            # (rows past n not stored); the closing barrier frees sH for the next chunk's h
+            store_acc_s(mma, acc_o, sO, tidx)
+            cute.arch.sync_threads()
+            store_rows_s2g(sO, cute.local_tile(head_rows(mO, t0, hv, BT), (BT, BV), (0, vb)), n, tidx, self.threads)
+            cute.arch.sync_threads()
 
         self.final_state(acc_h, coord_h, mHt, s, hv, v0, HV)
 
@@ -176,7 +185,7 @@ class ChunkDeltaHO(ChunkDeltaH):
     def form_qg(self, mQ, mG, sQg, t0, n, hq, hv, tidx):
         """sQg[r, :] = bf16(q[t0 + r, hq, :] * exp(G[t0 + r, hv, :])) for rows r < n, 8 channels per thread:
         q in 16-byte and G in two 16-byte vectors straight from global memory (the cluster's first slice brings
-        them into L2). Rows past n keep w's zero padding (their o rows are never stored)."""
+        them into L2). Rows past n keep kg's zero padding (their o rows are never stored)."""
         K, BT = self.K, self.BT
         vb = vec_copy(K, self.threads)
         vf = vec_copy(K, self.threads, cutlass.Float32)
