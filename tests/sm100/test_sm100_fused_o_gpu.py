@@ -85,31 +85,35 @@ def test_fused_strong_decay_long():
     _compare(q, k, v, g, beta, h0, None, None, True, "strong decay T=1000")
 
 
+def _fla_o_ht(q, k, v, g, beta, kw):
+    """FLA 0.6.0's chunk_kda (o, final state) on the same call, or None when FLA is not installed."""
+    try:
+        from fla.ops.kda import chunk_kda as fla_chunk_kda
+    except ImportError:
+        return None
+    fkw = {name: x for name, x in kw.items() if name != "cu_seqlens_cpu"}
+    if "cu_seqlens" in fkw:
+        fkw["cu_seqlens"] = fkw["cu_seqlens"].long()  # FLA takes int64 offsets
+    with torch.no_grad():
+        return fla_chunk_kda(q, k, v, g, beta, **fkw)
+
+
 @pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
 def test_public_op_with_fused_o(varlen, monkeypatch):
-    """cula.chunk_kda on sm100 with CULA_SM100_FUSED_O=1 (softplus gate, q/k L2 norm, beta sigmoid, h0 and ht, GVA 2)
-    bitwise against the same call with the switch off, within tolerance of the reference backend and of FLA 0.6.0
-    when installed; with autograd on, the gradients equal the unfused run's (the backward never uses the fused
-    kernel: it recomputes through launch.forward)."""
+    """cula.chunk_kda on sm100 with CULA_SM100_FUSED_O=1 (softplus gate with A_log / dt_bias, q/k L2 norm, h0 and
+    ht, GVA 2) bitwise against the same call with the switch off, within tolerance of the reference backend and of
+    FLA 0.6.0 when installed; with autograd on, o and the q / k / v gradients equal the unfused run's (the
+    backward never uses the fused kernel: its recompute calls chunk_delta_h itself)."""
     require_gpu()
     import cula_core
 
-    B, T, HQK, HV = (1, 333, 2, 4) if varlen else (2, 200, 2, 4)
-    gen = torch.Generator(device="cuda").manual_seed(13)
-
-    def r(*s):
-        return torch.randn(*s, generator=gen, device="cuda")
-
-    q, k, v = (r(B, T, h, 128).bfloat16() for h in (HQK, HQK, HV))
-    g = r(B, T, HV, 128)
-    beta = torch.sigmoid(r(B, T, HV)).bfloat16()
-    A_log = torch.log(torch.rand(HV, generator=gen, device="cuda") * 15 + 1)
-    dt_bias = 0.1 * r(HV * 128)
-    N = 4 if varlen else B
-    kw = dict(A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True, initial_state=0.1 * r(N, HV, 128, 128),
-              output_final_state=True, use_qk_l2norm_in_kernel=True)
+    lengths = [1, 64, 100, 168] if varlen else None
+    B, T, HV = (1, sum(lengths), 4) if varlen else (2, 200, 4)
+    q, k, v, g, beta, h0 = make_inputs(B, T, 2, HV, seed=13, h0=True, N=len(lengths) if varlen else None)
+    kw = dict(A_log=torch.log(torch.arange(1.0, HV + 1, device="cuda")), dt_bias=torch.zeros(HV * 128, device="cuda"),
+              use_gate_in_kernel=True, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     if varlen:
-        kw["cu_seqlens"], kw["cu_seqlens_cpu"] = seqlens_to_cu([1, 64, 100, 168])
+        kw["cu_seqlens"], kw["cu_seqlens_cpu"] = seqlens_to_cu(lengths)
 
     def run(backend, fused, grad=False):
         monkeypatch.setenv("CULA_BACKEND", backend)
@@ -122,31 +126,21 @@ def test_public_op_with_fused_o(varlen, monkeypatch):
         (o.float().square().sum() + ht.square().sum()).backward()
         return o.detach(), [x.grad for x in leaves]
 
-    o2, ht2 = run("sm100", "1")
-    o1, ht1 = run("sm100", "0")
-    o_ref, ht_ref = run("reference", "0")
+    (o2, ht2), (o1, ht1), (o_ref, ht_ref) = run("sm100", "1"), run("sm100", "0"), run("reference", "0")
     line = (f"\nvarlen={varlen}: fused o={rel_err(o2, o_ref):.2e} ht={rel_err(ht2, ht_ref):.2e} | "
             f"unfused o={rel_err(o1, o_ref):.2e}")
     assert torch.equal(o2, o1) and torch.equal(ht2, ht1), line + f" | fused vs unfused o {rel_err(o2, o1):.2e}"
     assert rel_err(o2, o_ref) < TOL["o"] and rel_err(ht2, ht_ref) < TOL["ht"], line
-    og2, grads2 = run("sm100", "1", grad=True)
-    og1, grads1 = run("sm100", "0", grad=True)
+    (og2, grads2), (og1, grads1) = run("sm100", "1", grad=True), run("sm100", "0", grad=True)
     assert torch.equal(og2, og1), line
     for name, a, b in zip("qkv", grads2, grads1, strict=True):
         assert torch.equal(a, b), f"d{name}: fused run {rel_err(a, b):.2e} from the unfused run"
-    try:
-        from fla.ops.kda import chunk_kda as fla_chunk_kda
-    except ImportError:
+    fla = _fla_o_ht(q, k, v, g, beta, kw)
+    if fla is None:
         print(line + " (FLA not installed)")
         return
-    fkw = dict(kw)
-    if varlen:
-        fkw["cu_seqlens"] = fkw["cu_seqlens"].long()
-        fkw.pop("cu_seqlens_cpu")
-    with torch.no_grad():
-        o_f, ht_f = fla_chunk_kda(q, k, v, g, beta, **fkw)
-    print(line + f" | fused vs FLA o={rel_err(o2, o_f):.2e} ht={rel_err(ht2, ht_f):.2e}")
-    assert rel_err(o2, o_f) < TOL["o"] and rel_err(ht2, ht_f) < TOL["ht"]
+    print(line + f" | fused vs FLA o={rel_err(o2, fla[0]):.2e} ht={rel_err(ht2, fla[1]):.2e}")
+    assert rel_err(o2, fla[0]) < TOL["o"] and rel_err(ht2, fla[1]) < TOL["ht"]
 
 
 # ------------------------------------------------------------------ compute-sanitizer
