@@ -111,3 +111,52 @@ def test_fused_o_switch(monkeypatch):
         assert launch.delta_h_o_kernel.cache_info().currsize == 2
     finally:
         launch.delta_h_o_kernel.cache_clear()  # drop the stubs
+
+
+def test_forward_fused_o_wiring(monkeypatch):
+    """launch.forward(fused_o=True) hands the fused kernel's host function what chunk_delta_h and fwd_o would have
+    had (normalised q, w, u, kg, G, Aqk, the initial state, both tables, scale, the final-state flag), runs neither
+    of them, and leaves h / v_new out of the intermediates; fused_o=False runs the two and not the fused one.
+    Stages stubbed with recorders (CPU tensors; no kernel runs)."""
+    import torch
+
+    from cula_sm100.forward import launch
+
+    B, T, HQK, HV = 1, 3, 1, 2
+    q, k = torch.zeros(B, T, HQK, 128), torch.zeros(B, T, HQK, 128)
+    v, g = torch.zeros(B, T, HV, 128), torch.zeros(B, T, HV, 128)
+    h0 = torch.zeros(B, HV, 128, 128)
+    tag = {name: torch.zeros(1) for name in ("Aqk", "Akk", "w", "u", "kg", "ctab", "stab", "h", "vn", "ht")}
+    tag["qn"], tag["kn"] = torch.zeros_like(q), torch.zeros_like(k)  # forward reshapes them into the intermediates
+    calls = {}
+
+    def rec(name, out):
+        def f(*a, **kw):
+            calls[name] = (a, kw)
+            return out
+        return f
+
+    monkeypatch.setattr(launch, "tables", rec("tables", (tag["ctab"], tag["stab"])))
+    monkeypatch.setattr(launch, "l2norm", lambda x: tag["qn"] if x is q else tag["kn"])
+    monkeypatch.setattr(launch, "gate_cumsum", rec("gate", torch.zeros(B * T, HV, 128)))
+    monkeypatch.setattr(launch, "chunk_intra", rec("intra", (tag["Aqk"], tag["Akk"])))
+    monkeypatch.setattr(launch, "recompute_w_u", rec("w_u", (tag["w"], tag["u"], tag["kg"])))
+    monkeypatch.setattr(launch, "chunk_delta_h", rec("delta_h", (tag["h"], tag["vn"], tag["ht"])))
+    monkeypatch.setattr(launch, "fwd_o", rec("fwd_o", torch.zeros(B * T, HV, 128)))
+    monkeypatch.setattr(launch, "chunk_delta_h_o", rec("delta_h_o", (torch.zeros(B * T, HV, 128), tag["ht"])))
+    kw = dict(scale=0.25, output_final_state=True, use_qk_l2norm_in_kernel=True, gate="precomputed",
+              lower_bound=None, beta_activation="none")
+
+    o, ht, it = launch.forward(q, k, v, g, None, None, None, h0, None, None, fused_o=True, **kw)
+    assert set(calls) == {"tables", "gate", "intra", "w_u", "delta_h_o"}
+    a, kwargs = calls["delta_h_o"]
+    G = calls["w_u"][0][2]
+    want = (tag["qn"], tag["w"], tag["u"], tag["kg"], G, tag["Aqk"], h0, tag["ctab"], tag["stab"])
+    assert len(a) == len(want) and all(x is y for x, y in zip(a, want, strict=True))
+    assert kwargs == dict(scale=0.25, output_final_state=True)
+    assert o.shape == (B, T, HV, 128) and ht is tag["ht"] and it.h is None and it.v_new is None
+
+    calls.clear()
+    _, ht, it = launch.forward(q, k, v, g, None, None, None, h0, None, None, **kw)  # default: unfused
+    assert "delta_h_o" not in calls and {"delta_h", "fwd_o"} <= set(calls)
+    assert it.h is tag["h"] and it.v_new is tag["vn"] and ht is tag["ht"]
