@@ -155,6 +155,7 @@ KERNELS: list[tuple[str, str, object]] = [
     ("fwd.recompute_w_u", "sm100 forward", _sm100_forward("recompute_w_u")),
     ("fwd.chunk_delta_h", "sm100 forward", _sm100_forward("chunk_delta_h")),
     ("fwd.fwd_o", "sm100 forward", _sm100_forward("fwd_o")),
+    ("fwd.chunk_delta_h_o (opt-in)", "sm100 forward", _sm100_forward("chunk_delta_h_o")),
     ("bwd.chunk_wy_dqkg", "sm100 backward", _sm100_backward("chunk_wy_dqkg")),
     ("bwd.chunk_bwd_dav", "sm100 backward", _sm100_backward("chunk_bwd_dav")),
     ("bwd.chunk_bwd_intra", "sm100 backward", _sm100_backward("chunk_bwd_intra")),

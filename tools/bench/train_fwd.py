@@ -219,8 +219,7 @@ def delta_h_sweep(timing):
 
     from cula_sm100.forward import launch
 
-    rows, T = [], 8192
-    for B, HV in SWEEP:
+    def one(B, HV, T):
         gen = torch.Generator(device="cuda").manual_seed(B * HV)
         w, u, kg = (0.05 * torch.randn(B * T, HV, K, generator=gen, device="cuda").bfloat16() for _ in range(3))
         gate = -torch.rand(B, T, HV, K, generator=gen, device="cuda")
@@ -231,11 +230,14 @@ def delta_h_sweep(timing):
                                                              cluster=c), [w], timing).median_ms for c in (True, False)}
         fla = measure(lambda _: chunk_gated_delta_rule_fwd_h(k=kg.reshape(B, T, HV, K), w=w.reshape(B, T, HV, K),
                                                              u=u.reshape(B, T, HV, V), gk=gk), [w], timing).median_ms
-        for c, label in ((True, "clusters of 4 (live)"), (False, "no cluster")):
-            rows.append(dict(kind=f"chunk_delta_h, {B * HV * 4} CTAs, {label}", B=B, T=T, HV=HV, cula_ms=ours[c],
-                             fla_ms=fla))
-            print(rows[-1], flush=True)
-        del w, u, kg, gate, G, gk
+        return [dict(kind=f"chunk_delta_h, {B * HV * 4} CTAs, {label}", B=B, T=T, HV=HV, cula_ms=ours[c], fla_ms=fla)
+                for c, label in ((True, "clusters of 4 (live)"), (False, "no cluster"))]
+
+    rows = []
+    for B, HV in SWEEP:
+        rows += one(B, HV, 8192)  # the tensors die with one()'s frame
+        for r in rows[-2:]:
+            print(r, flush=True)
         torch.cuda.empty_cache()
     return rows
 
@@ -360,7 +362,8 @@ def main(argv=None) -> int:
         rows.append(dict(kind="sum of the forward's stages (l2norm twice)", **base, cula_ms=sum(t[x] for x in live),
                          fla_ms=2 * t["fla l2norm"] + t["fla gate"] + t["fla intra+w_u"] + t["fla delta_h"]
                          + t["fla fwd_o"]))
-        for ours, theirs in (("delta_h", "chunk_delta_h"), ("fwd_o", "fwd_o"), ("gate", "gate + cumsum"), ("l2norm", "l2norm (q)")):
+        for ours, theirs in (("delta_h", "chunk_delta_h"), ("fwd_o", "fwd_o"), ("gate", "gate + cumsum"),
+                             ("l2norm", "l2norm (q)")):
             rows.append(dict(kind=theirs, **base, cula_ms=t[ours], fla_ms=t["fla " + ours.split("[")[0]]))
         if args.fused_o:
             o_fused = fns["delta_h_o"]()
