@@ -417,26 +417,16 @@ def main(argv=None) -> int:
                     del x, pool, idx, xf
                     torch.cuda.empty_cache()
             for N in ns:
-                x = make_inputs(N, 1, H, seed=N)
-                pool = x["state_pool"].clone()
-                xf = dict(x)
-                _, err = errors(cula_decode(dict(x, state_pool=x["state_pool"].clone())).float(),
-                                fla_decode(xf, pool.clone()).float())
-                row = dict(N=N, H=H, err=err)
-                row["cula"] = graph_ms(cula_decode, (x,), timing)
-                row["fla"] = graph_ms(fla_decode, (xf, pool), timing)
+                row, x, xf, pool = decode_row(N, H, timing)
                 if not args.quick:
                     row["cula_eager"] = measure(cula_decode, [(x,)], timing).median_ms
                     row["fla_eager"] = measure(fla_decode, [(xf, pool)], timing).median_ms
-                bytes_moved = 2 * N * H * K * V * 4 + N * H * (3 * K + V + 1) * 2 + N * H * V * 2
                 # the practical ceiling: a device copy of the state bytes (read + write) in the same graph timing
                 src = x["state_pool"].clone()
                 dst = torch.empty_like(src)
                 row["copy_hbm_pct"] = (2 * src.numel() * 4 / (graph_ms(dst.copy_, (src,), timing) * 1e-3) / 1e9
                                        / peak_hbm_gbs() * 100)
                 del src, dst
-                row["hbm_pct"] = bytes_moved / (row["cula"] * 1e-3) / 1e9 / peak_hbm_gbs() * 100
-                row["fla_hbm_pct"] = bytes_moved / (row["fla"] * 1e-3) / 1e9 / peak_hbm_gbs() * 100
                 dec.append(row)
                 print(row, flush=True)
                 dump()
@@ -454,6 +444,23 @@ def main(argv=None) -> int:
     if raw.get("tilings"):
         report += render_tilings(raw["tilings"])
     return _emit(report, args.out)
+
+
+def decode_row(N, H, timing):
+    """One T = 1 decode cell, graph-timed: cula and FLA on the same inputs, the error between their outputs, and each
+    one's share of the HBM bound (state read + write, the per-token vectors and o). Returns (row, x, xf, pool), the
+    inputs for whatever else the caller times on them."""
+    x = make_inputs(N, 1, H, seed=N)
+    pool = x["state_pool"].clone()
+    xf = dict(x)
+    _, err = errors(cula_decode(dict(x, state_pool=x["state_pool"].clone())).float(),
+                    fla_decode(xf, pool.clone()).float())
+    row = dict(H=H, N=N, err=err, cula=graph_ms(cula_decode, (x,), timing),
+               fla=graph_ms(fla_decode, (xf, pool), timing))
+    bytes_moved = 2 * N * H * K * V * 4 + N * H * (3 * K + V + 1) * 2 + N * H * V * 2
+    row["hbm_pct"] = bytes_moved / (row["cula"] * 1e-3) / 1e9 / peak_hbm_gbs() * 100
+    row["fla_hbm_pct"] = bytes_moved / (row["fla"] * 1e-3) / 1e9 / peak_hbm_gbs() * 100
+    return row, x, xf, pool
 
 
 def dispatch_run(timing, hs=HS, ns=NS, ts=TS, growth_ts=(2, 3, 4, 6, 8), growth_ns=(1, 16, 128),
@@ -487,16 +494,8 @@ def dispatch_run(timing, hs=HS, ns=NS, ts=TS, growth_ts=(2, 3, 4, 6, 8), growth_
                 del x, xf, pool, idx
         for H in (hs if "decode" in sections else ()):
             for N in ns:
-                x = make_inputs(N, 1, H, seed=N)
-                pool = x["state_pool"].clone()
-                xf = dict(x)
-                _, err = errors(cula_decode(dict(x, state_pool=x["state_pool"].clone())).float(),
-                                fla_decode(xf, pool.clone()).float())
-                row = dict(H=H, N=N, err=err, tiling=_config.recurrent_tiling(N, 1, H),
-                           cula=graph_ms(cula_decode, (x,), timing), fla=graph_ms(fla_decode, (xf, pool), timing))
-                bytes_moved = 2 * N * H * K * V * 4 + N * H * (3 * K + V + 1) * 2 + N * H * V * 2
-                row["hbm_pct"] = bytes_moved / (row["cula"] * 1e-3) / 1e9 / peak_hbm_gbs() * 100
-                row["fla_hbm_pct"] = bytes_moved / (row["fla"] * 1e-3) / 1e9 / peak_hbm_gbs() * 100
+                row, x, xf, pool = decode_row(N, H, timing)
+                row["tiling"] = _config.recurrent_tiling(N, 1, H)
                 keep("decode", row)
                 del x, pool, xf
         for H in (hs if "chain" in sections else ()):
