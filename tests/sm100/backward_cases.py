@@ -207,7 +207,7 @@ def check_pointer_args():
     from cula_sm100.backward import launch
     from cula_sm100.forward import launch as fwd
 
-    launch.REUSE_POINTERS = True  # the reuse path is what this checks (off by default until a GPU run)
+    launch.REUSE_POINTERS = True  # the reuse path is what this checks (the default; set in case a caller turned it off)
     stream = fwd._compile_stream()
     cases = {  # name: (compiled kernel, its PointerArgs, the scalars after the pointers (i32 ..., f32 last if any))
         "chunk_wy_dqkg": (launch.wy_dqkg_kernel(), launch.wy_args(), (1000, 16, 2, 4), (0.0883,)),

@@ -18,14 +18,11 @@ KERNELS = {
     "gate_cumsum[softplus]": lambda: launch.gate_kernel("softplus", bf, f32, f32, True, True, None),
     "gate_cumsum[safe]": lambda: launch.gate_kernel("safe", f32, f32, f32, False, True, -5.0),
     "chunk_intra": lambda: launch.intra_kernel(bf, "sigmoid"),
-    "chunk_intra[v2]": lambda: launch.intra_kernel(bf, "sigmoid", "v2"),  # opt-in: CULA_SM100_CHUNK_INTRA=v2
     "recompute_w_u": lambda: launch.wu_kernel(f32, "none"),
     "chunk_delta_h": lambda: launch.delta_h_kernel(True, True),
     "chunk_delta_h[no states]": lambda: launch.delta_h_kernel(False, False),
     "chunk_delta_h[no cluster]": lambda: launch.delta_h_kernel(False, False, False),
     "fwd_o": lambda: launch.fwd_o_kernel(),
-    "chunk_delta_h_o": lambda: launch.delta_h_o_kernel(True, True),  # opt-in: CULA_SM100_FUSED_O=1
-    "chunk_delta_h_o[no states]": lambda: launch.delta_h_o_kernel(False, False),
 }
 
 if __name__ == "__main__":

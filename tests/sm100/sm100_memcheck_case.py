@@ -1,8 +1,8 @@
 """Run under compute-sanitizer by test_sm100_forward_gpu.py::test_memcheck_clean_on_odd_shapes: the whole
 forward (every kernel, every gate mode, q/k L2 norm, states) on odd shapes: T = 1, 63, 65, N = 1, GVA 1/2/4,
-a varlen batch with empty and length-1 sequences, and extreme decay (chunk_intra's fp32 sub-block path). Prints
-the chunk_intra variant in use ($CULA_SM100_CHUNK_INTRA) first and "cases ok" at the end; memcheck reports any
-out-of-bounds or misaligned access."""
+a varlen batch with empty and length-1 sequences, extreme decay (chunk_intra's fp32 sub-block path), and
+chunk_delta_h both as clusters and as plain CTAs. Prints "cases ok" at the end; memcheck reports any out-of-bounds
+or misaligned access."""
 
 import os
 import subprocess
@@ -17,7 +17,6 @@ from cula_sm100.forward import launch
 
 
 def main():
-    print(f"chunk_intra {launch.intra_variant()}", flush=True)
     n = 0
     gates = [("precomputed", None), ("softplus", None), ("safe", -5.0)]
     for T, HQK, HV, B in ((1, 1, 1, 1), (63, 2, 4, 2), (65, 1, 4, 1)):
@@ -32,10 +31,15 @@ def main():
     cu, cu_cpu = seqlens_to_cu(lengths)
     q, k, v, g, beta, h0 = make_inputs(1, sum(lengths), 2, 8, seed=1, h0=True, N=len(lengths))
     for final in (False, True):
-        launch.forward(q, k, v, g, beta, None, None, h0 if final else None, cu, cu_cpu, scale=0.1,
-                       output_final_state=final, use_qk_l2norm_in_kernel=False, gate="precomputed", lower_bound=None,
-                       beta_activation="none")
+        _, _, it = launch.forward(q, k, v, g, beta, None, None, h0 if final else None, cu, cu_cpu, scale=0.1,
+                                  output_final_state=final, use_qk_l2norm_in_kernel=False, gate="precomputed",
+                                  lower_bound=None, beta_activation="none")
         n += 1
+        ctab, stab = launch.tables(1, sum(lengths), cu, cu_cpu, q.device)
+        for cluster in (True, False):  # both launch forms of chunk_delta_h, whatever the dispatch picks here
+            launch.chunk_delta_h(it.w, it.u, it.kg, it.g_cumsum, h0 if final else None, ctab, stab,
+                                 output_final_state=final, cluster=cluster)
+            n += 1
     for T, HQK, HV in ((1, 1, 2), (65, 2, 4)):  # every diagonal block through the fp32 sub-block path
         q, k, v, g, beta, _ = make_inputs(1, T, HQK, HV, seed=T, decay="extreme")
         launch.forward(q, k, v, g, beta, None, None, None, None, None, scale=0.1, output_final_state=False,
@@ -46,8 +50,8 @@ def main():
 
 
 def run_under_memcheck(**env):
-    """This file under `compute-sanitizer --tool memcheck`, with `env` added to the environment (e.g.
-    CULA_SM100_CHUNK_INTRA="v2"); returns the CompletedProcess. API errors are not reported: the DSL probes
+    """This file under `compute-sanitizer --tool memcheck`, with `env` added to the environment; returns the
+    CompletedProcess. API errors are not reported: the DSL probes
     device attributes through calls that may fail by design; every access of every kernel launch is checked.
     The caller skips when compute-sanitizer is not on PATH."""
     here = Path(__file__).resolve().parent

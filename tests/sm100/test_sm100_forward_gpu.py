@@ -77,13 +77,24 @@ def test_kernels_varlen(lengths):
     _run_kernels(q, k, v, g, beta, h0, cu, cu_cpu, 1, T)
 
 
+# odd T (1, 63, 65: rows past the chunk end), GVA 1 / 2 / 4, and a varlen batch with a length-1 sequence
+DECAY_SHAPES = [(1, 1, 1, 1, None), (1, 63, 2, 4, None), (1, 65, 1, 4, None), (2, 130, 2, 2, None),
+                (1, 300, 2, 4, None), (1, 0, 2, 8, [1, 64, 65, 7, 130])]
+
+
 @pytest.mark.parametrize("decay", ["strong", "extreme"])
-def test_strong_decay(decay):
+@pytest.mark.parametrize("B,T,HQK,HV,lengths", DECAY_SHAPES)
+def test_strong_decay(B, T, HQK, HV, lengths, decay):
     """Decays down to -5 per token (FLA's safe-gate range: chunk_intra's diagonal blocks by GEMM or by its fp32
     path, by block) and down to -30 (the fp32 path everywhere)."""
     require_gpu()
-    q, k, v, g, beta, h0 = make_inputs(1, 300, 2, 4, seed=7, decay=decay, h0=True)
-    _run_kernels(q, k, v, g, beta, h0, None, None, 1, 300)
+    cu = cu_cpu = None
+    if lengths is not None:
+        T = sum(lengths)
+        cu, cu_cpu = seqlens_to_cu(lengths)
+    q, k, v, g, beta, h0 = make_inputs(B, T, HQK, HV, seed=7 + T, decay=decay, h0=True,
+                                       N=len(lengths) if lengths else None)
+    _run_kernels(q, k, v, g, beta, h0, cu, cu_cpu, B, T)
 
 
 def test_gva_equals_expanded_qk_bitwise():

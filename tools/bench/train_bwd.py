@@ -1,7 +1,8 @@
 """Benchmark of cula-sm100's chunk_kda backward against FLA 0.6.0: the fused chunk_wy_dqkg kernel against FLA's
 `chunk_kda_bwd_wy_dqkg_fused`, the whole forward + backward of `chunk_kda`, and where cula's backward spends its time.
 
-    python -m tools.bench.train_bwd [--smoke | --quick] [--out docs/benchmarks/train_bwd.md] [--json FILE]
+    python -m tools.bench.train_bwd [--smoke | --quick] [--no-e2e | --no-kernels] [--varlen-only]
+                                    [--out docs/benchmarks/train_bwd.md] [--json FILE]
                                     [--deadline-s 400] [--keep-autotune] [--save-autotune FILE.tar]
 
 The issue's grid. Kernel rows: H = 32 q/k heads, HV in (32, 64), B in (1, 2), T in (256 ... 8192), plus varlen
@@ -297,6 +298,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rep", type=int, default=40, help="do_bench measuring time, ms")
     ap.add_argument("--no-e2e", action="store_true", help="kernel rows only")
     ap.add_argument("--no-kernels", action="store_true", help="whole-op rows only")
+    ap.add_argument("--varlen-only", action="store_true", help="only the varlen rows (of the tables selected)")
     ap.add_argument("--no-warm", action="store_true", help="no parallel FLA compile processes")
     ap.add_argument("--keep-autotune", action="store_true",
                     help="keep the warm-up processes' autotune choices (Triton's cache holds an earlier run's)")
@@ -312,6 +314,8 @@ def main(argv=None) -> int:
     kshapes = [] if args.no_kernels else (SMOKE_KERNELS if args.smoke else QUICK_KERNELS if args.quick
                                            else KERNEL_SHAPES)
     eshapes = [] if args.no_e2e else (SMOKE_E2E if args.smoke else QUICK_E2E if args.quick else E2E_SHAPES)
+    if args.varlen_only:
+        kshapes, eshapes = ([x for x in shapes if "varlen" in x] for shapes in (kshapes, eshapes))
     try:
         import fla  # noqa: F401
         have_fla = True

@@ -2,8 +2,7 @@
 chunk_kda forward with the same flags, plus per-kernel rows (chunk_intra, recompute_w_u) against FLA's.
 
     python -m tools.bench.train_fwd [--smoke] [--kernels-only] [--hv 64,128] [--delta-h-sweep]
-                                    [--intra-variant v1,v2] [--fused-o] [--out docs/benchmarks/train_fwd.md]
-                                    [--json FILE]
+                                    [--out docs/benchmarks/train_fwd.md] [--json FILE]
 
 End to end (`chunk_kda`): B = 2, HQK = 64, HV in (64, 128, 256), T in (512 .. 32768), and varlen (B = 1, 8
 sequences, 16384 tokens, one of length 1). Inputs as in training: bf16 q, k, v; raw gate (fp32) with
@@ -17,15 +16,6 @@ FLA's `recompute_w_u_fwd`; the `chunk_intra` row compares ours with FLA's differ
 part alone), labelled as derived; then `chunk_delta_h` against `chunk_gated_delta_rule_fwd_h`, `fwd_o` against
 `chunk_gla_fwd_o_gk`, the gate against `kda_gate_chunk_cumsum` and the L2 norm of q against `l2norm_fwd` (the
 forward runs it on q and on k). `--hv` keeps only the listed value-head counts (FLA autotunes per HV).
-`--intra-variant v1,v2` times each listed chunk_intra variant (v1: chunk_intra.py, live; v2: the opt-in
-chunk_intra_v2.py) in its own row beside FLA's derived intra time, on the same inputs, and checks v2's Aqk / Akk
-against v1's there; the first listed variant feeds the composed rows (intra + w_u, the stage sum). End-to-end rows
-use whatever CULA_SM100_CHUNK_INTRA selects (v1 when unset).
-`--fused-o` adds the opt-in fused chunk_delta_h + fwd_o (chunk_delta_h_o.py, CULA_SM100_FUSED_O=1): per-kernel,
-a row timing it against ours unfused (chunk_delta_h then fwd_o, in the "FLA ms" column of that row, so its
-speed-up is fused vs unfused, and its last column the o difference fused vs unfused, expected 0) and a row against
-FLA's chunk_gated_delta_rule_fwd_h + chunk_gla_fwd_o_gk; end to end, every shape also as "chunk_kda
-[CULA_SM100_FUSED_O=1]" (the switch set around that measurement only).
 Timing: median of `triton.testing.do_bench` through tools/bench/harness.py, after warm-up. The errors column is
 ||cula - FLA|| / ||FLA|| of o on the timed inputs.
 """
@@ -107,7 +97,7 @@ def stage_inputs(x):
     ctab, _ = launch.tables(B, T, cu, x.get("cu_seqlens_cpu"), q.device)
     G = launch.gate_cumsum(gate.reshape(-1, HV, K), None, None, ctab, gate="precomputed", lower_bound=None)
     gk = chunk_local_cumsum(gate, chunk_size=64, scale=RCP_LN2, cu_seqlens=cu.long() if cu is not None else None)
-    Aqk, Akk = launch.chunk_intra(q, k, G, x["beta"], ctab, scale=K ** -0.5, beta_activation="none", variant="v1")
+    Aqk, Akk = launch.chunk_intra(q, k, G, x["beta"], ctab, scale=K ** -0.5, beta_activation="none")
     ctab, stab = launch.tables(B, T, cu, x.get("cu_seqlens_cpu"), q.device)
     w, u, kg = launch.recompute_w_u(k, x["v"], G, x["beta"], Akk, ctab, beta_activation="none")
     h, v_new, _ = launch.chunk_delta_h(w, u, kg, G, None, ctab, stab, output_final_state=False)
@@ -117,7 +107,7 @@ def stage_inputs(x):
                 cu=cu.long() if cu is not None else None)
 
 
-def kernel_fns(s, intra_variants=("v1",), fused_o=False):
+def kernel_fns(s):
     from fla.modules.norm.l2norm import l2norm_fwd
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
@@ -136,27 +126,14 @@ def kernel_fns(s, intra_variants=("v1",), fused_o=False):
     def fla4(x):  # ours [TT, HV, D] -> FLA's [B, T, HV, D] (same memory)
         return x.reshape(B, T, HV, -1)
 
-    first = intra_variants[0]
-    def unfused_o():  # ours today: h and v_new through HBM
-        h, v_new, _ = launch.chunk_delta_h(s["w"], s["u"], s["kg"], s["G"], None, s["ctab"], s["stab"],
-                                           output_final_state=False)
-        return launch.fwd_o(s["q"], s["G"], h, s["Aqk"], v_new, s["ctab"], scale=scale)
-
-    def fused_o_fn():
-        return launch.chunk_delta_h_o(s["q"], s["w"], s["u"], s["kg"], s["G"], s["Aqk"], None, s["ctab"], s["stab"],
-                                      scale=scale, output_final_state=False)[0]
-
-    fused_fns = {"delta_h_o": fused_o_fn, "delta_h+fwd_o": unfused_o} if fused_o else {}
-    fns = fused_fns | {f"intra[{v}]": (lambda v=v: launch.chunk_intra(s["q"], s["k"], s["G"], s["beta"], s["ctab"],
-                                                                      scale=scale, beta_activation="none", variant=v))
-                       for v in intra_variants}
-    return fns | {
+    return {
+        "intra": lambda: launch.chunk_intra(s["q"], s["k"], s["G"], s["beta"], s["ctab"], scale=scale,
+                                            beta_activation="none"),
         "w_u": lambda: launch.recompute_w_u(s["k"], s["v"], s["G"], s["beta"], s["Akk"], s["ctab"],
                                             beta_activation="none"),
         "intra+w_u": lambda: launch.recompute_w_u(s["k"], s["v"], s["G"], s["beta"],
                                                   launch.chunk_intra(s["q"], s["k"], s["G"], s["beta"], s["ctab"],
-                                                                     scale=scale, beta_activation="none",
-                                                                     variant=first)[1],
+                                                                     scale=scale, beta_activation="none")[1],
                                                   s["ctab"], beta_activation="none"),
         "delta_h": lambda: launch.chunk_delta_h(s["w"], s["u"], s["kg"], s["G"], None, s["ctab"], s["stab"],
                                                 output_final_state=False),
@@ -210,9 +187,10 @@ SWEEP = [(1, 64), (2, 64), (2, 128), (4, 128), (2, 256)]  # FLA tunes per HV
 
 
 def delta_h_sweep(timing):
-    """chunk_delta_h (ours: N HV 4 CTAs of 128 threads, 4 per SM, launched as clusters of the 4 V slices or
-    not; FLA's) at T = 8192 for (B, HV) in SWEEP: how the time grows with the number of CTAs (132 SMs x 4 = 528
-    run at once on an H100), w / u / kg random (the recurrence's cost does not depend on the values)."""
+    """chunk_delta_h at T = 8192 for (B, HV) in SWEEP, ours (N HV 4 CTAs of 128 threads, 4 per SM) both as clusters
+    of the 4 V slices and as plain CTAs (the one launch.chunk_delta_h_cluster picks is marked) against FLA's: how
+    the time grows with the number of CTAs (132 SMs x 4 = 528 run at once on an H100); w / u / kg random (the
+    recurrence's cost does not depend on the values)."""
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
@@ -230,8 +208,10 @@ def delta_h_sweep(timing):
                                                              cluster=c), [w], timing).median_ms for c in (True, False)}
         fla = measure(lambda _: chunk_gated_delta_rule_fwd_h(k=kg.reshape(B, T, HV, K), w=w.reshape(B, T, HV, K),
                                                              u=u.reshape(B, T, HV, V), gk=gk), [w], timing).median_ms
-        return [dict(kind=f"chunk_delta_h, {B * HV * 4} CTAs, {label}", B=B, T=T, HV=HV, cula_ms=ours[c], fla_ms=fla)
-                for c, label in ((True, "clusters of 4 (live)"), (False, "no cluster"))]
+        live = launch.chunk_delta_h_cluster(B, HV)
+        return [dict(kind=f"chunk_delta_h, {B * HV * 4} CTAs, {label}{' (dispatch)' if c == live else ''}", B=B, T=T,
+                     HV=HV, cula_ms=ours[c], fla_ms=fla)
+                for c, label in ((True, "clusters of 4"), (False, "no cluster"))]
 
     rows = []
     for B, HV in SWEEP:
@@ -240,22 +220,6 @@ def delta_h_sweep(timing):
             print(r, flush=True)
         torch.cuda.empty_cache()
     return rows
-
-
-def fused_e2e_row(x, shape, timing, fla_ms, o_fla):
-    """The end-to-end row of chunk_kda with CULA_SM100_FUSED_O=1, set around this measurement only."""
-    old = os.environ.get("CULA_SM100_FUSED_O")
-    os.environ["CULA_SM100_FUSED_O"] = "1"
-    try:
-        row = dict(kind="chunk_kda [CULA_SM100_FUSED_O=1]", **shape, err=rel(cula_e2e(**x), o_fla))
-        row["cula_ms"] = measure(cula_e2e, [x], timing).median_ms
-    finally:
-        if old is None:
-            del os.environ["CULA_SM100_FUSED_O"]
-        else:
-            os.environ["CULA_SM100_FUSED_O"] = old
-    row["fla_ms"] = fla_ms
-    return row
 
 
 def rel(a, b):
@@ -274,16 +238,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hv", type=str, help="only these HV (comma-separated), e.g. 64,128")
     ap.add_argument("--delta-h-sweep", action="store_true",
                     help="only chunk_delta_h (ours and FLA's) at T = 8192 over a range of CTA counts (B, HV)")
-    ap.add_argument("--intra-variant", type=str, default="v1",
-                    help="chunk_intra variants to time in the per-kernel rows (comma-separated: v1, v2), e.g. v1,v2")
-    ap.add_argument("--fused-o", action="store_true",
-                    help="also time the opt-in fused chunk_delta_h + fwd_o (per kernel, and end to end with "
-                         "CULA_SM100_FUSED_O=1)")
     ap.add_argument("--render", type=Path, help="only render a saved --json file as markdown (to --out)")
     args = ap.parse_args(argv)
-    from cula_sm100.forward.launch import intra_variant
-
-    intra_variants = tuple(intra_variant(v.strip()) for v in args.intra_variant.split(","))
     if args.render:
         saved = json.loads(args.render.read_text())
         text = render(saved["rows"], saved["env"])
@@ -326,9 +282,6 @@ def main(argv=None) -> int:
         row["fla_ms"] = measure(fla_e2e, [x], timing).median_ms
         rows.append(row)
         print(row, flush=True)
-        if args.fused_o:
-            rows.append(fused_e2e_row(x, s, timing, row["fla_ms"], o_f))
-            print(rows[-1], flush=True)
         del o_f
         save()
         del x
@@ -338,23 +291,13 @@ def main(argv=None) -> int:
         x = make_inputs(**s)
         st = stage_inputs(x)
         del x
-        fns = kernel_fns(st, intra_variants, args.fused_o)
+        fns = kernel_fns(st)
         # the harness picks CUDA timing (do_bench) only when it sees a CUDA tensor among the inputs: hand it
         # one (the stage functions ignore it); with no tensor it would time the host alone, unsynchronised
         t = {name: measure(lambda _, fn=fn: fn(), [st["q"]], timing).median_ms for name, fn in fns.items()}
-        t["intra"] = t[f"intra[{intra_variants[0]}]"]
         base = dict(s)
-        for v in intra_variants:
-            kind = ("chunk_intra (FLA: derived)" if v == "v1" else
-                    f"chunk_intra[{v}] (FLA: derived; last column: max rel. diff of Aqk / Akk vs v1)")
-            row = dict(kind=kind, **base, cula_ms=t[f"intra[{v}]"], fla_ms=t["fla intra+w_u"] - t["fla w_u"])
-            if v != "v1":  # the variant's outputs against the live kernel's on the timed inputs
-                from cula_sm100.forward import launch
-
-                a = launch.chunk_intra(st["q"], st["k"], st["G"], st["beta"], st["ctab"], scale=K ** -0.5,
-                                       beta_activation="none", variant=v)
-                row["err"] = max(rel(a[0], st["Aqk"]), rel(a[1], st["Akk"]))
-            rows.append(row)
+        rows.append(dict(kind="chunk_intra (FLA: derived)", **base, cula_ms=t["intra"],
+                         fla_ms=t["fla intra+w_u"] - t["fla w_u"]))
         rows.append(dict(kind="recompute_w_u", **base, cula_ms=t["w_u"], fla_ms=t["fla w_u"]))
         rows.append(dict(kind="chunk_intra + recompute_w_u", **base, cula_ms=t["intra+w_u"],
                          fla_ms=t["fla intra+w_u"]))
@@ -365,15 +308,7 @@ def main(argv=None) -> int:
         for ours, theirs in (("delta_h", "chunk_delta_h"), ("fwd_o", "fwd_o"), ("gate", "gate + cumsum"),
                              ("l2norm", "l2norm (q)")):
             rows.append(dict(kind=theirs, **base, cula_ms=t[ours], fla_ms=t["fla " + ours.split("[")[0]]))
-        if args.fused_o:
-            o_fused = fns["delta_h_o"]()
-            rows.append(dict(kind="chunk_delta_h_o fused (FLA ms column: ours unfused chunk_delta_h + fwd_o; "
-                                  "last column: o fused vs unfused)", **base, cula_ms=t["delta_h_o"],
-                             fla_ms=t["delta_h+fwd_o"], err=rel(o_fused, fns["delta_h+fwd_o"]())))
-            rows.append(dict(kind="chunk_delta_h_o fused vs FLA chunk_delta_h + fwd_o", **base, cula_ms=t["delta_h_o"],
-                             fla_ms=t["fla delta_h"] + t["fla fwd_o"]))
-            del o_fused
-        for r in rows[-(7 + len(intra_variants) + 2 * args.fused_o):]:
+        for r in rows[-8:]:
             print(r, flush=True)
         print("stage ms:", {k_: round(v_, 3) for k_, v_ in t.items()}, flush=True)
         save()

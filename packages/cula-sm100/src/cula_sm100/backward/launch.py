@@ -30,15 +30,14 @@ from cula_sm100.forward import launch as fwd
 # chunk_bwd_intra on the live path (False: the PyTorch form torch_stages.intra, the kernel's oracle)
 INTRA_KERNEL = True
 # gate_bwd + l2norm_bwd on the live path (False: the PyTorch form torch_stages.finish, the kernels' oracle); needs
-# INTRA_KERNEL (the kernels take dG after chunk_bwd_intra's reverse cumsum). Off until the kernels' own GPU test
-# (test_finish_kernels_match_torch_stage) and memcheck have run: session 4's one GPU run passed the whole backward
-# with them for the safe and precomputed gates without L2 norm, but not yet softplus or l2norm_bwd
-FINISH_KERNEL = False
+# INTRA_KERNEL (the kernels take dG after chunk_bwd_intra's reverse cumsum). On since session 5: the whole backward
+# GPU test (every gate, with and without L2 norm, GVA, varlen, FLA, determinism) and memcheck passed with it
+FINISH_KERNEL = True
 
 
-# PointerArgs reuses its pointer objects only when this is True. False (the default) until a GPU run has passed the
-# backward tests with it: fill() then returns fresh make_ptr pointers, the path every GPU test so far has run.
-REUSE_POINTERS = False
+# PointerArgs reuses its pointer objects when this is True (since session 5: the backward GPU tests and memcheck
+# passed with it); False makes fill() return fresh make_ptr pointers, as before PointerArgs (for debugging).
+REUSE_POINTERS = True
 
 
 class PointerArgs:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -84,28 +83,11 @@ def gate_kernel(gate: str, g_dtype, a_dtype, b_dtype, has_A_log: bool, has_dt_bi
                         1, 1, 1, _compile_stream())
 
 
-# chunk_intra variants: "v1" the live kernel (chunk_intra.py), "v2" the opt-in 8-warp one (chunk_intra_v2.py,
-# compiled only until a GPU run decides). The environment variable is read per call (no restart needed).
-INTRA_VARIANTS = ("v1", "v2")
-INTRA_ENV = "CULA_SM100_CHUNK_INTRA"
-
-
-def intra_variant(variant: str | None = None) -> str:
-    """The chunk_intra variant a call uses: `variant` if given, else $CULA_SM100_CHUNK_INTRA, else "v1"."""
-    v = variant if variant is not None else (os.environ.get(INTRA_ENV) or "v1")
-    if v not in INTRA_VARIANTS:
-        raise ValueError(f"{INTRA_ENV} must be one of {', '.join(INTRA_VARIANTS)}, got {v!r}")
-    return v
-
-
 @functools.cache
-def intra_kernel(beta_dtype: torch.dtype, beta_activation: str, variant: str = "v1"):
+def intra_kernel(beta_dtype: torch.dtype, beta_activation: str):
     import cutlass.cute as cute
 
-    if variant == "v2":
-        from cula_sm100.forward.chunk_intra_v2 import ChunkIntraV2 as ChunkIntra
-    else:
-        from cula_sm100.forward.chunk_intra import ChunkIntra
+    from cula_sm100.forward.chunk_intra import ChunkIntra
 
     bf = torch.bfloat16
     return cute.compile(ChunkIntra(beta_activation), _fake_ptr(bf), _fake_ptr(bf), _fake_ptr(torch.float32),
@@ -135,19 +117,6 @@ def delta_h_kernel(has_initial_state: bool, output_final_state: bool, cluster: b
     return cute.compile(ChunkDeltaH(has_initial_state, output_final_state, cluster), _fake_ptr(bf), _fake_ptr(bf),
                         _fake_ptr(bf), _fake_ptr(f32), _fake_ptr(f32), _fake_ptr(bf), _fake_ptr(bf), _fake_ptr(f32),
                         _fake_ptr(torch.int32), 1, 1, 1, 1, _compile_stream())
-
-
-@functools.cache
-def delta_h_o_kernel(has_initial_state: bool, output_final_state: bool):
-    """The fused chunk_delta_h + fwd_o (opt-in, CULA_SM100_FUSED_O=1: its own cache, keyed like delta_h_kernel)."""
-    import cutlass.cute as cute
-
-    from cula_sm100.forward.chunk_delta_h_o import ChunkDeltaHO
-
-    bf, f32 = torch.bfloat16, torch.float32
-    return cute.compile(ChunkDeltaHO(has_initial_state, output_final_state), _fake_ptr(bf), _fake_ptr(bf),
-                        _fake_ptr(bf), _fake_ptr(bf), _fake_ptr(f32), _fake_ptr(bf), _fake_ptr(f32), _fake_ptr(bf),
-                        _fake_ptr(f32), _fake_ptr(torch.int32), 1, 1, 1, 1, 1.0, _compile_stream())
 
 
 @functools.cache
@@ -210,8 +179,8 @@ class Intermediates:
     w: torch.Tensor        # [TT, HV, K] bf16
     u: torch.Tensor        # [TT, HV, V] bf16
     kg: torch.Tensor       # [TT, HV, K] bf16
-    h: torch.Tensor | None      # [NC, HV, K, V] bf16 (None when fused_o)
-    v_new: torch.Tensor | None  # [TT, HV, V] bf16 (None when fused_o)
+    h: torch.Tensor        # [NC, HV, K, V] bf16
+    v_new: torch.Tensor    # [TT, HV, V] bf16
 
 
 def _empty(*shape, like, dtype=torch.bfloat16):
@@ -241,17 +210,14 @@ def gate_cumsum(g, A_log, dt_bias, ctab, *, gate, lower_bound):
     return G
 
 
-def chunk_intra(q, k, G, beta, ctab, *, scale, beta_activation, variant=None):
-    """(Aqk, Akk) [TT, HV, 64] bf16 (kernel: chunk_intra.py; chunk_intra_v2.py when `variant`, or else
-    $CULA_SM100_CHUNK_INTRA, is "v2"). q, k [.., T, HQK, K] bf16; G [TT, HV, K] fp32."""
+def chunk_intra(q, k, G, beta, ctab, *, scale, beta_activation):
+    """(Aqk, Akk) [TT, HV, 64] bf16 (kernel: chunk_intra.py). q, k [.., T, HQK, K] bf16; G [TT, HV, K] fp32."""
     TT, HV, _ = G.shape
     HQK = q.shape[-2]
-    variant = intra_variant(variant)
     Aqk, Akk = _empty(TT, HV, BT, like=G), _empty(TT, HV, BT, like=G)
     if ctab.shape[0]:
-        intra_kernel(beta.dtype, beta_activation, variant)(_ptr(q), _ptr(k), _ptr(G), _ptr(beta), _ptr(Aqk), _ptr(Akk),
-                                                           _ptr(ctab), TT, ctab.shape[0], HQK, HV, float(scale),
-                                                           _stream())
+        intra_kernel(beta.dtype, beta_activation)(_ptr(q), _ptr(k), _ptr(G), _ptr(beta), _ptr(Aqk), _ptr(Akk),
+                                                  _ptr(ctab), TT, ctab.shape[0], HQK, HV, float(scale), _stream())
     return Aqk, Akk
 
 
@@ -266,12 +232,27 @@ def recompute_w_u(k, v, G, beta, Akk, ctab, *, beta_activation):
     return w, u, kg
 
 
-def chunk_delta_h(w, u, kg, G, initial_state, ctab, stab, *, output_final_state, cluster=True):
+# chunk_delta_h runs N HV 4 CTAs (a sequence's value head in 4 V slices): launched as clusters of the 4 slices from
+# this many (sequence, value head) pairs on, as independent CTAs below. Measured on the H100 at T = 8192 (session 5,
+# `python -m tools.bench.train_fwd --delta-h-sweep`): at 64 / 128 pairs clusters took 1.20x / 1.26x the time of
+# plain CTAs (0.423 vs 0.353 ms, 0.760 vs 0.605 ms); at 256 pairs 0.93x (1.324 vs 1.429 ms), at 512 pairs 0.76x /
+# 0.82x (B 4 HV 128, B 2 HV 256). The threshold lies between 128 and 256 pairs.
+DELTA_H_CLUSTER_MIN_PAIRS = 256
+
+
+def chunk_delta_h_cluster(N: int, HV: int) -> bool:
+    """Whether chunk_delta_h launches as clusters of 4 V slices for N sequences of HV value heads."""
+    return N * HV >= DELTA_H_CLUSTER_MIN_PAIRS
+
+
+def chunk_delta_h(w, u, kg, G, initial_state, ctab, stab, *, output_final_state, cluster=None):
     """(h [NC, HV, K, V] bf16, v_new [TT, HV, V] bf16, final state [N, HV, K, V] fp32 or None)
-    (kernel: chunk_delta_h.py)."""
+    (kernel: chunk_delta_h.py). `cluster`: None picks by chunk_delta_h_cluster (the benchmark forces one)."""
     TT, HV, K = G.shape
     V = u.shape[-1]
     NC, N = ctab.shape[0], stab.shape[0]
+    if cluster is None:
+        cluster = chunk_delta_h_cluster(N, HV)
     h = _empty(NC, HV, K, V, like=G)
     v_new = _empty(TT, HV, V, like=G)
     ht = _empty(N, HV, K, V, like=G, dtype=torch.float32) if output_final_state else None
@@ -294,40 +275,9 @@ def fwd_o(q, G, h, Aqk, v_new, ctab, *, scale):
     return o
 
 
-def chunk_delta_h_o(q, w, u, kg, G, Aqk, initial_state, ctab, stab, *, scale, output_final_state):
-    """(o [TT, HV, V] bf16, final state [N, HV, K, V] fp32 or None): chunk_delta_h and fwd_o in one kernel, h and
-    v_new never written (kernel: chunk_delta_h_o.py; opt-in, compiled only until a GPU run decides)."""
-    TT, HV, K = G.shape
-    HQK, V = q.shape[-2], u.shape[-1]
-    N = stab.shape[0]
-    o = _empty(TT, HV, V, like=G)
-    ht = _empty(N, HV, K, V, like=G, dtype=torch.float32) if output_final_state else None
-    if N:
-        h0 = initial_state.contiguous() if initial_state is not None else None
-        delta_h_o_kernel(h0 is not None, output_final_state)(
-            _ptr(q), _ptr(w), _ptr(u), _ptr(kg), _ptr(G), _ptr(Aqk), _ptr(h0, torch.float32), _ptr(o),
-            _ptr(ht, torch.float32), _ptr(stab), TT, N, HQK, HV, float(scale), _stream())
-    return o, ht
-
-
-# The public forward's fused chunk_delta_h + fwd_o: "1" turns it on, read per call (no restart needed).
-FUSED_O_ENV = "CULA_SM100_FUSED_O"
-
-
-def fused_o_enabled() -> bool:
-    """Whether chunk_kda fuses chunk_delta_h and fwd_o: $CULA_SM100_FUSED_O "1" on; "0", unset or empty off."""
-    v = os.environ.get(FUSED_O_ENV) or "0"
-    if v not in ("0", "1"):
-        raise ValueError(f"{FUSED_O_ENV} must be 0 or 1, got {v!r}")
-    return v == "1"
-
-
 def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *, scale,
-            output_final_state, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, fused_o=False):
-    """The chunk_kda forward; returns (o [B, T, HV, V], final_state [N, HV, K, V] or None, Intermediates).
-    `fused_o` (chunk_kda sets it from $CULA_SM100_FUSED_O; nothing else reads that variable, and the backward's
-    recompute, which needs h and v_new, calls the stages itself): chunk_delta_h and fwd_o as one kernel
-    (chunk_delta_h_o), and the Intermediates' h and v_new are None."""
+            output_final_state, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation):
+    """The chunk_kda forward; returns (o [B, T, HV, V], final_state [N, HV, K, V] or None, Intermediates)."""
     B, T, HQK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     ctab, stab = tables(B, T, cu_seqlens, cu_seqlens_cpu, q.device)
@@ -338,13 +288,8 @@ def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     G = gate_cumsum(g.reshape(B * T, HV, K), A_log, dt_bias, ctab, gate=gate, lower_bound=lower_bound)
     Aqk, Akk = chunk_intra(q, k, G, beta, ctab, scale=scale, beta_activation=beta_activation)
     w, u, kg = recompute_w_u(k, v, G, beta, Akk, ctab, beta_activation=beta_activation)
-    if fused_o:
-        h = v_new = None
-        o, ht = chunk_delta_h_o(q, w, u, kg, G, Aqk, initial_state, ctab, stab, scale=scale,
-                                output_final_state=output_final_state)
-    else:
-        h, v_new, ht = chunk_delta_h(w, u, kg, G, initial_state, ctab, stab, output_final_state=output_final_state)
-        o = fwd_o(q, G, h, Aqk, v_new, ctab, scale=scale)
+    h, v_new, ht = chunk_delta_h(w, u, kg, G, initial_state, ctab, stab, output_final_state=output_final_state)
+    o = fwd_o(q, G, h, Aqk, v_new, ctab, scale=scale)
     inter = Intermediates(q=q.reshape(B * T, HQK, K), k=k.reshape(B * T, HQK, K), g_cumsum=G, Aqk=Aqk, Akk=Akk,
                           w=w, u=u, kg=kg, h=h, v_new=v_new)
     return o.reshape(B, T, HV, V), ht, inter
@@ -352,10 +297,8 @@ def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
 
 def chunk_kda(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *, scale,
               output_final_state, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation):
-    """The backend's kernel for `chunk_kda` (calling convention: docs/backends.md). With $CULA_SM100_FUSED_O=1
-    (read per call) chunk_delta_h and fwd_o run as one kernel (chunk_delta_h_o.py): no intermediate is kept here,
-    so h and v_new need not exist."""
+    """The backend's kernel for `chunk_kda` (calling convention: docs/backends.md)."""
     o, ht, _ = forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale=scale,
                        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                       gate=gate, lower_bound=lower_bound, beta_activation=beta_activation, fused_o=fused_o_enabled())
+                       gate=gate, lower_bound=lower_bound, beta_activation=beta_activation)
     return o, ht
