@@ -151,18 +151,16 @@ KERNELS: list[tuple[str, str, object]] = [
     ("fwd.l2norm", "sm100 forward", _sm100_forward("l2norm")),
     ("fwd.gate_cumsum[softplus]", "sm100 forward", _sm100_forward("gate_cumsum[softplus]")),
     ("fwd.chunk_intra", "sm100 forward", _sm100_forward("chunk_intra")),
-    ("fwd.chunk_intra[v2] (opt-in)", "sm100 forward", _sm100_forward("chunk_intra[v2]")),
     ("fwd.recompute_w_u", "sm100 forward", _sm100_forward("recompute_w_u")),
     ("fwd.chunk_delta_h", "sm100 forward", _sm100_forward("chunk_delta_h")),
     ("fwd.fwd_o", "sm100 forward", _sm100_forward("fwd_o")),
-    ("fwd.chunk_delta_h_o (opt-in)", "sm100 forward", _sm100_forward("chunk_delta_h_o")),
     ("bwd.chunk_wy_dqkg", "sm100 backward", _sm100_backward("chunk_wy_dqkg")),
     ("bwd.chunk_bwd_dav", "sm100 backward", _sm100_backward("chunk_bwd_dav")),
     ("bwd.chunk_bwd_intra", "sm100 backward", _sm100_backward("chunk_bwd_intra")),
     ("bwd.chunk_bwd_dhu[dht,dh0]", "sm100 backward", _sm100_backward("chunk_bwd_dhu[dht, dh0]")),
-    ("bwd.gate_bwd[softplus] (off the live path)", "sm100 backward",
+    ("bwd.gate_bwd[softplus]", "sm100 backward",
      _sm100_backward("gate_bwd[softplus, A_log, dt_bias, fp32 g, bf16 beta]")),
-    ("bwd.l2norm_bwd (off the live path)", "sm100 backward", _sm100_backward("l2norm_bwd")),
+    ("bwd.l2norm_bwd", "sm100 backward", _sm100_backward("l2norm_bwd")),
 ]
 
 
