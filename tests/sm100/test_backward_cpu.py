@@ -191,3 +191,37 @@ def test_reused_pointer_args_marshal_like_fresh_ones():
                           text=True, timeout=600, env=dict(os.environ, CUTE_DSL_ARCH="sm_90a"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "pointer args: byte-identical" in proc.stdout
+
+
+def test_dhu_slice_width_dispatch(monkeypatch):
+    """chunk_bwd_dhu runs V slices of 32 columns up to DHU_NARROW_MAX_PAIRS (sequence, head) pairs and of 64 above
+    (the H100 stage times in launch.py); an explicit `bv` wins; each width has its own compiled kernel and pointer
+    arguments. Kernel, pointers and stream stubbed (CPU tensors; nothing launches)."""
+    import threading
+
+    import torch
+
+    from cula_sm100.backward import launch
+
+    assert launch.DHU_NARROW_MAX_PAIRS == 64
+    assert [launch.dhu_slice_width(N, HV) for N, HV in ((1, 32), (2, 32), (1, 64), (2, 64), (10, 32))] == \
+        [32, 32, 32, 64, 64]
+    asked = []
+
+    class Args:  # PointerArgs' interface, handing the tensors through
+        lock = threading.Lock()
+
+        def fill(self, tensors):
+            return list(tensors)
+
+    monkeypatch.setattr(launch, "dhu_kernel", lambda dht, dh0, bv: (asked.append(bv), lambda *a: None)[1])
+    monkeypatch.setattr(launch, "dhu_args", lambda dht, dh0, bv: Args())
+    monkeypatch.setattr(launch.fwd, "_stream", lambda: None)
+    for N, HV, bv, want in ((2, 32, None, 32), (2, 64, None, 64), (2, 32, 64, 64), (2, 64, 32, 32)):
+        TT = 3 * N
+        q = torch.zeros(TT, 1, 128, dtype=torch.bfloat16)
+        x = torch.zeros(TT, HV, 128, dtype=torch.bfloat16)
+        G = torch.zeros(TT, HV, 128)
+        ctab, stab = torch.zeros(N, 2, dtype=torch.int32), torch.zeros(N, 3, dtype=torch.int32)
+        launch.chunk_bwd_dhu(q, x, x, G, x, x, None, ctab, stab, scale=0.1, want_dh0=False, bv=bv)
+        assert asked[-1] == want, (N, HV, bv)

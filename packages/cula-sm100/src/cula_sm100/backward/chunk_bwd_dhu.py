@@ -1,6 +1,7 @@
-"""chunk_bwd_dhu: the reverse state recurrence of the backward, one (sequence, value head, 64-column slice of V)
-per CTA. On the live path of the backward (launch.chunk_kda_backward); tests/sm100/test_backward_gpu.py checks it
-against the PyTorch stage `torch_stages.dhu` (test_chunk_bwd_dhu_matches_torch_stage) and through the whole op.
+"""chunk_bwd_dhu: the reverse state recurrence of the backward, one (sequence, value head, slice of BV = 64 or 32
+columns of V) per CTA. On the live path of the backward (launch.chunk_kda_backward); tests/sm100/test_backward_gpu.py
+checks it against the PyTorch stage `torch_stages.dhu` (test_chunk_bwd_dhu_matches_torch_stage) and through the
+whole op.
 
 For the chunks of the sequence from last to first (dh: gradient of the state at the END of the chunk, [K = 128,
 64] fp32 registers, starting from dht or zeros):
@@ -10,6 +11,9 @@ For the chunks of the sequence from last to first (dh: gradient of the state at 
     dh     = diag(exp(G_last)) dh + (scale q exp(G))^T @ do - w^T @ dv_tot
 
 and dh0 = dh after the first chunk (fp32) if asked. FLA 0.6.0: `chunk_gated_delta_rule_bwd_dhu`.
+BV (compile-time): the recurrence is serial over a sequence's chunks, so the grid N HV (V / BV) is all the
+parallelism there is; with few (sequence, head) pairs BV = 32 doubles the CTAs (launch.dhu_slice_width picks),
+each CTA still loading kg, w and q whole. Shared memory ~80 KiB at BV = 64, ~64 KiB at 32.
 GVA: q is read at head hv // (HV // HQK); everything else in HV space.
 Tiling: 128 threads = 4 warps along M; kg @ dh is [64 x 128] @ [128 x 64], the two state updates
 [128 x 64] @ [64 x 64], all mma.sync m16n8k16 (bf16 operands: dh, dv_tot and scale q e^G rounded as FLA; fp32
@@ -26,16 +30,17 @@ import cuda.bindings.driver as cuda
 from cula_sm100.forward.cute_utils import (copy_rows_g2s, g2s_tiled_copy, gemm_ss, head_rows, make_tiled_mma,
                                           smem_layout, transposed)
 
-# tile sizes as module constants: names bound inside the kernel's runtime loop would be traced as dynamic
-_BT, _K, _V, _BV = 64, 128, 128, 64
+# tile sizes as module constants (and BV read from self): names bound inside the kernel's runtime loop would be
+# traced as dynamic
+_BT, _K, _V = 64, 128, 128
 
 
 def _col_slice(m: cute.Tensor, t0, h, rows: int, c0, cols: int):
-    """(rows, cols) tile of a (T, H, D) row-major tensor at token t0, head h, columns c0.. (c0 a multiple of 64,
-    so 16-byte vector copies stay aligned); 64-bit offset as cute_utils.head_rows."""
+    """(rows, cols) tile of a (T, H, D) row-major tensor at token t0, head h, columns c0.. (c0 a multiple of cols,
+    32 or 64, so 16-byte vector copies stay aligned); 64-bit offset as cute_utils.head_rows."""
     H = m.shape[1]
     D = m.shape[2]
-    off = cute.assume((cutlass.Int64(t0) * H + h) * D + c0, divby=64)
+    off = cute.assume((cutlass.Int64(t0) * H + h) * D + c0, divby=cols)
     ld = cute.assume(H * D, divby=D)
     return cute.make_tensor(m.iterator + off, cute.make_layout((rows, cols), stride=(ld, 1)))
 
@@ -43,9 +48,11 @@ def _col_slice(m: cute.Tensor, t0, h, rows: int, c0, cols: int):
 class ChunkBwdDhu:
     threads = 128
 
-    def __init__(self, has_dht: bool, want_dh0: bool):
+    def __init__(self, has_dht: bool, want_dh0: bool, bv: int = 64):
+        assert bv in (32, 64), bv
         self.has_dht = has_dht
         self.want_dh0 = want_dh0
+        self.bv = bv
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, kg_ptr: cute.Pointer, w_ptr: cute.Pointer, G_ptr: cute.Pointer,
@@ -64,7 +71,7 @@ class ChunkBwdDhu:
             cute.make_tensor(dh_ptr, cute.make_layout((NC * HV * K, 1, V), stride=(V, V, 1))),
             cute.make_tensor(dv2_ptr, hv_v), cute.make_tensor(dh0_ptr, state),
             cute.make_tensor(seq_ptr, cute.make_layout((N, 3), stride=(3, 1))), HV, HV // HQK, scale,
-        ).launch(grid=[N, HV, V // _BV], block=[self.threads, 1, 1], stream=stream)
+        ).launch(grid=[N, HV, V // self.bv], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mKg: cute.Tensor, mW: cute.Tensor, mG: cute.Tensor, mDo: cute.Tensor,
@@ -74,7 +81,7 @@ class ChunkBwdDhu:
         tidx, _, _ = cute.arch.thread_idx()
         s, hv, vb = cute.arch.block_idx()
         hq = hv // group
-        v0 = vb * _BV
+        v0 = vb * self.bv
         bos = mS[s, 0]
         eos = mS[s, 1]
         first = mS[s, 2]
@@ -84,17 +91,17 @@ class ChunkBwdDhu:
         sKg = smem.allocate_tensor(bf16, smem_layout(_BT, _K), 128)
         sW = smem.allocate_tensor(bf16, smem_layout(_BT, _K), 128)
         sQg = smem.allocate_tensor(bf16, smem_layout(_BT, _K), 128)
-        sDo = smem.allocate_tensor(bf16, smem_layout(_BT, _BV), 128)
-        sDv = smem.allocate_tensor(bf16, smem_layout(_BT, _BV), 128)     # dv, then -dv_tot
-        sDh = smem.allocate_tensor(bf16, smem_layout(_K, _BV), 128)
+        sDo = smem.allocate_tensor(bf16, smem_layout(_BT, self.bv), 128)
+        sDv = smem.allocate_tensor(bf16, smem_layout(_BT, self.bv), 128)     # dv, then -dv_tot
+        sDh = smem.allocate_tensor(bf16, smem_layout(_K, self.bv), 128)
         sGl = smem.allocate_tensor(f32, cute.make_layout((_K,)), 16)
 
         mma = make_tiled_mma(4)
         thr = mma.get_slice(tidx)
-        acc_h = cute.make_rmem_tensor(thr.partition_shape_C((_K, _BV)), f32)
-        coord_h = thr.partition_C(cute.make_identity_tensor((_K, _BV)))
-        acc_v = cute.make_rmem_tensor(thr.partition_shape_C((_BT, _BV)), f32)
-        coord_v = thr.partition_C(cute.make_identity_tensor((_BT, _BV)))
+        acc_h = cute.make_rmem_tensor(thr.partition_shape_C((_K, self.bv)), f32)
+        coord_h = thr.partition_C(cute.make_identity_tensor((_K, self.bv)))
+        acc_v = cute.make_rmem_tensor(thr.partition_shape_C((_BT, self.bv)), f32)
+        coord_v = thr.partition_C(cute.make_identity_tensor((_BT, self.bv)))
         sDh_part = thr.partition_C(sDh)
 
         if cutlass.const_expr(self.has_dht):
@@ -106,7 +113,7 @@ class ChunkBwdDhu:
             acc_h.fill(0.0)
 
         cp = g2s_tiled_copy(_K, self.threads)
-        cp_v = g2s_tiled_copy(_BV, self.threads)
+        cp_v = g2s_tiled_copy(self.bv, self.threads)
         for step in cutlass.range(nchunks, unroll=1):
             ci = nchunks - 1 - step
             t0 = bos + ci * _BT
@@ -115,8 +122,8 @@ class ChunkBwdDhu:
             copy_rows_g2s(cp, head_rows(mKg, t0, hv, _BT), sKg, n, tidx)
             copy_rows_g2s(cp, head_rows(mW, t0, hv, _BT), sW, n, tidx)
             copy_rows_g2s(cp, head_rows(mQ, t0, hq, _BT), sQg, n, tidx)
-            copy_rows_g2s(cp_v, _col_slice(mDo, t0, hv, _BT, v0, _BV), sDo, n, tidx)
-            copy_rows_g2s(cp_v, _col_slice(mDv, t0, hv, _BT, v0, _BV), sDv, n, tidx)
+            copy_rows_g2s(cp_v, _col_slice(mDo, t0, hv, _BT, v0, self.bv), sDo, n, tidx)
+            copy_rows_g2s(cp_v, _col_slice(mDv, t0, hv, _BT, v0, self.bv), sDv, n, tidx)
             cute.arch.cp_async_commit_group()
             tG = head_rows(mG, t0, hv, _BT)
             sGl[tidx] = cute.math.exp(tG[n - 1, tidx].to(f32), fastmath=True)
@@ -137,8 +144,8 @@ class ChunkBwdDhu:
 
             # dv_tot = dv + kg @ dh
             acc_v.fill(0.0)
-            gemm_ss(mma, acc_v, sKg, transposed(sDh, _K, _BV), tidx, False, True)
-            tDv2 = _col_slice(mDv2, t0, hv, _BT, v0, _BV)
+            gemm_ss(mma, acc_v, sKg, transposed(sDh, _K, self.bv), tidx, False, True)
+            tDv2 = _col_slice(mDv2, t0, hv, _BT, v0, self.bv)
             cute.arch.sync_threads()  # every warp is done reading dh; q exp(G) complete
             for i in cutlass.range_constexpr(cute.size(acc_v)):
                 r2, c2 = coord_v[i]
@@ -153,8 +160,8 @@ class ChunkBwdDhu:
             for i in cutlass.range_constexpr(cute.size(acc_h)):
                 k3, _ = coord_h[i]
                 acc_h[i] = acc_h[i] * sGl[k3]
-            gemm_ss(mma, acc_h, transposed(sQg, _BT, _K), transposed(sDo, _BT, _BV), tidx, True, True)
-            gemm_ss(mma, acc_h, transposed(sW, _BT, _K), transposed(sDv, _BT, _BV), tidx, True, True)
+            gemm_ss(mma, acc_h, transposed(sQg, _BT, _K), transposed(sDo, _BT, self.bv), tidx, True, True)
+            gemm_ss(mma, acc_h, transposed(sW, _BT, _K), transposed(sDv, _BT, self.bv), tidx, True, True)
 
         if cutlass.const_expr(self.want_dh0):
             tH0 = head_rows(mDh0, (s * HV + hv) * _K, 0, _K)

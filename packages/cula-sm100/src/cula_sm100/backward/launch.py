@@ -160,14 +160,27 @@ def chunk_bwd_intra(q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab, *, scale):
 
 
 @functools.cache
-def dhu_kernel(has_dht: bool, want_dh0: bool):
-    """The compiled chunk_bwd_dhu, per (dht given, dh0 wanted)."""
+def dhu_kernel(has_dht: bool, want_dh0: bool, bv: int = 64):
+    """The compiled chunk_bwd_dhu, per (dht given, dh0 wanted, V slice width)."""
     import cutlass.cute as cute
 
     from cula_sm100.backward.chunk_bwd_dhu import ChunkBwdDhu
 
-    return cute.compile(ChunkBwdDhu(has_dht, want_dh0), *map(fwd._fake_ptr, DHU_DTYPES), 1, 1, 1, 1, 1, 1.0,
+    return cute.compile(ChunkBwdDhu(has_dht, want_dh0, bv), *map(fwd._fake_ptr, DHU_DTYPES), 1, 1, 1, 1, 1, 1.0,
                         fwd._compile_stream())
+
+
+# chunk_bwd_dhu's V slice: 32 columns (4 CTAs per (sequence, head)) up to this many (sequence, head) pairs, 64 (2
+# CTAs) above. The recurrence is serial in the chunks, so its time at fixed T does not grow with the CTA count while
+# the SMs have room: H100, session 5 (`train_bwd --no-kernels` stage times, BV = 64 everywhere): 1.95 / 1.95 /
+# 1.92 ms at 32 / 64 / 64 pairs (64 and 128 CTAs on 132 SMs, T = 8192), 2.72 ms at 128 pairs (256 CTAs). The
+# threshold keeps BV = 32's grid (4 N HV CTAs, ~64 KiB each) at most 2 per SM.
+DHU_NARROW_MAX_PAIRS = 64
+
+
+def dhu_slice_width(N: int, HV: int) -> int:
+    """chunk_bwd_dhu's V slice (BV) for N sequences of HV value heads."""
+    return 32 if N * HV <= DHU_NARROW_MAX_PAIRS else 64
 
 
 # chunk_bwd_dhu's pointer arguments: q, kg, w, G, do, dv, dht (or None), dh, dv_tot, dh0 (or None), sequence table
@@ -175,14 +188,15 @@ DHU_DTYPES = (_BF, _BF, _BF, _F32, _BF, _BF, _F32, _BF, _BF, _F32, _I32)
 
 
 @functools.cache
-def dhu_args(has_dht: bool, want_dh0: bool) -> PointerArgs:
+def dhu_args(has_dht: bool, want_dh0: bool, bv: int = 64) -> PointerArgs:
     return PointerArgs(DHU_DTYPES)
 
 
-def chunk_bwd_dhu(q, kg, w, G, do, dv, dht, ctab, stab, *, scale, want_dh0):
+def chunk_bwd_dhu(q, kg, w, G, do, dv, dht, ctab, stab, *, scale, want_dh0, bv=None):
     """The reverse state recurrence as a kernel (chunk_bwd_dhu.py). q [TT, HQK, K] bf16; kg, w [TT, HV, K]
     bf16; G [TT, HV, K] fp32; do, dv [TT, HV, V] bf16 (dv: gradient of v_new through o); dht [N, HV, K, V] fp32 or None.
-    Returns dh [NC, HV, K, V] bf16, dv_tot [TT, HV, V] bf16, dh0 [N, HV, K, V] fp32 or None."""
+    Returns dh [NC, HV, K, V] bf16, dv_tot [TT, HV, V] bf16, dh0 [N, HV, K, V] fp32 or None. `bv`: the V slice
+    width, None picks by dhu_slice_width (tests force each)."""
     TT, HV, K = G.shape
     HQK, V = q.shape[1], do.shape[-1]
     NC, N = ctab.shape[0], stab.shape[0]
@@ -190,7 +204,8 @@ def chunk_bwd_dhu(q, kg, w, G, do, dv, dht, ctab, stab, *, scale, want_dh0):
     dv2 = torch.empty_like(dv)
     dh0 = torch.empty(N, HV, K, V, device=G.device, dtype=torch.float32) if want_dh0 else None
     if N:
-        kern, args = dhu_kernel(dht is not None, want_dh0), dhu_args(dht is not None, want_dh0)
+        bv = bv or dhu_slice_width(N, HV)
+        kern, args = dhu_kernel(dht is not None, want_dh0, bv), dhu_args(dht is not None, want_dh0, bv)
         with args.lock:
             kern(*args.fill((q, kg, w, G, do, dv, dht, dh, dv2, dh0, stab)), TT, NC, N, HQK, HV, float(scale),
                  fwd._stream())
