@@ -320,7 +320,10 @@ def test_chunk_bwd_dav_matches_torch_stage(lengths, HV):
 
 
 @pytest.mark.parametrize("lengths,HQK,HV,decay", [(None, 2, 4, 8.0), ([17, 1, 64, 65, 0, 200], 1, 2, 8.0),
-                                                  (None, 1, 1, 0.25)])
+                                                  (None, 1, 1, 0.25),
+                                                  # chunk lengths 2, 3 (mod 4: the kernel's 4-row blocks' other
+                                                  # tails), empty, 64 + 64 + 2, at strong decay with a group of 2
+                                                  ([2, 3, 63, 0, 130, 7], 2, 4, 0.25)])
 def test_chunk_bwd_intra_matches_torch_stage(lengths, HQK, HV, decay):
     """chunk_bwd_intra (adds in place to dq, dk, dbeta, dG, then reverse-cumsums dG) against the PyTorch stages
     torch_stages.intra (a vector-Jacobian product through the reference's decayed scores) and reverse_cumsum on

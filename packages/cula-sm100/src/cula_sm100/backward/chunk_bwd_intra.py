@@ -18,13 +18,25 @@ by the same thread every time: deterministic. dG, then complete, is replaced by 
 the `chunk_local_cumsum(..., reverse=True)` after it).
 
 Tiling: thread = channel d (128 threads = K); no tensor cores: each thread walks the chunk's pairs (i, j <= i)
-in fp32 with exp(G_id - G_jd) <= 1 (exact for any decay, no factorisation through a reference row that could
-overflow). The row sums (dq, R) are registers; the column sums C_j go through a thread-private fp32 column of
-shared memory. Shared memory ~98 KB (two CTAs per SM): k (bf16), G, C (fp32) [64 x 128], the lower triangles
-of dAqk and dL (fp32, packed by rows); q is read per row from global memory (one use per row and head).
+in fp32 with exp(G_id - G_jd) <= 1 computed per pair (exact for any decay, no factorisation through a reference
+row that could overflow). Rows are register-tiled by R = 4 (`rows`): per column j one load of G_j and k_j and one
+read-modify-write of the thread's C_j serve 4 rows (their 4 contributions summed in registers), and the 4 rows
+give 8 independent FMA chains (dq_i, R_i); dSq and dL are interleaved, one 8-byte broadcast load per (row,
+column). Why: the one-row kernel (session 3) issued 6 shared-memory accesses per pair and was bound by their
+issue (7.3 ms of a 13.6 ms backward at B=2 T=8192 H=32 on the H100); this one issues 7 per 4 pairs. Columns
+0..i0 hold for the whole block (no masks); the up to 3 columns i0+1..i0+3 are a compile-time-masked triangle.
+Row blocks run from last to first: column j takes contributions from rows i >= j only, so when block i0 has run
+its own 4 columns are complete, and each row's dq, dk, dG is added to global memory once, the reverse cumsum of
+dG running along (no second pass over dk, dG).
+Tails (n not a multiple of 4, n = 1): the last block's padding rows get k = beta = dSq = dL = 0 and the last
+valid row's G (every exp they meet is then <= 1), q from the last valid row (finite); they add exactly 0
+to every column, and are never stored; no global row >= n is read.
+Shared memory ~98 KB (two CTAs per SM; 72 registers): k (bf16), G, C (fp32) [64 x 128], the lower triangle of
+(dSq, dL) (fp32 pairs, packed by rows); q is read per row from global memory (one use per row and head).
 Pipeline per value head: plain coalesced loads (one row of 128 channels per step) into shared memory, one
-barrier, the pair loop, the column-side stores. dbeta's sum over channels: warp shuffles, then the 4 warps'
-partials through shared memory. Assumes K = 128, chunks that never cross a sequence.
+barrier, the blocked pair loop with the per-row stores. dbeta's sum over channels: warp shuffles, then the 4
+warps' partials through shared memory. Assumes K = 128, chunks that never cross a sequence.
+Status: the register-tiled form is compiled only (sm_90a / sm_100a, on the CPU), not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -43,8 +55,27 @@ def _exp(x):
     return cute.math.exp(x, fastmath=True)
 
 
+def _column(jj, r_lo: int, R: int, i0, base, d, sG, sK, sC, sAL, gi, qi, bki, aq, ak):
+    """Column jj against the block's rows i0 + r, r_lo <= r < R (traced inline): one load of G_j, k_j and one
+    read-modify-write of the thread's C_j for all of them; row i0 + r's (dSq, dL) pair is at base + r i0 +
+    r (r + 1) / 2 + jj of the packed triangle (base = row i0's start)."""
+    gj = sG[jj, d]
+    kj = sK[jj, d].to(cutlass.Float32)
+    cj = sC[jj, d]
+    for r in range(r_lo, R):  # compile-time: R independent chains per accumulator
+        p = base + r * i0 + (r * (r + 1) // 2) + jj
+        e = _exp(gi[r] - gj)  # per pair, <= 1: exact for any decay
+        a = sAL[p, 0] * e
+        lv = sAL[p, 1] * e
+        aq[r] += a * kj
+        ak[r] += lv * kj
+        cj += a * qi[r] + lv * bki[r]
+    sC[jj, d] = cj
+
+
 class ChunkBwdIntra:
     threads = _K  # thread = channel
+    rows = 4  # rows per register block: per column, one sG / sK load and one sC read-modify-write for 4 rows
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, G_ptr: cute.Pointer, beta_ptr: cute.Pointer,
@@ -68,32 +99,44 @@ class ChunkBwdIntra:
                mDL: cute.Tensor, mDq: cute.Tensor, mDk: cute.Tensor, mDb: cute.Tensor, mDg: cute.Tensor,
                mT: cute.Tensor, group: cutlass.Int32, scale: cutlass.Float32):
         f32, bf16 = cutlass.Float32, cutlass.BFloat16
+        R = self.rows  # rows per register block (compile-time: the unrolled row loops)
         d, _, _ = cute.arch.thread_idx()
         c, hq, _ = cute.arch.block_idx()
         warp = d // 32
         t0 = mT[c, 0]
         n = mT[c, 1]
+        nr = (n + R - 1) // R * R  # rows padded to whole row blocks (<= 64: 64 is a multiple of R)
 
         smem = cutlass.utils.SmemAllocator()
         sK = smem.allocate_tensor(bf16, cute.make_layout((_BT, _K), stride=(_K, 1)), 16)
         sG = smem.allocate_tensor(f32, cute.make_layout((_BT, _K), stride=(_K, 1)), 16)
         sC = smem.allocate_tensor(f32, cute.make_layout((_BT, _K), stride=(_K, 1)), 16)
-        # dSq and dL: lower triangles only, packed by rows (row i at i (i + 1) / 2): 16 KB less, 2 CTAs per SM
-        sA = smem.allocate_tensor(f32, cute.make_layout((_TRI,)), 16)
-        sL = smem.allocate_tensor(f32, cute.make_layout((_TRI,)), 16)
+        # (dSq, dL) interleaved: one 8-byte broadcast per (row, column); lower triangle only, packed by rows
+        # (row i at i (i + 1) / 2): 16 KB less than two squares, which keeps two CTAs per SM
+        sAL = smem.allocate_tensor(f32, cute.make_layout((_TRI, 2), stride=(2, 1)), 16)
         sBeta = smem.allocate_tensor(f32, cute.make_layout((_BT,)), 16)
         sPart = smem.allocate_tensor(f32, cute.make_layout((_BT, 4), stride=(4, 1)), 16)
+
+        gi = cute.make_rmem_tensor((R,), f32)
+        qi = cute.make_rmem_tensor((R,), f32)
+        ki = cute.make_rmem_tensor((R,), f32)
+        bti = cute.make_rmem_tensor((R,), f32)
+        bki = cute.make_rmem_tensor((R,), f32)
+        aq = cute.make_rmem_tensor((R,), f32)
+        ak = cute.make_rmem_tensor((R,), f32)
 
         tQ = head_rows(mQ, t0, hq, _BT)
         tK = head_rows(mK, t0, hq, _BT)
         tDq = head_rows(mDq, t0, hq, _BT)
         tDk = head_rows(mDk, t0, hq, _BT)
-        for r in cutlass.range(n, unroll=4):  # rows past the chunk end are never read
+        for r in cutlass.range(n, unroll=4):  # rows past the chunk end are never read from global memory
             sK[r, d] = tK[r, d]
+        for r in cutlass.range(n, nr, unroll=1):  # the padding rows of the last block: k = 0 (no contribution)
+            sK[r, d] = bf16(0.0)
 
         for j in cutlass.range(group, unroll=1):
             hv = hq * group + j
-            cute.arch.sync_threads()  # the previous value head's readers of sG, sA, sL, sC are done
+            cute.arch.sync_threads()  # the previous value head's readers of sG, sAL, sC, sBeta are done
             tG = head_rows(mG, t0, hv, _BT)
             tA = head_rows(mDA, t0, hv, _BT)
             tL = head_rows(mDL, t0, hv, _BT)
@@ -101,55 +144,71 @@ class ChunkBwdIntra:
             for r in cutlass.range(n, unroll=4):
                 sG[r, d] = tG[r, d]
                 sC[r, d] = f32(0.0)
-            # dAqk and dL: two rows of 64 per step, the lower triangle kept; dSq = scale dAqk
-            for r2 in cutlass.range(0, n, 2, unroll=2):
+            for r in cutlass.range(n, nr, unroll=1):
+                # padding rows take the last row's G: every exp(G_i - G_j) they meet is then <= 1 (finite)
+                sG[r, d] = tG[n - 1, d]
+                sC[r, d] = f32(0.0)
+            # dAqk and dL: two rows of 64 per step, the lower triangle kept; dSq = scale dAqk; padding rows 0
+            # (with k = beta = 0 there, a padding row adds exactly 0 to every column sum)
+            for r2 in cutlass.range(0, nr, 2, unroll=2):
                 r = r2 + d // _BT
                 cc = d % _BT
-                if r < n:
-                    if cc <= r:
-                        sA[r * (r + 1) // 2 + cc] = tA[r, cc] * scale
-                        sL[r * (r + 1) // 2 + cc] = tL[r, cc]
-            if d < n:
-                sBeta[d] = head_rows(mBeta, t0, hv, _BT)[d, 0].to(f32)
+                if cc <= r:
+                    if r < n:
+                        sAL[r * (r + 1) // 2 + cc, 0] = tA[r, cc] * scale
+                        sAL[r * (r + 1) // 2 + cc, 1] = tL[r, cc]
+                    else:
+                        sAL[r * (r + 1) // 2 + cc, 0] = f32(0.0)
+                        sAL[r * (r + 1) // 2 + cc, 1] = f32(0.0)
+            if d < nr:
+                if d < n:
+                    sBeta[d] = head_rows(mBeta, t0, hv, _BT)[d, 0].to(f32)
+                else:
+                    sBeta[d] = f32(0.0)
             cute.arch.sync_threads()
 
-            for i in cutlass.range(n, unroll=1):
-                gi = sG[i, d]
-                qi = tQ[i, d].to(f32)  # row i only: read from global memory (L1 / L2), not staged
-                ki = sK[i, d].to(f32)
-                bki = sBeta[i] * ki
-                row = i * (i + 1) // 2
-                aq = f32(0.0)
-                ak = f32(0.0)
-                # j = i .. 0: dL's diagonal is zero (strictly lower), dSq's is not
-                for jj in cutlass.range(i + 1, unroll=4):
-                    e = _exp(gi - sG[jj, d])
-                    kj = sK[jj, d].to(f32)
-                    a = sA[row + jj] * e
-                    lv = sL[row + jj] * e
-                    aq += a * kj
-                    ak += lv * kj
-                    sC[jj, d] = sC[jj, d] + a * qi + lv * bki
-                dkr = sBeta[i] * ak
-                tDq[i, d] = tDq[i, d] + aq
-                tDk[i, d] = tDk[i, d] + dkr
-                tDg[i, d] = tDg[i, d] + qi * aq + ki * dkr
-                p = ki * ak  # dbeta_i: sum over channels of k_i R_i
-                for s in cutlass.range_constexpr(5):
-                    p += cute.arch.shuffle_sync_bfly(p, 1 << s)
-                if d % 32 == 0:
-                    sPart[i, warp] = p
-
-            # the column side: C_j complete once every row i >= j has run (thread-private column: no barrier);
-            # dG is then complete for this chunk: its reverse chunk-local cumsum (the gradient of the raw log
-            # decay, from that of G = its cumsum) runs here, rows from last to first
+            # row blocks from last to first: column j takes contributions from rows i >= j only, so once block
+            # i0 has run, its own R columns are complete: each row's dq, dk, dG is then final for this value
+            # head, written once, and dG's reverse chunk-local cumsum (the gradient of the raw log decay, from
+            # that of G = its cumsum) runs along in the same pass (no second pass over dk, dG in global memory)
             run = f32(0.0)
-            for rr in cutlass.range(n, unroll=2):
-                r = n - 1 - rr
-                cc = sC[r, d]
-                tDk[r, d] = tDk[r, d] + cc
-                run += tDg[r, d] - sK[r, d].to(f32) * cc
-                tDg[r, d] = run
+            for b in cutlass.range(nr // R, unroll=1):
+                i0 = nr - R - b * R
+                for r in cutlass.range_constexpr(R):
+                    i = i0 + r
+                    gi[r] = sG[i, d]
+                    # q of row i from global memory (one use per row and head: not staged); a padding row
+                    # reads the last row (finite; its dSq is 0): never past the chunk
+                    qi[r] = tQ[cutlass.min(i, n - 1), d].to(f32)
+                    ki[r] = sK[i, d].to(f32)
+                    bti[r] = sBeta[i]
+                    bki[r] = bti[r] * ki[r]
+                    aq[r] = f32(0.0)
+                    ak[r] = f32(0.0)
+                base = i0 * (i0 + 1) // 2  # row i0 of the packed triangle; row i0 + r is at base + r i0 + r(r+1)/2
+                # columns 0..i0: on or below the diagonal for all R rows (no masks). Per column: sG, sK and the
+                # read-modify-write of sC once for R rows; 2 R independent FMA chains (aq, ak)
+                for jj in cutlass.range(i0 + 1, unroll=2):
+                    _column(jj, 0, R, i0, base, d, sG, sK, sC, sAL, gi, qi, bki, aq, ak)
+                # columns i0 + 1 .. i0 + R - 1: only rows i0 + r with r >= m reach column i0 + m (compile-time mask)
+                for m in cutlass.range_constexpr(1, R):
+                    _column(i0 + m, m, R, i0, base, d, sG, sK, sC, sAL, gi, qi, bki, aq, ak)
+                # the block's rows, last to first: row side and column side (C_i, thread-private: no barrier)
+                for rr in cutlass.range_constexpr(R):
+                    r = R - 1 - rr
+                    i = i0 + r
+                    dkr = bti[r] * ak[r]
+                    cc = sC[i, d]
+                    pb = ki[r] * ak[r]  # dbeta_i: sum over channels of k_i R_i
+                    for s in cutlass.range_constexpr(5):
+                        pb += cute.arch.shuffle_sync_bfly(pb, 1 << s)
+                    if i < n:  # padding rows are never stored
+                        tDq[i, d] = tDq[i, d] + aq[r]
+                        tDk[i, d] = (tDk[i, d] + dkr) + cc
+                        run += (tDg[i, d] + qi[r] * aq[r] + ki[r] * dkr) - ki[r] * cc
+                        tDg[i, d] = run
+                        if d % 32 == 0:
+                            sPart[i, warp] = pb
             cute.arch.sync_threads()  # sPart complete
             if d < n:
                 tDb = head_rows(mDb, t0, hv, _BT)
