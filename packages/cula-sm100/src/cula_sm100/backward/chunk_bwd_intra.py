@@ -31,7 +31,7 @@ dG running along (no second pass over dk, dG).
 Tails (n not a multiple of 4, n = 1): the last block's padding rows get k = beta = dSq = dL = 0 and the last
 valid row's G (every exp they meet is then <= 1), q from the last valid row (finite); they add exactly 0
 to every column, and are never stored; no global row >= n is read.
-Shared memory ~98 KB (two CTAs per SM; 72 registers): k (bf16), G, C (fp32) [64 x 128], the lower triangle of
+Shared memory ~98 KB (two CTAs per SM; 71 registers): k (bf16), G, C (fp32) [64 x 128], the lower triangle of
 (dSq, dL) (fp32 pairs, packed by rows); q is read per row from global memory (one use per row and head).
 Pipeline per value head: plain coalesced loads (one row of 128 channels per step) into shared memory, one
 barrier, the blocked pair loop with the per-row stores. dbeta's sum over channels: warp shuffles, then the 4
@@ -69,7 +69,8 @@ def _column(jj, r_lo: int, R: int, i0, base, d, sG, sK, sC, sAL, gi, qi, bki, aq
         lv = sAL[p, 1] * e
         aq[r] += a * kj
         ak[r] += lv * kj
-        cj += a * qi[r] + lv * bki[r]
+        cj += a * qi[r]  # two FMAs (not a product sum then an add: one instruction less per pair)
+        cj += lv * bki[r]
     sC[jj, d] = cj
 
 
