@@ -5,26 +5,53 @@
     x_t = lower_bound * sigmoid(exp(A_log[hv]) * (g_t + dt_bias[hv]))   (gate="safe"; no A_log: factor 1)
     G_t = x_{t0} + ... + x_t   within each 64-token chunk (natural log; FLA stores G / ln 2)
 
-Tiling: one CTA per (chunk, value head), one thread per channel (K = 128 threads): the chunk's 64 tokens are
-loaded into registers first (independent, coalesced loads), then summed in order and stored as fp32
-`[T_total, HV, K]`. The chunk table gives each chunk's first token and length (1..64): chunks never cross
-a sequence boundary, so varlen needs nothing more.
+Tiling: one WARP per (chunk, value head), 4 warps per CTA on 4 consecutive value heads of one chunk (a token's
+4 head rows are 2 KB of contiguous memory), grid (chunks, ceil(HV / 4)). Lane l owns channels 4l .. 4l+3, so
+every access is one vector per lane per row (16 bytes of fp32 g / G, 8 of bf16 g) and a warp moves a whole
+512-byte row per instruction; the session-3 kernel had one thread per channel and issued 64 4-byte loads and
+stores per thread (128 registers, 16 warps per SM).
+Pipeline: the chunk's rows in batches of ROWS_PER_BATCH: all of a batch's loads first (independent, so
+ROWS_PER_BATCH x 16 bytes per lane are in flight), then per channel the gate and the running sum in row order,
+then the batch's stores. Each channel is summed sequentially, in row order, exactly as before: gate="precomputed"
+is bitwise the earlier kernel's result.
+Gate arithmetic: exp / log through the MUFU approximations (ex2.approx, lg2.approx), as FLA's softplus (its
+inline PTX) and sigmoid do: the precise libdevice exp + log1p cost ~40 instructions per element and made this
+pass instruction-bound rather than HBM-bound. softplus keeps relative accuracy where log(1 + e) would lose it
+(e = exp(z) < 2^-6: the series e - e^2/2 + e^3/3 - e^4/4, truncation < 1e-8 relative); elsewhere the error is
+lg2.approx's (absolute ~2^-22 in log2), i.e. about 1e-7 absolute per token on the softplus value.
+Varlen: the chunk table gives each chunk's first token and length (1..64); chunks never cross a sequence, and
+rows at or past the length are neither read nor written.
+Status: the session-5 rewrite is COMPILED ONLY (sm_90a / sm_100a, CPU); its GPU test and benchmark are pending.
 """
 
 from __future__ import annotations
 
+import math
+import os
+
 import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
+from cutlass.cute.nvgpu import CopyUniversalOp
 
-from cula_sm100.forward.cute_utils import chunk_block, head_rows, token_layout
+from cula_sm100.forward.cute_utils import token_layout
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
 
 
 class GateCumsum:
     BT = 64
     K = 128
+    VEC = 4                    # channels per lane: 16 bytes of fp32
+    WARPS = 4                  # value heads per CTA (one warp each)
+    # rows loaded ahead per lane: 8 -> 71 registers, 28 warps/SM, 8 x 16 B in flight per lane (16 -> 128 registers,
+    # 16 warps/SM, 16 x 16 B). CULA_SM100_GATE_ROWS (8, 16; read at import) is the benchmark's sweep knob.
+    ROWS_PER_BATCH = int(os.environ.get("CULA_SM100_GATE_ROWS", "8"))
+    SERIES_BELOW = 2.0 ** -6   # softplus: e = exp(z) below this uses the log1p series
 
     def __init__(self, gate: str, has_A_log: bool, has_dt_bias: bool, lower_bound: float | None):
+        assert self.BT % self.ROWS_PER_BATCH == 0, f"CULA_SM100_GATE_ROWS must divide {self.BT}"
         self.gate = gate
         self.has_A_log = has_A_log
         self.has_dt_bias = has_dt_bias
@@ -40,34 +67,62 @@ class GateCumsum:
         mA = cute.make_tensor(a_ptr, cute.make_layout((HV,)))
         mB = cute.make_tensor(b_ptr, cute.make_layout((HV, self.K), stride=(self.K, 1)))
         mT = cute.make_tensor(table_ptr, cute.make_layout((NC, 2), stride=(2, 1)))
-        self.kernel(mg, mA, mB, mG, mT).launch(grid=[NC, HV, 1], block=[self.K, 1, 1], stream=stream)
-
-    @cute.kernel
-    def kernel(self, mg: cute.Tensor, mA: cute.Tensor, mB: cute.Tensor, mG: cute.Tensor, mT: cute.Tensor):
-        d, _, hv, t0, n = chunk_block(mT)
-        tg = head_rows(mg, t0, hv, self.BT)
-        tG = head_rows(mG, t0, hv, self.BT)
-        x = cute.make_rmem_tensor((self.BT,), cutlass.Float32)
-        for r in cutlass.range_constexpr(self.BT):
-            x[r] = cutlass.Float32(0.0)
-            if r < n:
-                x[r] = tg[r, d].to(cutlass.Float32)
-        rate, bias = self.rate_bias(mA, mB, hv, d)
-        acc = cutlass.Float32(0.0)
-        for r in cutlass.range_constexpr(self.BT):
-            acc += self.gate_of(x[r], rate, bias)
-            if r < n:
-                tG[r, d] = acc
+        self.kernel(mg, mA, mB, mG, mT, HV).launch(grid=[NC, cute.ceil_div(HV, self.WARPS), 1],
+                                                   block=[32 * self.WARPS, 1, 1], stream=stream)
 
     @cute.jit
-    def rate_bias(self, mA: cute.Tensor, mB: cute.Tensor, hv, d):
-        """(exp(A_log[hv]) or 1, dt_bias[hv, d] or 0) in fp32."""
+    def lane_vec(self, m: cute.Tensor, off):
+        """The VEC contiguous elements of m at element offset `off` (a multiple of VEC: one vector access)."""
+        return cute.make_tensor(m.iterator + cute.assume(off, divby=self.VEC), cute.make_layout((self.VEC,)))
+
+    @cute.kernel
+    def kernel(self, mg: cute.Tensor, mA: cute.Tensor, mB: cute.Tensor, mG: cute.Tensor, mT: cute.Tensor,
+               HV: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        c, hb, _ = cute.arch.block_idx()
+        warp = tidx // 32
+        lane = tidx % 32
+        hv = hb * self.WARPS + warp
+        if hv < HV:  # warp-uniform: the last CTA column may hold fewer than WARPS heads
+            t0 = mT[c, 0]
+            n = mT[c, 1]
+            ld = cute.assume(HV * self.K, divby=self.K)     # elements between consecutive tokens
+            # 64-bit: the tensor may exceed 2^31 elements; offsets inside a chunk fit in 32 bits
+            base = cute.assume((cutlass.Int64(t0) * HV + hv) * self.K + lane * self.VEC, divby=self.VEC)
+            g_atom = cute.make_copy_atom(CopyUniversalOp(), mg.element_type,
+                                         num_bits_per_copy=self.VEC * mg.element_type.width)
+            G_atom = cute.make_copy_atom(CopyUniversalOp(), cutlass.Float32, num_bits_per_copy=self.VEC * 32)
+            rate, bias = self.rate_bias(mA, mB, hv, lane)
+            acc = cute.make_rmem_tensor((self.VEC,), cutlass.Float32)
+            acc.fill(0.0)
+            R = self.ROWS_PER_BATCH
+            rows = cute.make_layout((R, self.VEC), stride=(self.VEC, 1))  # a row = one contiguous vector
+            raw = cute.make_rmem_tensor(rows, mg.element_type)
+            out = cute.make_rmem_tensor(rows, cutlass.Float32)
+            for b in cutlass.range_constexpr(self.BT // R):
+                for i in cutlass.range_constexpr(R):
+                    if b * R + i < n:
+                        cute.copy(g_atom, self.lane_vec(mg, base + (b * R + i) * ld), raw[i, None])
+                for i in cutlass.range_constexpr(R):
+                    for j in cutlass.range_constexpr(self.VEC):
+                        # rows past the end add garbage to acc but are never stored (and nothing follows them)
+                        acc[j] += self.gate_of(raw[i, j].to(cutlass.Float32), rate, bias[j])
+                        out[i, j] = acc[j]
+                for i in cutlass.range_constexpr(R):
+                    if b * R + i < n:
+                        cute.copy(G_atom, out[i, None], self.lane_vec(mG, base + (b * R + i) * ld))
+
+    @cute.jit
+    def rate_bias(self, mA: cute.Tensor, mB: cute.Tensor, hv, lane):
+        """(exp(A_log[hv]) or 1, dt_bias[hv, 4 lane .. 4 lane + 3] or 0) in fp32."""
         rate = cutlass.Float32(1.0)
         if cutlass.const_expr(self.has_A_log):
             rate = cute.math.exp(mA[hv].to(cutlass.Float32))
-        bias = cutlass.Float32(0.0)
+        bias = cute.make_rmem_tensor((self.VEC,), cutlass.Float32)
+        bias.fill(0.0)
         if cutlass.const_expr(self.has_dt_bias):
-            bias = mB[hv, d].to(cutlass.Float32)
+            for j in cutlass.range_constexpr(self.VEC):
+                bias[j] = mB[hv, lane * self.VEC + j].to(cutlass.Float32)
         return rate, bias
 
     @cute.jit
@@ -77,9 +132,13 @@ class GateCumsum:
             z = v + bias
             sp = z
             if z <= 20.0:
-                sp = cute.math.log1p(cute.math.exp(z))
+                e = cute.math.exp2(z * LOG2E, fastmath=True)
+                sp = cute.math.log2(1.0 + e, fastmath=True) * LN2
+                if e < self.SERIES_BELOW:
+                    sp = e * (1.0 + e * (-0.5 + e * (1.0 / 3.0 + e * -0.25)))
             v = -rate * sp
         elif cutlass.const_expr(self.gate == "safe"):
             z = rate * (v + bias)
-            v = self.lower_bound / (1.0 + cute.math.exp(-z))
+            # rcp.approx (~1 ulp) rather than an IEEE division (a ~10-instruction sequence per element)
+            v = self.lower_bound * cute.arch.rcp_approx(1.0 + cute.math.exp2(-z * LOG2E, fastmath=True))
         return v
