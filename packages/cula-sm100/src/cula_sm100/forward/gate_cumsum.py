@@ -45,8 +45,9 @@ class GateCumsum:
     K = 128
     VEC = 4                    # channels per lane: 16 bytes of fp32
     WARPS = 4                  # value heads per CTA (one warp each)
-    # rows loaded ahead per lane: 8 -> 71 registers, 28 warps/SM, 8 x 16 B in flight per lane (16 -> 128 registers,
-    # 16 warps/SM, 16 x 16 B). CULA_SM100_GATE_ROWS (8, 16; read at import) is the benchmark's sweep knob.
+    # rows loaded ahead per lane. sm_90a, softplus, fp32 g: 8 -> 70 registers, 28 warps/SM, 8 x 16 B in flight per
+    # lane (112 KB per SM); 4 -> 40 registers, 48 warps/SM (96 KB); 16 -> 112 registers, 16 warps/SM (128 KB).
+    # CULA_SM100_GATE_ROWS (4, 8, 16; read at import) is the benchmark's sweep knob until the H100 picks one.
     ROWS_PER_BATCH = int(os.environ.get("CULA_SM100_GATE_ROWS", "8"))
     SERIES_BELOW = 2.0 ** -6   # softplus: e = exp(z) below this uses the log1p series
 
@@ -100,17 +101,18 @@ class GateCumsum:
             raw = cute.make_rmem_tensor(rows, mg.element_type)
             out = cute.make_rmem_tensor(rows, cutlass.Float32)
             for b in cutlass.range_constexpr(self.BT // R):
-                for i in cutlass.range_constexpr(R):
-                    if b * R + i < n:
-                        cute.copy(g_atom, self.lane_vec(mg, base + (b * R + i) * ld), raw[i, None])
-                for i in cutlass.range_constexpr(R):
-                    for j in cutlass.range_constexpr(self.VEC):
-                        # rows past the end add garbage to acc but are never stored (and nothing follows them)
-                        acc[j] += self.gate_of(raw[i, j].to(cutlass.Float32), rate, bias[j])
-                        out[i, j] = acc[j]
-                for i in cutlass.range_constexpr(R):
-                    if b * R + i < n:
-                        cute.copy(G_atom, out[i, None], self.lane_vec(mG, base + (b * R + i) * ld))
+                if b * R < n:  # a short (varlen) chunk skips its empty batches
+                    for i in cutlass.range_constexpr(R):
+                        if b * R + i < n:
+                            cute.copy(g_atom, self.lane_vec(mg, base + (b * R + i) * ld), raw[i, None])
+                    for i in cutlass.range_constexpr(R):
+                        for j in cutlass.range_constexpr(self.VEC):
+                            # rows past the end add garbage to acc but are never stored (and nothing follows them)
+                            acc[j] += self.gate_of(raw[i, j].to(cutlass.Float32), rate, bias[j])
+                            out[i, j] = acc[j]
+                    for i in cutlass.range_constexpr(R):
+                        if b * R + i < n:
+                            cute.copy(G_atom, out[i, None], self.lane_vec(mG, base + (b * R + i) * ld))
 
     @cute.jit
     def rate_bias(self, mA: cute.Tensor, mB: cute.Tensor, hv, lane):
