@@ -31,11 +31,13 @@ dG running along (no second pass over dk, dG).
 Tails (n not a multiple of 4, n = 1): the last block's padding rows get k = beta = dSq = dL = 0 and the last
 valid row's G (every exp they meet is then <= 1), q from the last valid row (finite); they add exactly 0
 to every column, and are never stored; no global row >= n is read.
-Shared memory ~98 KB (two CTAs per SM; 71 registers): k (bf16), G, C (fp32) [64 x 128], the lower triangle of
-(dSq, dL) (fp32 pairs, packed by rows); q is read per row from global memory (one use per row and head).
-Pipeline per value head: plain coalesced loads (one row of 128 channels per step) into shared memory, one
-barrier, the blocked pair loop with the per-row stores. dbeta's sum over channels: warp shuffles, then the 4
-warps' partials through shared memory. Assumes K = 128, chunks that never cross a sequence.
+Shared memory ~98 KB (two CTAs per SM; 96 registers, no spills): k (bf16), G, C (fp32) [64 x 128], the lower
+triangle of (dSq, dL) (fp32 pairs, packed by rows); q is read per row from global memory (one use per row and
+head), one row block ahead. Pipeline per value head: k (once) and G by cp.async (16 bytes a thread, every row in
+flight), dAqk / dL by unconditional (clamped) loads, 8 steps unrolled, into the packed triangle, one barrier,
+the blocked pair loop; each block loads the dq, dk, dG it adds to at its start and stores them at its end.
+dbeta's sum over channels: warp shuffles, then the 4 warps' partials through shared memory. Assumes K = 128,
+chunks that never cross a sequence.
 Status: the register-tiled form is compiled only (sm_90a / sm_100a, on the CPU), not yet run on a GPU.
 """
 
@@ -45,7 +47,7 @@ import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
-from cula_sm100.forward.cute_utils import head_rows
+from cula_sm100.forward.cute_utils import copy_rows_g2s, g2s_tiled_copy, head_rows
 
 _BT, _K = 64, 128
 _TRI = _BT * (_BT + 1) // 2  # a packed lower triangle of 64 x 64
@@ -125,62 +127,79 @@ class ChunkBwdIntra:
         bki = cute.make_rmem_tensor((R,), f32)
         aq = cute.make_rmem_tensor((R,), f32)
         ak = cute.make_rmem_tensor((R,), f32)
+        qn = cute.make_rmem_tensor((R,), f32)  # q of the next row block (prefetched)
+        oq = cute.make_rmem_tensor((R,), f32)  # dq, dk, dG of the block's rows before this kernel's addition
+        ok = cute.make_rmem_tensor((R,), f32)
+        og = cute.make_rmem_tensor((R,), f32)
 
         tQ = head_rows(mQ, t0, hq, _BT)
-        tK = head_rows(mK, t0, hq, _BT)
         tDq = head_rows(mDq, t0, hq, _BT)
         tDk = head_rows(mDk, t0, hq, _BT)
-        for r in cutlass.range(n, unroll=4):  # rows past the chunk end are never read from global memory
-            sK[r, d] = tK[r, d]
-        for r in cutlass.range(n, nr, unroll=1):  # the padding rows of the last block: k = 0 (no contribution)
-            sK[r, d] = bf16(0.0)
+        # k and (per value head) G by cp.async, 16 bytes a thread, all rows in flight at once (the one-row kernel's
+        # 4-byte loads, 4 in flight, left the load phase latency-bound); rows >= n are zero-filled, never read
+        cp_k = g2s_tiled_copy(_K, self.threads)
+        cp_g = g2s_tiled_copy(_K, self.threads, f32)
+        copy_rows_g2s(cp_k, head_rows(mK, t0, hq, _BT), sK, n, d)  # padding rows: k = 0 (no contribution)
 
         for j in cutlass.range(group, unroll=1):
             hv = hq * group + j
             cute.arch.sync_threads()  # the previous value head's readers of sG, sAL, sC, sBeta are done
-            tG = head_rows(mG, t0, hv, _BT)
             tA = head_rows(mDA, t0, hv, _BT)
             tL = head_rows(mDL, t0, hv, _BT)
             tDg = head_rows(mDg, t0, hv, _BT)
-            for r in cutlass.range(n, unroll=4):
-                sG[r, d] = tG[r, d]
-                sC[r, d] = f32(0.0)
-            for r in cutlass.range(n, nr, unroll=1):
-                # padding rows take the last row's G: every exp(G_i - G_j) they meet is then <= 1 (finite)
-                sG[r, d] = tG[n - 1, d]
+            copy_rows_g2s(cp_g, head_rows(mG, t0, hv, _BT), sG, n, d)
+            cute.arch.cp_async_commit_group()
+            for r in cutlass.range(nr, unroll=4):
                 sC[r, d] = f32(0.0)
             # dAqk and dL: two rows of 64 per step, the lower triangle kept; dSq = scale dAqk; padding rows 0
-            # (with k = beta = 0 there, a padding row adds exactly 0 to every column sum)
-            for r2 in cutlass.range(0, nr, 2, unroll=2):
+            # (with k = beta = 0 there, a padding row adds exactly 0 to every column sum). The loads are
+            # unconditional (a padding row reads row n - 1: in bounds) so the unrolled steps' loads issue together
+            for r2 in cutlass.range(0, nr, 2, unroll=8):
                 r = r2 + d // _BT
                 cc = d % _BT
+                rs = cutlass.min(r, n - 1)
+                va = tA[rs, cc] * scale
+                vl = tL[rs, cc]
+                if r >= n:
+                    va = f32(0.0)
+                    vl = f32(0.0)
                 if cc <= r:
-                    if r < n:
-                        sAL[r * (r + 1) // 2 + cc, 0] = tA[r, cc] * scale
-                        sAL[r * (r + 1) // 2 + cc, 1] = tL[r, cc]
-                    else:
-                        sAL[r * (r + 1) // 2 + cc, 0] = f32(0.0)
-                        sAL[r * (r + 1) // 2 + cc, 1] = f32(0.0)
+                    sAL[r * (r + 1) // 2 + cc, 0] = va
+                    sAL[r * (r + 1) // 2 + cc, 1] = vl
             if d < nr:
                 if d < n:
                     sBeta[d] = head_rows(mBeta, t0, hv, _BT)[d, 0].to(f32)
                 else:
                     sBeta[d] = f32(0.0)
+            cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
+            # padding rows take the last row's G (thread-private column from here on: no barrier needed): every
+            # exp(G_i - G_j) they meet is then <= 1, finite
+            for r in cutlass.range(n, nr, unroll=1):
+                sG[r, d] = sG[n - 1, d]
 
             # row blocks from last to first: column j takes contributions from rows i >= j only, so once block
             # i0 has run, its own R columns are complete: each row's dq, dk, dG is then final for this value
             # head, written once, and dG's reverse chunk-local cumsum (the gradient of the raw log decay, from
             # that of G = its cumsum) runs along in the same pass (no second pass over dk, dG in global memory)
             run = f32(0.0)
+            # q from global memory (one use per row and head: not staged), one block ahead, so its latency hides
+            # behind a block's pair loop; a padding row reads the last row (finite; its dSq is 0): never past
+            # the chunk. Rows clamped to [0, n - 1]
+            for r in cutlass.range_constexpr(R):
+                qn[r] = tQ[cutlass.min(nr - R + r, n - 1), d].to(f32)
             for b in cutlass.range(nr // R, unroll=1):
                 i0 = nr - R - b * R
                 for r in cutlass.range_constexpr(R):
                     i = i0 + r
+                    rs = cutlass.min(i, n - 1)
                     gi[r] = sG[i, d]
-                    # q of row i from global memory (one use per row and head: not staged); a padding row
-                    # reads the last row (finite; its dSq is 0): never past the chunk
-                    qi[r] = tQ[cutlass.min(i, n - 1), d].to(f32)
+                    qi[r] = qn[r]
+                    qn[r] = tQ[cutlass.min(cutlass.max(i - R, 0), n - 1), d].to(f32)  # the next block's
+                    # what this row adds to, loaded now (read back after the pair loop, latency hidden)
+                    oq[r] = tDq[rs, d]
+                    ok[r] = tDk[rs, d]
+                    og[r] = tDg[rs, d]
                     ki[r] = sK[i, d].to(f32)
                     bti[r] = sBeta[i]
                     bki[r] = bti[r] * ki[r]
@@ -204,9 +223,9 @@ class ChunkBwdIntra:
                     for s in cutlass.range_constexpr(5):
                         pb += cute.arch.shuffle_sync_bfly(pb, 1 << s)
                     if i < n:  # padding rows are never stored
-                        tDq[i, d] = tDq[i, d] + aq[r]
-                        tDk[i, d] = (tDk[i, d] + dkr) + cc
-                        run += (tDg[i, d] + qi[r] * aq[r] + ki[r] * dkr) - ki[r] * cc
+                        tDq[i, d] = oq[r] + aq[r]
+                        tDk[i, d] = (ok[r] + dkr) + cc
+                        run += (og[r] + qi[r] * aq[r] + ki[r] * dkr) - ki[r] * cc
                         tDg[i, d] = run
                         if d % 32 == 0:
                             sPart[i, warp] = pb
