@@ -64,11 +64,15 @@ def _column(jj, r_lo: int, R: int, i0, base, d, sG, sK, sC, sAL, gi, qi, bki, aq
     gj = sG[jj, d]
     kj = sK[jj, d].to(cutlass.Float32)
     cj = sC[jj, d]
-    for r in range(r_lo, R):  # compile-time: R independent chains per accumulator
-        p = base + r * i0 + (r * (r + 1) // 2) + jj
-        e = _exp(gi[r] - gj)  # per pair, <= 1: exact for any decay
-        a = sAL[p, 0] * e
-        lv = sAL[p, 1] * e
+    # compile-time loops over the rows: all the rows' exponentials and (dSq, dL) loads first, so the exp unit's
+    # and shared memory's latencies overlap (written pair by pair, the SASS waits on each exp in turn)
+    e = [_exp(gi[r] - gj) for r in range(r_lo, R)]  # per pair, <= 1: exact for any decay
+    al = [(sAL[base + r * i0 + (r * (r + 1) // 2) + jj, 0], sAL[base + r * i0 + (r * (r + 1) // 2) + jj, 1])
+          for r in range(r_lo, R)]
+    for x in range(R - r_lo):  # R independent chains per accumulator
+        r = r_lo + x
+        a = al[x][0] * e[x]
+        lv = al[x][1] * e[x]
         aq[r] += a * kj
         ak[r] += lv * kj
         cj += a * qi[r]  # two FMAs (not a product sum then an add: one instruction less per pair)
@@ -208,7 +212,7 @@ class ChunkBwdIntra:
                 base = i0 * (i0 + 1) // 2  # row i0 of the packed triangle; row i0 + r is at base + r i0 + r(r+1)/2
                 # columns 0..i0: on or below the diagonal for all R rows (no masks). Per column: sG, sK and the
                 # read-modify-write of sC once for R rows; 2 R independent FMA chains (aq, ak)
-                for jj in cutlass.range(i0 + 1, unroll=2):
+                for jj in cutlass.range(i0 + 1, unroll=4):
                     _column(jj, 0, R, i0, base, d, sG, sK, sC, sAL, gi, qi, bki, aq, ak)
                 # columns i0 + 1 .. i0 + R - 1: only rows i0 + r with r >= m reach column i0 + m (compile-time mask)
                 for m in cutlass.range_constexpr(1, R):
