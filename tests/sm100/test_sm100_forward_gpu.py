@@ -97,6 +97,37 @@ def test_strong_decay(B, T, HQK, HV, lengths, decay):
     _run_kernels(q, k, v, g, beta, h0, cu, cu_cpu, B, T)
 
 
+# gate_cumsum alone in every gate mode and g dtype: G within TOL of the fp64 reference
+GATE_KERNEL_CASES = [("softplus", torch.float32, True, True, None), ("softplus", torch.bfloat16, True, False, None),
+                     ("safe", torch.float32, True, True, -5.0), ("safe", torch.bfloat16, False, True, -3.0),
+                     ("precomputed", torch.bfloat16, False, False, None)]
+
+
+@pytest.mark.parametrize("gate,g_dtype,has_A,has_b,lb", GATE_KERNEL_CASES)
+@pytest.mark.parametrize("lengths", [[1, 63, 0, 64, 65, 200], [130]], ids=["varlen", "one"])
+def test_gate_cumsum_modes(gate, g_dtype, has_A, has_b, lb, lengths):
+    """gate_cumsum in every gate mode, fp32 and bf16 g, A_log / dt_bias present or not, HV % 4 != 0 (idle warps in
+    the last CTA column), chunks of 1..64 tokens: G against the fp64 reference's chunk-local cumsum."""
+    require_gpu()
+    from cula_core.reference.gates import log_decay
+    from cula_sm100.forward import launch
+
+    HV, T = 6, sum(lengths)
+    gen = torch.Generator(device="cuda").manual_seed(T + HV)
+    g = (3 * torch.randn(1, T, HV, 128, generator=gen, device="cuda") - 2).to(g_dtype)  # e^z < 2^-6 too
+    A_log = torch.log(torch.rand(HV, generator=gen, device="cuda") * 15 + 1) if has_A else None
+    dt_bias = 0.1 * torch.randn(HV * 128, generator=gen, device="cuda") if has_b else None
+    cu, cu_cpu = seqlens_to_cu(lengths)
+    ctab, _ = launch.tables(1, T, cu, cu_cpu, g.device)
+    G = launch.gate_cumsum(g.reshape(T, HV, 128), A_log, dt_bias, ctab, gate=gate, lower_bound=lb)
+    x = log_decay(g.double(), A_log.double() if has_A else None, dt_bias.double() if has_b else None, gate,
+                  lb).reshape(T, HV, 128)
+    ref = torch.zeros_like(x)
+    for t0, n in ctab.tolist():
+        ref[t0:t0 + n] = x[t0:t0 + n].cumsum(0)
+    assert rel_err(G, ref) < TOL["g_cumsum"]
+
+
 def test_gva_equals_expanded_qk_bitwise():
     """Native GVA (q/k read at hv // group) gives bitwise what expanding q/k to HV heads gives (group 1)."""
     require_gpu()
@@ -196,6 +227,33 @@ def test_requires_grad_forward_then_backward(monkeypatch):
         warnings.simplefilter("ignore")
         o.float().square().sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_misaligned_views_are_copied(monkeypatch):
+    """Inputs that are contiguous views at an offset that is not a multiple of 16 bytes (the kernels load 16-byte
+    vectors from pointers declared 16-byte aligned): the forward and the backward give bitwise what the same
+    values in tensors of their own give."""
+    require_gpu()
+    q, k, v, g, beta, _ = make_inputs(1, 130, 2, 4, seed=9)
+
+    def shifted(x):  # the same values, 8 bytes (bf16) / 4 bytes (fp32) past a 16-byte boundary
+        buf = torch.empty(x.numel() + 8, dtype=x.dtype, device=x.device)
+        y = buf[2 if x.element_size() == 4 else 4:][:x.numel()].view(x.shape)
+        y.copy_(x)
+        assert y.is_contiguous() and y.data_ptr() % 16 != 0
+        return y
+
+    def run(q, k, v, g, beta):  # q, k, v, g are leaves (views of an unshared buffer when shifted)
+        for x in (q, k, v, g):
+            x.requires_grad_(True)
+        o, _ = _public("sm100", monkeypatch, q, k, v, g, beta)
+        o.float().square().sum().backward()
+        return o, [x.grad for x in (q, k, v, g)]
+
+    o1, g1 = run(*(x.clone() for x in (q, k, v, g)), beta)
+    o2, g2 = run(*(shifted(x) for x in (q, k, v, g, beta)))
+    assert torch.equal(o1, o2)
+    assert all(a is not None and torch.equal(a, b) for a, b in zip(g1, g2, strict=True))
 
 
 def test_memcheck_clean_on_odd_shapes():

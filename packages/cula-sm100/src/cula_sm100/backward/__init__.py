@@ -4,12 +4,13 @@
                     dbeta, dG, dL), one (chunk, q/k head) per CTA of 8 warps, dq / dk summed in registers
   chunk_bwd_dav.py  CuTe DSL kernel: dAqk = do v_new^T, dv = Aqk^T do, one (chunk, value head) per CTA
   chunk_bwd_dhu.py  CuTe DSL kernel: the reverse state recurrence (dh per chunk, dv += kg dh, dh0), one
-                    (sequence, value head, 64 columns of V) per CTA
+                    (sequence, value head, 32 or 64 columns of V) per CTA
   chunk_bwd_intra.py CuTe DSL kernel: the intra-chunk backward of the decayed scores and the reverse cumsum of
                     dG, one (chunk, q/k head) per CTA (GVA summed inside)
-  torch_stages.py   the stage still in PyTorch (the gate / L2-norm / beta backward), the PyTorch forms of the
-                    kernels' stages (the CPU tests' and the kernels' GPU tests' oracles) and the composition of
-                    the whole backward
+  gate_bwd.py       CuTe DSL kernel: the gate / beta backward (dg of raw g, dA_log, ddt_bias, dbeta)
+  l2norm_bwd.py     CuTe DSL kernel: the q/k L2-norm backward
+  torch_stages.py   the PyTorch forms of every stage (the CPU tests' composition and the kernels' GPU tests'
+                    oracles) and the composition of the whole backward, with the kernels as hooks
   launch.py         compiled-kernel cache; recomputes the forward with cula_sm100.forward's kernels, then runs
                     the stages (docs/sm100_backward.md)
 This module imports no CuTe DSL: kernels compile on first use.

@@ -335,6 +335,8 @@ def chunk_kda_backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state,
     B, T = q.shape[:2]
     if marks is not None:
         marks("begin")
+    do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state = fwd.aligned(do, dht, q, k, v, g, beta, A_log, dt_bias,
+                                                                           initial_state)
     ctab, stab = fwd.tables(B, T, cu_seqlens, cu_seqlens_cpu, q.device)
     it = recompute(q, k, v, g, beta, A_log, dt_bias, initial_state, ctab, stab, scale=scale,
                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate, lower_bound=lower_bound,

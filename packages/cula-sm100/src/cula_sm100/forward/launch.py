@@ -43,6 +43,13 @@ def _ptr(t: torch.Tensor | None, dtype: torch.dtype | None = None):
     return make_ptr(_cutlass_dtype(t.dtype), t.data_ptr(), AddressSpace.gmem, assumed_align=16)
 
 
+def aligned(*tensors):
+    """The tensors, each copied if its data is not 16-byte aligned (None passes): every kernel here loads 16-byte
+    vectors and its pointers are declared 16-byte aligned. Tensors that own their storage always are; a view at an
+    odd offset into a larger buffer may not be."""
+    return tuple(t if t is None or t.data_ptr() % 16 == 0 else t.clone() for t in tensors)
+
+
 def _fake_ptr(dtype: torch.dtype):
     return _ptr(None, dtype)
 
@@ -283,6 +290,7 @@ def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     ctab, stab = tables(B, T, cu_seqlens, cu_seqlens_cpu, q.device)
     A_log = A_log.contiguous() if A_log is not None else None
     dt_bias = dt_bias.contiguous() if dt_bias is not None else None
+    q, k, v, g, beta, A_log, dt_bias, initial_state = aligned(q, k, v, g, beta, A_log, dt_bias, initial_state)
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     G = gate_cumsum(g.reshape(B * T, HV, K), A_log, dt_bias, ctab, gate=gate, lower_bound=lower_bound)
