@@ -2,9 +2,9 @@
 
     dx = r (dy - y <y, dy>)          (dy: the gradient of the normalised row, fp32; dx in x's dtype)
 
-Tiling: one warp per row of K = 128 (4 consecutive channels per lane), 4 rows per 128-thread CTA, as the forward's
-l2norm.py; rows are the flattened [T_total * HQK] token-heads. r comes from `cute_utils.l2norm_scale` (the forward's
-own arithmetic), <y, dy> from a 5-level warp butterfly. No shared memory, no barriers. Assumes contiguous rows.
+Tiling: one warp per row of K = 128 (4 consecutive channels per lane), 4 rows per 128-thread CTA; rows are the
+flattened [T_total * HQK] token-heads. r comes from `cute_utils.l2norm_scale` (bitwise the forward l2norm.py's r),
+<y, dy> from a 5-level warp butterfly. No shared memory, no barriers. Assumes contiguous rows.
 """
 
 from __future__ import annotations

@@ -235,8 +235,9 @@ def load_beta(sBeta: cute.Tensor, mBeta: cute.Tensor, t0, hv, n, tidx, act: cutl
 @cute.jit
 def l2norm_scale(vals: cute.Tensor):
     """rsqrt(sum of squares + eps) of a 128-wide row spread over a warp, 4 consecutive channels per lane in
-    `vals` (fp32): the lane's squares summed in order, then a 5-level butterfly. The one definition of the q/k
-    L2 norm's arithmetic: l2norm.py (forward) and the backward's l2norm_bwd.py use it, so both see the same r."""
+    `vals` (fp32): the lane's squares summed in order, then a 5-level butterfly. The definition of the q/k L2
+    norm's arithmetic: the backward's l2norm_bwd.py uses it, and the forward's l2norm.py (half a warp per row,
+    8 channels per lane) computes bitwise the same sum in its own layout (its docstring says how)."""
     ss = cutlass.Float32(0.0)
     for i in cutlass.range_constexpr(4):
         ss += vals[i] * vals[i]
