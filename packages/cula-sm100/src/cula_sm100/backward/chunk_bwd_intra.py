@@ -189,9 +189,10 @@ class ChunkBwdIntra:
             run = f32(0.0)
             # q from global memory (one use per row and head: not staged), one block ahead, so its latency hides
             # behind a block's pair loop; a padding row reads the last row (finite; its dSq is 0): never past
-            # the chunk. Rows clamped to [0, n - 1]
-            for r in cutlass.range_constexpr(R):
-                qn[r] = tQ[cutlass.min(nr - R + r, n - 1), d].to(f32)
+            # the chunk. Rows clamped to [0, n - 1] (the chunk table has no empty chunk; guarded all the same)
+            if n > 0:
+                for r in cutlass.range_constexpr(R):
+                    qn[r] = tQ[cutlass.max(cutlass.min(nr - R + r, n - 1), 0), d].to(f32)
             for b in cutlass.range(nr // R, unroll=1):
                 i0 = nr - R - b * R
                 for r in cutlass.range_constexpr(R):
