@@ -31,12 +31,12 @@ dG running along (no second pass over dk, dG).
 Tails (n not a multiple of 4, n = 1): the last block's padding rows get k = beta = dSq = dL = 0 and the last
 valid row's G (every exp they meet is then <= 1), q from the last valid row (finite); they add exactly 0
 to every column, and are never stored; no global row >= n is read.
-Shared memory ~98 KB (two CTAs per SM; 96 registers, no spills): k (bf16), G, C (fp32) [64 x 128], the lower
+Shared memory 98.5 KiB (two CTAs per SM; 94 registers, no spills): k (bf16), G, C (fp32) [64 x 128], the lower
 triangle of (dSq, dL) (fp32 pairs, packed by rows); q is read per row from global memory (one use per row and
 head), one row block ahead. Pipeline per value head: k (once) and G by cp.async (16 bytes a thread, every row in
-flight), dAqk / dL by unconditional (clamped) loads, 8 steps unrolled, into the packed triangle, one barrier,
-the blocked pair loop; each block loads the dq, dk, dG it adds to at its start and stores them at its end.
-dbeta's sum over channels: warp shuffles, then the 4 warps' partials through shared memory. Assumes K = 128,
+flight), dAqk / dL 16 rows at a time (16 loads a thread in flight, branch-free stores) into the packed triangle,
+one barrier, the blocked pair loop; each block loads the dq, dk, dG it adds to at its start and stores them at its
+end. dbeta's sum over channels: warp shuffles, then the 4 warps' partials through shared memory. Assumes K = 128,
 chunks that never cross a sequence.
 Status: the register-tiled form is compiled only (sm_90a / sm_100a, on the CPU), not yet run on a GPU.
 """
@@ -120,7 +120,8 @@ class ChunkBwdIntra:
         sC = smem.allocate_tensor(f32, cute.make_layout((_BT, _K), stride=(_K, 1)), 16)
         # (dSq, dL) interleaved: one 8-byte broadcast per (row, column); lower triangle only, packed by rows
         # (row i at i (i + 1) / 2): 16 KB less than two squares, which keeps two CTAs per SM
-        sAL = smem.allocate_tensor(f32, cute.make_layout((_TRI, 2), stride=(2, 1)), 16)
+        # + a spare slot per thread (the target of its stores off the triangle: no two threads share one)
+        sAL = smem.allocate_tensor(f32, cute.make_layout((_TRI + _K, 2), stride=(2, 1)), 16)
         sBeta = smem.allocate_tensor(f32, cute.make_layout((_BT,)), 16)
         sPart = smem.allocate_tensor(f32, cute.make_layout((_BT, 4), stride=(4, 1)), 16)
 
@@ -135,6 +136,8 @@ class ChunkBwdIntra:
         oq = cute.make_rmem_tensor((R,), f32)  # dq, dk, dG of the block's rows before this kernel's addition
         ok = cute.make_rmem_tensor((R,), f32)
         og = cute.make_rmem_tensor((R,), f32)
+        fa = cute.make_rmem_tensor((8,), f32)  # dAqk, dL of 8 load steps
+        fl = cute.make_rmem_tensor((8,), f32)
 
         tQ = head_rows(mQ, t0, hq, _BT)
         tDq = head_rows(mDq, t0, hq, _BT)
@@ -156,20 +159,22 @@ class ChunkBwdIntra:
             for r in cutlass.range(nr, unroll=4):
                 sC[r, d] = f32(0.0)
             # dAqk and dL: two rows of 64 per step, the lower triangle kept; dSq = scale dAqk; padding rows 0
-            # (with k = beta = 0 there, a padding row adds exactly 0 to every column sum). The loads are
-            # unconditional (a padding row reads row n - 1: in bounds) so the unrolled steps' loads issue together
-            for r2 in cutlass.range(0, nr, 2, unroll=8):
-                r = r2 + d // _BT
-                cc = d % _BT
-                rs = cutlass.min(r, n - 1)
-                va = tA[rs, cc] * scale
-                vl = tL[rs, cc]
-                if r >= n:
-                    va = f32(0.0)
-                    vl = f32(0.0)
-                if cc <= r:
-                    sAL[r * (r + 1) // 2 + cc, 0] = va
-                    sAL[r * (r + 1) // 2 + cc, 1] = vl
+            # (with k = beta = 0 there, a padding row adds exactly 0 to every column sum). 16 rows at a time: the
+            # 8 steps' loads first, unconditional (a padding row reads row n - 1: in bounds), then stores with no
+            # branch (an element off the triangle goes to the thread's spare slot _TRI + d), so the compiler
+            # cannot sink the loads into the stores' branches: 16 loads a thread in flight (with branches: 2)
+            col = d % _BT
+            for r16 in cutlass.range(0, nr, 16, unroll=1):
+                for s in cutlass.range_constexpr(8):
+                    rs = cutlass.min(r16 + 2 * s + d // _BT, n - 1)
+                    fa[s] = tA[rs, col]
+                    fl[s] = tL[rs, col]
+                for s in cutlass.range_constexpr(8):
+                    r = r16 + 2 * s + d // _BT
+                    slot = cutlass.select_(col <= r, r * (r + 1) // 2 + col, _TRI + d)
+                    slot = cutlass.select_(r < nr, slot, _TRI + d)
+                    sAL[slot, 0] = cutlass.select_(r < n, fa[s] * scale, f32(0.0))
+                    sAL[slot, 1] = cutlass.select_(r < n, fl[s], f32(0.0))
             if d < nr:
                 if d < n:
                     sBeta[d] = head_rows(mBeta, t0, hv, _BT)[d, 0].to(f32)
