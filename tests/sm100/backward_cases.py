@@ -202,6 +202,21 @@ def _memcheck():
     for bv in (32, 64):
         launch.chunk_bwd_dhu(q.detach().reshape(T, 1, 128), kg, w, G, do, dv, dht, ctab, stab, scale=0.1,
                              want_dh0=True, bv=bv)
+    # chunk_bwd_intra on chunk lengths of every residue mod its 4-row blocks (1, 2, 3, 7, 63, 64, 65, 130) and
+    # empty sequences, GVA 2
+    lengths = [1, 0, 2, 3, 63, 64, 65, 130, 7]
+    from sm100_cases import seqlens_to_cu
+
+    cu, cu_cpu = seqlens_to_cu(lengths)
+    T = sum(lengths)
+    ctab, _ = fwd.tables(1, T, cu, cu_cpu, "cuda")
+    qi, ki = (torch.randn(T, 1, 128, device="cuda").bfloat16() for _ in range(2))
+    Gi = -torch.rand(T, 2, 128, device="cuda").cumsum(0)
+    bi = torch.rand(T, 2, device="cuda")
+    dA, dL = torch.randn(T, 2, 64, device="cuda"), torch.randn(T, 2, 64, device="cuda")
+    dqi, dki = torch.zeros(T, 1, 128, device="cuda"), torch.zeros(T, 1, 128, device="cuda")
+    dbi, dGi = torch.zeros(T, 2, device="cuda"), torch.zeros(T, 2, 128, device="cuda")
+    launch.chunk_bwd_intra(qi, ki, Gi, bi, dA, dL, dqi, dki, dbi, dGi, ctab, scale=0.1)
     torch.cuda.synchronize()
     print("memcheck cases done")
 
