@@ -38,7 +38,8 @@ flight), dAqk / dL 16 rows at a time (16 loads a thread in flight, branch-free s
 one barrier, the blocked pair loop; each block loads the dq, dk, dG it adds to at its start and stores them at its
 end. dbeta's sum over channels: warp shuffles, then the 4 warps' partials through shared memory. Assumes K = 128,
 chunks that never cross a sequence.
-Status: the register-tiled form is compiled only (sm_90a / sm_100a, on the CPU), not yet run on a GPU.
+Measured on the H100 (session 5, `train_bwd --no-kernels` stage times): 2.11 ms at B = 2, T = 8192, HV = 32 (the
+one-row-per-step form: 7.30 ms), 4.11 ms at HV = 64 (14.01); GPU tests, memcheck and racecheck clean.
 """
 
 from __future__ import annotations
