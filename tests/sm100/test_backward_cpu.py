@@ -194,9 +194,10 @@ def test_reused_pointer_args_marshal_like_fresh_ones():
 
 
 def test_dhu_slice_width_dispatch(monkeypatch):
-    """chunk_bwd_dhu runs V slices of 32 columns up to DHU_NARROW_MAX_PAIRS (sequence, head) pairs and of 64 above
-    (the H100 stage times in launch.py); an explicit `bv` wins; each width has its own compiled kernel and pointer
-    arguments. Kernel, pointers and stream stubbed (CPU tensors; nothing launches)."""
+    """chunk_bwd_dhu runs V slices of 32 columns up to DHU_NARROW_MAX_PAIRS busy (sequence, head) chains and of 64
+    above (the H100 stage times in launch.py), busy counted over the longest sequence; an explicit `bv` wins; each
+    width has its own compiled kernel and pointer arguments. Kernel, pointers and stream stubbed (CPU tensors;
+    nothing launches)."""
     import threading
 
     import torch
@@ -206,6 +207,14 @@ def test_dhu_slice_width_dispatch(monkeypatch):
     assert launch.DHU_NARROW_MAX_PAIRS == 64
     assert [launch.dhu_slice_width(N, HV) for N, HV in ((1, 32), (2, 32), (1, 64), (2, 64), (10, 32))] == \
         [32, 32, 32, 64, 64]
+    # busy sequences over the longest chain: N for equal lengths, ~1 when one sequence holds most chunks
+    assert launch.busy_sequences((0, 8192, 16384)) == 2.0
+    skewed = (0, *range(51, 51 * 20, 51), 8192)  # 19 sequences of 51 tokens, one of 7223
+    assert abs(launch.busy_sequences(skewed) - (19 + 113) / 113) < 1e-9
+    assert launch.dhu_slice_width(launch.busy_sequences(skewed), 32) == 32
+    uniform = (*range(0, 8192, 820), 8192)  # 10 sequences of 820 tokens and one of 12
+    assert launch.dhu_slice_width(launch.busy_sequences(uniform), 32) == 64
+    assert launch.busy_sequences((0, 0)) == 0.0
     asked = []
 
     class Args:  # PointerArgs' interface, handing the tensors through

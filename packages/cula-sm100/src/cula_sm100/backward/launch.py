@@ -19,6 +19,7 @@ no host synchronisation); it is correct but not fast: a kernel still to write.
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 
 import torch
@@ -170,17 +171,24 @@ def dhu_kernel(has_dht: bool, want_dh0: bool, bv: int = 64):
                         fwd._compile_stream())
 
 
-# chunk_bwd_dhu's V slice: 32 columns (4 CTAs per (sequence, head)) up to this many (sequence, head) pairs, 64 (2
-# CTAs) above. The recurrence is serial in the chunks, so its time at fixed T does not grow with the CTA count while
-# the SMs have room: H100, session 5 (`train_bwd --no-kernels` stage times, BV = 64 everywhere): 1.95 / 1.95 /
-# 1.92 ms at 32 / 64 / 64 pairs (64 and 128 CTAs on 132 SMs, T = 8192), 2.72 ms at 128 pairs (256 CTAs). The
-# threshold keeps BV = 32's grid (4 N HV CTAs, ~64 KiB each) at most 2 per SM.
+# chunk_bwd_dhu's V slice: 32 columns (4 CTAs per (sequence, head)) up to this many busy (sequence, head) chains,
+# 64 (2 CTAs) above. The recurrence is serial in the chunks, so its time is the longest sequence's chain of steps
+# while the SMs have room: H100, session 5 (`train_bwd --no-kernels` stage times, BV = 64 everywhere): 1.95 / 1.95 /
+# 1.92 ms at 32 / 64 / 64 pairs (64 and 128 CTAs on 132 SMs, T = 8192), 2.72 ms at 128 pairs (256 CTAs); BV = 32
+# at 32 / 64 pairs: 1.32 / 1.51 ms. The threshold keeps BV = 32's grid (~64 KiB a CTA) at most 2 CTAs per SM.
 DHU_NARROW_MAX_PAIRS = 64
 
 
-def dhu_slice_width(N: int, HV: int) -> int:
-    """chunk_bwd_dhu's V slice (BV) for N sequences of HV value heads."""
-    return 32 if N * HV <= DHU_NARROW_MAX_PAIRS else 64
+def busy_sequences(bounds) -> float:
+    """How many sequences run side by side over the longest one's chain of chunks: total chunks / the longest
+    sequence's (N for equal lengths; about 1 when one sequence holds most tokens)."""
+    chunks = [(b - a + 63) // 64 for a, b in itertools.pairwise(bounds)]
+    return sum(chunks) / max(chunks) if chunks and max(chunks) else 0.0
+
+
+def dhu_slice_width(busy: float, HV: int) -> int:
+    """chunk_bwd_dhu's V slice (BV) for `busy` sequences (busy_sequences; N for equal lengths) of HV heads."""
+    return 32 if busy * HV <= DHU_NARROW_MAX_PAIRS else 64
 
 
 # chunk_bwd_dhu's pointer arguments: q, kg, w, G, do, dv, dht (or None), dh, dv_tot, dh0 (or None), sequence table
@@ -196,7 +204,7 @@ def chunk_bwd_dhu(q, kg, w, G, do, dv, dht, ctab, stab, *, scale, want_dh0, bv=N
     """The reverse state recurrence as a kernel (chunk_bwd_dhu.py). q [TT, HQK, K] bf16; kg, w [TT, HV, K]
     bf16; G [TT, HV, K] fp32; do, dv [TT, HV, V] bf16 (dv: gradient of v_new through o); dht [N, HV, K, V] fp32 or None.
     Returns dh [NC, HV, K, V] bf16, dv_tot [TT, HV, V] bf16, dh0 [N, HV, K, V] fp32 or None. `bv`: the V slice
-    width, None picks by dhu_slice_width (tests force each)."""
+    width, None picks by dhu_slice_width as for N equal sequences (chunk_kda_backward passes the lengths' pick)."""
     TT, HV, K = G.shape
     HQK, V = q.shape[1], do.shape[-1]
     NC, N = ctab.shape[0], stab.shape[0]
@@ -204,7 +212,7 @@ def chunk_bwd_dhu(q, kg, w, G, do, dv, dht, ctab, stab, *, scale, want_dh0, bv=N
     dv2 = torch.empty_like(dv)
     dh0 = torch.empty(N, HV, K, V, device=G.device, dtype=torch.float32) if want_dh0 else None
     if N:
-        bv = bv or dhu_slice_width(N, HV)
+        bv = bv or dhu_slice_width(N, HV)  # the lengths are not known here: as if all were equal
         kern, args = dhu_kernel(dht is not None, want_dh0, bv), dhu_args(dht is not None, want_dh0, bv)
         with args.lock:
             kern(*args.fill((q, kg, w, G, do, dv, dht, dh, dv2, dh0, stab)), TT, NC, N, HQK, HV, float(scale),
@@ -351,8 +359,11 @@ def chunk_kda_backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state,
     def intra(*args, scale):
         return chunk_bwd_intra(*args, ctab, scale=scale)
 
+    bounds = torch_stages.bounds_of(B, T, cu_seqlens, cu_seqlens_cpu)
+    dhu_bv = dhu_slice_width(busy_sequences(bounds), v.shape[2])
+
     def dhu(*args, scale, want_dh0):
-        return chunk_bwd_dhu(*args, ctab, stab, scale=scale, want_dh0=want_dh0)
+        return chunk_bwd_dhu(*args, ctab, stab, scale=scale, want_dh0=want_dh0, bv=dhu_bv)
 
     def fin(*args, **kw):
         return finish(*args, ctab, **kw)
@@ -360,6 +371,6 @@ def chunk_kda_backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state,
     return torch_stages.backward(it, do, dht, v, (q, k, g, beta, A_log, dt_bias, initial_state), wy=wy, scale=scale,
                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate, lower_bound=lower_bound,
                                  beta_activation=beta_activation,
-                                 bounds=torch_stages.bounds_of(B, T, cu_seqlens, cu_seqlens_cpu), dav_kernel=dav,
+                                 bounds=bounds, dav_kernel=dav,
                                  dhu_kernel=dhu, intra_kernel=intra if INTRA_KERNEL else None,
                                  finish_kernel=fin if INTRA_KERNEL and FINISH_KERNEL else None, marks=marks)
