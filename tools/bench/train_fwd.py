@@ -260,18 +260,18 @@ def main(argv=None) -> int:
         e2e = [s for s in e2e if s["HV"] in keep]
         kshapes = [s for s in kshapes if s["HV"] in keep]
     rows = []
-    if args.delta_h_sweep:
-        rows = delta_h_sweep(timing)
-        text = render(rows, environment("cuda"))
-        print(text)
-        if args.json:
-            args.json.write_text(json.dumps({"env": environment("cuda"), "rows": rows}, indent=2, default=str))
-        return 0
-    warm_fla(e2e + kshapes)
+    env = environment("cuda")
 
     def save():
         if args.json:
-            args.json.write_text(json.dumps({"env": environment("cuda"), "rows": rows}, indent=2, default=str))
+            args.json.write_text(json.dumps({"env": env, "rows": rows}, indent=2, default=str))
+
+    if args.delta_h_sweep:
+        rows = delta_h_sweep(timing)
+        save()
+        print(render(rows, env))
+        return 0
+    warm_fla(e2e + kshapes)
 
     for s in e2e:
         x = make_inputs(**s)
@@ -315,7 +315,7 @@ def main(argv=None) -> int:
         del st, fns
         torch.cuda.empty_cache()
 
-    text = render(rows, environment("cuda"))
+    text = render(rows, env)
     print(text)
     if args.out:
         args.out.write_text(text)
