@@ -182,7 +182,7 @@ DHU_NARROW_MAX_PAIRS = 64
 def busy_sequences(bounds) -> float:
     """How many sequences run side by side over the longest one's chain of chunks: total chunks / the longest
     sequence's (N for equal lengths; about 1 when one sequence holds most tokens)."""
-    chunks = [(b - a + 63) // 64 for a, b in itertools.pairwise(bounds)]
+    chunks = [-(-(b - a) // fwd.BT) for a, b in itertools.pairwise(bounds)]
     return sum(chunks) / max(chunks) if chunks and max(chunks) else 0.0
 
 
@@ -197,6 +197,8 @@ DHU_DTYPES = (_BF, _BF, _BF, _F32, _BF, _BF, _F32, _BF, _BF, _F32, _I32)
 
 @functools.cache
 def dhu_args(has_dht: bool, want_dh0: bool, bv: int = 64) -> PointerArgs:
+    """One PointerArgs per compiled chunk_bwd_dhu (keyed as dhu_kernel: the dtypes are the same, the cells and the
+    lock are that kernel's own)."""
     return PointerArgs(DHU_DTYPES)
 
 
