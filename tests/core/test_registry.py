@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cula_core import dispatch, kda_prefill, registry
+from cula_core import chunk_kda, dispatch, kda_prefill, registry
 from cula_core.backend import CallConfig, DeviceInfo
 from cula_core.cli import info
 
@@ -126,8 +126,10 @@ def test_fallback_warning_is_issued_once_per_reason():
         kda_prefill(q2, k2, v2, g2, beta2)
     messages = [str(w.message) for w in caught if issubclass(w.category, dispatch.CulaFallbackWarning)]
     assert messages == [
-        "cula: kda_prefill runs on the reference implementation: cpuecho serves K <= 32 only, got K=64",
-        "cula: kda_prefill runs on the reference implementation: cpuecho serves K <= 32 only, got K=48",
+        "cula: kda_prefill runs on the reference implementation: cpuecho serves K <= 32 only, got K=64; "
+        "cpusaver does not implement kda_prefill",
+        "cula: kda_prefill runs on the reference implementation: cpuecho serves K <= 32 only, got K=48; "
+        "cpusaver does not implement kda_prefill",
     ]
 
 
@@ -185,4 +187,101 @@ def test_info_reports_backends_and_dispatch():
     assert "cula-testbackend 0.0.1" in text
     # On this machine (no GPU visible in CI) every op shows the CPU route: cpuecho declines K=128.
     if not torch.cuda.is_available():
-        assert "kda_prefill                    reference (cpuecho serves K <= 32 only, got K=128)" in text
+        assert ("kda_prefill                    reference (cpuecho serves K <= 32 only, got K=128; "
+                "cpusaver does not implement kda_prefill)") in text
+
+
+# ------------------------------------------------------------------- residuals: forward -> its own backward
+
+
+@pytest.fixture
+def saver():
+    from cula_testbackend.backends import CpuSaver
+
+    CpuSaver.forwards, CpuSaver.seen = [], []
+    CpuSaver.residual_shape = CpuSaver.residual_dtype = None
+    yield CpuSaver
+    CpuSaver.residual_shape = CpuSaver.residual_dtype = None
+
+
+def training_inputs(T=20):
+    """K = 8 (what cpusaver serves), leaves that require grad."""
+    return [t.clone().requires_grad_() for t in small_inputs(K=8, T=T)]
+
+
+def grads_of(inputs, **kw):
+    o, ht = chunk_kda(*inputs, output_final_state=True, **kw)
+    (o.square().sum() + ht.sum()).backward()
+    return [t.grad for t in inputs]
+
+
+def reference_grads(monkeypatch, **kw):
+    monkeypatch.setenv("CULA_BACKEND", "reference")
+    grads = grads_of(training_inputs(), **kw)
+    monkeypatch.delenv("CULA_BACKEND")
+    return grads
+
+
+def test_residuals_reach_the_backward_of_the_backend_that_saved_them(saver, monkeypatch):
+    expected = reference_grads(monkeypatch)
+    inputs = training_inputs()
+    grads = grads_of(inputs)
+    assert saver.forwards == [True]
+    (Aqk, Akk), = saver.seen
+    # [B, T, HV, 64] in q's dtype, the forward's values bitwise (Aqk = sum(q), Akk = -sum(k))
+    assert Aqk.shape == (1, 20, 2, 64) and Aqk.dtype == torch.float32
+    q_sum, k_sum = float(inputs[0].detach().sum()), float(inputs[1].detach().sum())
+    assert torch.equal(Aqk, torch.full_like(Aqk, q_sum)) and torch.equal(Akk, torch.full_like(Akk, -k_sum))
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_no_residuals_without_gradients(saver):
+    q, k, v, g, beta = small_inputs(K=8)
+    chunk_kda(q, k, v, g, beta)
+    with torch.no_grad():
+        chunk_kda(*training_inputs())
+    assert saver.forwards == [False, False]
+
+
+def test_a_backward_served_by_another_backend_gets_no_residuals(saver, monkeypatch):
+    expected = reference_grads(monkeypatch)
+    inputs = training_inputs()
+    o, ht = chunk_kda(*inputs, output_final_state=True)
+    assert saver.forwards == [True]
+    monkeypatch.setenv("CULA_BACKEND", "reference")  # the backward now runs elsewhere: it must recompute
+    (o.square().sum() + ht.sum()).backward()
+    assert saver.seen == []
+    for t, want in zip(inputs, expected, strict=True):
+        torch.testing.assert_close(t.grad, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("residual_shape", (1, 20, 2, 32), r"residual Aqk is \(1, 20, 2, 32\) torch.float32, expected contiguous "
+                                       r"\(1, 20, 2, 64\) torch.float32"),
+    ("residual_dtype", torch.float64, r"residual Aqk is \(1, 20, 2, 64\) torch.float64"),
+])
+def test_residuals_that_break_the_promised_shape_are_an_error(saver, field, value, message):
+    setattr(saver, field, value)
+    with pytest.raises(RuntimeError, match=r"backend cpusaver: " + message):
+        chunk_kda(*training_inputs())
+
+
+def test_residuals_under_opcheck_and_torch_compile(saver, monkeypatch):
+    """The fake op promises the residuals the real op returns (opcheck compares them); a compiled training
+    step hands them to the backward as the eager one does."""
+    q, k, v, g, beta = training_inputs()
+    args = (q, k, v, g, beta, None, None, None, None, None, 0.5, True, False, "precomputed", None, "none", True)
+    torch.library.opcheck(torch.ops.cula.chunk_kda.default, args)
+    saver.seen.clear()
+
+    def step(*inputs):
+        o, ht = chunk_kda(*inputs, output_final_state=True)
+        return o.square().sum() + ht.sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    inputs = training_inputs()
+    compiled(*inputs).backward()
+    assert len(saver.seen) == 1 and saver.seen[0] is not None
+    for t, want in zip(inputs, reference_grads(monkeypatch), strict=True):
+        torch.testing.assert_close(t.grad, want, rtol=0, atol=0)

@@ -230,6 +230,29 @@ def test_backward_deterministic(monkeypatch):
         assert a[n] is not None and torch.equal(a[n], b[n]), n
 
 
+@pytest.mark.parametrize("lengths", [None, [37, 0, 64, 99, 1]])
+def test_residuals_give_the_recomputed_gradients_bitwise(lengths, monkeypatch):
+    """The forward hands Aqk / Akk to the backward (core's residuals), which then skips chunk_intra: the
+    gradients are bitwise those of the backward that recomputes them (same kernels, same inputs)."""
+    require_gpu()
+    from cula_sm100 import forward
+    from cula_sm100.forward import launch as fwd_launch
+
+    calls = []
+    intra = fwd_launch.chunk_intra
+    monkeypatch.setattr(fwd_launch, "chunk_intra", lambda *a, **kw: calls.append(1) or intra(*a, **kw))
+    B, T = (1, 0) if lengths else (2, 200)
+    p = _problem(B, T, 1, 2, lengths, "softplus", seed=11)
+    saved = _grads("sm100", monkeypatch, *p, gate="softplus", l2=True, lengths=lengths)
+    assert len(calls) == 1  # the forward's; the backward took the residuals
+    monkeypatch.setattr(forward, "saves_residuals", lambda call: False)
+    recomputed = _grads("sm100", monkeypatch, *p, gate="softplus", l2=True, lengths=lengths)
+    assert len(calls) == 3  # forward + the backward's recompute
+    for n in saved:
+        assert (saved[n] is None) == (recomputed[n] is None), n
+        assert saved[n] is None or torch.equal(saved[n], recomputed[n]), n
+
+
 def test_memcheck_clean_on_odd_shapes():
     import shutil
 

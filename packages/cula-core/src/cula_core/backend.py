@@ -39,6 +39,14 @@ OPS: tuple[str, ...] = (
 )
 
 
+# What a training forward may hand to its own backward instead of having it recomputed (docs/backends.md,
+# "Residuals"): the intra-chunk matrices of the chunked form, each [B, T, HV, RESIDUAL_CHUNK] in q's dtype, in
+# FLA 0.6.0's layout (its `Aqk`, `Akk`: what FLA's forward saves by default). Their contents are the producing
+# backend's own business: core stores them and hands them back, never reads them.
+CHUNK_KDA_RESIDUALS: tuple[str, ...] = ("Aqk", "Akk")
+RESIDUAL_CHUNK = 64
+
+
 @dataclass(frozen=True)
 class DeviceInfo:
     """Where a call's tensors live: ``type`` is torch's device type ("cuda", "cpu", ...);
@@ -131,6 +139,12 @@ class Backend:
         """The implementation of `op`, called with the validated arguments of the public op."""
         raise NotImplementedError(f"backend {self.name!r} has no kernel for {op}")
 
+    def saves_residuals(self, call: CallConfig) -> bool:
+        """Whether this backend's `chunk_kda` kernel, for a `call` with `requires_grad`, returns the
+        CHUNK_KDA_RESIDUALS for its own `chunk_kda_backward` (docs/backends.md, "Residuals"). Default: no,
+        the backward recomputes what it needs from the inputs."""
+        return False
+
     def describe(self) -> str:
         """One line for `python -m cula info`."""
         caps = ", ".join(f"sm_{a}{b}" for a, b in self.capabilities) or "no device"
@@ -145,7 +159,8 @@ class ComposedBackend(Backend):
     """A backend made of kernel families, each a module that owns some ops.
 
     A family module exports ``OPS`` (the ops it serves), ``unsupported_reason(call)`` and ``kernel(op)``,
-    and optionally ``INT32_INDEXING`` (default: the backend's ``int32_indexing``). Subclasses set
+    and optionally ``INT32_INDEXING`` (default: the backend's ``int32_indexing``) and ``saves_residuals(call)``
+    (default: False). Subclasses set
     ``families``; the backend's ops are their union and each question goes to the family that owns the op.
     """
 
@@ -176,3 +191,7 @@ class ComposedBackend(Backend):
         if fam is None:
             raise NotImplementedError(f"backend {self.name!r} has no kernel for {op}")
         return fam.kernel(op)
+
+    def saves_residuals(self, call: CallConfig) -> bool:
+        fam = self.family(call.op)
+        return fam is not None and hasattr(fam, "saves_residuals") and bool(fam.saves_residuals(call))

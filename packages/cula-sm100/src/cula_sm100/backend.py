@@ -1,8 +1,9 @@
 """The sm100 backend object that cula_core discovers through the `cula.backends` entry point.
 
 The training path of `chunk_kda`, in two kernel families (subpackages):
-  * `cula_sm100.forward`:  chunk_kda's forward (it saves nothing: the backward recomputes what it needs)
-  * `cula_sm100.backward`: chunk_kda_backward, recomputing the forward's intermediates with the forward's kernels
+  * `cula_sm100.forward`:  chunk_kda's forward (with gradients wanted, it hands Aqk / Akk to the backward as
+                           core's residuals)
+  * `cula_sm100.backward`: chunk_kda_backward, recomputing the forward's other intermediates with its kernels
 
 Each subpackage's `__init__` exports what `cula_core.backend.ComposedBackend` asks of a family: `OPS`,
 `unsupported_reason(call)` and `kernel(op)`. The kernels form global offsets in 64 bits (forward/cute_utils.py),

@@ -29,12 +29,17 @@ def make_call(op: str, device: torch.device, *, dtype, K, V, HQK, HV, T, gate, v
                       gate=gate, varlen=varlen, requires_grad=requires_grad, options=options)
 
 
-def run(call: CallConfig, tensors: dict[str, torch.Tensor | None], *args, **kwargs):
-    """Select the backend for `call`, apply its indexing limit to `tensors`, and run its kernel."""
+def select(call: CallConfig, tensors: dict[str, torch.Tensor | None]):
+    """The backend for `call` (`dispatch.select`), once `tensors` have passed its indexing limit."""
     backend = dispatch.select(call)
     if backend.indexes_in_int32(call.op):
         check_int32_indexing({n: t.numel() for n, t in tensors.items() if t is not None}, f"the {backend.name} kernels")
-    return backend.kernel(call.op)(*args, **kwargs)
+    return backend
+
+
+def run(call: CallConfig, tensors: dict[str, torch.Tensor | None], *args, **kwargs):
+    """Select the backend for `call`, apply its indexing limit to `tensors`, and run its kernel."""
+    return select(call, tensors).kernel(call.op)(*args, **kwargs)
 
 
 def _plain_tensors(args) -> bool:

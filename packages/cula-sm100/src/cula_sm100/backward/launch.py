@@ -1,9 +1,9 @@
 """Thin launch code of the sm100 chunk_kda backward: the compiled-kernel cache and the order of the stages.
 
 `chunk_kda_backward(...)` follows the kernel calling convention of docs/backends.md. Like FLA 0.6.0's
-`chunk_kda_bwd`, it recomputes the forward's intermediates (the forward saves only its inputs), here with
-cula-sm100's own forward kernels (`recompute`: the forward's composition less the output), then runs the
-backward stages:
+`chunk_kda_bwd`, it takes Aqk and Akk from the forward (core's residuals, docs/backends.md) and recomputes the
+other intermediates, here with cula-sm100's own forward kernels (`recompute`: the forward's composition less
+chunk_intra and the output; with chunk_intra when no residuals came), then runs the backward stages:
 
   1. dAqk = do @ v_new^T (causal), dv = Aqk^T @ do              CuTe DSL kernel (`chunk_bwd_dav.py`)
   2. reverse state recurrence: dh per chunk, dv += kg @ dh, dh0  CuTe DSL kernel (`chunk_bwd_dhu.py`)
@@ -320,9 +320,10 @@ def finish(dq, dk, dv, dbeta, dG, dh0, q, k, g, beta, A_log, dt_bias, initial_st
 
 
 def recompute(q, k, v, g, beta, A_log, dt_bias, initial_state, ctab, stab, *, scale, use_qk_l2norm_in_kernel, gate,
-              lower_bound, beta_activation):
+              lower_bound, beta_activation, residuals=None):
     """The forward's intermediates with cula_sm100.forward's kernels: its composition (`forward.launch.forward`)
-    less the output o, which the backward does not read."""
+    less the output o, which the backward does not read. `residuals`: the forward's (Aqk, Akk) [B, T, HV, 64],
+    which then are not recomputed (chunk_intra is skipped)."""
     B, T, HQK, K = q.shape
     HV = v.shape[2]
     if use_qk_l2norm_in_kernel:
@@ -330,7 +331,10 @@ def recompute(q, k, v, g, beta, A_log, dt_bias, initial_state, ctab, stab, *, sc
     A_log = A_log.contiguous() if A_log is not None else None
     dt_bias = dt_bias.contiguous() if dt_bias is not None else None
     G = fwd.gate_cumsum(g.reshape(B * T, HV, K), A_log, dt_bias, ctab, gate=gate, lower_bound=lower_bound)
-    Aqk, Akk = fwd.chunk_intra(q, k, G, beta, ctab, scale=scale, beta_activation=beta_activation)
+    if residuals is not None:
+        Aqk, Akk = (r.reshape(B * T, HV, fwd.BT) for r in residuals)
+    else:
+        Aqk, Akk = fwd.chunk_intra(q, k, G, beta, ctab, scale=scale, beta_activation=beta_activation)
     w, u, kg = fwd.recompute_w_u(k, v, G, beta, Akk, ctab, beta_activation=beta_activation)
     h, v_new, _ = fwd.chunk_delta_h(w, u, kg, G, initial_state, ctab, stab, output_final_state=False)
     return fwd.Intermediates(q=q.reshape(B * T, HQK, K), k=k.reshape(B * T, HQK, K), g_cumsum=G, Aqk=Aqk,
@@ -338,19 +342,24 @@ def recompute(q, k, v, g, beta, A_log, dt_bias, initial_state, ctab, stab, *, sc
 
 
 def chunk_kda_backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *,
-                       scale, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, marks=None):
+                       scale, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, residuals=None,
+                       marks=None):
     """The backend's kernel for `chunk_kda_backward` (calling convention: docs/backends.md): gradients of
-    (q, k, v, g, beta, A_log, dt_bias, initial_state), None for absent inputs. `marks` (not part of the
-    convention; the benchmark's stage timing): a callable called with each stage's name when it is queued."""
+    (q, k, v, g, beta, A_log, dt_bias, initial_state), None for absent inputs. `residuals`: (Aqk, Akk) from
+    this backend's forward (`forward.launch.chunk_kda(save_residuals=True)`), or None to recompute them.
+    `marks` (not part of the convention; the benchmark's stage timing): a callable called with each stage's
+    name when it is queued."""
     B, T = q.shape[:2]
     if marks is not None:
         marks("begin")
     do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state = fwd.aligned(do, dht, q, k, v, g, beta, A_log, dt_bias,
                                                                            initial_state)
+    if residuals is not None:
+        residuals = fwd.aligned(*residuals)
     ctab, stab = fwd.tables(B, T, cu_seqlens, cu_seqlens_cpu, q.device)
     it = recompute(q, k, v, g, beta, A_log, dt_bias, initial_state, ctab, stab, scale=scale,
                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate, lower_bound=lower_bound,
-                   beta_activation=beta_activation)
+                   beta_activation=beta_activation, residuals=residuals)
 
     def wy(*args, scale):
         return chunk_wy_dqkg(*args[:-1], ctab, scale=scale)

@@ -9,8 +9,9 @@ Kernels, one per file, launched in this order by `launch.forward` (`launch.py`: 
   fwd_o.py          o from qg, h, Aqk and v_new
 All multiply with warp-level mma.sync (bf16 -> fp32, `cute_utils.mma_atom`), so they run on sm_90 and sm_100.
 
-The forward saves nothing for the backward: `cula::chunk_kda_backward` dispatches on its own
-(cula_sm100.backward recomputes the forward with `launch`'s stage functions).
+When gradients are wanted the forward hands Aqk and Akk (chunk_intra's outputs) to the backward as core's
+residuals (docs/backends.md, "Residuals"); cula_sm100.backward recomputes the rest with `launch`'s stage
+functions.
 This module imports no CuTe DSL: the kernels are compiled on first use.
 """
 
@@ -50,6 +51,12 @@ def unsupported_reason(call) -> str | None:
     if act not in BETA_ACTIVATIONS:
         return f"sm100 does not serve beta_activation {act!r}"
     return dsl_missing()
+
+
+def saves_residuals(call) -> bool:
+    """Aqk and Akk go to the backward whenever gradients are wanted: cula_sm100.backward serves every call this
+    family serves (its unsupported_reason is this one's), so the backward that reads them is ours."""
+    return call.op in OPS and call.requires_grad
 
 
 def kernel(op: str):

@@ -304,9 +304,14 @@ def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
 
 
 def chunk_kda(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *, scale,
-              output_final_state, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation):
-    """The backend's kernel for `chunk_kda` (calling convention: docs/backends.md)."""
-    o, ht, _ = forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale=scale,
-                       output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                       gate=gate, lower_bound=lower_bound, beta_activation=beta_activation)
-    return o, ht
+              output_final_state, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation,
+              save_residuals=False):
+    """The backend's kernel for `chunk_kda` (calling convention: docs/backends.md); with `save_residuals`
+    also core's residuals (Aqk, Akk), each [B, T, HV, 64] bf16, for cula_sm100.backward."""
+    o, ht, it = forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale=scale,
+                        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                        gate=gate, lower_bound=lower_bound, beta_activation=beta_activation)
+    if not save_residuals:
+        return o, ht
+    B, T = q.shape[:2]
+    return o, ht, (it.Aqk.view(B, T, *it.Aqk.shape[1:]), it.Akk.view(B, T, *it.Akk.shape[1:]))
