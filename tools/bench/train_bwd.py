@@ -251,14 +251,20 @@ STAGES = ("recompute", "dav", "dhu", "chunk_wy_dqkg", "intra", "finish")
 
 def stage_times(shape, reps=3):
     """Median ms of each stage of cula's backward (launch.chunk_kda_backward with CUDA events between stages):
-    where the backward's time goes, to order the remaining work."""
+    where the backward's time goes, to order the remaining work. The backward gets the forward's residuals
+    (Aqk, Akk) as the public op hands them over, so recompute is the live path's (no chunk_intra)."""
     from cula_sm100.backward import launch
+    from cula_sm100.forward import launch as fwd
 
     x = e2e_inputs(shape)
-    args = (x["do"], None, x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], None, x["cu"],
-            x["cu_cpu"])
+    inputs = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], None, x["cu"], x["cu_cpu"])
+    args = (x["do"], None, *inputs)
     kw = dict(scale=K ** -0.5, use_qk_l2norm_in_kernel=True, gate="softplus", lower_bound=None,
               beta_activation="none")
+    with torch.no_grad():
+        _o, _ht, residuals = fwd.chunk_kda(*(t.detach() if t is not None else None for t in inputs),
+                                           output_final_state=False, save_residuals=True, **kw)
+    kw["residuals"] = residuals
     per = {n: [] for n in STAGES}
     for i in range(reps + 2):
         ev = []
@@ -430,7 +436,8 @@ def render(raw, env, cmd) -> str:
                "|---|---:|---:|---:|---:|---:|---:|", *map(e2e_row, raw["e2e"]), "",
                "## where cula's backward spends its time", "",
                "ms per stage (CUDA events between the stages of one backward, median of 3 calls after 2); "
-               "recompute = the forward's kernels less the output.", "",
+               "recompute = the forward's kernels less chunk_intra (Aqk / Akk come from the forward) and the "
+               "output.", "",
                "| shape | HV | " + " | ".join(STAGES) + " | total |", "|---|---:|" + "---:|" * (len(STAGES) + 1),
                *map(stage_row, raw["e2e"]), ""]
     if raw["skipped"]:
