@@ -10,11 +10,13 @@ Tolerances against the two-kernel path:
     operands through the same MMA instruction over the same k-block order, so bitwise is expected; 1 ulp is what
     a different fp32 contraction by the compiler (an FMA in place of a multiply and an add) could change at a
     rounding boundary, and nothing else could: a wrong row, column, operand or scale is many ulps off.
-Against the reference: the relative-error bounds of the existing kernel tests (sm100_cases.TOL).
+Against the reference: the relative-error bounds of the existing kernel tests (sm100_cases.TOL); against FLA
+0.6.0's chunk_kda_fwd_intra on the same inputs: twice those (each side is within TOL of the reference).
 """
 
 from __future__ import annotations
 
+import math
 import shutil
 
 import pytest
@@ -104,6 +106,35 @@ def test_fused_strong_decay(B, T, HQK, HV, lengths, decay):
         cu, cu_cpu = seqlens_to_cu(lengths)
     q, k, v, g, beta, _ = make_inputs(B, T, HQK, HV, seed=7 + T, decay=decay, N=len(lengths) if lengths else None)
     _run(q, k, v, g, beta, cu, cu_cpu, B, T, "none")
+
+
+@pytest.mark.parametrize("B,T,HQK,HV,lengths", [(2, 500, 2, 4, None), (1, 130, 16, 64, None),
+                                                (1, 0, 2, 8, [17, 1, 64, 65, 200])])
+def test_fused_vs_fla(B, T, HQK, HV, lengths):
+    """The five outputs against FLA 0.6.0's chunk_kda_fwd_intra (its intra kernels and its recompute_w_u) on the
+    same inputs (G in FLA's log2 units): each of the two is within TOL of the fp32 reference, so they are within
+    2 TOL of each other."""
+    require_gpu()
+    fla_intra = pytest.importorskip("fla.ops.kda.chunk_intra").chunk_kda_fwd_intra
+    from cula_sm100.forward import launch
+    from cula_sm100.forward.chunk_intra_wu import chunk_intra_wu
+
+    cu = cu_cpu = None
+    if lengths is not None:
+        T = sum(lengths)
+        cu, cu_cpu = seqlens_to_cu(lengths)
+    q, k, v, g, beta, _ = make_inputs(B, T, HQK, HV, seed=11 + T, N=len(lengths) if lengths else None)
+    scale = q.shape[-1] ** -0.5
+    ctab, _ = launch.tables(B, T, cu, cu_cpu, q.device)
+    G = launch.gate_cumsum(flat(g).contiguous(), None, None, ctab, gate="precomputed", lower_bound=None)
+    ours = chunk_intra_wu(q, k, v, G, beta, ctab, scale=scale, beta_activation="none")
+    w, u, _, kg, Aqk, Akk = fla_intra(q=q, k=k, v=v, gk=G.reshape(B, T, HV, -1) / math.log(2), beta=beta,
+                                      scale=scale, cu_seqlens=cu.long() if cu is not None else None, chunk_size=64)
+    errs = {}
+    for name, a, b in zip(("Aqk", "Akk", "w", "u", "kg"), ours, (Aqk, Akk, w, u, kg), strict=True):
+        errs[name] = rel_err(a, flat(b))
+        assert errs[name] < 2 * TOL[name], f"{name}: rel diff {errs[name]:.3e} vs FLA >= {2 * TOL[name]:.0e}"
+    print(f"\n{B=} {T=} {HQK=} {HV=} vs FLA: " + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
 
 
 def test_fused_no_chunks():
