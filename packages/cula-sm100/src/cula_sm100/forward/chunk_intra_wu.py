@@ -259,8 +259,9 @@ class ChunkIntraWU(ChunkIntra):
             else:
                 sAqk[ei, ej] = cutlass.BFloat16(0.0)
             sAkk[ei, ej] = xo.to(cutlass.BFloat16)
+        # each thread scales the very vectors it copied (scale_v's thread mapping is the cp.async's), so its own
+        # wait suffices before; one barrier then publishes v and both stagings
         cute.arch.cp_async_wait_group(0)
-        cute.arch.sync_threads()  # v landed everywhere (and the stagings are complete)
         self.scale_v(sK, sBeta, tidx, n)
         cute.arch.sync_threads()
 
@@ -319,7 +320,9 @@ class ChunkIntraWU(ChunkIntra):
 
     @cute.jit
     def scale_v(self, sV: cute.Tensor, sBeta: cute.Tensor, tidx, n):
-        """sV = beta v in place (bf16, as recompute_w_u); rows >= n stay zero."""
+        """sV = beta v in place (bf16, as recompute_w_u); rows >= n stay zero. The thread -> (row, 8 channels)
+        mapping is g2s_tiled_copy's for the same tile (16 threads per 128-wide row), so a thread reads only what
+        its own cp.async wrote."""
         BT, K = self.BT, self.K
         vb = vec_copy(K, self.threads)
         tb = vb.get_slice(tidx)
