@@ -1,0 +1,393 @@
+"""chunk_bwd_intra_tc: chunk_bwd_intra's contract (chunk_bwd_intra.py's docstring has the math) with the pair sums
+on tensor cores. One CTA per (chunk of 64, q/k head), looping over the value heads of the q/k head's group (GVA:
+dq, dk summed in a fixed order by the thread that owns each element, no atomics: deterministic).
+
+Per value head, with dSq = scale dAqk (causal, diagonal included), dL strictly lower, E_ij = exp(G_i - G_j):
+
+    dq_i = sum_j dSq_ij k_j E_ij       R_i = sum_{j<i} dL_ij k_j E_ij       (row side)
+    C_j  = sum_{i>=j} (dSq_ij q_i + beta_i dL_ij k_i) E_ij                   (column side)
+    dq += dq_i;  dk += beta R + C;  dbeta += <k, R>;  dG += q dq_i + beta k R - k C;  dG <- reverse cumsum of dG
+
+Factorisation (FLA 0.6.0's chunk_kda_bwd_intra): the chunk is 4 row blocks of 16. For row block I, with the
+reference row r = 16 I (its first row) on the row side and r' = 16 I + 15 (its last) on the column side:
+
+    dq[I] = (dSq[I, :] @ (k exp(G_r - G)))  * exp(G_I - G_r)        (columns j <= 16 I + 15)
+    C[I]  = (dSq[:, I]^T @ (q exp(G - G_r')) + dL[:, I]^T @ (beta k exp(G - G_r'))) * exp(G_r' - G_I)   (rows >= 16 I)
+
+For the blocks off the diagonal (j block < I; i block > I) both factors are <= 1 (G is non-increasing in a chunk:
+g <= 0, as the forward assumes), so nothing overflows however strong the decay (an underflow to 0 only drops
+terms below 2^-126 of the scale). On the diagonal block the in-block factor is >= 1, bounded by 2^span, span =
+max over the warp's channels of G_r - G_r' (log2 units): when span < MILD_LOG2 ("mild") the diagonal block goes
+through the same MMA (dSq / dL are zero above the diagonal, so no masked term can be inf * 0); otherwise that
+warp does the diagonal block exactly on CUDA cores (fp32 arithmetic, one exp per (pair, element), FLA's
+non-safe-gate diagonal loop) from the same bf16 dSq / dL tiles. Correct for any decay either way.
+
+Precision: mma.sync m16n8k16 with bf16 operands (dSq, dL rounded to bf16 as FLA does; the decayed q / k / beta k
+rounded to bf16) and fp32 accumulation; the output scalings, the exact diagonal path and everything after the
+products in fp32. Relative error of a product term ~2^-9: the GPU test holds 1e-2 (dq, dk, dbeta) and 2e-2 (dG,
+whose chunk sums cancel) against the fp64 PyTorch stage, where the fp32 CUDA-core kernel holds 1e-4.
+
+Tiling: 8 warps; warp w owns channels 16 w .. 16 w + 15 of every row (the sums are per channel, so a warp builds
+its own decayed B operands: no sharing, no barrier between the warps inside a value head). Per row block I
+(processed 3, 2, 1, 0 so the reverse cumsum of dG runs along), one 16 x 16 fp32 accumulator each for dq, R, C
+(24 registers): A = 16 x 16 tiles of dSq / dL (bf16, shared memory, ldmatrix; ldmatrix.trans for the column side),
+B = decayed k / q / beta k built element by element from shared memory straight into MMA fragments (8 exp2 per
+thread per k-block). dq / dk: read-add-write of global memory by the owning thread per value head; dG and dbeta
+leave through a per-warp 16 x 33 scratch: the lanes 0..15 (one channel each) walk the block's rows from the last
+to the first adding the global dG (chunk_wy_dqkg's) and the running suffix sum, lanes 16..31 sum a row's k R over
+the warp's channels into a per-(row, warp) partial, summed over the 8 warps in a fixed order at the end.
+Shared memory 103.7 KiB (2 CTAs per SM): q, k (bf16, rows padded to 136: conflict-free fragment loads), G
+(fp32 log2 units, rows of 132), dSq / dL (bf16, rows of 72: conflict-free ldmatrix), beta, the scratch and the
+dbeta partials. Registers (sm_90a, static): 128 with 168 bytes of spills at 2 CTAs per SM (the default), 234 and
+no spills when launched for 1 CTA per SM (`min_ctas=1`).
+Pipeline per value head: G by cp.async; dAqk / dL as 16-byte loads converted to bf16 (masked to the lower /
+strictly lower triangle, dSq scaled); one barrier; G padded (rows >= n take row n - 1's: exponents stay
+bounded; q = k = dSq = dL = beta = 0 there, so padding adds exactly 0) and scaled to log2 units; one barrier;
+the 4 row blocks. Blocks wholly past the chunk end are skipped. Assumes K = 128, chunks that never cross a
+sequence (the chunk table), n >= 1 per chunk.
+
+Status (session 6): compiled on the CPU only (sm_90a, sm_100a); not yet run on a GPU. The CUDA-core kernel
+(chunk_bwd_intra.py) stays the oracle and the live path until the GPU tests and the benchmark
+(tests/sm100/test_chunk_bwd_intra_tc_gpu.py, tools/bench/bwd_intra.py) decide.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cuda.bindings.driver as cuda
+
+from cula_sm100.forward.cute_utils import copy_rows_g2s, g2s_tiled_copy, head_rows, ldmatrix_copy_A, make_tiled_mma, \
+    transposed
+
+# tile sizes as module constants (names bound inside the kernel would be traced as dynamic)
+_BT, _K, _BC = 64, 128, 16
+_NB = _BT // _BC  # row blocks per chunk
+_LOG2E = math.log2(math.e)
+_NEG = -1.0e30  # exp2 of it is 0: the exponent of a pair outside the triangle in the exact path
+
+
+def _exp2(x):
+    return cute.math.exp2(x, fastmath=True)
+
+
+class ChunkBwdIntraTC:
+    threads = 256  # 8 warps; warp w = channels 16 w .. 16 w + 15
+
+    def __init__(self, min_ctas: int = 2):
+        # CTAs per SM the launch asks for: 2 caps registers at 128 (sm_90a: 168 bytes of spills; 16 warps per SM),
+        # 1 lets ptxas take 234 (no spills; 8 warps per SM). The benchmark times both (tools/bench/bwd_intra.py)
+        self.min_ctas = min_ctas
+    QK_STRIDE = 136  # bf16 row stride of q, k: B-fragment element loads (4 rows x 8 channels a warp) hit 32 banks
+    G_STRIDE = 132  # fp32 row stride of G, same reason (rows 2t: 4 t + channel / 1 distinct banks)
+    A_STRIDE = 72  # bf16 row stride of dSq, dL: the 8 rows of an ldmatrix 8 x 8 fall in distinct 16-byte bank groups
+    S_STRIDE = 33  # per-warp scratch rows: 16 dG values, 16 k R values, 1 pad
+    MILD_LOG2 = 60.0  # diagonal block by MMA when its in-block factor stays below 2^60 (no overflow anywhere)
+
+    # shared memory bytes, in allocation order (tests/sm100/test_chunk_bwd_intra_tc_cpu.py checks 2 CTAs per SM)
+    SMEM = (2 * _BT * QK_STRIDE * 2 + _BT * G_STRIDE * 4 + 2 * _BT * A_STRIDE * 2
+            + _BT * 4 + _BT * 8 * 4 + 8 * _BC * S_STRIDE * 4)
+
+    @cute.jit
+    def __call__(self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, G_ptr: cute.Pointer, beta_ptr: cute.Pointer,
+                 dA_ptr: cute.Pointer, dL_ptr: cute.Pointer, dq_ptr: cute.Pointer, dk_ptr: cute.Pointer,
+                 db_ptr: cute.Pointer, dg_ptr: cute.Pointer, table_ptr: cute.Pointer, TT: cutlass.Int32,
+                 NC: cutlass.Int32, HQK: cutlass.Int32, HV: cutlass.Int32, scale: cutlass.Float32,
+                 stream: cuda.CUstream):
+        # token layouts (T_total, heads, width): q/k-head tensors, value-head tensors of K, 64 and 1 columns
+        def tok(H, D):
+            return cute.make_layout((TT, H, D), stride=(H * D, D, 1))
+
+        ptrs = (q_ptr, k_ptr, G_ptr, beta_ptr, dA_ptr, dL_ptr, dq_ptr, dk_ptr, db_ptr, dg_ptr)
+        lays = (tok(HQK, _K), tok(HQK, _K), tok(HV, _K), tok(HV, 1), tok(HV, _BT), tok(HV, _BT), tok(HQK, _K),
+                tok(HQK, _K), tok(HV, 1), tok(HV, _K))
+        tensors = [cute.make_tensor(p, lay) for p, lay in zip(ptrs, lays)]
+        table = cute.make_tensor(table_ptr, cute.make_layout((NC, 2), stride=(2, 1)))
+        self.kernel(*tensors, table, HV // HQK, scale).launch(
+            grid=[NC, HQK, 1], block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=self.min_ctas,
+            preferred_smem_carveout=100)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor, mDA: cute.Tensor,
+               mDL: cute.Tensor, mDq: cute.Tensor, mDk: cute.Tensor, mDb: cute.Tensor, mDg: cute.Tensor,
+               mT: cute.Tensor, group: cutlass.Int32, scale: cutlass.Float32):
+        f32, bf16 = cutlass.Float32, cutlass.BFloat16
+        tidx, _, _ = cute.arch.thread_idx()
+        c, hq, _ = cute.arch.block_idx()
+        wid = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tidx % 32
+        d0 = wid * _BC  # this warp's channels
+        t0 = mT[c, 0]
+        n = mT[c, 1]
+
+        smem = cutlass.utils.SmemAllocator()
+        sK = smem.allocate_tensor(bf16, cute.make_layout((_BT, _K), stride=(self.QK_STRIDE, 1)), 16)
+        sQ = smem.allocate_tensor(bf16, cute.make_layout((_BT, _K), stride=(self.QK_STRIDE, 1)), 16)
+        sG = smem.allocate_tensor(f32, cute.make_layout((_BT, _K), stride=(self.G_STRIDE, 1)), 16)
+        sSq = smem.allocate_tensor(bf16, cute.make_layout((_BT, _BT), stride=(self.A_STRIDE, 1)), 16)
+        sSl = smem.allocate_tensor(bf16, cute.make_layout((_BT, _BT), stride=(self.A_STRIDE, 1)), 16)
+        sBeta = smem.allocate_tensor(f32, cute.make_layout((_BT,)), 16)
+        sPart = smem.allocate_tensor(f32, cute.make_layout((_BT, 8), stride=(8, 1)), 16)
+        sScr = smem.allocate_tensor(f32, cute.make_layout((8, _BC, 2 * _BC + 1),
+                                                          stride=(_BC * self.S_STRIDE, self.S_STRIDE, 1)), 16)
+        scr = sScr[wid, None, None]
+
+        tDq = head_rows(mDq, t0, hq, _BT)
+        tDk = head_rows(mDk, t0, hq, _BT)
+        # q and k once per CTA (the group's value heads share them); rows past the end zero-filled, never read
+        cp_bf = g2s_tiled_copy(_K, self.threads)
+        cp_f = g2s_tiled_copy(_K, self.threads, f32)
+        copy_rows_g2s(cp_bf, head_rows(mK, t0, hq, _BT), sK, n, tidx)
+        copy_rows_g2s(cp_bf, head_rows(mQ, t0, hq, _BT), sQ, n, tidx)
+
+        mma = make_tiled_mma(1)
+        thr = mma.get_slice(lane)
+        coordC = thr.partition_C(cute.make_identity_tensor((_BC, _BC)))  # (row, channel) in the block
+        coordB = thr.partition_B(cute.make_identity_tensor((_BC, _BC)))  # (channel, row) of a B k-block
+        accQ = cute.make_rmem_tensor(thr.partition_shape_C((_BC, _BC)), f32)
+        accR = cute.make_rmem_tensor(thr.partition_shape_C((_BC, _BC)), f32)
+        accC = cute.make_rmem_tensor(thr.partition_shape_C((_BC, _BC)), f32)
+        rB = cute.make_rmem_tensor(thr.partition_shape_B((_BC, _BC)), bf16)
+        rB2 = cute.make_rmem_tensor(thr.partition_shape_B((_BC, _BC)), bf16)
+        rA = cute.make_rmem_tensor(thr.partition_shape_A((_BC, _BC)), bf16)
+        rA2 = cute.make_rmem_tensor(thr.partition_shape_A((_BC, _BC)), bf16)
+        dv4 = cute.make_rmem_tensor((4,), f32)
+        lv4 = cute.make_rmem_tensor((4,), f32)
+        sq4 = cute.make_rmem_tensor((4,), bf16)
+        sl4 = cute.make_rmem_tensor((4,), bf16)
+
+        ch = tidx % _K
+        par = tidx // _K
+        for hj in cutlass.range(group, unroll=1):
+            hv = hq * group + hj
+            cute.arch.sync_threads()  # the previous value head's readers of sG, sSq, sSl, sBeta, sPart are done
+            copy_rows_g2s(cp_f, head_rows(mG, t0, hv, _BT), sG, n, tidx)
+            cute.arch.cp_async_commit_group()
+            # dAqk, dL: 16 threads per row, 4 columns (one 16-byte load) each, 16 rows per step; dSq = scale dAqk
+            # masked to j <= i, dL to j < i, rows >= n zero (a row >= n reads row n - 1: in the chunk); the
+            # diagonal blocks also in fp32 for the exact path
+            tA = head_rows(mDA, t0, hv, _BT)
+            tL = head_rows(mDL, t0, hv, _BT)
+            c4 = (tidx % 16) * 4
+            for s in cutlass.range_constexpr(_BT // 16):
+                r = s * 16 + tidx // 16
+                rs = cutlass.min(r, n - 1)
+                cute.autovec_copy(cute.local_tile(tA, (1, 4), (rs, tidx % 16))[0, None], dv4)
+                cute.autovec_copy(cute.local_tile(tL, (1, 4), (rs, tidx % 16))[0, None], lv4)
+                for e in cutlass.range_constexpr(4):
+                    col = c4 + e
+                    a = f32(cutlass.select_(col <= r, dv4[e] * scale, f32(0.0)))
+                    lw = f32(cutlass.select_(col < r, lv4[e], f32(0.0)))
+                    a = f32(cutlass.select_(r < n, a, f32(0.0)))
+                    lw = f32(cutlass.select_(r < n, lw, f32(0.0)))
+                    sq4[e] = a.to(bf16)
+                    sl4[e] = lw.to(bf16)
+                cute.autovec_copy(sq4, cute.local_tile(sSq, (1, 4), (r, tidx % 16))[0, None])
+                cute.autovec_copy(sl4, cute.local_tile(sSl, (1, 4), (r, tidx % 16))[0, None])
+            if tidx < _BT:
+                b = f32(0.0)
+                if tidx < n:
+                    b = head_rows(mBeta, t0, hv, _BT)[tidx, 0]
+                sBeta[tidx] = b
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()
+            # G to log2 units; rows >= n take row n - 1's (thread = (channel, row parity))
+            g_last = sG[n - 1, ch]
+            cute.arch.sync_threads()
+            for rr in cutlass.range_constexpr(_BT // 2):
+                r = 2 * rr + par
+                sG[r, ch] = f32(cutlass.select_(r < n, sG[r, ch], g_last)) * _LOG2E
+            cute.arch.sync_threads()
+
+            tDg = head_rows(mDg, t0, hv, _BT)
+            run = f32(0.0)  # lanes 0..15: the reverse cumsum of dG of channel d0 + lane, over the rows done
+            for bb in cutlass.range_constexpr(_NB):
+                I = _NB - 1 - bb
+                if I * _BC < n:  # blocks wholly past the chunk end: nothing to add, nothing stored
+                    run = self.row_block(I, n, d0, lane, wid, run, mma, thr, coordC, coordB, accQ, accR, accC, rA,
+                                         rA2, rB, rB2, sK, sQ, sG, sSq, sSl, sBeta, sPart, scr, tDq, tDk, tDg)
+            cute.arch.sync_threads()  # sPart complete
+            if tidx < n:
+                tDb = head_rows(mDb, t0, hv, _BT)
+                p = sPart[tidx, 0]
+                for w in cutlass.range_constexpr(1, 8):
+                    p += sPart[tidx, w]
+                tDb[tidx, 0] = tDb[tidx, 0] + p
+
+    @cute.jit
+    def row_block(self, I: cutlass.Constexpr, n, d0, lane, wid, run, mma, thr, coordC, coordB, accQ, accR, accC, rA,
+                  rA2, rB, rB2, sK, sQ, sG, sSq, sSl, sBeta, sPart, scr, tDq, tDk, tDg):
+        """Row block I of this warp's 16 channels: dq, R (row side) and C (column side) of rows 16 I .. 16 I + 15,
+        added to dq, dk, dG (and dbeta's partials); returns the running suffix sum of dG (lanes 0..15)."""
+        f32 = cutlass.Float32
+        r0 = I * _BC
+        r1 = r0 + _BC - 1
+        # in-block decay span over the warp's channels (log2 units): lanes l and l + 16 read the same channel
+        span = sG[r0, d0 + lane % _BC] - sG[r1, d0 + lane % _BC]
+        for sh in cutlass.range_constexpr(5):
+            span = cute.arch.fmax(span, cute.arch.shuffle_sync_bfly(span, 1 << sh))
+        mild = span < self.MILD_LOG2
+        strong = span >= self.MILD_LOG2
+        accQ.fill(0.0)
+        accR.fill(0.0)
+        accC.fill(0.0)
+        # row side: B = k_j exp2(G_r0 - G_j) over column blocks jb <= I (the diagonal one when mild)
+        for jb in cutlass.range_constexpr(I + 1):
+            if cutlass.const_expr(jb < I):
+                self.row_mma(I, jb, d0, lane, mma, thr, coordB, accQ, accR, rA, rA2, rB, sK, sG, sSq, sSl)
+            else:
+                if mild:
+                    self.row_mma(I, jb, d0, lane, mma, thr, coordB, accQ, accR, rA, rA2, rB, sK, sG, sSq, sSl)
+        # column side: B = q_i exp2(G_i - G_r1), beta_i k_i exp2(G_i - G_r1) over row blocks ib >= I
+        for ib in cutlass.range_constexpr(I, _NB):
+            if cutlass.const_expr(ib > I):
+                self.col_mma(I, ib, d0, lane, mma, thr, coordB, accC, rA, rA2, rB, rB2, sK, sQ, sG, sSq, sSl, sBeta)
+            else:
+                if mild:
+                    self.col_mma(I, ib, d0, lane, mma, thr, coordB, accC, rA, rA2, rB, rB2, sK, sQ, sG, sSq, sSl,
+                                 sBeta)
+        # the factors taken out: exp2(G_i - G_r0) <= 1 (row side), exp2(G_r1 - G_j) <= 1 (column side)
+        for v in cutlass.range_constexpr(cute.size(accQ)):
+            rr, cc = coordC[v]
+            g = sG[r0 + rr, d0 + cc]
+            eq = _exp2(g - sG[r0, d0 + cc])
+            accQ[v] = accQ[v] * eq
+            accR[v] = accR[v] * eq
+            accC[v] = accC[v] * _exp2(sG[r1, d0 + cc] - g)
+        if strong:
+            self.exact_diagonal(I, d0, coordC, accQ, accR, accC, sK, sQ, sG, sSq, sSl, sBeta)
+
+        # outputs: dq, dk read-added-written by the owning thread; dG's and dbeta's row terms to the scratch
+        for v in cutlass.range_constexpr(cute.size(accQ)):
+            rr, cc = coordC[v]
+            i = r0 + rr
+            d = d0 + cc
+            qi = sQ[i, d].to(f32)
+            ki = sK[i, d].to(f32)
+            bi = sBeta[i]
+            br = bi * accR[v]
+            if i < n:
+                tDq[i, d] = tDq[i, d] + accQ[v]
+                tDk[i, d] = tDk[i, d] + (br + accC[v])
+            scr[rr, cc] = (qi * accQ[v] + ki * br) - ki * accC[v]
+            scr[rr, _BC + cc] = ki * accR[v]
+        cute.arch.sync_warp()
+        if lane < _BC:
+            # the block's rows, last to first: dG (chunk_wy_dqkg's + this kernel's) into the running suffix sum
+            d = d0 + lane
+            gin = cute.make_rmem_tensor((_BC,), f32)
+            for rr in cutlass.range_constexpr(_BC):  # loads first (independent of the sum): latency overlapped
+                gin[rr] = tDg[cutlass.min(r0 + rr, n - 1), d]
+            for k in cutlass.range_constexpr(_BC):
+                rr = _BC - 1 - k
+                if r0 + rr < n:
+                    run = run + (gin[rr] + scr[rr, lane])
+                    tDg[r0 + rr, d] = run
+        else:
+            # row lane - 16: sum over the warp's channels of k R (dbeta's partial), fixed order
+            rr = lane - _BC
+            p = scr[rr, _BC]
+            for cc in cutlass.range_constexpr(1, _BC):
+                p += scr[rr, _BC + cc]
+            sPart[r0 + rr, wid] = p
+        cute.arch.sync_warp()  # the scratch is free for the next block
+        return run
+
+    @cute.jit
+    def load_a(self, mma, lane, s, trans: cutlass.Constexpr, rA):
+        """rA = the 16 x 16 bf16 tile s (a view: transposed with respect to storage when `trans`) by ldmatrix."""
+        cp = ldmatrix_copy_A(mma, cutlass.BFloat16, trans)
+        tc = cp.get_slice(lane)
+        cute.copy(cp, tc.partition_S(s), tc.retile(rA))
+
+    @cute.jit
+    def row_mma(self, I: cutlass.Constexpr, jb: cutlass.Constexpr, d0, lane, mma, thr, coordB, accQ, accR, rA, rA2,
+                rB, sK, sG, sSq, sSl):
+        """accQ += dSq[I, jb] @ B, accR += dL[I, jb] @ B, B[d, j] = k_j exp2(G_r0 - G_j) over column block jb."""
+        r0 = I * _BC
+        for e in cutlass.range_constexpr(cute.size(rB)):
+            cc, jj = coordB[e]
+            j = jb * _BC + jj
+            d = d0 + cc
+            rB[e] = (sK[j, d].to(cutlass.Float32) * _exp2(sG[r0, d] - sG[j, d])).to(cutlass.BFloat16)
+        self.load_a(mma, lane, cute.local_tile(sSq, (_BC, _BC), (I, jb)), False, rA)
+        self.load_a(mma, lane, cute.local_tile(sSl, (_BC, _BC), (I, jb)), False, rA2)
+        cute.gemm(mma, accQ, rA, rB, accQ)
+        cute.gemm(mma, accR, rA2, rB, accR)
+
+    @cute.jit
+    def col_mma(self, I: cutlass.Constexpr, ib: cutlass.Constexpr, d0, lane, mma, thr, coordB, accC, rA, rA2, rB,
+                rB2, sK, sQ, sG, sSq, sSl, sBeta):
+        """accC += dSq[ib, I]^T @ Bq + dL[ib, I]^T @ Bk: Bq[d, i] = q_i exp2(G_i - G_r1), Bk = beta_i k_i (same)."""
+        r1 = I * _BC + _BC - 1
+        for e in cutlass.range_constexpr(cute.size(rB)):
+            cc, ii = coordB[e]
+            i = ib * _BC + ii
+            d = d0 + cc
+            x = _exp2(sG[i, d] - sG[r1, d])
+            rB[e] = (sQ[i, d].to(cutlass.Float32) * x).to(cutlass.BFloat16)
+            rB2[e] = ((sBeta[i] * sK[i, d].to(cutlass.Float32)) * x).to(cutlass.BFloat16)
+        # A[j, i] = dSq[i, j]: the (ib, I) tile seen transposed, loaded with ldmatrix.trans
+        self.load_a(mma, lane, transposed(cute.local_tile(sSq, (_BC, _BC), (ib, I)), _BC, _BC), True, rA)
+        self.load_a(mma, lane, transposed(cute.local_tile(sSl, (_BC, _BC), (ib, I)), _BC, _BC), True, rA2)
+        cute.gemm(mma, accC, rA, rB, accC)
+        cute.gemm(mma, accC, rA2, rB2, accC)
+
+    @cute.jit
+    def exact_diagonal(self, I: cutlass.Constexpr, d0, coordC, accQ, accR, accC, sK, sQ, sG, sSq, sSl, sBeta):
+        """The diagonal block's pairs in fp32 with one exp2 per (pair, element) (the decay is too strong for the
+        factorisation): element (i, d) of the thread's fragments adds sum_{j <= i} (dSq_ij, dL_ij) k_j E_ij to
+        (dq, R) and sum_{i' >= i} (dSq_i'i q_i' + beta_i' dL_i'i k_i') E_i'i to C, j and i' in the block."""
+        f32 = cutlass.Float32
+        r0 = I * _BC
+        for jj in cutlass.range(_BC, unroll=1):
+            j = r0 + jj
+            bj = sBeta[j]
+            for v in cutlass.range_constexpr(cute.size(accQ)):
+                rr, cc = coordC[v]
+                d = d0 + cc
+                gi = sG[r0 + rr, d]
+                gj = sG[j, d]
+                kj = sK[j, d].to(f32)
+                # pairs off the triangle get exponent -1e30 (exp2 -> 0): no inf * 0 whatever the decay's sign
+                er = _exp2(f32(cutlass.select_(jj <= rr, gi - gj, f32(_NEG))))
+                ec = _exp2(f32(cutlass.select_(jj >= rr, gj - gi, f32(_NEG))))
+                accQ[v] = accQ[v] + sSq[r0 + rr, j].to(f32) * kj * er
+                accR[v] = accR[v] + sSl[r0 + rr, j].to(f32) * kj * er
+                accC[v] = accC[v] + (sSq[j, r0 + rr].to(f32) * sQ[j, d].to(f32)
+                                     + bj * sSl[j, r0 + rr].to(f32) * kj) * ec
+
+
+@functools.cache
+def compiled(min_ctas: int = 2):
+    """The compiled kernel (one compilation serves every size and group), per launch bound."""
+    from cula_sm100.forward import launch as fwd
+
+    return cute.compile(ChunkBwdIntraTC(min_ctas), *map(fwd._fake_ptr, _dtypes()), 1, 1, 1, 1, 1.0,
+                        fwd._compile_stream())
+
+
+def _dtypes():
+    import torch
+
+    bf, f32 = torch.bfloat16, torch.float32
+    # q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, chunk table
+    return (bf, bf, f32, f32, f32, f32, f32, f32, f32, f32, torch.int32)
+
+
+def chunk_bwd_intra_tc(q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab, *, scale, min_ctas: int = 2):
+    """launch.chunk_bwd_intra's calling convention: ADDS in place to dq, dk [TT, HQK, K], dbeta [TT, HV] and
+    dG [TT, HV, K] (fp32), then dG holds its reverse chunk-local cumsum. q, k [TT, HQK, K] bf16; G [TT, HV, K]
+    fp32; beta [TT, HV] fp32 (activated); dAqk, dL [TT, HV, 64] fp32; ctab the forward's chunk table."""
+    from cula_sm100.forward import launch as fwd
+
+    TT, HQK, _ = q.shape
+    HV = G.shape[1]
+    NC = ctab.shape[0]
+    if NC:
+        ptrs = [fwd._ptr(t, dt) for t, dt in zip((q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab), _dtypes(),
+                                                 strict=True)]
+        compiled(min_ctas)(*ptrs, TT, NC, HQK, HV, float(scale), fwd._stream())
