@@ -77,10 +77,14 @@ def _exp2(x):
 class ChunkBwdIntraTC:
     threads = 256  # 8 warps; warp w = channels 16 w .. 16 w + 15
 
-    def __init__(self, min_ctas: int = 2):
+    def __init__(self, min_ctas: int = 2, split_b: bool = True):
         # CTAs per SM the launch asks for: 2 caps registers at 128 (sm_90a: 168 bytes of spills; 16 warps per SM),
         # 1 lets ptxas take 234 (no spills; 8 warps per SM). The benchmark times both (tools/bench/bwd_intra.py)
         self.min_ctas = min_ctas
+        # the decayed B operands as a bf16 pair (hi + lo: two MMAs each) instead of one bf16: their rounding is
+        # what dG's cancellation amplifies (a CPU emulation of this algorithm, fp64 reference, mild decay: dG rel.
+        # err. 6.5e-3 with one bf16, 1.8e-3 with the pair, the dSq / dL rounding left; dq, dk 2.3e-3 -> 1.7e-3)
+        self.split_b = split_b
     QK_STRIDE = 136  # bf16 row stride of q, k: B-fragment element loads (4 rows x 8 channels a warp) hit 32 banks
     G_STRIDE = 132  # fp32 row stride of G, same reason (rows 2t: 4 t + channel / 1 distinct banks)
     A_STRIDE = 72  # bf16 row stride of dSq, dL: the 8 rows of an ldmatrix 8 x 8 fall in distinct 16-byte bank groups
@@ -152,6 +156,8 @@ class ChunkBwdIntraTC:
         accC = cute.make_rmem_tensor(thr.partition_shape_C((_BC, _BC)), f32)
         rB = cute.make_rmem_tensor(thr.partition_shape_B((_BC, _BC)), bf16)
         rB2 = cute.make_rmem_tensor(thr.partition_shape_B((_BC, _BC)), bf16)
+        rBl = cute.make_rmem_tensor(thr.partition_shape_B((_BC, _BC)), bf16)  # the low halves (split_b)
+        rB2l = cute.make_rmem_tensor(thr.partition_shape_B((_BC, _BC)), bf16)
         rA = cute.make_rmem_tensor(thr.partition_shape_A((_BC, _BC)), bf16)
         rA2 = cute.make_rmem_tensor(thr.partition_shape_A((_BC, _BC)), bf16)
         dv4 = cute.make_rmem_tensor((4,), f32)
@@ -207,8 +213,9 @@ class ChunkBwdIntraTC:
             for bb in cutlass.range_constexpr(_NB):
                 I = _NB - 1 - bb
                 if I * _BC < n:  # blocks wholly past the chunk end: nothing to add, nothing stored
-                    run = self.row_block(I, n, d0, lane, wid, run, mma, thr, coordC, coordB, accQ, accR, accC, rA,
-                                         rA2, rB, rB2, sK, sQ, sG, sSq, sSl, sBeta, sPart, scr, tDq, tDk, tDg)
+                    run = self.row_block(I, n, d0, lane, wid, run, mma, coordC, coordB, accQ, accR, accC, rA,
+                                         rA2, rB, rB2, rBl, rB2l, sK, sQ, sG, sSq, sSl, sBeta, sPart, scr, tDq, tDk,
+                                         tDg)
             cute.arch.sync_threads()  # sPart complete
             if tidx < n:
                 tDb = head_rows(mDb, t0, hv, _BT)
@@ -218,8 +225,8 @@ class ChunkBwdIntraTC:
                 tDb[tidx, 0] = tDb[tidx, 0] + p
 
     @cute.jit
-    def row_block(self, I: cutlass.Constexpr, n, d0, lane, wid, run, mma, thr, coordC, coordB, accQ, accR, accC, rA,
-                  rA2, rB, rB2, sK, sQ, sG, sSq, sSl, sBeta, sPart, scr, tDq, tDk, tDg):
+    def row_block(self, I: cutlass.Constexpr, n, d0, lane, wid, run, mma, coordC, coordB, accQ, accR, accC, rA,
+                  rA2, rB, rB2, rBl, rB2l, sK, sQ, sG, sSq, sSl, sBeta, sPart, scr, tDq, tDk, tDg):
         """Row block I of this warp's 16 channels: dq, R (row side) and C (column side) of rows 16 I .. 16 I + 15,
         added to dq, dk, dG (and dbeta's partials); returns the running suffix sum of dG (lanes 0..15)."""
         f32 = cutlass.Float32
@@ -237,18 +244,19 @@ class ChunkBwdIntraTC:
         # row side: B = k_j exp2(G_r0 - G_j) over column blocks jb <= I (the diagonal one when mild)
         for jb in cutlass.range_constexpr(I + 1):
             if cutlass.const_expr(jb < I):
-                self.row_mma(I, jb, d0, lane, mma, thr, coordB, accQ, accR, rA, rA2, rB, sK, sG, sSq, sSl)
+                self.row_mma(I, jb, d0, lane, mma, coordB, accQ, accR, rA, rA2, rB, rBl, sK, sG, sSq, sSl)
             else:
                 if mild:
-                    self.row_mma(I, jb, d0, lane, mma, thr, coordB, accQ, accR, rA, rA2, rB, sK, sG, sSq, sSl)
+                    self.row_mma(I, jb, d0, lane, mma, coordB, accQ, accR, rA, rA2, rB, rBl, sK, sG, sSq, sSl)
         # column side: B = q_i exp2(G_i - G_r1), beta_i k_i exp2(G_i - G_r1) over row blocks ib >= I
         for ib in cutlass.range_constexpr(I, _NB):
             if cutlass.const_expr(ib > I):
-                self.col_mma(I, ib, d0, lane, mma, thr, coordB, accC, rA, rA2, rB, rB2, sK, sQ, sG, sSq, sSl, sBeta)
+                self.col_mma(I, ib, d0, lane, mma, coordB, accC, rA, rA2, rB, rB2, rBl, rB2l, sK, sQ, sG, sSq, sSl,
+                             sBeta)
             else:
                 if mild:
-                    self.col_mma(I, ib, d0, lane, mma, thr, coordB, accC, rA, rA2, rB, rB2, sK, sQ, sG, sSq, sSl,
-                                 sBeta)
+                    self.col_mma(I, ib, d0, lane, mma, coordB, accC, rA, rA2, rB, rB2, rBl, rB2l, sK, sQ, sG, sSq,
+                                 sSl, sBeta)
         # the factors taken out: exp2(G_i - G_r0) <= 1 (row side), exp2(G_r1 - G_j) <= 1 (column side)
         for v in cutlass.range_constexpr(cute.size(accQ)):
             rr, cc = coordC[v]
@@ -304,23 +312,27 @@ class ChunkBwdIntraTC:
         cute.copy(cp, tc.partition_S(s), tc.retile(rA))
 
     @cute.jit
-    def row_mma(self, I: cutlass.Constexpr, jb: cutlass.Constexpr, d0, lane, mma, thr, coordB, accQ, accR, rA, rA2,
-                rB, sK, sG, sSq, sSl):
-        """accQ += dSq[I, jb] @ B, accR += dL[I, jb] @ B, B[d, j] = k_j exp2(G_r0 - G_j) over column block jb."""
+    def row_mma(self, I: cutlass.Constexpr, jb: cutlass.Constexpr, d0, lane, mma, coordB, accQ, accR, rA, rA2, rB,
+                rBl, sK, sG, sSq, sSl):
+        """accQ += dSq[I, jb] @ B, accR += dL[I, jb] @ B, B[d, j] = k_j exp2(G_r0 - G_j) over column block jb
+        (B = rB + rBl with split_b)."""
         r0 = I * _BC
         for e in cutlass.range_constexpr(cute.size(rB)):
             cc, jj = coordB[e]
             j = jb * _BC + jj
             d = d0 + cc
-            rB[e] = (sK[j, d].to(cutlass.Float32) * _exp2(sG[r0, d] - sG[j, d])).to(cutlass.BFloat16)
+            self.split(sK[j, d].to(cutlass.Float32) * _exp2(sG[r0, d] - sG[j, d]), rB, rBl, e)
         self.load_a(mma, lane, cute.local_tile(sSq, (_BC, _BC), (I, jb)), False, rA)
         self.load_a(mma, lane, cute.local_tile(sSl, (_BC, _BC), (I, jb)), False, rA2)
         cute.gemm(mma, accQ, rA, rB, accQ)
         cute.gemm(mma, accR, rA2, rB, accR)
+        if cutlass.const_expr(self.split_b):
+            cute.gemm(mma, accQ, rA, rBl, accQ)
+            cute.gemm(mma, accR, rA2, rBl, accR)
 
     @cute.jit
-    def col_mma(self, I: cutlass.Constexpr, ib: cutlass.Constexpr, d0, lane, mma, thr, coordB, accC, rA, rA2, rB,
-                rB2, sK, sQ, sG, sSq, sSl, sBeta):
+    def col_mma(self, I: cutlass.Constexpr, ib: cutlass.Constexpr, d0, lane, mma, coordB, accC, rA, rA2, rB, rB2,
+                rBl, rB2l, sK, sQ, sG, sSq, sSl, sBeta):
         """accC += dSq[ib, I]^T @ Bq + dL[ib, I]^T @ Bk: Bq[d, i] = q_i exp2(G_i - G_r1), Bk = beta_i k_i (same)."""
         r1 = I * _BC + _BC - 1
         for e in cutlass.range_constexpr(cute.size(rB)):
@@ -328,13 +340,24 @@ class ChunkBwdIntraTC:
             i = ib * _BC + ii
             d = d0 + cc
             x = _exp2(sG[i, d] - sG[r1, d])
-            rB[e] = (sQ[i, d].to(cutlass.Float32) * x).to(cutlass.BFloat16)
-            rB2[e] = ((sBeta[i] * sK[i, d].to(cutlass.Float32)) * x).to(cutlass.BFloat16)
+            self.split(sQ[i, d].to(cutlass.Float32) * x, rB, rBl, e)
+            self.split((sBeta[i] * sK[i, d].to(cutlass.Float32)) * x, rB2, rB2l, e)
         # A[j, i] = dSq[i, j]: the (ib, I) tile seen transposed, loaded with ldmatrix.trans
         self.load_a(mma, lane, transposed(cute.local_tile(sSq, (_BC, _BC), (ib, I)), _BC, _BC), True, rA)
         self.load_a(mma, lane, transposed(cute.local_tile(sSl, (_BC, _BC), (ib, I)), _BC, _BC), True, rA2)
         cute.gemm(mma, accC, rA, rB, accC)
         cute.gemm(mma, accC, rA2, rB2, accC)
+        if cutlass.const_expr(self.split_b):
+            cute.gemm(mma, accC, rA, rBl, accC)
+            cute.gemm(mma, accC, rA2, rB2l, accC)
+
+    @cute.jit
+    def split(self, x, rhi, rlo, e):
+        """rhi[e] = bf16(x); with split_b also rlo[e] = bf16(x - rhi[e]) (x to ~16 bits in two bf16 operands)."""
+        h = x.to(cutlass.BFloat16)
+        rhi[e] = h
+        if cutlass.const_expr(self.split_b):
+            rlo[e] = (x - h.to(cutlass.Float32)).to(cutlass.BFloat16)
 
     @cute.jit
     def exact_diagonal(self, I: cutlass.Constexpr, d0, coordC, accQ, accR, accC, sK, sQ, sG, sSq, sSl, sBeta):
@@ -362,11 +385,11 @@ class ChunkBwdIntraTC:
 
 
 @functools.cache
-def compiled(min_ctas: int = 2):
-    """The compiled kernel (one compilation serves every size and group), per launch bound."""
+def compiled(min_ctas: int = 2, split_b: bool = True):
+    """The compiled kernel (one compilation serves every size and group), per (launch bound, B split)."""
     from cula_sm100.forward import launch as fwd
 
-    return cute.compile(ChunkBwdIntraTC(min_ctas), *map(fwd._fake_ptr, _dtypes()), 1, 1, 1, 1, 1.0,
+    return cute.compile(ChunkBwdIntraTC(min_ctas, split_b), *map(fwd._fake_ptr, _dtypes()), 1, 1, 1, 1, 1.0,
                         fwd._compile_stream())
 
 
@@ -378,7 +401,8 @@ def _dtypes():
     return (bf, bf, f32, f32, f32, f32, f32, f32, f32, f32, torch.int32)
 
 
-def chunk_bwd_intra_tc(q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab, *, scale, min_ctas: int = 2):
+def chunk_bwd_intra_tc(q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab, *, scale, min_ctas: int = 2,
+                       split_b: bool = True):
     """launch.chunk_bwd_intra's calling convention: ADDS in place to dq, dk [TT, HQK, K], dbeta [TT, HV] and
     dG [TT, HV, K] (fp32), then dG holds its reverse chunk-local cumsum. q, k [TT, HQK, K] bf16; G [TT, HV, K]
     fp32; beta [TT, HV] fp32 (activated); dAqk, dL [TT, HV, 64] fp32; ctab the forward's chunk table."""
@@ -390,4 +414,4 @@ def chunk_bwd_intra_tc(q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab, *, scal
     if NC:
         ptrs = [fwd._ptr(t, dt) for t, dt in zip((q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab), _dtypes(),
                                                  strict=True)]
-        compiled(min_ctas)(*ptrs, TT, NC, HQK, HV, float(scale), fwd._stream())
+        compiled(min_ctas, split_b)(*ptrs, TT, NC, HQK, HV, float(scale), fwd._stream())
