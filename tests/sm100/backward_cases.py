@@ -221,60 +221,6 @@ def _memcheck():
     print("memcheck cases done")
 
 
-def check_pointer_args():
-    """launch.PointerArgs (the backward kernels' reused pointer arguments) against fresh make_ptr pointers: the bytes
-    the DSL's executor would hand to the compiled host function (`generate_execution_args`: the C cells' addresses)
-    must be identical, over two fills with different tensors, for chunk_wy_dqkg, chunk_bwd_dav, chunk_bwd_intra and
-    chunk_bwd_dhu (with and without its optional dht / dh0). Runs on the CPU (CPU tensors: only their addresses are
-    used; nothing is launched)."""
-    import ctypes
-
-    from cula_sm100.backward import launch
-    from cula_sm100.forward import launch as fwd
-
-    launch.REUSE_POINTERS = True  # the reuse path is what this checks (the default; set in case a caller turned it off)
-    stream = fwd._compile_stream()
-    cases = {  # name: (compiled kernel, its PointerArgs, the scalars after the pointers (i32 ..., f32 last if any))
-        "chunk_wy_dqkg": (launch.wy_dqkg_kernel(), launch.wy_args(), (1000, 16, 2, 4), (0.0883,)),
-        "chunk_bwd_dav": (launch.dav_kernel(), launch.dav_args(), (1000, 16, 4), ()),
-        "chunk_bwd_intra": (launch.intra_kernel(), launch.intra_args(), (1000, 16, 2, 4), (0.0883,)),
-        "chunk_bwd_dhu[dht, dh0]": (launch.dhu_kernel(True, True), launch.dhu_args(True, True), (1000, 16, 3, 2, 4),
-                                    (0.0883,)),
-        "chunk_bwd_dhu[no states]": (launch.dhu_kernel(False, False), launch.dhu_args(False, False),
-                                     (1000, 16, 3, 2, 4), (0.0883,)),
-    }
-    for name, (kern, args, ints, floats) in cases.items():
-        sizes = [8] * len(args.dtypes) + [4] * (len(ints) + len(floats)) + [8]  # pointers, i32 / f32, stream
-        absent = {6, 9} if name == "chunk_bwd_dhu[no states]" else set()  # dht, dh0
-
-        def cells(exe, sizes=sizes):
-            out = []
-            for addr, n in zip(exe, sizes, strict=True):
-                addr = addr.value if isinstance(addr, ctypes.c_void_p) else int(addr)
-                out.append(ctypes.string_at(addr, n))
-            return out
-
-        for rnd in range(2):
-            tensors = [None if i in absent else torch.empty(64 * (rnd + 1) + 16 * i, dtype=dt)
-                       for i, dt in enumerate(args.dtypes)]
-            ptrs = [fwd._ptr(t, dt) for t, dt in zip(tensors, args.dtypes, strict=True)]
-            fresh = cells(kern.generate_execution_args(*ptrs, *ints, *floats, stream)[0])
-            with args.lock:
-                reused = cells(kern.generate_execution_args(*args.fill(tensors), *ints, *floats, stream)[0])
-            bad = [i for i, (x, y) in enumerate(zip(fresh, reused, strict=True)) if x != y]
-            assert not bad, (name, bad)
-            assert reused[0] == tensors[0].data_ptr().to_bytes(8, "little"), name
-        print(f"pointer args of {name}: byte-identical", flush=True)
-    wrong = [torch.empty(64, dtype=torch.float32)] + [torch.empty(64, dtype=dt) for dt in launch.WY_DTYPES[1:]]
-    try:
-        launch.wy_args().fill(wrong)
-    except TypeError as e:
-        assert "compiled for torch.bfloat16" in str(e), e
-    else:
-        raise AssertionError("a wrong dtype was accepted")
-    print("pointer args: byte-identical")
-
-
 def run_memcheck(**env):
     """`compute-sanitizer --tool memcheck` over `_memcheck` (this file's `memcheck` mode), with `env` added to the
     environment. Returns the CompletedProcess; the caller skips when compute-sanitizer is not on PATH."""
@@ -295,9 +241,6 @@ if __name__ == "__main__":
 
     if _sys.argv[1:] == ["memcheck"]:
         _memcheck()
-        raise SystemExit(0)
-    if _sys.argv[1:] == ["pointer-args"]:
-        check_pointer_args()
         raise SystemExit(0)
     for name, build in kernels().items():
         t = time.perf_counter()

@@ -182,24 +182,11 @@ def test_kernels_compile(arch):
     assert sum(line.startswith("compiled ") for line in out.splitlines()) == len(kernels()), out
 
 
-@pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed")
-def test_reused_pointer_args_marshal_like_fresh_ones():
-    """launch.PointerArgs: chunk_wy_dqkg's reused pointer arguments give the DSL's executor byte-identical C cells to
-    fresh make_ptr pointers (two fills, different tensors), and a wrong dtype is refused (backward_cases.py
-    pointer-args, in a subprocess: the compile needs CUTE_DSL_ARCH before cutlass is imported)."""
-    proc = subprocess.run([sys.executable, str(HERE / "backward_cases.py"), "pointer-args"], capture_output=True,
-                          text=True, timeout=600, env=dict(os.environ, CUTE_DSL_ARCH="sm_90a"))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "pointer args: byte-identical" in proc.stdout
-
-
 def test_dhu_slice_width_dispatch(monkeypatch):
     """chunk_bwd_dhu runs V slices of 32 columns up to DHU_NARROW_MAX_PAIRS busy (sequence, head) chains and of 64
     above (the H100 stage times in launch.py), busy counted over the longest sequence; an explicit `bv` wins; each
-    width has its own compiled kernel and pointer arguments. Kernel, pointers and stream stubbed (CPU tensors;
-    nothing launches)."""
-    import threading
-
+    width has its own compiled kernel. Kernel, pointers and stream stubbed (CPU tensors; nothing launches: a stub
+    is not a DSL compiled function, so fast_launch calls it through the DSL path)."""
     import torch
 
     from cula_sm100.backward import launch
@@ -216,15 +203,8 @@ def test_dhu_slice_width_dispatch(monkeypatch):
     assert launch.dhu_slice_width(launch.busy_sequences(uniform), 32) == 64
     assert launch.busy_sequences((0, 0)) == 0.0
     asked = []
-
-    class Args:  # PointerArgs' interface, handing the tensors through
-        lock = threading.Lock()
-
-        def fill(self, tensors):
-            return list(tensors)
-
     monkeypatch.setattr(launch, "dhu_kernel", lambda dht, dh0, bv: (asked.append(bv), lambda *a: None)[1])
-    monkeypatch.setattr(launch, "dhu_args", lambda dht, dh0, bv: Args())
+    monkeypatch.setattr(launch.fwd, "_ptr", lambda *a: None)
     monkeypatch.setattr(launch.fwd, "_stream", lambda: None)
     for N, HV, bv, want in ((2, 32, None, 32), (2, 64, None, 64), (2, 32, 64, 64), (2, 64, 32, 32)):
         TT = 3 * N

@@ -14,13 +14,15 @@ chunk_intra and the output; with chunk_intra when no residuals came), then runs 
 
 The PyTorch stage (5) runs in fp32 on the GPU (a vector-Jacobian product through cula_core.reference's gates,
 no host synchronisation); it is correct but not fast: a kernel still to write.
+
+Every launch goes through `cula_sm100.fast_launch` (pre-packed C arguments, see there), with each kernel's pointer
+dtypes listed once here (`*_DTYPES`) for its compilation and its launcher alike.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import threading
 
 import torch
 
@@ -36,81 +38,41 @@ INTRA_KERNEL = True
 FINISH_KERNEL = True
 
 
-# PointerArgs reuses its pointer objects when this is True (since session 5: the backward GPU tests and memcheck
-# passed with it); False makes fill() return fresh make_ptr pointers, as before PointerArgs (for debugging).
-REUSE_POINTERS = True
-
-
-class PointerArgs:
-    """Reusable CuTe pointer arguments of one compiled kernel: `cute.runtime.make_ptr` costs ~4 us of Python per
-    pointer (chunk_wy_dqkg takes 18), which on small calls is most of the host time per call and, with the GPU
-    waiting on the host, of the measured time (docs/benchmarks/train_bwd.md). Each slot keeps one pointer object
-    whose C address cell (`_desc`, the cell the DSL's executor hands to the compiled host function through
-    `__c_pointers__`) is rewritten per call instead; the dtypes are the compiled ones, checked, as is the 16-byte
-    alignment make_ptr would assert. Callers hold `lock` from `fill` until the launch has returned (the cells are
-    shared). tests/sm100/test_backward_cpu.py checks that the executor's arguments are byte-identical to fresh
-    make_ptr ones."""
-
-    def __init__(self, dtypes):
-        self.dtypes = tuple(dtypes)
-        self.ptrs = [fwd._fake_ptr(dt) for dt in self.dtypes]
-        self.lock = threading.Lock()
-
-    def fill(self, tensors):
-        if not REUSE_POINTERS:  # what the kernels were called with before PointerArgs
-            return [fwd._ptr(t, dt) for dt, t in zip(self.dtypes, tensors, strict=True)]
-        for i, (ptr, dt, t) in enumerate(zip(self.ptrs, self.dtypes, tensors, strict=True)):
-            if t is None:  # an absent optional tensor: the dummy address make_ptr's callers pass (never read)
-                ptr._pointer = _DUMMY_ADDRESS
-                ptr._desc.value = _DUMMY_ADDRESS
-                continue
-            if t.dtype != dt:
-                raise TypeError(f"argument {i}: {t.dtype}, the kernel was compiled for {dt}")
-            a = t.data_ptr()
-            if a % 16:
-                raise ValueError(f"argument {i}: address {a:#x} is not 16-byte aligned")
-            ptr._pointer = a
-            ptr._desc.value = a
-        return self.ptrs
-
-
-_DUMMY_ADDRESS = 16  # forward.launch._ptr(None, ...)'s address
 _BF, _F32, _I32 = torch.bfloat16, torch.float32, torch.int32
 # chunk_wy_dqkg's pointer arguments in order: q, k, v, v_new, G, beta, A, h, do, dh, dv | dq, dk, dv2, dG, dbeta,
 # dL | chunk table
-WY_DTYPES = (_BF, _BF, _BF, _BF, _F32, _F32, _BF, _BF, _BF, _BF, _BF, _F32, _F32, _BF, _F32, _F32, _F32, torch.int32)
+WY_DTYPES = (_BF, _BF, _BF, _BF, _F32, _F32, _BF, _BF, _BF, _BF, _BF, _F32, _F32, _BF, _F32, _F32, _F32, _I32)
+# chunk_bwd_dav's: do, v_new, Aqk, dAqk, dv, chunk table
+DAV_DTYPES = (_BF, _BF, _BF, _F32, _BF, _I32)
+# chunk_bwd_intra's: q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, chunk table
+INTRA_DTYPES = (_BF, _BF, _F32, _F32, _F32, _F32, _F32, _F32, _F32, _F32, _I32)
 
 
-@functools.cache
-def wy_args() -> PointerArgs:
-    return PointerArgs(WY_DTYPES)
+def gate_bwd_dtypes(g_dtype, beta_dtype):
+    """gate_bwd's pointer arguments: dG, g, A_log, dt_bias, dbeta, beta, dg, dbeta out, A_log / dt_bias partial sums,
+    chunk table."""
+    return (_F32, g_dtype, _F32, _F32, _F32, beta_dtype, g_dtype, beta_dtype, _F32, _F32, _I32)
+
+
+def l2norm_bwd_dtypes(x_dtype):
+    """l2norm_bwd's pointer arguments: x, dy, dx."""
+    return (x_dtype, _F32, x_dtype)
 
 
 @functools.cache
 def wy_dqkg_kernel():
     """The compiled chunk_wy_dqkg (one compilation serves every size)."""
-    import cutlass.cute as cute
-
     from cula_sm100.backward.chunk_wy_dqkg import ChunkWyDqkg
 
-    return cute.compile(ChunkWyDqkg(), *(fwd._fake_ptr(dt) for dt in WY_DTYPES), 1, 1, 1, 1, 1.0,
-                        fwd._compile_stream())
+    return fwd._compile(ChunkWyDqkg(), WY_DTYPES, 1, 1, 1, 1, 1.0)
 
 
 @functools.cache
 def dav_kernel():
     """The compiled chunk_bwd_dav (one compilation serves every size)."""
-    import cutlass.cute as cute
-
     from cula_sm100.backward.chunk_bwd_dav import ChunkBwdDav
 
-    return cute.compile(ChunkBwdDav(), *map(fwd._fake_ptr, dav_args().dtypes), 1, 1, 1, fwd._compile_stream())
-
-
-@functools.cache
-def dav_args() -> PointerArgs:
-    """chunk_bwd_dav's pointer arguments: do, v_new, Aqk, dAqk, dv, chunk table."""
-    return PointerArgs((_BF, _BF, _BF, _F32, _BF, _I32))
+    return fwd._compile(ChunkBwdDav(), DAV_DTYPES, 1, 1, 1)
 
 
 def chunk_bwd_dav(do, v_new, Aqk, ctab):
@@ -122,27 +84,16 @@ def chunk_bwd_dav(do, v_new, Aqk, ctab):
     dv = torch.empty_like(do)
     NC = ctab.shape[0]
     if NC:
-        kern, args = dav_kernel(), dav_args()
-        with args.lock:
-            kern(*args.fill((do, v_new, Aqk, dA, dv, ctab)), TT, NC, HV, fwd._stream())
+        fwd._launch(dav_kernel(), DAV_DTYPES, (do, v_new, Aqk, dA, dv, ctab), (TT, NC, HV))
     return dA, dv
 
 
 @functools.cache
 def intra_kernel():
     """The compiled chunk_bwd_intra (one compilation serves every size)."""
-    import cutlass.cute as cute
-
     from cula_sm100.backward.chunk_bwd_intra import ChunkBwdIntra
 
-    return cute.compile(ChunkBwdIntra(), *map(fwd._fake_ptr, intra_args().dtypes), 1, 1, 1, 1, 1.0,
-                        fwd._compile_stream())
-
-
-@functools.cache
-def intra_args() -> PointerArgs:
-    """chunk_bwd_intra's pointer arguments: q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, chunk table."""
-    return PointerArgs((_BF, _BF, _F32, _F32, _F32, _F32, _F32, _F32, _F32, _F32, _I32))
+    return fwd._compile(ChunkBwdIntra(), INTRA_DTYPES, 1, 1, 1, 1, 1.0)
 
 
 def chunk_bwd_intra(q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab, *, scale):
@@ -154,21 +105,16 @@ def chunk_bwd_intra(q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab, *, scale):
     HV = G.shape[1]
     NC = ctab.shape[0]
     if NC:
-        kern, args = intra_kernel(), intra_args()
-        with args.lock:
-            kern(*args.fill((q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab)), TT, NC, HQK, HV, float(scale),
-                 fwd._stream())
+        fwd._launch(intra_kernel(), INTRA_DTYPES, (q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab),
+                    (TT, NC, HQK, HV, float(scale)))
 
 
 @functools.cache
 def dhu_kernel(has_dht: bool, want_dh0: bool, bv: int = 64):
     """The compiled chunk_bwd_dhu, per (dht given, dh0 wanted, V slice width)."""
-    import cutlass.cute as cute
-
     from cula_sm100.backward.chunk_bwd_dhu import ChunkBwdDhu
 
-    return cute.compile(ChunkBwdDhu(has_dht, want_dh0, bv), *map(fwd._fake_ptr, DHU_DTYPES), 1, 1, 1, 1, 1, 1.0,
-                        fwd._compile_stream())
+    return fwd._compile(ChunkBwdDhu(has_dht, want_dh0, bv), DHU_DTYPES, 1, 1, 1, 1, 1, 1.0)
 
 
 # chunk_bwd_dhu's V slice: 32 columns (4 CTAs per (sequence, head)) up to this many busy (sequence, head) chains,
@@ -195,13 +141,6 @@ def dhu_slice_width(busy: float, HV: int) -> int:
 DHU_DTYPES = (_BF, _BF, _BF, _F32, _BF, _BF, _F32, _BF, _BF, _F32, _I32)
 
 
-@functools.cache
-def dhu_args(has_dht: bool, want_dh0: bool, bv: int = 64) -> PointerArgs:
-    """One PointerArgs per compiled chunk_bwd_dhu (keyed as dhu_kernel: the dtypes are the same, the cells and the
-    lock are that kernel's own)."""
-    return PointerArgs(DHU_DTYPES)
-
-
 def chunk_bwd_dhu(q, kg, w, G, do, dv, dht, ctab, stab, *, scale, want_dh0, bv=None):
     """The reverse state recurrence as a kernel (chunk_bwd_dhu.py). q [TT, HQK, K] bf16; kg, w [TT, HV, K]
     bf16; G [TT, HV, K] fp32; do, dv [TT, HV, V] bf16 (dv: gradient of v_new through o); dht [N, HV, K, V] fp32 or None.
@@ -215,10 +154,8 @@ def chunk_bwd_dhu(q, kg, w, G, do, dv, dht, ctab, stab, *, scale, want_dh0, bv=N
     dh0 = torch.empty(N, HV, K, V, device=G.device, dtype=torch.float32) if want_dh0 else None
     if N:
         bv = bv or dhu_slice_width(N, HV)  # the lengths are not known here: as if all were equal
-        kern, args = dhu_kernel(dht is not None, want_dh0, bv), dhu_args(dht is not None, want_dh0, bv)
-        with args.lock:
-            kern(*args.fill((q, kg, w, G, do, dv, dht, dh, dv2, dh0, stab)), TT, NC, N, HQK, HV, float(scale),
-                 fwd._stream())
+        fwd._launch(dhu_kernel(dht is not None, want_dh0, bv), DHU_DTYPES,
+                    (q, kg, w, G, do, dv, dht, dh, dv2, dh0, stab), (TT, NC, N, HQK, HV, float(scale)))
     return dh, dv2, dh0
 
 
@@ -247,10 +184,8 @@ def chunk_wy_dqkg(q, k, v, v_new, G, beta, Akk, h, do, dh, dv, ctab, *, scale):
     dA = torch.empty(TT, HV, fwd.BT, device=q.device, dtype=torch.float32)
     NC = ctab.shape[0]
     if NC:
-        kern, args = wy_dqkg_kernel(), wy_args()
-        with args.lock:
-            kern(*args.fill((q, k, v, v_new, G, beta, Akk, h, do, dh, dv, dq, dk, dv2, dg, db, dA, ctab)), TT, NC, HQK,
-                 HV, float(scale), fwd._stream())
+        fwd._launch(wy_dqkg_kernel(), WY_DTYPES, (q, k, v, v_new, G, beta, Akk, h, do, dh, dv, dq, dk, dv2, dg, db, dA,
+                                                  ctab), (TT, NC, HQK, HV, float(scale)))
     return dq, dk, dv2, db, dg, dA
 
 
@@ -258,25 +193,18 @@ def chunk_wy_dqkg(q, k, v, v_new, G, beta, Akk, h, do, dh, dv, ctab, *, scale):
 def gate_bwd_kernel(gate: str, has_A_log: bool, has_dt_bias: bool, lower_bound, beta_activation: str, g_dtype,
                     beta_dtype):
     """The compiled gate_bwd per (gate mode, parameters present, lower bound, beta activation, g / beta dtypes)."""
-    import cutlass.cute as cute
-
     from cula_sm100.backward.gate_bwd import GateBwd
 
-    f32, fp = torch.float32, fwd._fake_ptr
     op = GateBwd(gate, has_A_log, has_dt_bias, lower_bound, beta_activation)
-    return cute.compile(op, fp(f32), fp(g_dtype), fp(f32), fp(f32), fp(f32), fp(beta_dtype), fp(g_dtype),
-                        fp(beta_dtype), fp(f32), fp(f32), fp(torch.int32), 1, 1, 1, fwd._compile_stream())
+    return fwd._compile(op, gate_bwd_dtypes(g_dtype, beta_dtype), 1, 1, 1)
 
 
 @functools.cache
 def l2norm_bwd_kernel(x_dtype):
     """The compiled l2norm_bwd per dtype of q / k."""
-    import cutlass.cute as cute
-
     from cula_sm100.backward.l2norm_bwd import L2NormBwd
 
-    fp = fwd._fake_ptr
-    return cute.compile(L2NormBwd(), fp(x_dtype), fp(torch.float32), fp(x_dtype), 1, fwd._compile_stream())
+    return fwd._compile(L2NormBwd(), l2norm_bwd_dtypes(x_dtype), 1)
 
 
 def finish(dq, dk, dv, dbeta, dG, dh0, q, k, g, beta, A_log, dt_bias, initial_state, ctab, *, v_dtype,
@@ -289,13 +217,12 @@ def finish(dq, dk, dv, dbeta, dG, dh0, q, k, g, beta, A_log, dt_bias, initial_st
     HV = g.shape[2]
     TT = B * T
     NC = ctab.shape[0]
-    p = fwd._ptr
     if use_qk_l2norm_in_kernel:
         dqo, dko = torch.empty_like(q), torch.empty_like(k)
         if TT * HQK:
-            kern = l2norm_bwd_kernel(q.dtype)
+            kern, dtypes = l2norm_bwd_kernel(q.dtype), l2norm_bwd_dtypes(q.dtype)
             for x, dy, dx in ((q, dq, dqo), (k, dk, dko)):
-                kern(p(x.contiguous()), p(dy), p(dx), TT * HQK, fwd._stream())
+                fwd._launch(kern, dtypes, (x.contiguous(), dy, dx), (TT * HQK,))
     else:
         dqo, dko = dq.reshape(q.shape).to(q.dtype), dk.reshape(k.shape).to(k.dtype)
     g_c, beta_c = g.contiguous(), beta.contiguous()
@@ -308,9 +235,8 @@ def finish(dq, dk, dv, dbeta, dG, dh0, q, k, g, beta, A_log, dt_bias, initial_st
     if NC:
         kern = gate_bwd_kernel(gate, has_a, has_b, lower_bound if gate == "safe" else None, beta_activation,
                                g.dtype, beta.dtype)
-        f32 = torch.float32
-        kern(p(dG), p(g_c), p(a32, f32), p(b32, f32), p(dbeta), p(beta_c), p(dgo), p(dbo), p(pa, f32), p(pb, f32),
-             p(ctab), TT, NC, HV, fwd._stream())
+        fwd._launch(kern, gate_bwd_dtypes(g.dtype, beta.dtype),
+                    (dG, g_c, a32, b32, dbeta, beta_c, dgo, dbo, pa, pb, ctab), (TT, NC, HV))
     # partial sums per (chunk, head, channel) summed by torch in a fixed order: deterministic
     dAo = pa.sum((0, 2)).reshape(A_log.shape).to(A_log.dtype) if has_a else None
     dto = pb.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype) if has_b else None

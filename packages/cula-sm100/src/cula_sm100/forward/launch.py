@@ -9,6 +9,9 @@ and two small int32 tables,
 They are built on the host (from `cu_seqlens_cpu` when given; otherwise one device-to-host copy of
 `cu_seqlens`, as FLA's `prepare_chunk_indices`) and cached. Kernels are compiled once per key (gate mode,
 beta activation, dtypes, state flags) for dynamic sizes, so one compilation serves every B, T and head count.
+Every launch goes through `cula_sm100.fast_launch` (pre-packed C arguments; `fast_launch.ENABLED = False` for the
+DSL's own call path): each kernel's pointer dtypes are listed once here (`*_DTYPES`), for its compilation and its
+launcher alike.
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
+from cula_sm100 import fast_launch
+
 BT = 64
+_BF, _F32, _I32 = torch.bfloat16, torch.float32, torch.int32
 
 _TORCH_TO_CUTLASS = {}
 
@@ -60,6 +66,11 @@ def _stream():
     return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
 
 
+def _launch(kern, dtypes, tensors, scalars):
+    """Launch a compiled kernel of this package on the current stream (fast_launch: pre-packed arguments)."""
+    fast_launch.launch(kern, dtypes, tensors, scalars, _stream())
+
+
 def _compile_stream():
     """The stream argument at compile time: only its type matters (compiles on a machine with no GPU)."""
     import cuda.bindings.driver as cuda
@@ -70,71 +81,75 @@ def _compile_stream():
 # ------------------------------------------------------------------ compiled kernels, one per key
 
 
-@functools.cache
-def l2norm_kernel(dtype: torch.dtype):
+# pointer dtypes of each kernel, in its argument order (those that depend on the compile key are functions of it)
+
+def l2norm_dtypes(dtype):  # x, y
+    return (dtype, dtype)
+
+
+def gate_dtypes(g_dtype, a_dtype, b_dtype):  # g, A_log, dt_bias, G, chunk table
+    return (g_dtype, a_dtype, b_dtype, _F32, _I32)
+
+
+def intra_dtypes(beta_dtype):  # q, k, G, beta, Aqk, Akk, chunk table
+    return (_BF, _BF, _F32, beta_dtype, _BF, _BF, _I32)
+
+
+def wu_dtypes(beta_dtype):  # k, v, G, beta, Akk, w, u, kg, chunk table
+    return (_BF, _BF, _F32, beta_dtype, _BF, _BF, _BF, _BF, _I32)
+
+
+DELTA_H_DTYPES = (_BF, _BF, _BF, _F32, _F32, _BF, _BF, _F32, _I32)  # w, u, kg, G, h0, h, v_new, ht, sequence table
+FWD_O_DTYPES = (_BF, _F32, _BF, _BF, _BF, _BF, _I32)  # q, G, h, Aqk, v_new, o, chunk table
+
+
+def _compile(op, dtypes, *scalars):
     import cutlass.cute as cute
 
+    return cute.compile(op, *map(_fake_ptr, dtypes), *scalars, _compile_stream())
+
+
+@functools.cache
+def l2norm_kernel(dtype: torch.dtype):
     from cula_sm100.forward.l2norm import L2Norm
 
-    return cute.compile(L2Norm(), _fake_ptr(dtype), _fake_ptr(dtype), 1, _compile_stream())
+    return _compile(L2Norm(), l2norm_dtypes(dtype), 1)
 
 
 @functools.cache
 def gate_kernel(gate: str, g_dtype, a_dtype, b_dtype, has_A_log: bool, has_dt_bias: bool, lower_bound):
-    import cutlass.cute as cute
-
     from cula_sm100.forward.gate_cumsum import GateCumsum
 
-    return cute.compile(GateCumsum(gate, has_A_log, has_dt_bias, lower_bound), _fake_ptr(g_dtype),
-                        _fake_ptr(a_dtype), _fake_ptr(b_dtype), _fake_ptr(torch.float32), _fake_ptr(torch.int32),
-                        1, 1, 1, _compile_stream())
+    return _compile(GateCumsum(gate, has_A_log, has_dt_bias, lower_bound), gate_dtypes(g_dtype, a_dtype, b_dtype),
+                    1, 1, 1)
 
 
 @functools.cache
 def intra_kernel(beta_dtype: torch.dtype, beta_activation: str):
-    import cutlass.cute as cute
-
     from cula_sm100.forward.chunk_intra import ChunkIntra
 
-    bf = torch.bfloat16
-    return cute.compile(ChunkIntra(beta_activation), _fake_ptr(bf), _fake_ptr(bf), _fake_ptr(torch.float32),
-                        _fake_ptr(beta_dtype), _fake_ptr(bf), _fake_ptr(bf), _fake_ptr(torch.int32),
-                        1, 1, 1, 1, 1.0, _compile_stream())
+    return _compile(ChunkIntra(beta_activation), intra_dtypes(beta_dtype), 1, 1, 1, 1, 1.0)
 
 
 @functools.cache
 def wu_kernel(beta_dtype: torch.dtype, beta_activation: str):
-    import cutlass.cute as cute
-
     from cula_sm100.forward.recompute_w_u import RecomputeWU
 
-    bf = torch.bfloat16
-    return cute.compile(RecomputeWU(beta_activation), _fake_ptr(bf), _fake_ptr(bf), _fake_ptr(torch.float32),
-                        _fake_ptr(beta_dtype), _fake_ptr(bf), _fake_ptr(bf), _fake_ptr(bf), _fake_ptr(bf),
-                        _fake_ptr(torch.int32), 1, 1, 1, 1, _compile_stream())
+    return _compile(RecomputeWU(beta_activation), wu_dtypes(beta_dtype), 1, 1, 1, 1)
 
 
 @functools.cache
 def delta_h_kernel(has_initial_state: bool, output_final_state: bool, cluster: bool = True):
-    import cutlass.cute as cute
-
     from cula_sm100.forward.chunk_delta_h import ChunkDeltaH
 
-    bf, f32 = torch.bfloat16, torch.float32
-    return cute.compile(ChunkDeltaH(has_initial_state, output_final_state, cluster), _fake_ptr(bf), _fake_ptr(bf),
-                        _fake_ptr(bf), _fake_ptr(f32), _fake_ptr(f32), _fake_ptr(bf), _fake_ptr(bf), _fake_ptr(f32),
-                        _fake_ptr(torch.int32), 1, 1, 1, 1, _compile_stream())
+    return _compile(ChunkDeltaH(has_initial_state, output_final_state, cluster), DELTA_H_DTYPES, 1, 1, 1, 1)
 
 
 @functools.cache
 def fwd_o_kernel():
-    import cutlass.cute as cute
-
     from cula_sm100.forward.fwd_o import FwdO
 
-    bf = torch.bfloat16
-    return cute.compile(FwdO(), _fake_ptr(bf), _fake_ptr(torch.float32), _fake_ptr(bf), _fake_ptr(bf),
-                        _fake_ptr(bf), _fake_ptr(bf), _fake_ptr(torch.int32), 1, 1, 1, 1, 1.0, _compile_stream())
+    return _compile(FwdO(), FWD_O_DTYPES, 1, 1, 1, 1, 1.0)
 
 
 # ------------------------------------------------------------------ tables
@@ -199,7 +214,7 @@ def l2norm(x):
     y = torch.empty_like(x)
     rows = x.numel() // x.shape[-1]
     if rows:
-        l2norm_kernel(x.dtype)(_ptr(x), _ptr(y), rows, _stream())
+        _launch(l2norm_kernel(x.dtype), l2norm_dtypes(x.dtype), (x, y), (rows,))
     return y
 
 
@@ -209,11 +224,11 @@ def gate_cumsum(g, A_log, dt_bias, ctab, *, gate, lower_bound):
     TT = g.numel() // (HV * K)
     G = _empty(TT, HV, K, like=g, dtype=torch.float32)
     if ctab.shape[0]:
-        f32 = torch.float32
-        kern = gate_kernel(gate, g.dtype, A_log.dtype if A_log is not None else f32,
-                           dt_bias.dtype if dt_bias is not None else f32, A_log is not None, dt_bias is not None,
+        a_dtype = A_log.dtype if A_log is not None else _F32
+        b_dtype = dt_bias.dtype if dt_bias is not None else _F32
+        kern = gate_kernel(gate, g.dtype, a_dtype, b_dtype, A_log is not None, dt_bias is not None,
                            lower_bound if gate == "safe" else None)
-        kern(_ptr(g), _ptr(A_log, f32), _ptr(dt_bias, f32), _ptr(G), _ptr(ctab), TT, ctab.shape[0], HV, _stream())
+        _launch(kern, gate_dtypes(g.dtype, a_dtype, b_dtype), (g, A_log, dt_bias, G, ctab), (TT, ctab.shape[0], HV))
     return G
 
 
@@ -223,8 +238,8 @@ def chunk_intra(q, k, G, beta, ctab, *, scale, beta_activation):
     HQK = q.shape[-2]
     Aqk, Akk = _empty(TT, HV, BT, like=G), _empty(TT, HV, BT, like=G)
     if ctab.shape[0]:
-        intra_kernel(beta.dtype, beta_activation)(_ptr(q), _ptr(k), _ptr(G), _ptr(beta), _ptr(Aqk), _ptr(Akk),
-                                                  _ptr(ctab), TT, ctab.shape[0], HQK, HV, float(scale), _stream())
+        _launch(intra_kernel(beta.dtype, beta_activation), intra_dtypes(beta.dtype), (q, k, G, beta, Aqk, Akk, ctab),
+                (TT, ctab.shape[0], HQK, HV, float(scale)))
     return Aqk, Akk
 
 
@@ -234,8 +249,8 @@ def recompute_w_u(k, v, G, beta, Akk, ctab, *, beta_activation):
     HQK, V = k.shape[-2], v.shape[-1]
     w, u, kg = _empty(TT, HV, K, like=G), _empty(TT, HV, V, like=G), _empty(TT, HV, K, like=G)
     if ctab.shape[0]:
-        wu_kernel(beta.dtype, beta_activation)(_ptr(k), _ptr(v), _ptr(G), _ptr(beta), _ptr(Akk), _ptr(w), _ptr(u),
-                                               _ptr(kg), _ptr(ctab), TT, ctab.shape[0], HQK, HV, _stream())
+        _launch(wu_kernel(beta.dtype, beta_activation), wu_dtypes(beta.dtype), (k, v, G, beta, Akk, w, u, kg, ctab),
+                (TT, ctab.shape[0], HQK, HV))
     return w, u, kg
 
 
@@ -265,9 +280,8 @@ def chunk_delta_h(w, u, kg, G, initial_state, ctab, stab, *, output_final_state,
     ht = _empty(N, HV, K, V, like=G, dtype=torch.float32) if output_final_state else None
     if N:
         h0 = initial_state.contiguous() if initial_state is not None else None
-        delta_h_kernel(h0 is not None, output_final_state, cluster)(
-            _ptr(w), _ptr(u), _ptr(kg), _ptr(G), _ptr(h0, torch.float32), _ptr(h), _ptr(v_new),
-            _ptr(ht, torch.float32), _ptr(stab), TT, NC, N, HV, _stream())
+        _launch(delta_h_kernel(h0 is not None, output_final_state, cluster), DELTA_H_DTYPES,
+                (w, u, kg, G, h0, h, v_new, ht, stab), (TT, NC, N, HV))
     return h, v_new, ht
 
 
@@ -277,8 +291,8 @@ def fwd_o(q, G, h, Aqk, v_new, ctab, *, scale):
     HQK, V = q.shape[-2], v_new.shape[-1]
     o = _empty(TT, HV, V, like=G)
     if ctab.shape[0]:
-        fwd_o_kernel()(_ptr(q), _ptr(G), _ptr(h), _ptr(Aqk), _ptr(v_new), _ptr(o), _ptr(ctab), TT, ctab.shape[0],
-                       HQK, HV, float(scale), _stream())
+        _launch(fwd_o_kernel(), FWD_O_DTYPES, (q, G, h, Aqk, v_new, o, ctab),
+                (TT, ctab.shape[0], HQK, HV, float(scale)))
     return o
 
 

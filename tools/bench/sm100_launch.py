@@ -1,0 +1,162 @@
+"""Host cost of cula-sm100's kernel launches: the pre-packed launches of cula_sm100.fast_launch against the DSL's own
+call path (`fast_launch.ENABLED = False`: fresh make_ptr pointers, the compiled function's `__call__`), both in one
+run on the same inputs.
+
+    python -m tools.bench.sm100_launch [--out docs/benchmarks/sm100_launch.md]
+
+Rows: chunk_wy_dqkg alone at B=1 T=256 HV=64 and B=2 T=256 HV=32 (H = 32 q/k heads; issue 8's host-bound rows), the
+forward (`forward.launch.forward`: l2norm, gate, chunk_intra, recompute_w_u, chunk_delta_h, fwd_o) and the backward
+(`backward.launch.chunk_kda_backward` with the forward's residuals) at B=1 T=1024 H=32 HV=32 (softplus gate in the
+kernel, L2 norm). Per switch setting, per call (microseconds):
+  * host: time.perf_counter over a row's calls (200 chunk_wy_dqkg, 40 forwards, 16 backwards: few enough that
+    their launches stay under the CUDA launch queue's depth, so the host never waits for a free slot) queued behind
+    a `torch.cuda._sleep` long enough to cover them, so the GPU is busy and the figure is the host's own time to
+    issue a call (kernel launches and the torch ops between them), not the GPU's;
+  * GPU: CUDA events around the same calls queued behind the sleep (the host ran ahead, so the GPU runs them back
+    to back: the device time per call);
+  * wall: the same number of calls then one synchronize, nothing queued before (what a training loop sees: about
+    the larger of host and GPU time per call).
+Median over 5 repeats after 2 warm-ups. Speed-up = DSL path / fast path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tools.bench.harness import environment  # noqa: E402
+from tools.bench.train_bwd import K, e2e_inputs, kernel_inputs  # noqa: E402
+
+KW = dict(use_qk_l2norm_in_kernel=True, gate="softplus", lower_bound=None, beta_activation="none")
+
+
+def wy_case(shape):
+    x, ctab, _ = kernel_inputs(shape)
+
+    def call():
+        from cula_sm100.backward import launch
+
+        launch.chunk_wy_dqkg(x["q"], x["k"], x["v"], x["v_new"], x["G"], x["beta"], x["A"], x["h"], x["do"], x["dh"],
+                             x["dv"], ctab, scale=K ** -0.5)
+    return call
+
+
+def _e2e_args(shape):
+    x = e2e_inputs(shape)
+    return x, (x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], None, x["cu"], x["cu_cpu"])
+
+
+def forward_case(shape):
+    _, args = _e2e_args(shape)
+
+    def call():
+        from cula_sm100.forward import launch
+
+        launch.forward(*args, scale=K ** -0.5, output_final_state=False, **KW)
+    return call
+
+
+def backward_case(shape):
+    from cula_sm100.forward import launch as fwd
+
+    x, args = _e2e_args(shape)
+    _o, _ht, res = fwd.chunk_kda(*args, scale=K ** -0.5, output_final_state=False, save_residuals=True, **KW)
+
+    def call():
+        from cula_sm100.backward import launch
+
+        launch.chunk_kda_backward(x["do"], None, *args, scale=K ** -0.5, residuals=res, **KW)
+    return call
+
+
+# (call, shape, inputs and callable, calls per timed loop)
+ROWS = [("chunk_wy_dqkg", dict(B=1, T=256, HV=64), wy_case, 200),
+        ("chunk_wy_dqkg", dict(B=2, T=256, HV=32), wy_case, 200),
+        ("forward", dict(B=1, T=1024, HV=32), forward_case, 40),
+        ("backward", dict(B=1, T=1024, HV=32), backward_case, 16)]
+
+
+def _sleep_for(seconds: float) -> None:
+    """Keep the GPU busy for at least about `seconds`: torch.cuda._sleep spins a number of cycles, counted here at
+    2 GHz (above the H100's and H200's clocks, so the sleep only lasts longer)."""
+    torch.cuda._sleep(int(seconds * 2e9))
+
+
+def measure(call, calls: int):
+    """(host us, GPU us, wall us) per call, medians of 5 after 2 warm-up repeats."""
+    host, gpu, wall = [], [], []
+    for rep in range(7):
+        # host and GPU: calls queued behind a sleep that outlasts issuing them
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        one = time.perf_counter() - t0  # a single call's wall time bounds its host time
+        _sleep_for(2.0 * one * calls + 0.005)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        t1 = time.perf_counter()
+        end.record()
+        torch.cuda.synchronize()
+        # wall: a loop of calls and one synchronize
+        t2 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        if rep >= 2:
+            host.append((t1 - t0) / calls * 1e6)
+            gpu.append(start.elapsed_time(end) / calls * 1e3)
+            wall.append((t3 - t2) / calls * 1e6)
+    return statistics.median(host), statistics.median(gpu), statistics.median(wall)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=None, help="write the markdown table here")
+    a = ap.parse_args(argv)
+    from cula_sm100 import fast_launch
+
+    env = environment("cuda")
+    lines = [f"Device: {env.get('gpu', '?')} (torch {env['torch']}, cula-sm100 {env.get('cula-sm100', '?')}).",
+             f"Command: `python -m tools.bench.sm100_launch {' '.join(argv if argv is not None else sys.argv[1:])}`",
+             "", "Microseconds per call. host: perf_counter over calls queued behind a GPU sleep (the host's own "
+             "time); GPU: CUDA events over the same calls (device time); wall: a loop of calls and one synchronize. "
+             "Median of 5.", "",
+             "| call | shape | host DSL | host fast | host x | GPU DSL | GPU fast | wall DSL | wall fast | wall x |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    print("\n".join(lines), flush=True)
+    for name, shape, make, calls in ROWS:
+        call = make(shape)
+        res = {}
+        for on in (False, True):
+            fast_launch.ENABLED = on
+            call()  # first call of each kernel on this path (the fast path checks it here)
+            res[on] = measure(call, calls)
+        fast_launch.ENABLED = True
+        (hs, gs, ws), (hf, gf, wf) = res[False], res[True]
+        label = f"B={shape['B']} T={shape['T']} H=32 HV={shape['HV']}"
+        row = (f"| {name} | {label} | {hs:.1f} | {hf:.1f} | {hs / hf:.2f}x | {gs:.1f} | {gf:.1f} | {ws:.1f} | "
+               f"{wf:.1f} | {ws / wf:.2f}x |")
+        lines.append(row)
+        print(row, flush=True)
+    if a.out is not None:
+        a.out.write_text("# sm100 kernel launches: pre-packed (fast_launch) vs the DSL call path\n\n"
+                         + "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
