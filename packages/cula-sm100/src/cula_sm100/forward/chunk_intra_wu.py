@@ -30,6 +30,8 @@ Pipeline: cp.async q, k, G; B of the scores, scores (chunk_intra); then, with G 
 then the per-step decays, the fp32 sub-blocks, cp.async v, the solve, the bf16 stagings; stores of Aqk / Akk
 while the two warp groups run the w / u GEMMs, then the stores of w and u.
 
+Static resources (tools.kernel_report on the CPU): sm_90a 115 registers, sm_100a 118, no spills on either (the
+accumulators leave before the decays, not after: chunk_intra itself spills 68 B on sm_100a), 1 + 107.2 KiB.
 Status (session 6): compiled for sm_90a / sm_100a on the CPU only; not yet run on a GPU. The two-kernel path
 (chunk_intra.py + recompute_w_u.py) stays the default and is this kernel's test oracle.
 """
