@@ -4,7 +4,8 @@ own call path (`fast_launch.ENABLED = False`, fresh make_ptr pointers), on two s
 in the kernel, L2 norm, initial and final state; varlen with an empty and a length-1 sequence, HQK 1, HV 2), and a
 call with other tensors (new addresses) after that is still bitwise the switch-off result on those tensors (no
 stale cells). Every compiled kernel used ends on the fast path (checked on its first call, then the cells), each
-chunk_delta_h variant (plain and cluster) included."""
+chunk_delta_h variant (plain and cluster) included. Also: launches go to the current stream (a side stream gives
+the same bits), and compute-sanitizer memcheck over both cases with every kernel called through its cells."""
 
 from __future__ import annotations
 
@@ -113,6 +114,24 @@ def test_fast_launch_bitwise_equal_to_dsl_path(name, monkeypatch):
     slow_y = _run(y, residuals=residuals)
     _equal(fast_y, slow_y)
     _equal(fast_y, slow)  # same values
+
+
+def test_launches_on_the_current_stream():
+    """forward.launch._stream (torch's raw current-stream handle when torch has it) is the current stream, also
+    under `torch.cuda.stream(side)`; the forward and backward launched on a side stream give the same bits."""
+    require_gpu()
+    from cula_sm100.forward import launch as fwd
+
+    assert int(fwd._stream()) == torch.cuda.current_stream().cuda_stream
+    side = torch.cuda.Stream()
+    shape, residuals = CASES["B2 T130 HQK2 HV4, residuals"]
+    x = _problem(*shape, seed=7)
+    main = _run(x, residuals=residuals)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        assert int(fwd._stream()) == side.cuda_stream != torch.cuda.default_stream().cuda_stream
+        other = _run(x, residuals=residuals)
+    _equal(other, main)
 
 
 def _memcheck_case():
