@@ -108,7 +108,7 @@ class ChunkBwdIntraTC:
         ptrs = (q_ptr, k_ptr, G_ptr, beta_ptr, dA_ptr, dL_ptr, dq_ptr, dk_ptr, db_ptr, dg_ptr)
         lays = (tok(HQK, _K), tok(HQK, _K), tok(HV, _K), tok(HV, 1), tok(HV, _BT), tok(HV, _BT), tok(HQK, _K),
                 tok(HQK, _K), tok(HV, 1), tok(HV, _K))
-        tensors = [cute.make_tensor(p, lay) for p, lay in zip(ptrs, lays)]
+        tensors = [cute.make_tensor(p, lay) for p, lay in zip(ptrs, lays, strict=True)]
         table = cute.make_tensor(table_ptr, cute.make_layout((NC, 2), stride=(2, 1)))
         self.kernel(*tensors, table, HV // HQK, scale).launch(
             grid=[NC, HQK, 1], block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=self.min_ctas,
@@ -211,9 +211,9 @@ class ChunkBwdIntraTC:
             tDg = head_rows(mDg, t0, hv, _BT)
             run = f32(0.0)  # lanes 0..15: the reverse cumsum of dG of channel d0 + lane, over the rows done
             for bb in cutlass.range_constexpr(_NB):
-                I = _NB - 1 - bb
-                if I * _BC < n:  # blocks wholly past the chunk end: nothing to add, nothing stored
-                    run = self.row_block(I, n, d0, lane, wid, run, mma, coordC, coordB, accQ, accR, accC, rA,
+                blk = _NB - 1 - bb
+                if blk * _BC < n:  # blocks wholly past the chunk end: nothing to add, nothing stored
+                    run = self.row_block(blk, n, d0, lane, wid, run, mma, coordC, coordB, accQ, accR, accC, rA,
                                          rA2, rB, rB2, rBl, rB2l, sK, sQ, sG, sSq, sSl, sBeta, sPart, scr, tDq, tDk,
                                          tDg)
             cute.arch.sync_threads()  # sPart complete
@@ -225,12 +225,12 @@ class ChunkBwdIntraTC:
                 tDb[tidx, 0] = tDb[tidx, 0] + p
 
     @cute.jit
-    def row_block(self, I: cutlass.Constexpr, n, d0, lane, wid, run, mma, coordC, coordB, accQ, accR, accC, rA,
+    def row_block(self, blk: cutlass.Constexpr, n, d0, lane, wid, run, mma, coordC, coordB, accQ, accR, accC, rA,
                   rA2, rB, rB2, rBl, rB2l, sK, sQ, sG, sSq, sSl, sBeta, sPart, scr, tDq, tDk, tDg):
-        """Row block I of this warp's 16 channels: dq, R (row side) and C (column side) of rows 16 I .. 16 I + 15,
+        """Row block blk of this warp's 16 channels: dq, R (row side) and C (column side) of rows 16 blk .. 16 blk + 15,
         added to dq, dk, dG (and dbeta's partials); returns the running suffix sum of dG (lanes 0..15)."""
         f32 = cutlass.Float32
-        r0 = I * _BC
+        r0 = blk * _BC
         r1 = r0 + _BC - 1
         # in-block decay span over the warp's channels (log2 units): lanes l and l + 16 read the same channel
         span = sG[r0, d0 + lane % _BC] - sG[r1, d0 + lane % _BC]
@@ -241,21 +241,21 @@ class ChunkBwdIntraTC:
         accQ.fill(0.0)
         accR.fill(0.0)
         accC.fill(0.0)
-        # row side: B = k_j exp2(G_r0 - G_j) over column blocks jb <= I (the diagonal one when mild)
-        for jb in cutlass.range_constexpr(I + 1):
-            if cutlass.const_expr(jb < I):
-                self.row_mma(I, jb, d0, lane, mma, coordB, accQ, accR, rA, rA2, rB, rBl, sK, sG, sSq, sSl)
+        # row side: B = k_j exp2(G_r0 - G_j) over column blocks jb <= blk (the diagonal one when mild)
+        for jb in cutlass.range_constexpr(blk + 1):
+            if cutlass.const_expr(jb < blk):
+                self.row_mma(blk, jb, d0, lane, mma, coordB, accQ, accR, rA, rA2, rB, rBl, sK, sG, sSq, sSl)
             else:
                 if mild:
-                    self.row_mma(I, jb, d0, lane, mma, coordB, accQ, accR, rA, rA2, rB, rBl, sK, sG, sSq, sSl)
-        # column side: B = q_i exp2(G_i - G_r1), beta_i k_i exp2(G_i - G_r1) over row blocks ib >= I
-        for ib in cutlass.range_constexpr(I, _NB):
-            if cutlass.const_expr(ib > I):
-                self.col_mma(I, ib, d0, lane, mma, coordB, accC, rA, rA2, rB, rB2, rBl, rB2l, sK, sQ, sG, sSq, sSl,
+                    self.row_mma(blk, jb, d0, lane, mma, coordB, accQ, accR, rA, rA2, rB, rBl, sK, sG, sSq, sSl)
+        # column side: B = q_i exp2(G_i - G_r1), beta_i k_i exp2(G_i - G_r1) over row blocks ib >= blk
+        for ib in cutlass.range_constexpr(blk, _NB):
+            if cutlass.const_expr(ib > blk):
+                self.col_mma(blk, ib, d0, lane, mma, coordB, accC, rA, rA2, rB, rB2, rBl, rB2l, sK, sQ, sG, sSq, sSl,
                              sBeta)
             else:
                 if mild:
-                    self.col_mma(I, ib, d0, lane, mma, coordB, accC, rA, rA2, rB, rB2, rBl, rB2l, sK, sQ, sG, sSq,
+                    self.col_mma(blk, ib, d0, lane, mma, coordB, accC, rA, rA2, rB, rB2, rBl, rB2l, sK, sQ, sG, sSq,
                                  sSl, sBeta)
         # the factors taken out: exp2(G_i - G_r0) <= 1 (row side), exp2(G_r1 - G_j) <= 1 (column side)
         for v in cutlass.range_constexpr(cute.size(accQ)):
@@ -266,7 +266,7 @@ class ChunkBwdIntraTC:
             accR[v] = accR[v] * eq
             accC[v] = accC[v] * _exp2(sG[r1, d0 + cc] - g)
         if strong:
-            self.exact_diagonal(I, d0, coordC, accQ, accR, accC, sK, sQ, sG, sSq, sSl, sBeta)
+            self.exact_diagonal(blk, d0, coordC, accQ, accR, accC, sK, sQ, sG, sSq, sSl, sBeta)
 
         # outputs: dq, dk read-added-written by the owning thread; dG's and dbeta's row terms to the scratch
         for v in cutlass.range_constexpr(cute.size(accQ)):
@@ -312,18 +312,18 @@ class ChunkBwdIntraTC:
         cute.copy(cp, tc.partition_S(s), tc.retile(rA))
 
     @cute.jit
-    def row_mma(self, I: cutlass.Constexpr, jb: cutlass.Constexpr, d0, lane, mma, coordB, accQ, accR, rA, rA2, rB,
+    def row_mma(self, blk: cutlass.Constexpr, jb: cutlass.Constexpr, d0, lane, mma, coordB, accQ, accR, rA, rA2, rB,
                 rBl, sK, sG, sSq, sSl):
-        """accQ += dSq[I, jb] @ B, accR += dL[I, jb] @ B, B[d, j] = k_j exp2(G_r0 - G_j) over column block jb
+        """accQ += dSq[blk, jb] @ B, accR += dL[blk, jb] @ B, B[d, j] = k_j exp2(G_r0 - G_j) over column block jb
         (B = rB + rBl with split_b)."""
-        r0 = I * _BC
+        r0 = blk * _BC
         for e in cutlass.range_constexpr(cute.size(rB)):
             cc, jj = coordB[e]
             j = jb * _BC + jj
             d = d0 + cc
             self.split(sK[j, d].to(cutlass.Float32) * _exp2(sG[r0, d] - sG[j, d]), rB, rBl, e)
-        self.load_a(mma, lane, cute.local_tile(sSq, (_BC, _BC), (I, jb)), False, rA)
-        self.load_a(mma, lane, cute.local_tile(sSl, (_BC, _BC), (I, jb)), False, rA2)
+        self.load_a(mma, lane, cute.local_tile(sSq, (_BC, _BC), (blk, jb)), False, rA)
+        self.load_a(mma, lane, cute.local_tile(sSl, (_BC, _BC), (blk, jb)), False, rA2)
         cute.gemm(mma, accQ, rA, rB, accQ)
         cute.gemm(mma, accR, rA2, rB, accR)
         if cutlass.const_expr(self.split_b):
@@ -331,10 +331,10 @@ class ChunkBwdIntraTC:
             cute.gemm(mma, accR, rA2, rBl, accR)
 
     @cute.jit
-    def col_mma(self, I: cutlass.Constexpr, ib: cutlass.Constexpr, d0, lane, mma, coordB, accC, rA, rA2, rB, rB2,
+    def col_mma(self, blk: cutlass.Constexpr, ib: cutlass.Constexpr, d0, lane, mma, coordB, accC, rA, rA2, rB, rB2,
                 rBl, rB2l, sK, sQ, sG, sSq, sSl, sBeta):
-        """accC += dSq[ib, I]^T @ Bq + dL[ib, I]^T @ Bk: Bq[d, i] = q_i exp2(G_i - G_r1), Bk = beta_i k_i (same)."""
-        r1 = I * _BC + _BC - 1
+        """accC += dSq[ib, blk]^T @ Bq + dL[ib, blk]^T @ Bk: Bq[d, i] = q_i exp2(G_i - G_r1), Bk = beta_i k_i (same)."""
+        r1 = blk * _BC + _BC - 1
         for e in cutlass.range_constexpr(cute.size(rB)):
             cc, ii = coordB[e]
             i = ib * _BC + ii
@@ -342,9 +342,9 @@ class ChunkBwdIntraTC:
             x = _exp2(sG[i, d] - sG[r1, d])
             self.split(sQ[i, d].to(cutlass.Float32) * x, rB, rBl, e)
             self.split((sBeta[i] * sK[i, d].to(cutlass.Float32)) * x, rB2, rB2l, e)
-        # A[j, i] = dSq[i, j]: the (ib, I) tile seen transposed, loaded with ldmatrix.trans
-        self.load_a(mma, lane, transposed(cute.local_tile(sSq, (_BC, _BC), (ib, I)), _BC, _BC), True, rA)
-        self.load_a(mma, lane, transposed(cute.local_tile(sSl, (_BC, _BC), (ib, I)), _BC, _BC), True, rA2)
+        # A[j, i] = dSq[i, j]: the (ib, blk) tile seen transposed, loaded with ldmatrix.trans
+        self.load_a(mma, lane, transposed(cute.local_tile(sSq, (_BC, _BC), (ib, blk)), _BC, _BC), True, rA)
+        self.load_a(mma, lane, transposed(cute.local_tile(sSl, (_BC, _BC), (ib, blk)), _BC, _BC), True, rA2)
         cute.gemm(mma, accC, rA, rB, accC)
         cute.gemm(mma, accC, rA2, rB2, accC)
         if cutlass.const_expr(self.split_b):
@@ -360,12 +360,12 @@ class ChunkBwdIntraTC:
             rlo[e] = (x - h.to(cutlass.Float32)).to(cutlass.BFloat16)
 
     @cute.jit
-    def exact_diagonal(self, I: cutlass.Constexpr, d0, coordC, accQ, accR, accC, sK, sQ, sG, sSq, sSl, sBeta):
+    def exact_diagonal(self, blk: cutlass.Constexpr, d0, coordC, accQ, accR, accC, sK, sQ, sG, sSq, sSl, sBeta):
         """The diagonal block's pairs in fp32 with one exp2 per (pair, element) (the decay is too strong for the
         factorisation): element (i, d) of the thread's fragments adds sum_{j <= i} (dSq_ij, dL_ij) k_j E_ij to
         (dq, R) and sum_{i' >= i} (dSq_i'i q_i' + beta_i' dL_i'i k_i') E_i'i to C, j and i' in the block."""
         f32 = cutlass.Float32
-        r0 = I * _BC
+        r0 = blk * _BC
         for jj in cutlass.range(_BC, unroll=1):
             j = r0 + jj
             bj = sBeta[j]

@@ -1,0 +1,106 @@
+"""CPU: chunk_bwd_intra_tc (the tensor-core intra-chunk backward, cula_sm100.backward.chunk_bwd_intra_tc) compiles
+for sm_90a and sm_100a with fake pointers in its four configurations (launch bound 2 / 1 CTAs per SM, decayed
+B operands as one bf16 or a bf16 pair; the two archs in two processes side by side), its shared-memory plan keeps
+2 CTAs per SM, its wrapper passes launch.chunk_bwd_intra's arguments in the compiled order (nothing runs), and the
+fp64 oracle of its GPU tests agrees with torch_stages.intra (the CUDA-core kernel's oracle) on the CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ARCHS = ("sm_90a", "sm_100a")
+CONFIGS = ((2, True), (2, False), (1, True), (1, False))
+COMPILE = ("from cula_sm100.backward.chunk_bwd_intra_tc import compiled\n"
+           f"for mc, split in {CONFIGS!r}:\n"
+           "    compiled(mc, split)\n"
+           "    print('compiled', mc, split, flush=True)\n")
+
+needs_dsl = pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed")
+
+
+@pytest.fixture(scope="module")
+def compiled_by_arch():
+    """One process per arch, started together (the time of one arch's compiles): arch -> (returncode, output)."""
+    procs = {arch: subprocess.Popen([sys.executable, "-c", COMPILE], env=dict(os.environ, CUTE_DSL_ARCH=arch),
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for arch in ARCHS}
+    outs = {arch: p.communicate(timeout=900)[0] for arch, p in procs.items()}  # drains the pipes as they fill
+    return {arch: (procs[arch].returncode, out) for arch, out in outs.items()}
+
+
+@needs_dsl
+@pytest.mark.parametrize("arch", ARCHS)
+def test_kernel_compiles(arch, compiled_by_arch):
+    rc, out = compiled_by_arch[arch]
+    assert rc == 0, out[-6000:]
+    assert out.count("compiled ") == len(CONFIGS), out[-6000:]
+
+
+@needs_dsl
+def test_shared_memory_plan():
+    """2 CTAs per SM (228 KiB per SM, 1 KiB reserved per CTA); the padded strides keep 16-byte rows (cp.async of
+    q, k, G; ldmatrix rows of dSq / dL) and the bank spreads the kernel's comments claim."""
+    from cula_sm100.backward.chunk_bwd_intra_tc import ChunkBwdIntraTC as C
+
+    assert 2 * (C.SMEM + 1024) <= 228 * 1024, C.SMEM
+    assert (C.QK_STRIDE * 2) % 16 == 0 and (C.G_STRIDE * 4) % 16 == 0 and (C.A_STRIDE * 2) % 16 == 0
+    # B-fragment element loads: rows 2t (+1, +8, +9), t < 4, channels c < 8 -> distinct 4-byte banks
+    for stride, width in ((C.G_STRIDE, 4), (C.QK_STRIDE, 2)):
+        banks = {((2 * t * stride + c) * width // 4) % 32 for t in range(4) for c in range(8)}
+        assert len(banks) == (32 if width == 4 else 16), (stride, banks)
+    # ldmatrix: 8 rows of 16 bytes at one column offset fall in 8 distinct 16-byte bank groups
+    assert len({(r * C.A_STRIDE * 2 // 16) % 8 for r in range(8)}) == 8
+
+
+@needs_dsl
+def test_wrapper_passes_arguments_in_order(monkeypatch):
+    """The wrapper calls the kernel compiled for (min_ctas, split_b) with (q, k, G, beta, dAqk, dL, dq, dk, dbeta,
+    dG, chunk table, TT, NC, HQK, HV, scale, stream), pointers of the compiled dtypes; no launch without chunks."""
+    from cula_sm100.backward import chunk_bwd_intra_tc as m
+    from cula_sm100.forward import launch as fwd
+
+    calls = []
+    monkeypatch.setattr(m, "compiled", lambda mc=2, split=True: (lambda *a: calls.append((mc, split, a))))
+    monkeypatch.setattr(fwd, "_ptr", lambda t, dtype=None: (t, dtype))
+    monkeypatch.setattr(fwd, "_stream", lambda: "stream")
+    TT, HQK, HV = 70, 2, 4
+    bf = torch.bfloat16
+    q, k = torch.zeros(TT, HQK, 128, dtype=bf), torch.zeros(TT, HQK, 128, dtype=bf)
+    G = torch.zeros(TT, HV, 128)
+    beta = torch.zeros(TT, HV)
+    dA, dL = torch.zeros(TT, HV, 64), torch.zeros(TT, HV, 64)
+    dq, dk, db, dG = torch.zeros(TT, HQK, 128), torch.zeros(TT, HQK, 128), torch.zeros(TT, HV), torch.zeros(TT, HV, 128)
+    ctab = torch.zeros(2, 2, dtype=torch.int32)
+    m.chunk_bwd_intra_tc(q, k, G, beta, dA, dL, dq, dk, db, dG, ctab, scale=0.5, min_ctas=1, split_b=False)
+    (mc, split, a), = calls
+    assert (mc, split) == (1, False)
+    tensors = (q, k, G, beta, dA, dL, dq, dk, db, dG, ctab)
+    assert len(a) == len(tensors) + 6
+    for (t, dt), want in zip(a[:11], tensors, strict=True):
+        assert t is want and dt == want.dtype
+    assert a[11:] == (TT, 2, HQK, HV, 0.5, "stream")
+    m.chunk_bwd_intra_tc(q, k, G, beta, dA, dL, dq, dk, db, dG, ctab[:0], scale=0.5)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("lengths,HQK,HV,decay", [([17, 1, 64, 65, 0, 70], 1, 2, 0.25), (None, 2, 2, 8.0)])
+def test_fp64_oracle_matches_torch_stage(lengths, HQK, HV, decay):
+    """The GPU tests' oracle (chunk_bwd_intra_tc_memcheck_case.intra_fp64: the pair sums from the definition in
+    fp64) against torch_stages.intra + reverse_cumsum (a vector-Jacobian product through the reference's decayed
+    scores, fp32), strong and mild decay, varlen with empty and short sequences, GVA 2."""
+    from chunk_bwd_intra_tc_memcheck_case import intra_fp64, problem
+    from cula_sm100.backward import torch_stages
+
+    args, _base, _ctab, ch, scale = problem(lengths, HQK, HV, decay, T=130, seed=4, device="cpu")
+    q, k, G, beta, dA, dL = args
+    ours = intra_fp64(*args, ch, scale=scale)
+    e = torch_stages.intra(q, k, G, beta, ch.chunk(dA).permute(0, 2, 1, 3), dL, ch, scale=scale)
+    e = (*e[:3], torch_stages.reverse_cumsum(e[3], ch))
+    for name, o, x in zip(("dq", "dk", "dbeta", "dG"), ours, e, strict=True):
+        err = ((o - x.double()).norm() / x.double().norm()).item()
+        assert err < 1e-4, f"{name}: rel err {err:.3e}"  # fp32 stage against fp64

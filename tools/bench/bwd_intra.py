@@ -1,0 +1,166 @@
+"""Benchmark of the sm100 backward's intra-chunk stage: the tensor-core kernel chunk_bwd_intra_tc (each of its
+configurations) against the CUDA-core kernel chunk_bwd_intra (the live one, launch.chunk_bwd_intra), and FLA
+0.6.0's stage (chunk_kda_bwd_intra + its GVA sum + chunk_local_cumsum(reverse)) where FLA is installed.
+
+    python -m tools.bench.bwd_intra [--out docs/benchmarks/bwd_intra.md] [--json FILE] [--smoke] [--no-fla]
+    (and tools/bench/harness.parse_args's options: --warmup / --repeats in ms for do_bench, --method)
+
+Shapes (the issue's): B=2 T=8192 H=32 with HV = 32 and 64, and varlen: 10 sequences of 8192 tokens in all
+(random lengths, seed 0), HV = 32. Inputs as the GPU tests make them (tests/sm100/chunk_bwd_intra_tc_memcheck_case.
+problem: unit q / k, G = chunk cumsum of logsigmoid(randn) / 8, causal dAqk, strictly lower dL). Timing: the
+median of `triton.testing.do_bench` after warm-up (tools/bench/harness.measure, method auto). The kernels add
+in place; the repeated calls keep adding to the same buffers (the work per call does not depend on their values,
+though dG's repeated cumsums overflow to inf after a few dozen calls: no slower on the GPU). Before
+timing, each TC configuration's result on fresh buffers is compared with the CUDA-core kernel's (||tc - cc|| /
+||cc|| of the additions, the largest over dq, dk, dbeta, dG). speed-up = CUDA-core ms / TC ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+for p in (ROOT, ROOT / "tests" / "sm100"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+from tools.bench.harness import environment, measure, parse_args  # noqa: E402
+
+SHAPES = [dict(name="B=2 T=8192", B=2, T=8192, H=32, HV=32, lengths=None),
+          dict(name="B=2 T=8192", B=2, T=8192, H=32, HV=64, lengths=None),
+          dict(name="varlen random 10 seqs, 8192 tokens", B=1, T=8192, H=32, HV=32, lengths="random10")]
+SMOKE = [dict(name="B=1 T=1024", B=1, T=1024, H=4, HV=8, lengths=None)]
+CONFIGS = ((2, True), (1, True), (2, False), (1, False))  # (min_ctas, split_b)
+
+
+def random_lengths(n, total, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cuts = sorted(torch.randperm(total - 1, generator=g)[:n - 1].add(1).tolist())
+    return [b - a for a, b in zip([0, *cuts], [*cuts, total], strict=True)]
+
+
+def make(shape):
+    from chunk_bwd_intra_tc_memcheck_case import problem
+
+    lengths = random_lengths(10, shape["T"]) if shape["lengths"] == "random10" else None
+    return problem(lengths, shape["H"], shape["HV"], 8.0, B=shape["B"], T=shape["T"], seed=0), lengths
+
+
+def fla_stage(args, base, shape, lengths, scale):
+    """FLA 0.6.0's intra stage on the same inputs, as its chunk_kda_bwd runs it: per-value-head dq / dk in and
+    out ([B, T, HV, K]), g in log2 units, then the GVA sum and the reverse chunk cumsum of dg."""
+    from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
+    from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices
+
+    q, k, G, beta, dA, dL = args
+    B = shape["B"] if lengths is None else 1
+    HV, H = shape["HV"], shape["H"]
+    grp = HV // H
+
+    def b(x):
+        return x.reshape(B, -1, *x.shape[1:])
+
+    cu = None
+    idx = None
+    if lengths is not None:
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.long)
+        idx = prepare_chunk_indices(cu, 64)
+    g2 = b(G / math.log(2))
+    dq_v = b(base[0]).repeat_interleave(grp, dim=2) / grp
+    dk_v = b(base[1]).repeat_interleave(grp, dim=2) / grp
+    dAqk = b(dA * scale)
+    bq, bk, bb, bA, bL, db_, dg_ = b(q), b(k), b(beta), dAqk, b(dL), b(base[2]), b(base[3])
+
+    def run():
+        dq, dk, db, dg = chunk_kda_bwd_intra(q=bq, k=bk, g=g2, beta=bb, dAqk=bA, dAkk=bL, dq=dq_v, dk=dk_v, db=db_,
+                                             dg=dg_, cu_seqlens=cu, chunk_indices=idx, chunk_size=64)
+        if grp > 1:
+            dq = dq.view(*dq.shape[:2], H, grp, dq.shape[-1]).sum(dim=3)
+            dk = dk.view(*dk.shape[:2], H, grp, dk.shape[-1]).sum(dim=3)
+        return dq, dk, db, chunk_local_cumsum(dg, chunk_size=64, reverse=True, cu_seqlens=cu, chunk_indices=idx)
+
+    return run
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return ((a - b).norm() / b.norm()).item()
+
+
+def bench_shape(shape, timing, with_fla):
+    """(CUDA-core ms, [TC ms per configuration], FLA ms or None, [TC rel. diff per configuration]) of one shape."""
+    from cula_sm100.backward import launch
+    from cula_sm100.backward.chunk_bwd_intra_tc import chunk_bwd_intra_tc
+
+    (pargs, base, ctab, _ch, scale), lengths = make(shape)
+    cc = [b.clone() for b in base]
+    launch.chunk_bwd_intra(*pargs, *cc, ctab, scale=scale)
+    diffs = []
+    for mc, sp in CONFIGS:
+        o = [b.clone() for b in base]
+        chunk_bwd_intra_tc(*pargs, *o, ctab, scale=scale, min_ctas=mc, split_b=sp)
+        diffs.append(max(rel(x - b0, c - b0) for x, c, b0 in zip(o, cc, base, strict=True)))
+    bufs = cc  # the timed calls keep adding to these
+    ms_cc = measure(lambda: launch.chunk_bwd_intra(*pargs, *bufs, ctab, scale=scale), [()], timing).median_ms
+    ms_tc = [measure(lambda mc=mc, sp=sp: chunk_bwd_intra_tc(*pargs, *bufs, ctab, scale=scale, min_ctas=mc,
+                                                             split_b=sp), [()], timing).median_ms
+             for mc, sp in CONFIGS]
+    ms_fla = None
+    if with_fla:
+        try:
+            ms_fla = measure(fla_stage(pargs, base, shape, lengths, scale), [()], timing).median_ms
+        except Exception as e:  # FLA absent or its API moved: the row says n/a
+            print(f"FLA stage not timed: {type(e).__name__}: {e}", file=sys.stderr)
+    return ms_cc, ms_tc, ms_fla, diffs
+
+
+def main(argv=None) -> int:
+    extra = argparse.ArgumentParser(add_help=False)
+    extra.add_argument("--out", type=Path, help="write the markdown report here")
+    extra.add_argument("--no-fla", action="store_true", help="skip FLA's stage")
+    own, rest = extra.parse_known_args(argv)
+    args = parse_args(__doc__.splitlines()[0], rest)  # --smoke, --warmup, --repeats, --method, --json
+    if not torch.cuda.is_available():
+        print("bwd_intra: no CUDA device", file=sys.stderr)
+        return 1
+    cfg_names = [f"TC {mc} CTA/SM{' B pair' if sp else ' B bf16'}" for mc, sp in CONFIGS]
+    head = (["shape", "H", "HV", "CUDA-core ms"] + [f"{c} ms" for c in cfg_names] + ["FLA ms", "best TC speed-up",
+                                                                                       "best vs FLA", "TC rel. diff"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 3 + "---:|" * (len(head) - 3)]
+    raw = []
+    for shape in SMOKE if args.smoke else SHAPES:
+        ms_cc, ms_tc, ms_fla, diffs = bench_shape(shape, args.timing, not own.no_fla)
+        torch.cuda.empty_cache()
+        best = min(ms_tc)
+        row = ([shape["name"], shape["H"], shape["HV"], f"{ms_cc:.3f}"] + [f"{m:.3f}" for m in ms_tc]
+               + ["n/a" if ms_fla is None else f"{ms_fla:.3f}", f"{ms_cc / best:.2f}x",
+                  "n/a" if ms_fla is None else f"{ms_fla / best:.2f}x", f"{max(diffs):.1e}"])
+        lines.append("| " + " | ".join(str(x) for x in row) + " |")
+        print(lines[-1], flush=True)
+        raw.append(dict(shape=shape, cuda_core_ms=ms_cc, tc_ms=dict(zip(cfg_names, ms_tc, strict=True)),
+                        fla_ms=ms_fla, tc_rel_diff=dict(zip(cfg_names, diffs, strict=True))))
+    env = environment("cuda")
+    cmd = "python -m tools.bench.bwd_intra " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = (f"# sm100 backward intra stage: tensor-core kernel vs CUDA-core kernel (and FLA 0.6.0)\n\n"
+            f"Device: {env.get('gpu', '?')} (torch {env.get('torch')}, CUDA {env.get('cuda')}). Command: `{cmd}`.\n"
+            f"Median of {args.timing.method} timing; speed-up = CUDA-core ms / best TC ms; TC rel. diff: the largest "
+            f"||tc - cc|| / ||cc|| over dq, dk, dbeta, dG of any TC configuration.\n\n" + "\n".join(lines) + "\n")
+    print(text)
+    if own.out:
+        own.out.write_text(text)
+    if args.json:
+        import json
+
+        args.json.write_text(json.dumps(dict(env=env, rows=raw), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
