@@ -40,11 +40,11 @@ KW = dict(use_qk_l2norm_in_kernel=True, gate="softplus", lower_bound=None, beta_
 
 
 def wy_case(shape):
+    from cula_sm100.backward import launch
+
     x, ctab, _ = kernel_inputs(shape)
 
     def call():
-        from cula_sm100.backward import launch
-
         launch.chunk_wy_dqkg(x["q"], x["k"], x["v"], x["v_new"], x["G"], x["beta"], x["A"], x["h"], x["do"], x["dh"],
                              x["dv"], ctab, scale=K ** -0.5)
     return call
@@ -56,24 +56,23 @@ def _e2e_args(shape):
 
 
 def forward_case(shape):
+    from cula_sm100.forward import launch
+
     _, args = _e2e_args(shape)
 
     def call():
-        from cula_sm100.forward import launch
-
         launch.forward(*args, scale=K ** -0.5, output_final_state=False, **KW)
     return call
 
 
 def backward_case(shape):
+    from cula_sm100.backward import launch
     from cula_sm100.forward import launch as fwd
 
     x, args = _e2e_args(shape)
     _o, _ht, res = fwd.chunk_kda(*args, scale=K ** -0.5, output_final_state=False, save_residuals=True, **KW)
 
     def call():
-        from cula_sm100.backward import launch
-
         launch.chunk_kda_backward(x["do"], None, *args, scale=K ** -0.5, residuals=res, **KW)
     return call
 
