@@ -38,8 +38,9 @@ to the first adding the global dG (chunk_wy_dqkg's) and the running suffix sum, 
 the warp's channels into a per-(row, warp) partial, summed over the 8 warps in a fixed order at the end.
 Shared memory 103.7 KiB (2 CTAs per SM): q, k (bf16, rows padded to 136: conflict-free fragment loads), G
 (fp32 log2 units, rows of 132), dSq / dL (bf16, rows of 72: conflict-free ldmatrix), beta, the scratch and the
-dbeta partials. Registers (sm_90a, static): 128 with 168 bytes of spills at 2 CTAs per SM (the default), 234 and
-no spills when launched for 1 CTA per SM (`min_ctas=1`).
+dbeta partials. Registers (sm_90a, static, tools.kernel_report.analyse): 128 with 168 bytes of spills at 2 CTAs
+per SM (the default), 255 and no spills when launched for 1 CTA per SM (`min_ctas=1`, which also loads the dq / dk
+/ dG a block adds to before its products); one bf16 per B operand instead of the pair: the same registers.
 Pipeline per value head: G by cp.async; dAqk / dL as 16-byte loads converted to bf16 (masked to the lower /
 strictly lower triangle, dSq scaled); one barrier; G padded (rows >= n take row n - 1's: exponents stay
 bounded; q = k = dSq = dL = beta = 0 there, so padding adds exactly 0) and scaled to log2 units; one barrier;
@@ -85,6 +86,9 @@ class ChunkBwdIntraTC:
         # what dG's cancellation amplifies (a CPU emulation of this algorithm, fp64 reference, mild decay: dG rel.
         # err. 6.5e-3 with one bf16, 1.8e-3 with the pair, the dSq / dL rounding left; dq, dk 2.3e-3 -> 1.7e-3)
         self.split_b = split_b
+        # the global values a row block adds to loaded before its products (latency hidden) rather than after:
+        # on with 1 CTA per SM only (255 registers, no spills; at the 128-register cap it spills 680 bytes)
+        self.prefetch = min_ctas == 1
     QK_STRIDE = 136  # bf16 row stride of q, k: B-fragment element loads (4 rows x 8 channels a warp) hit 32 banks
     G_STRIDE = 132  # fp32 row stride of G, same reason (rows 2t: 4 t + channel / 1 distinct banks)
     A_STRIDE = 72  # bf16 row stride of dSq, dL: the 8 rows of an ldmatrix 8 x 8 fall in distinct 16-byte bank groups
@@ -238,6 +242,14 @@ class ChunkBwdIntraTC:
             span = cute.arch.fmax(span, cute.arch.shuffle_sync_bfly(span, 1 << sh))
         mild = span < self.MILD_LOG2
         strong = span >= self.MILD_LOG2
+        # what this block adds to (dq, dk: the thread's fragment elements; dG: channel d0 + lane % 16, every row),
+        # loaded before the products so that their latency hides behind them (rows clamped into the chunk)
+        # (only with `prefetch`: the 32 registers they hold spill at the 128-register cap of 2 CTAs per SM)
+        oq = cute.make_rmem_tensor((cute.size(accQ),), f32)
+        ok = cute.make_rmem_tensor((cute.size(accQ),), f32)
+        gin = cute.make_rmem_tensor((_BC,), f32)
+        if cutlass.const_expr(self.prefetch):
+            self.load_targets(r0, n, d0, lane, coordC, oq, ok, gin, tDq, tDk, tDg)
         accQ.fill(0.0)
         accR.fill(0.0)
         accC.fill(0.0)
@@ -278,17 +290,21 @@ class ChunkBwdIntraTC:
             bi = sBeta[i]
             br = bi * accR[v]
             if i < n:
-                tDq[i, d] = tDq[i, d] + accQ[v]
-                tDk[i, d] = tDk[i, d] + (br + accC[v])
+                if cutlass.const_expr(self.prefetch):
+                    tDq[i, d] = oq[v] + accQ[v]
+                    tDk[i, d] = ok[v] + (br + accC[v])
+                else:  # loaded here, under the branch: ptxas keeps them short-lived (unconditional loads it hoists)
+                    tDq[i, d] = tDq[i, d] + accQ[v]
+                    tDk[i, d] = tDk[i, d] + (br + accC[v])
             scr[rr, cc] = (qi * accQ[v] + ki * br) - ki * accC[v]
             scr[rr, _BC + cc] = ki * accR[v]
         cute.arch.sync_warp()
         if lane < _BC:
             # the block's rows, last to first: dG (chunk_wy_dqkg's + this kernel's) into the running suffix sum
             d = d0 + lane
-            gin = cute.make_rmem_tensor((_BC,), f32)
-            for rr in cutlass.range_constexpr(_BC):  # loads first (independent of the sum): latency overlapped
-                gin[rr] = tDg[cutlass.min(r0 + rr, n - 1), d]
+            if cutlass.const_expr(not self.prefetch):
+                for rr in cutlass.range_constexpr(_BC):  # loads first (independent of the sum): latency overlapped
+                    gin[rr] = tDg[cutlass.min(r0 + rr, n - 1), d]
             for k in cutlass.range_constexpr(_BC):
                 rr = _BC - 1 - k
                 if r0 + rr < n:
@@ -303,6 +319,18 @@ class ChunkBwdIntraTC:
             sPart[r0 + rr, wid] = p
         cute.arch.sync_warp()  # the scratch is free for the next block
         return run
+
+    @cute.jit
+    def load_targets(self, r0, n, d0, lane, coordC, oq, ok, gin, tDq, tDk, tDg):
+        """The dq, dk (the thread's fragment elements) and dG (channel d0 + lane % 16, the block's 16 rows) this
+        block adds to; rows clamped into the chunk (a padding row reads row n - 1, never stored)."""
+        for v in cutlass.range_constexpr(cute.size(oq)):
+            rr, cc = coordC[v]
+            rs = cutlass.min(r0 + rr, n - 1)
+            oq[v] = tDq[rs, d0 + cc]
+            ok[v] = tDk[rs, d0 + cc]
+        for rr in cutlass.range_constexpr(_BC):
+            gin[rr] = tDg[cutlass.min(r0 + rr, n - 1), d0 + lane % _BC]
 
     @cute.jit
     def load_a(self, mma, lane, s, trans: cutlass.Constexpr, rA):
