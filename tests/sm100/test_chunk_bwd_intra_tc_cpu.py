@@ -1,8 +1,9 @@
 """CPU: chunk_bwd_intra_tc (the tensor-core intra-chunk backward, cula_sm100.backward.chunk_bwd_intra_tc) compiles
 for sm_90a and sm_100a with fake pointers in two configurations that cover its compile-time paths (2 CTAs per
 SM with bf16-pair B operands; 1 CTA per SM with the prefetch and single-bf16 B; the two archs side by side), its
-shared-memory plan keeps 2 CTAs per SM, its wrapper passes launch.chunk_bwd_intra's arguments in the compiled order (nothing runs), and the
-fp64 oracle of its GPU tests agrees with torch_stages.intra (the CUDA-core kernel's oracle) on the CPU."""
+shared-memory plan keeps 2 CTAs per SM, its wrapper passes launch.chunk_bwd_intra's arguments in the compiled
+order (nothing runs), and the fp64 oracle of its GPU tests agrees with torch_stages.intra (the CUDA-core kernel's
+oracle) on the CPU."""
 
 from __future__ import annotations
 
