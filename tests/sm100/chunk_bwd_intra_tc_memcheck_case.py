@@ -8,12 +8,14 @@ launch bounds and both B-operand precisions. The output tensors are views of lar
 bitwise untouched (checked here too: a write past the last token fails even without the sanitizer).
 
 Also the shared pieces of the kernel's tests (tests/sm100/test_chunk_bwd_intra_tc_{cpu,gpu}.py): `problem` builds
-the inputs as tests/sm100/test_backward_gpu.py's intra test does, and `intra_fp64` is the oracle: the docstring
+the inputs as tests/sm100/test_backward_gpu.py's intra test does, `fla_stage` runs FLA 0.6.0's intra stage on
+them (also timed by tools/bench/bwd_intra.py), and `intra_fp64` is the oracle: the docstring
 math of chunk_bwd_intra.py evaluated directly in fp64 (per-pair exp(G_i - G_j), no factorisation), batched over
 chunks. The CPU test checks it against torch_stages.intra (the CUDA-core kernel's oracle)."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -91,6 +93,43 @@ def intra_fp64(q, k, G, beta, dA, dL, ch, *, scale, pairs=64):
     TT = ch.TT
     return (ch.unchunk(dq).reshape(TT, HQK, grp, -1).sum(2), ch.unchunk(dk).reshape(TT, HQK, grp, -1).sum(2),
             ch.unchunk(db.unsqueeze(-1)).squeeze(-1), ch.unchunk(dG))
+
+
+def fla_stage(args, base, B, lengths, scale):
+    """FLA 0.6.0's intra stage on the same inputs, as its chunk_kda_bwd runs it: per-value-head dq / dk in and
+    out ([B, T, HV, K]; the base dq / dk split evenly over the group), g in log2 units, dAqk with the scale in
+    it, then the GVA sum and the reverse chunk cumsum of dg. Returns a callable giving (dq, dk, dbeta, dG) [B, T,
+    ...] (bases included), the bench's timed unit and the GPU test's FLA comparison."""
+    from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
+    from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices
+
+    q, k, G, beta, dA, dL = args
+    H, HV = q.shape[1], G.shape[1]
+    grp = HV // H
+
+    def b(x):
+        return x.reshape(B, -1, *x.shape[1:])
+
+    cu = None
+    idx = None
+    if lengths is not None:
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.long)
+        idx = prepare_chunk_indices(cu, 64)
+    g2 = b(G / math.log(2))
+    dq_v = b(base[0]).repeat_interleave(grp, dim=2) / grp
+    dk_v = b(base[1]).repeat_interleave(grp, dim=2) / grp
+    dAqk = b(dA * scale)
+    bq, bk, bb, bA, bL, db_, dg_ = b(q), b(k), b(beta), dAqk, b(dL), b(base[2]), b(base[3])
+
+    def run():
+        dq, dk, db, dg = chunk_kda_bwd_intra(q=bq, k=bk, g=g2, beta=bb, dAqk=bA, dAkk=bL, dq=dq_v, dk=dk_v, db=db_,
+                                             dg=dg_, cu_seqlens=cu, chunk_indices=idx, chunk_size=64)
+        if grp > 1:
+            dq = dq.view(*dq.shape[:2], H, grp, dq.shape[-1]).sum(dim=3)
+            dk = dk.view(*dk.shape[:2], H, grp, dk.shape[-1]).sum(dim=3)
+        return dq, dk, db, chunk_local_cumsum(dg, chunk_size=64, reverse=True, cu_seqlens=cu, chunk_indices=idx)
+
+    return run
 
 
 def main():

@@ -1,11 +1,11 @@
 """GPU: chunk_bwd_intra_tc (the tensor-core intra-chunk backward) against the definition in fp64
-(chunk_bwd_intra_tc_memcheck_case.intra_fp64) and against the CUDA-core kernel (launch.chunk_bwd_intra, fp32,
-exact per-pair exponentials) on the same inputs: the shapes of test_backward_gpu.py's
-test_chunk_bwd_intra_matches_torch_stage (fixed length, varlen with empty and 1-token sequences, chunk lengths
-2 and 3 mod 4, GVA 1 / 2, mild and strong decay), an extreme decay (exp(G_i - G_j) down to ~e^-2500 in a chunk:
-every diagonal block takes the exact path) and B=2 T=8192 H=HV=32 (against the CUDA-core kernel); chunk_wy_dqkg's
-dG base included in the reverse cumsum; nothing written past the last token; bitwise determinism; the compute-
-sanitizer case.
+(chunk_bwd_intra_tc_memcheck_case.intra_fp64), against the CUDA-core kernel (launch.chunk_bwd_intra, fp32,
+exact per-pair exponentials) and against FLA 0.6.0's intra stage on the same inputs: the shapes of
+test_backward_gpu.py's test_chunk_bwd_intra_matches_torch_stage (fixed length, varlen with empty and 1-token
+sequences, chunk lengths 2 and 3 mod 4, GVA 1 / 2, mild and strong decay), an extreme decay (exp(G_i - G_j) down
+to ~e^-2500 in a chunk: every diagonal block takes the exact path) and B=2 T=8192 H=HV=32 (against the CUDA-core
+kernel); chunk_wy_dqkg's dG base included in the reverse cumsum; nothing written past the last token; bitwise
+determinism; the compute-sanitizer case.
 
 Tolerances (||ours - fp64|| / ||fp64||): bf16 dSq / dL (as FLA) and bf16-pair decayed operands give ~2e-3 on dq,
 dk, dbeta and dG in a CPU emulation of the algorithm; held at 1e-2 (the CUDA-core kernel holds 1e-4: fp32
@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from chunk_bwd_intra_tc_memcheck_case import intra_fp64, problem
+from chunk_bwd_intra_tc_memcheck_case import fla_stage, intra_fp64, problem
 from sm100_cases import rel_err, require_gpu
 
 pytestmark = pytest.mark.gpu
@@ -71,6 +71,24 @@ def test_matches_fp64_and_cuda_core_kernel(lengths, HQK, HV, decay, min_ctas, sp
     for n in NAMES:
         assert errs[n] < tol[n], f"{n}: rel err vs fp64 {errs[n]:.3e} (tolerance {tol[n]})"
         assert vs_cc[n] < tol[n], f"{n}: rel err vs the CUDA-core kernel {vs_cc[n]:.3e}"
+
+
+@pytest.mark.parametrize("lengths,HQK,HV,decay", [(None, 2, 4, 8.0), ([17, 1, 64, 65, 0, 200], 1, 2, 0.25)])
+def test_matches_fla(lengths, HQK, HV, decay):
+    """Against FLA 0.6.0's intra stage (chunk_kda_bwd_intra + GVA sum + reverse chunk_local_cumsum) on the same
+    inputs; FLA multiplies in tf32 (off-diagonal blocks) and fp32 (its diagonal loop), so both sit ~1e-3 from
+    fp64: the difference is held to the fp64 tolerance."""
+    require_gpu()
+    pytest.importorskip("fla")
+    args, base, ctab, _ch, scale = problem(lengths, HQK, HV, decay, seed=21)
+    ours = _run(_tc, args, base, ctab, scale)
+    fla = fla_stage(args, base, 1, lengths, scale)()
+    torch.cuda.synchronize()
+    errs = {n: rel_err(o - b, f.reshape(o.shape) - b) for n, o, f, b in zip(NAMES, ours, fla, base, strict=True)}
+    print(f"\nchunk_bwd_intra_tc vs FLA {lengths=} {HQK=} {HV=} {decay=}: "
+          + " ".join(f"{n}={v:.2e}" for n, v in errs.items()))
+    for n in NAMES:
+        assert errs[n] < TOL_SINGLE_B[n], f"{n}: rel diff vs FLA {errs[n]:.3e}"
 
 
 def test_dG_base_enters_the_cumsum_and_nothing_past_the_end():

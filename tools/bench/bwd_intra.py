@@ -18,7 +18,6 @@ timing, each TC configuration's result on fresh buffers is compared with the CUD
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -51,42 +50,6 @@ def make(shape):
     return problem(lengths, shape["H"], shape["HV"], 8.0, B=shape["B"], T=shape["T"], seed=0), lengths
 
 
-def fla_stage(args, base, shape, lengths, scale):
-    """FLA 0.6.0's intra stage on the same inputs, as its chunk_kda_bwd runs it: per-value-head dq / dk in and
-    out ([B, T, HV, K]), g in log2 units, then the GVA sum and the reverse chunk cumsum of dg."""
-    from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra
-    from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices
-
-    q, k, G, beta, dA, dL = args
-    B = shape["B"] if lengths is None else 1
-    HV, H = shape["HV"], shape["H"]
-    grp = HV // H
-
-    def b(x):
-        return x.reshape(B, -1, *x.shape[1:])
-
-    cu = None
-    idx = None
-    if lengths is not None:
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.long)
-        idx = prepare_chunk_indices(cu, 64)
-    g2 = b(G / math.log(2))
-    dq_v = b(base[0]).repeat_interleave(grp, dim=2) / grp
-    dk_v = b(base[1]).repeat_interleave(grp, dim=2) / grp
-    dAqk = b(dA * scale)
-    bq, bk, bb, bA, bL, db_, dg_ = b(q), b(k), b(beta), dAqk, b(dL), b(base[2]), b(base[3])
-
-    def run():
-        dq, dk, db, dg = chunk_kda_bwd_intra(q=bq, k=bk, g=g2, beta=bb, dAqk=bA, dAkk=bL, dq=dq_v, dk=dk_v, db=db_,
-                                             dg=dg_, cu_seqlens=cu, chunk_indices=idx, chunk_size=64)
-        if grp > 1:
-            dq = dq.view(*dq.shape[:2], H, grp, dq.shape[-1]).sum(dim=3)
-            dk = dk.view(*dk.shape[:2], H, grp, dk.shape[-1]).sum(dim=3)
-        return dq, dk, db, chunk_local_cumsum(dg, chunk_size=64, reverse=True, cu_seqlens=cu, chunk_indices=idx)
-
-    return run
-
-
 def rel(a, b):
     a, b = a.double(), b.double()
     if not torch.isfinite(a).all():
@@ -115,7 +78,10 @@ def bench_shape(shape, timing, with_fla):
     ms_fla = None
     if with_fla:
         try:
-            ms_fla = measure(fla_stage(pargs, base, shape, lengths, scale), [()], timing).median_ms
+            from chunk_bwd_intra_tc_memcheck_case import fla_stage
+
+            B = shape["B"] if lengths is None else 1
+            ms_fla = measure(fla_stage(pargs, base, B, lengths, scale), [()], timing).median_ms
         except Exception as e:  # FLA absent or its API moved: the row says n/a
             print(f"FLA stage not timed: {type(e).__name__}: {e}", file=sys.stderr)
     return ms_cc, ms_tc, ms_fla, diffs

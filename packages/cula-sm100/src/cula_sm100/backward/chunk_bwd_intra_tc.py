@@ -77,18 +77,6 @@ def _exp2(x):
 
 class ChunkBwdIntraTC:
     threads = 256  # 8 warps; warp w = channels 16 w .. 16 w + 15
-
-    def __init__(self, min_ctas: int = 2, split_b: bool = True):
-        # CTAs per SM the launch asks for: 2 caps registers at 128 (sm_90a: 168 bytes of spills; 16 warps per SM),
-        # 1 lets ptxas take 234 (no spills; 8 warps per SM). The benchmark times both (tools/bench/bwd_intra.py)
-        self.min_ctas = min_ctas
-        # the decayed B operands as a bf16 pair (hi + lo: two MMAs each) instead of one bf16: their rounding is
-        # what dG's cancellation amplifies (a CPU emulation of this algorithm, fp64 reference, mild decay: dG rel.
-        # err. 6.5e-3 with one bf16, 1.8e-3 with the pair, the dSq / dL rounding left; dq, dk 2.3e-3 -> 1.7e-3)
-        self.split_b = split_b
-        # the global values a row block adds to loaded before its products (latency hidden) rather than after:
-        # on with 1 CTA per SM only (255 registers, no spills; at the 128-register cap it spills 680 bytes)
-        self.prefetch = min_ctas == 1
     QK_STRIDE = 136  # bf16 row stride of q, k: B-fragment element loads (4 rows x 8 channels a warp) hit 32 banks
     G_STRIDE = 132  # fp32 row stride of G, same reason (rows 2t: 4 t + channel / 1 distinct banks)
     A_STRIDE = 72  # bf16 row stride of dSq, dL: the 8 rows of an ldmatrix 8 x 8 fall in distinct 16-byte bank groups
@@ -98,6 +86,18 @@ class ChunkBwdIntraTC:
     # shared memory bytes, in allocation order (tests/sm100/test_chunk_bwd_intra_tc_cpu.py checks 2 CTAs per SM)
     SMEM = (2 * _BT * QK_STRIDE * 2 + _BT * G_STRIDE * 4 + 2 * _BT * A_STRIDE * 2
             + _BT * 4 + _BT * 8 * 4 + 8 * _BC * S_STRIDE * 4)
+
+    def __init__(self, min_ctas: int = 2, split_b: bool = True):
+        # CTAs per SM the launch asks for: 2 caps registers at 128 (sm_90a: 168 bytes of spills; 16 warps per SM),
+        # 1 lets ptxas take 255 (no spills; 8 warps per SM). The benchmark times both (tools/bench/bwd_intra.py)
+        self.min_ctas = min_ctas
+        # the decayed B operands as a bf16 pair (hi + lo: two MMAs each) instead of one bf16: their rounding is
+        # what dG's cancellation amplifies (a CPU emulation of this algorithm, fp64 reference, mild decay: dG rel.
+        # err. 6.5e-3 with one bf16, 1.8e-3 with the pair, the dSq / dL rounding left; dq, dk 2.3e-3 -> 1.7e-3)
+        self.split_b = split_b
+        # the global values a row block adds to loaded before its products (latency hidden) rather than after:
+        # on with 1 CTA per SM only (255 registers, no spills; at the 128-register cap it spills 680 bytes)
+        self.prefetch = min_ctas == 1
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, G_ptr: cute.Pointer, beta_ptr: cute.Pointer,
@@ -177,8 +177,7 @@ class ChunkBwdIntraTC:
             copy_rows_g2s(cp_f, head_rows(mG, t0, hv, _BT), sG, n, tidx)
             cute.arch.cp_async_commit_group()
             # dAqk, dL: 16 threads per row, 4 columns (one 16-byte load) each, 16 rows per step; dSq = scale dAqk
-            # masked to j <= i, dL to j < i, rows >= n zero (a row >= n reads row n - 1: in the chunk); the
-            # diagonal blocks also in fp32 for the exact path
+            # masked to j <= i, dL to j < i, rows >= n zero (a row >= n reads row n - 1: in the chunk)
             tA = head_rows(mDA, t0, hv, _BT)
             tL = head_rows(mDL, t0, hv, _BT)
             c4 = (tidx % 16) * 4
