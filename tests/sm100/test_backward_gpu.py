@@ -232,15 +232,16 @@ def test_backward_deterministic(monkeypatch):
 
 @pytest.mark.parametrize("lengths", [None, [37, 0, 64, 99, 1]])
 def test_residuals_give_the_recomputed_gradients_bitwise(lengths, monkeypatch):
-    """The forward hands Aqk / Akk to the backward (core's residuals), which then skips chunk_intra: the
+    """The forward hands Aqk / Akk to the backward (core's residuals), which then runs recompute_w_u alone
+    instead of chunk_intra_wu (the intra-chunk matrices are not recomputed): the
     gradients are bitwise those of the backward that recomputes them (same kernels, same inputs)."""
     require_gpu()
     from cula_sm100 import forward
     from cula_sm100.forward import launch as fwd_launch
 
     calls = []
-    intra = fwd_launch.chunk_intra
-    monkeypatch.setattr(fwd_launch, "chunk_intra", lambda *a, **kw: calls.append(1) or intra(*a, **kw))
+    intra = fwd_launch.chunk_intra_wu
+    monkeypatch.setattr(fwd_launch, "chunk_intra_wu", lambda *a, **kw: calls.append(1) or intra(*a, **kw))
     B, T = (1, 0) if lengths else (2, 200)
     p = _problem(B, T, 1, 2, lengths, "softplus", seed=11)
     saved = _grads("sm100", monkeypatch, *p, gate="softplus", l2=True, lengths=lengths)

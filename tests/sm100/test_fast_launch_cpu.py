@@ -1,8 +1,8 @@
 """CPU: cula_sm100.fast_launch, the pre-packed launches of every sm100 kernel (forward and backward).
 
 For every compiled kernel the launch code uses (each compile key that changes the argument list or the dtypes:
-l2norm, gate_cumsum with and without A_log / dt_bias, chunk_intra, recompute_w_u, chunk_delta_h plain and cluster
-with and without its states, fwd_o; chunk_wy_dqkg, chunk_bwd_dav, chunk_bwd_dhu at each key, chunk_bwd_intra,
+l2norm, gate_cumsum with and without A_log / dt_bias, chunk_intra, recompute_w_u, chunk_intra_wu, chunk_delta_h
+plain and cluster with and without its states, fwd_o; chunk_wy_dqkg, chunk_bwd_dav, chunk_bwd_dhu at each key, chunk_bwd_intra,
 gate_bwd, l2norm_bwd) the bytes of the launcher's cells must equal what the DSL's own conversion
 (`compiled.generate_execution_args`) makes of fresh make_ptr pointers, the same scalars and the same stream, over
 two calls with different tensors (new addresses, absent optionals at the dummy address 16). CPU tensors: only
@@ -47,6 +47,8 @@ def forward_cases():
         "chunk_intra[bf16 beta, sigmoid]": (lambda: f.intra_kernel(_BF, "sigmoid"), f.intra_dtypes(_BF), (),
                                             (1000, 16, 2, 4, s)),
         "recompute_w_u[fp32 beta]": (lambda: f.wu_kernel(_F32, "none"), f.wu_dtypes(_F32), (), (1000, 16, 2, 4)),
+        "chunk_intra_wu[bf16 beta, none]": (lambda: f.intra_wu_kernel(_BF, "none"), f.intra_wu_dtypes(_BF), (),
+                                            (1000, 16, 2, 4, s)),
         "chunk_delta_h[h0, ht, cluster]": (lambda: f.delta_h_kernel(True, True, True), f.DELTA_H_DTYPES, (),
                                            (1000, 16, 3, 4)),
         "chunk_delta_h[no states, plain]": (lambda: f.delta_h_kernel(False, False, False), f.DELTA_H_DTYPES, (4, 7),

@@ -11,9 +11,10 @@ no initial state, no final state. cula runs through the public op `cula_core.chu
 (validation, dispatch and the custom op included), FLA through `fla.ops.kda.chunk_kda` under no_grad.
 Per-kernel rows (at T = 8192 and varlen) time the stages on the same prepared inputs (normalised q/k, the
 chunk-local cumsum of the gate, our intermediates viewed in FLA's layout): ours `chunk_intra` and
-`recompute_w_u` against FLA's `chunk_kda_fwd_intra` (which runs its intra kernels *and* its recompute_w_u) and
-FLA's `recompute_w_u_fwd`; the `chunk_intra` row compares ours with FLA's difference of the two (FLA's intra
-part alone), labelled as derived; then `chunk_delta_h` against `chunk_gated_delta_rule_fwd_h`, `fwd_o` against
+`recompute_w_u` (the separate kernels, which the backward still runs) against FLA's `chunk_kda_fwd_intra` (which
+runs its intra kernels *and* its recompute_w_u) and FLA's `recompute_w_u_fwd`; the `chunk_intra` row compares
+ours with FLA's difference of the two (FLA's intra part alone), labelled as derived; the forward's fused
+`chunk_intra_wu` against `chunk_kda_fwd_intra`; then `chunk_delta_h` against `chunk_gated_delta_rule_fwd_h`, `fwd_o` against
 `chunk_gla_fwd_o_gk`, the gate against `kda_gate_chunk_cumsum` and the L2 norm of q against `l2norm_fwd` (the
 forward runs it on q and on k). `--hv` keeps only the listed value-head counts (FLA autotunes per HV).
 Timing: median of `triton.testing.do_bench` through tools/bench/harness.py, after warm-up. The errors column is
@@ -131,10 +132,8 @@ def kernel_fns(s):
                                             beta_activation="none"),
         "w_u": lambda: launch.recompute_w_u(s["k"], s["v"], s["G"], s["beta"], s["Akk"], s["ctab"],
                                             beta_activation="none"),
-        "intra+w_u": lambda: launch.recompute_w_u(s["k"], s["v"], s["G"], s["beta"],
-                                                  launch.chunk_intra(s["q"], s["k"], s["G"], s["beta"], s["ctab"],
-                                                                     scale=scale, beta_activation="none")[1],
-                                                  s["ctab"], beta_activation="none"),
+        "intra+w_u": lambda: launch.chunk_intra_wu(s["q"], s["k"], s["v"], s["G"], s["beta"], s["ctab"],
+                                                   scale=scale, beta_activation="none"),
         "delta_h": lambda: launch.chunk_delta_h(s["w"], s["u"], s["kg"], s["G"], None, s["ctab"], s["stab"],
                                                 output_final_state=False),
         "fwd_o": lambda: launch.fwd_o(s["q"], s["G"], s["h"], s["Aqk"], s["v_new"], s["ctab"], scale=scale),
@@ -299,9 +298,9 @@ def main(argv=None) -> int:
         rows.append(dict(kind="chunk_intra (FLA: derived)", **base, cula_ms=t["intra"],
                          fla_ms=t["fla intra+w_u"] - t["fla w_u"]))
         rows.append(dict(kind="recompute_w_u", **base, cula_ms=t["w_u"], fla_ms=t["fla w_u"]))
-        rows.append(dict(kind="chunk_intra + recompute_w_u", **base, cula_ms=t["intra+w_u"],
-                         fla_ms=t["fla intra+w_u"]))
-        live = ("l2norm", "l2norm", "gate", "intra", "w_u", "delta_h", "fwd_o")
+        rows.append(dict(kind="chunk_intra_wu (the two fused; FLA: chunk_kda_fwd_intra)", **base,
+                         cula_ms=t["intra+w_u"], fla_ms=t["fla intra+w_u"]))
+        live = ("l2norm", "l2norm", "gate", "intra+w_u", "delta_h", "fwd_o")
         rows.append(dict(kind="sum of the forward's stages (l2norm twice)", **base, cula_ms=sum(t[x] for x in live),
                          fla_ms=2 * t["fla l2norm"] + t["fla gate"] + t["fla intra+w_u"] + t["fla delta_h"]
                          + t["fla fwd_o"]))

@@ -3,7 +3,8 @@
 `chunk_kda_backward(...)` follows the kernel calling convention of docs/backends.md. Like FLA 0.6.0's
 `chunk_kda_bwd`, it takes Aqk and Akk from the forward (core's residuals, docs/backends.md) and recomputes the
 other intermediates, here with cula-sm100's own forward kernels (`recompute`: the forward's composition less
-chunk_intra and the output; with chunk_intra when no residuals came), then runs the backward stages:
+the output, with recompute_w_u alone in place of chunk_intra_wu when the residuals came), then runs the backward
+stages:
 
   1. dAqk = do @ v_new^T (causal), dv = Aqk^T @ do              CuTe DSL kernel (`chunk_bwd_dav.py`)
   2. reverse state recurrence: dh per chunk, dv += kg @ dh, dh0  CuTe DSL kernel (`chunk_bwd_dhu.py`)
@@ -249,7 +250,7 @@ def recompute(q, k, v, g, beta, A_log, dt_bias, initial_state, ctab, stab, *, sc
               lower_bound, beta_activation, residuals=None):
     """The forward's intermediates with cula_sm100.forward's kernels: its composition (`forward.launch.forward`)
     less the output o, which the backward does not read. `residuals`: the forward's (Aqk, Akk) [B, T, HV, 64],
-    which then are not recomputed (chunk_intra is skipped)."""
+    which then are not recomputed (recompute_w_u alone runs in place of chunk_intra_wu)."""
     B, T, HQK, K = q.shape
     HV = v.shape[2]
     if use_qk_l2norm_in_kernel:
@@ -259,9 +260,9 @@ def recompute(q, k, v, g, beta, A_log, dt_bias, initial_state, ctab, stab, *, sc
     G = fwd.gate_cumsum(g.reshape(B * T, HV, K), A_log, dt_bias, ctab, gate=gate, lower_bound=lower_bound)
     if residuals is not None:
         Aqk, Akk = (r.reshape(B * T, HV, fwd.BT) for r in residuals)
+        w, u, kg = fwd.recompute_w_u(k, v, G, beta, Akk, ctab, beta_activation=beta_activation)
     else:
-        Aqk, Akk = fwd.chunk_intra(q, k, G, beta, ctab, scale=scale, beta_activation=beta_activation)
-    w, u, kg = fwd.recompute_w_u(k, v, G, beta, Akk, ctab, beta_activation=beta_activation)
+        Aqk, Akk, w, u, kg = fwd.chunk_intra_wu(q, k, v, G, beta, ctab, scale=scale, beta_activation=beta_activation)
     h, v_new, _ = fwd.chunk_delta_h(w, u, kg, G, initial_state, ctab, stab, output_final_state=False)
     return fwd.Intermediates(q=q.reshape(B * T, HQK, K), k=k.reshape(B * T, HQK, K), g_cumsum=G, Aqk=Aqk,
                              Akk=Akk, w=w, u=u, kg=kg, h=h, v_new=v_new)

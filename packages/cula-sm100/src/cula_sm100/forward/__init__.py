@@ -3,8 +3,9 @@
 Kernels, one per file, launched in this order by `launch.forward` (`launch.py`: tables, buffers, cache):
   l2norm.py         q/k L2 normalisation (use_qk_l2norm_in_kernel)
   gate_cumsum.py    gate (precomputed / softplus / safe) and chunk-local cumsum G
-  chunk_intra.py    Aqk and Akk = (I + L)^-1 per chunk of 64
-  recompute_w_u.py  w, u and kg per chunk
+  chunk_intra_wu.py Aqk, Akk = (I + L)^-1, w, u and kg per chunk of 64 (the two below in one kernel, bitwise)
+  chunk_intra.py    Aqk and Akk alone (the fused kernel's oracle in the tests)
+  recompute_w_u.py  w, u and kg per chunk (the backward's, when the forward handed it Akk)
   chunk_delta_h.py  the inter-chunk state recurrence: per-chunk h, v_new, final state
   fwd_o.py          o from qg, h, Aqk and v_new
 All multiply with warp-level mma.sync (bf16 -> fp32, `cute_utils.mma_atom`), so they run on sm_90 and sm_100.
