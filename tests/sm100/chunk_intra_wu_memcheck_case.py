@@ -19,14 +19,13 @@ import torch
 from sm100_cases import flat, make_inputs, seqlens_to_cu
 
 from cula_sm100.forward import launch
-from cula_sm100.forward.chunk_intra_wu import chunk_intra_wu
 
 
 def one(q, k, v, g, beta, B, T, cu, cu_cpu, beta_activation):
     HV = v.shape[2]
     ctab, _ = launch.tables(B, T, cu, cu_cpu, q.device)
     G = launch.gate_cumsum(flat(g).contiguous(), None, None, ctab, gate="precomputed", lower_bound=None)
-    chunk_intra_wu(q, k, v, G.reshape(-1, HV, 128), beta, ctab, scale=0.1, beta_activation=beta_activation)
+    launch.chunk_intra_wu(q, k, v, G.reshape(-1, HV, 128), beta, ctab, scale=0.1, beta_activation=beta_activation)
 
 
 def main():

@@ -1,7 +1,7 @@
-"""CPU: the fused chunk_intra + recompute_w_u kernel (cula_sm100.forward.chunk_intra_wu) compiles for sm_90a and
-sm_100a with fake pointers (two processes started together: the time of one compile), its shared-memory plan
-keeps 2 CTAs per SM, and its host wrapper allocates and launches as launch.chunk_intra + launch.recompute_w_u do
-(kernel, pointers and stream stubbed: nothing runs)."""
+"""CPU: the fused chunk_intra + recompute_w_u kernel (chunk_intra_wu.py) compiles for sm_90a and sm_100a with fake
+pointers through launch.intra_wu_kernel (two processes started together: the time of one compile), its
+shared-memory plan keeps 2 CTAs per SM, and launch.chunk_intra_wu allocates and launches as launch.chunk_intra +
+launch.recompute_w_u do (kernel and launch stubbed: nothing runs)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ import torch
 
 ARCHS = ("sm_90a", "sm_100a")
 COMPILE = ("import torch\n"
-           "from cula_sm100.forward.chunk_intra_wu import compiled\n"
+           "from cula_sm100.forward.launch import intra_wu_kernel\n"
            "for beta_dtype, act in ((torch.bfloat16, 'sigmoid'), (torch.float32, 'none')):\n"
-           "    compiled(beta_dtype, act)\n"
+           "    intra_wu_kernel(beta_dtype, act)\n"
            "    print('compiled', beta_dtype, act, flush=True)\n")
 
 needs_dsl = pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed")
@@ -62,16 +62,15 @@ def test_shared_memory_plan():
 
 
 def test_wrapper_allocates_and_launches(monkeypatch):
-    """Outputs [TT, HV, 64] x 2 and [TT, HV, 128] x 3 bf16 on G's device; the kernel gets (q, k, v, G, beta, 5
-    outputs, chunk table, TT, NC, HQK, HV, scale, stream) and is keyed by (beta dtype, activation); no launch
-    without chunks."""
-    from cula_sm100.forward import chunk_intra_wu as m
+    """Outputs [TT, HV, 64] x 2 and [TT, HV, 128] x 3 bf16 on G's device; the kernel gets (q, k, v, G, beta, the 5
+    outputs, chunk table) and (TT, NC, HQK, HV, scale), is keyed by (beta dtype, activation); no launch without
+    chunks."""
     from cula_sm100.forward import launch
 
     calls = []
-    monkeypatch.setattr(m, "compiled", lambda dt, act: (lambda *a: calls.append((dt, act, a))))
-    monkeypatch.setattr(launch, "_ptr", lambda t, dtype=None: t)
-    monkeypatch.setattr(launch, "_stream", lambda: "stream")
+    monkeypatch.setattr(launch, "intra_wu_kernel", lambda dt, act: ("kernel", dt, act))
+    monkeypatch.setattr(launch, "_launch", lambda kern, dtypes, tensors, scalars: calls.append(
+        (kern, dtypes, tensors, scalars)))
     TT, HQK, HV = 70, 2, 4
     bf = torch.bfloat16
     q = k = torch.zeros(TT, HQK, 128, dtype=bf)
@@ -79,12 +78,13 @@ def test_wrapper_allocates_and_launches(monkeypatch):
     G = torch.zeros(TT, HV, 128)
     beta = torch.zeros(TT, HV)
     ctab = torch.tensor([[0, 64], [64, 6]], dtype=torch.int32)
-    outs = m.chunk_intra_wu(q, k, v, G, beta, ctab, scale=0.5, beta_activation="sigmoid")
+    outs = launch.chunk_intra_wu(q, k, v, G, beta, ctab, scale=0.5, beta_activation="sigmoid")
     assert [tuple(o.shape) for o in outs] == [(TT, HV, 64)] * 2 + [(TT, HV, 128)] * 3
     assert all(o.dtype == bf for o in outs)
-    (dt, act, args), = calls
-    assert (dt, act) == (torch.float32, "sigmoid")
-    assert args[:5] == (q, k, v, G, beta) and all(a is b for a, b in zip(args[5:10], outs, strict=True))
-    assert args[10] is ctab and args[11:] == (TT, 2, HQK, HV, 0.5, "stream")
-    m.chunk_intra_wu(q, k, v, G, beta, ctab[:0], scale=0.5, beta_activation="none")
+    (kern, dtypes, tensors, scalars), = calls
+    assert kern == ("kernel", torch.float32, "sigmoid") and dtypes == launch.intra_wu_dtypes(torch.float32)
+    assert tensors[:5] == (q, k, v, G, beta) and all(a is b for a, b in zip(tensors[5:10], outs, strict=True))
+    assert tensors[10] is ctab and scalars == (TT, 2, HQK, HV, 0.5)
+    assert [t.dtype for t in tensors] == list(dtypes)
+    launch.chunk_intra_wu(q, k, v, G, beta, ctab[:0], scale=0.5, beta_activation="none")
     assert len(calls) == 1

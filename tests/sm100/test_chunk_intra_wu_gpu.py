@@ -1,6 +1,6 @@
-"""GPU: the fused chunk_intra + recompute_w_u kernel (cula_sm100.forward.chunk_intra_wu) against its oracle, the
-two-kernel path (launch.chunk_intra, then launch.recompute_w_u on its Akk) on the same inputs, and against the fp32
-reference's intermediates; and its memcheck run on odd shapes.
+"""GPU: the fused chunk_intra + recompute_w_u kernel (chunk_intra_wu.py, through launch.chunk_intra_wu: the forward's
+stage) against its oracle, the two-kernel path (launch.chunk_intra, then launch.recompute_w_u on its Akk) on the
+same inputs, against the fp32 reference's intermediates and against FLA 0.6.0; and its memcheck run on odd shapes.
 
 Tolerances against the two-kernel path:
   * Aqk, Akk: bitwise. The fused kernel runs chunk_intra's arithmetic step for step (Aqk is rounded to bf16 from
@@ -45,7 +45,6 @@ def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _run(q, k, v, g, beta, cu, cu_cpu, B, T, beta_activation):
     from cula_sm100.forward import launch
-    from cula_sm100.forward.chunk_intra_wu import chunk_intra_wu
 
     HV = v.shape[2]
     scale = q.shape[-1] ** -0.5
@@ -56,7 +55,7 @@ def _run(q, k, v, g, beta, cu, cu_cpu, B, T, beta_activation):
     kw = dict(beta_activation=beta_activation)
     Aqk2, Akk2 = launch.chunk_intra(q, k, G, beta, ctab, scale=scale, **kw)
     w2, u2, kg2 = launch.recompute_w_u(k, v, G, beta, Akk2, ctab, **kw)
-    fused = chunk_intra_wu(q, k, v, G, beta, ctab, scale=scale, **kw)
+    fused = launch.chunk_intra_wu(q, k, v, G, beta, ctab, scale=scale, **kw)
     torch.cuda.synchronize()
     names = ("Aqk", "Akk", "w", "u", "kg")
     report = []
@@ -117,7 +116,6 @@ def test_fused_vs_fla(B, T, HQK, HV, lengths):
     require_gpu()
     fla_intra = pytest.importorskip("fla.ops.kda.chunk_intra").chunk_kda_fwd_intra
     from cula_sm100.forward import launch
-    from cula_sm100.forward.chunk_intra_wu import chunk_intra_wu
 
     cu = cu_cpu = None
     if lengths is not None:
@@ -127,7 +125,7 @@ def test_fused_vs_fla(B, T, HQK, HV, lengths):
     scale = q.shape[-1] ** -0.5
     ctab, _ = launch.tables(B, T, cu, cu_cpu, q.device)
     G = launch.gate_cumsum(flat(g).contiguous(), None, None, ctab, gate="precomputed", lower_bound=None)
-    ours = chunk_intra_wu(q, k, v, G, beta, ctab, scale=scale, beta_activation="none")
+    ours = launch.chunk_intra_wu(q, k, v, G, beta, ctab, scale=scale, beta_activation="none")
     w, u, _, kg, Aqk, Akk = fla_intra(q=q, k=k, v=v, gk=G.reshape(B, T, HV, -1) / math.log(2), beta=beta,
                                       scale=scale, cu_seqlens=cu.long() if cu is not None else None, chunk_size=64)
     errs = {}
@@ -141,13 +139,12 @@ def test_fused_no_chunks():
     """An all-empty varlen batch: no chunk, nothing launched, outputs of 0 rows."""
     require_gpu()
     from cula_sm100.forward import launch
-    from cula_sm100.forward.chunk_intra_wu import chunk_intra_wu
 
     cu, cu_cpu = seqlens_to_cu([0, 0])
     q, k, v, _, beta, _ = make_inputs(1, 0, 1, 2, N=2)
     ctab, _ = launch.tables(1, 0, cu, cu_cpu, q.device)
     G = torch.zeros(0, 2, 128, device="cuda")
-    outs = chunk_intra_wu(q, k, v, G, beta, ctab, scale=0.1, beta_activation="none")
+    outs = launch.chunk_intra_wu(q, k, v, G, beta, ctab, scale=0.1, beta_activation="none")
     assert [tuple(o.shape) for o in outs] == [(0, 2, 64), (0, 2, 64), (0, 2, 128), (0, 2, 128), (0, 2, 128)]
 
 

@@ -1,5 +1,6 @@
-"""Benchmark of the fused chunk_intra + recompute_w_u kernel (cula_sm100.forward.chunk_intra_wu) against the
-two-kernel path it replaces (launch.chunk_intra, then launch.recompute_w_u), in one run on the same inputs.
+"""Benchmark of the fused chunk_intra + recompute_w_u kernel (chunk_intra_wu.py, through launch.chunk_intra_wu)
+against the two-kernel path it replaced (launch.chunk_intra, then launch.recompute_w_u), in one run on the same
+inputs.
 
     python -m tools.bench.intra_wu [--smoke] [--json FILE] > docs/benchmarks/intra_wu.md
 
@@ -63,9 +64,9 @@ def two_kernels(q, k, v, G, beta, ctab):
 
 
 def fused(q, k, v, G, beta, ctab):
-    from cula_sm100.forward.chunk_intra_wu import chunk_intra_wu
+    from cula_sm100.forward import launch
 
-    return chunk_intra_wu(q, k, v, G, beta, ctab, scale=K ** -0.5, beta_activation="none")
+    return launch.chunk_intra_wu(q, k, v, G, beta, ctab, scale=K ** -0.5, beta_activation="none")
 
 
 def max_ulps(a, b) -> int:
