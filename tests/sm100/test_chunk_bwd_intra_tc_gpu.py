@@ -4,7 +4,8 @@ exact per-pair exponentials) and against FLA 0.6.0's intra stage on the same inp
 test_backward_gpu.py's test_chunk_bwd_intra_matches_torch_stage (fixed length, varlen with empty and 1-token
 sequences, chunk lengths 2 and 3 mod 4, GVA 1 / 2, mild and strong decay), an extreme decay (exp(G_i - G_j) down
 to ~e^-2500 in a chunk: every diagonal block takes the exact path) and B=2 T=8192 H=HV=32 (against the CUDA-core
-kernel); chunk_wy_dqkg's dG base included in the reverse cumsum; nothing written past the last token; bitwise
+kernel); every gradient of the whole op with this kernel in the backward (test_backward_gpu.py's GRAD_TOL);
+chunk_wy_dqkg's dG base included in the reverse cumsum; nothing written past the last token; bitwise
 determinism; the compute-sanitizer case.
 
 Tolerances (||ours - fp64|| / ||fp64||): bf16 dSq / dL (as FLA) and bf16-pair decayed operands give ~2e-3 on dq,
@@ -89,6 +90,34 @@ def test_matches_fla(lengths, HQK, HV, decay):
           + " ".join(f"{n}={v:.2e}" for n, v in errs.items()))
     for n in NAMES:
         assert errs[n] < TOL_SINGLE_B[n], f"{n}: rel diff vs FLA {errs[n]:.3e}"
+
+
+@pytest.mark.parametrize("B,T,HQK,HV,lengths,gate,l2", [(1, 63, 2, 4, None, "softplus", True),
+                                                       (1, 1000, 1, 2, None, "safe", True),
+                                                       (1, 4096, 2, 4, None, "softplus", True),
+                                                       (1, 0, 2, 4, [1, 100, 0, 64, 200], "softplus", True),
+                                                       (1, 0, 1, 2, [37, 0, 64, 99, 1], "safe", False)])
+def test_whole_backward_with_tc_intra(B, T, HQK, HV, lengths, gate, l2, monkeypatch):
+    """Every input's gradient of cula.chunk_kda (CULA_BACKEND=sm100) with launch.chunk_bwd_intra replaced by this
+    kernel, against fp64 autograd through cula_core.reference, held to test_backward_gpu.py's GRAD_TOL (what the
+    live backward holds); the live backward's errors on the same inputs are printed beside them."""
+    require_gpu()
+    from test_backward_gpu import GRAD_NAMES, GRAD_TOL, _expected, _grads, _problem
+
+    from cula_sm100.backward import launch
+
+    p = _problem(B, T, HQK, HV, lengths, gate, seed=T + HV + len(lengths or []), l2=l2)
+    exp = _expected(*p, gate=gate, l2=l2, lengths=lengths)
+    live = _grads("sm100", monkeypatch, *p, gate=gate, l2=l2, lengths=lengths)
+    monkeypatch.setattr(launch, "chunk_bwd_intra", _tc)
+    ours = _grads("sm100", monkeypatch, *p, gate=gate, l2=l2, lengths=lengths)
+    errs = {n: rel_err(ours[n], exp[n]) for n in GRAD_NAMES if exp.get(n) is not None}
+    errs_live = {n: rel_err(live[n], exp[n]) for n in GRAD_NAMES if exp.get(n) is not None}
+    print(f"\nwhole backward, TC intra {B=} {T=} {HQK=} {HV=} {lengths=} {gate} l2={l2}: "
+          + " ".join(f"{n}={e:.2e}" for n, e in errs.items())
+          + "\n  live (CUDA-core intra): " + " ".join(f"{n}={e:.2e}" for n, e in errs_live.items()))
+    for n, e in errs.items():
+        assert e < GRAD_TOL, f"{n}: rel err {e:.3e} >= {GRAD_TOL:.1e}"
 
 
 def test_dG_base_enters_the_cumsum_and_nothing_past_the_end():
