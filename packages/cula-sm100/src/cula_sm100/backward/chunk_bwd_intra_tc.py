@@ -38,18 +38,22 @@ to the first adding the global dG (chunk_wy_dqkg's) and the running suffix sum, 
 the warp's channels into a per-(row, warp) partial, summed over the 8 warps in a fixed order at the end.
 Shared memory 103.7 KiB (2 CTAs per SM): q, k (bf16, rows padded to 136: conflict-free fragment loads), G
 (fp32 log2 units, rows of 132), dSq / dL (bf16, rows of 72: conflict-free ldmatrix), beta, the scratch and the
-dbeta partials. Registers (sm_90a, static, tools.kernel_report.analyse): 128 with 168 bytes of spills at 2 CTAs
-per SM (the default), 255 and no spills when launched for 1 CTA per SM (`min_ctas=1`, which also loads the dq / dk
-/ dG a block adds to before its products); one bf16 per B operand instead of the pair: the same registers.
+dbeta partials. Registers (static, tools.kernel_report.analyse, B pair): 2 CTAs per SM (the default): 128, spills
+168 bytes (sm_90a) / 136 (sm_100a); 1 CTA per SM (`min_ctas=1`, which also loads the dq / dk / dG a block adds to
+before its products): 255, no spills (sm_90a) / 168 bytes (sm_100a). 80 HMMA (160 with the B pair) per warp and
+value head, 288 MUFU.EX2 in the code (the exact path's included).
 Pipeline per value head: G by cp.async; dAqk / dL as 16-byte loads converted to bf16 (masked to the lower /
 strictly lower triangle, dSq scaled); one barrier; G padded (rows >= n take row n - 1's: exponents stay
 bounded; q = k = dSq = dL = beta = 0 there, so padding adds exactly 0) and scaled to log2 units; one barrier;
 the 4 row blocks. Blocks wholly past the chunk end are skipped. Assumes K = 128, chunks that never cross a
 sequence (the chunk table), n >= 1 per chunk.
 
-Status (session 6): compiled on the CPU only (sm_90a, sm_100a); not yet run on a GPU. The CUDA-core kernel
-(chunk_bwd_intra.py) stays the oracle and the live path until the GPU tests and the benchmark
-(tests/sm100/test_chunk_bwd_intra_tc_gpu.py, tools/bench/bwd_intra.py) decide.
+Status (session 6): compiled on the CPU only (sm_90a, sm_100a); NOT yet run on a GPU. The CUDA-core kernel
+(chunk_bwd_intra.py) stays the oracle and the live path until the GPU decides:
+    python -m pytest -q -s tests/sm100/test_chunk_bwd_intra_tc_gpu.py      (fp64, CUDA-core kernel, FLA, whole op,
+                                                                            determinism, memcheck)
+    python -m tools.bench.bwd_intra --out docs/benchmarks/bwd_intra.md    (4 configurations vs CUDA-core and FLA)
+Then wire the fastest passing configuration in (launch.chunk_bwd_intra), or delete this file.
 """
 
 from __future__ import annotations
