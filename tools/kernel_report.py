@@ -152,6 +152,8 @@ KERNELS: list[tuple[str, str, object]] = [
     ("fwd.gate_cumsum[softplus]", "sm100 forward", _sm100_forward("gate_cumsum[softplus]")),
     ("fwd.chunk_intra", "sm100 forward", _sm100_forward("chunk_intra")),
     ("fwd.recompute_w_u", "sm100 forward", _sm100_forward("recompute_w_u")),
+    ("fwd.chunk_intra_wu", "sm100 forward", _sm100_forward("chunk_intra_wu")),
+    ("fwd.chunk_intra_wu_gate[softplus]", "sm100 forward", _sm100_forward("chunk_intra_wu_gate[softplus]")),
     ("fwd.chunk_delta_h", "sm100 forward", _sm100_forward("chunk_delta_h")),
     ("fwd.fwd_o", "sm100 forward", _sm100_forward("fwd_o")),
     ("bwd.chunk_wy_dqkg", "sm100 backward", _sm100_backward("chunk_wy_dqkg")),

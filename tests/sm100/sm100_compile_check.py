@@ -19,6 +19,11 @@ KERNELS = {
     "gate_cumsum[safe]": lambda: launch.gate_kernel("safe", f32, f32, f32, False, True, -5.0),
     "chunk_intra": lambda: launch.intra_kernel(bf, "sigmoid"),
     "recompute_w_u": lambda: launch.wu_kernel(f32, "none"),
+    "chunk_intra_wu": lambda: launch.intra_wu_kernel(bf, "none"),
+    # the forward's main configuration (FLA's softplus gate, fp32 g, A_log and dt_bias); every other compile key of
+    # this kernel is compiled by test_chunk_intra_wu_cpu.py
+    "chunk_intra_wu_gate[softplus]": lambda: launch.intra_wu_gate_kernel("softplus", f32, f32, f32, True, True, None,
+                                                                        bf, "none"),
     "chunk_delta_h": lambda: launch.delta_h_kernel(True, True),
     "chunk_delta_h[no states]": lambda: launch.delta_h_kernel(False, False),
     "chunk_delta_h[no cluster]": lambda: launch.delta_h_kernel(False, False, False),

@@ -1,7 +1,10 @@
-"""CPU: the fused chunk_intra + recompute_w_u kernel (chunk_intra_wu.py) compiles for sm_90a and sm_100a with fake
-pointers through launch.intra_wu_kernel (two processes started together: the time of one compile), its
-shared-memory plan keeps 2 CTAs per SM, and launch.chunk_intra_wu allocates and launches as launch.chunk_intra +
-launch.recompute_w_u do (kernel and launch stubbed: nothing runs)."""
+"""CPU: the fused chunk_intra + recompute_w_u kernel (chunk_intra_wu.py) and its raw-gate variant
+(chunk_intra_wu_gate.py: gate + cumsum in the same CTA) compile for sm_90a and sm_100a with fake pointers through
+launch.intra_wu_kernel / launch.intra_wu_gate_kernel (two processes started together: the time of one arch), the
+gate variant for every value of every compile key it adds (gate mode, g dtype, A_log / dt_bias present or not,
+beta dtype and activation); the shared-memory plan keeps 2 CTAs per SM; launch.chunk_intra_wu and
+launch.chunk_intra_wu_gate allocate and launch as the stages they replace do, and forward takes the fused gate
+stage when launch.FUSED_GATE (kernels and launches stubbed: nothing runs)."""
 
 from __future__ import annotations
 
@@ -15,11 +18,25 @@ import pytest
 import torch
 
 ARCHS = ("sm_90a", "sm_100a")
+# chunk_intra_wu_gate's compile keys (gate, g, A_log, dt_bias dtypes, has A_log, has dt_bias, lower_bound, beta dtype,
+# beta activation): together they take every value of every key (the forward's main one first)
+GATE_KEYS = (("softplus", "f32", "f32", "f32", True, True, None, "bf16", "none"),
+             ("precomputed", "f32", "f32", "f32", False, False, None, "bf16", "sigmoid"),
+             ("softplus", "bf16", "bf16", "f32", True, False, None, "f32", "none"),
+             ("safe", "f32", "f32", "bf16", False, True, -5.0, "bf16", "2sigmoid"),
+             ("safe", "f16", "f32", "f32", True, True, -2.0, "f32", "sigmoid"),
+             ("precomputed", "bf16", "f32", "f32", False, False, None, "f32", "none"))
 COMPILE = ("import torch\n"
            "from cula_sm100.forward.launch import intra_wu_kernel\n"
            "for beta_dtype, act in ((torch.bfloat16, 'sigmoid'), (torch.float32, 'none')):\n"
            "    intra_wu_kernel(beta_dtype, act)\n"
-           "    print('compiled', beta_dtype, act, flush=True)\n")
+           "    print('compiled', beta_dtype, act, flush=True)\n"
+           "from cula_sm100.forward.launch import intra_wu_gate_kernel\n"
+           f"for key in {GATE_KEYS!r}:\n"
+           "    gate, g, a, b, has_a, has_b, lb, beta, act = key\n"
+           "    dt = {'f32': torch.float32, 'bf16': torch.bfloat16, 'f16': torch.float16}\n"
+           "    intra_wu_gate_kernel(gate, dt[g], dt[a], dt[b], has_a, has_b, lb, dt[beta], act)\n"
+           "    print('compiled', key, flush=True)\n")
 
 needs_dsl = pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed")
 
@@ -41,7 +58,7 @@ def test_fused_kernel_compiles(arch, compiled_by_arch):
     proc = compiled_by_arch[arch]
     rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
     assert rc == 0, stdout[-2000:] + stderr[-4000:]
-    assert stdout.count("compiled ") == 2, stdout
+    assert stdout.count("compiled ") == 2 + len(GATE_KEYS), stdout
 
 
 @needs_dsl
@@ -59,6 +76,24 @@ def test_shared_memory_plan():
     assert sG >= BT * K * 2 + 4 * C.BC * C.D_STRIDE * 4  # u staged where G was, past nothing still needed
     total = 2 * BT * K * 2 + sG + C.R_BYTES + BT * 4
     assert 2 * (total + 2048) <= 228 * 1024, total
+    assert C.R_BYTES >= BT * K * 4  # chunk_intra_wu_gate: the raw g rows (fp32 at most) are loaded into R
+
+
+def _stub_launches(monkeypatch, launch, kernel_cache: str):
+    """launch's kernel cache `kernel_cache` returns ("kernel", *key) and _launch records its calls (returned)."""
+    calls = []
+    monkeypatch.setattr(launch, kernel_cache, lambda *key: ("kernel", *key))
+    monkeypatch.setattr(launch, "_launch", lambda kern, dtypes, tensors, scalars: calls.append(
+        (kern, dtypes, tensors, scalars)))
+    return calls
+
+
+def _stage_inputs():
+    """(TT, HQK, HV, q, k, v, chunk table) on the CPU: 70 tokens in chunks of 64 and 6."""
+    TT, HQK, HV = 70, 2, 4
+    q = k = torch.zeros(TT, HQK, 128, dtype=torch.bfloat16)
+    v = torch.zeros(TT, HV, 128, dtype=torch.bfloat16)
+    return TT, HQK, HV, q, k, v, torch.tensor([[0, 64], [64, 6]], dtype=torch.int32)
 
 
 def test_wrapper_allocates_and_launches(monkeypatch):
@@ -67,17 +102,11 @@ def test_wrapper_allocates_and_launches(monkeypatch):
     chunks."""
     from cula_sm100.forward import launch
 
-    calls = []
-    monkeypatch.setattr(launch, "intra_wu_kernel", lambda dt, act: ("kernel", dt, act))
-    monkeypatch.setattr(launch, "_launch", lambda kern, dtypes, tensors, scalars: calls.append(
-        (kern, dtypes, tensors, scalars)))
-    TT, HQK, HV = 70, 2, 4
+    calls = _stub_launches(monkeypatch, launch, "intra_wu_kernel")
+    TT, HQK, HV, q, k, v, ctab = _stage_inputs()
     bf = torch.bfloat16
-    q = k = torch.zeros(TT, HQK, 128, dtype=bf)
-    v = torch.zeros(TT, HV, 128, dtype=bf)
     G = torch.zeros(TT, HV, 128)
     beta = torch.zeros(TT, HV)
-    ctab = torch.tensor([[0, 64], [64, 6]], dtype=torch.int32)
     outs = launch.chunk_intra_wu(q, k, v, G, beta, ctab, scale=0.5, beta_activation="sigmoid")
     assert [tuple(o.shape) for o in outs] == [(TT, HV, 64)] * 2 + [(TT, HV, 128)] * 3
     assert all(o.dtype == bf for o in outs)
@@ -88,3 +117,65 @@ def test_wrapper_allocates_and_launches(monkeypatch):
     assert [t.dtype for t in tensors] == list(dtypes)
     launch.chunk_intra_wu(q, k, v, G, beta, ctab[:0], scale=0.5, beta_activation="none")
     assert len(calls) == 1
+
+
+def test_gate_wrapper_allocates_and_launches(monkeypatch):
+    """launch.chunk_intra_wu_gate: G [TT, HV, 128] fp32 and the five outputs of chunk_intra_wu; the kernel gets (q, k,
+    v, g, A_log, dt_bias, G, beta, the 5 outputs, chunk table) and (TT, NC, HQK, HV, scale), keyed by gate_cumsum's key
+    (absent A_log / dt_bias: fp32 dtype, not present; lower_bound only for the safe gate) then beta dtype and
+    activation; no launch without chunks."""
+    from cula_sm100.forward import launch
+
+    calls = _stub_launches(monkeypatch, launch, "intra_wu_gate_kernel")
+    TT, HQK, HV, q, k, v, ctab = _stage_inputs()
+    bf = torch.bfloat16
+    g = torch.zeros(TT, HV, 128, dtype=bf)
+    A_log = torch.zeros(HV)
+    beta = torch.zeros(TT, HV, dtype=bf)
+    outs = launch.chunk_intra_wu_gate(q, k, v, g, A_log, None, beta, ctab, gate="softplus", lower_bound=-5.0,
+                                      scale=0.5, beta_activation="sigmoid")
+    assert [tuple(o.shape) for o in outs] == [(TT, HV, 128)] + [(TT, HV, 64)] * 2 + [(TT, HV, 128)] * 3
+    assert [o.dtype for o in outs] == [torch.float32] + [bf] * 5
+    (kern, dtypes, tensors, scalars), = calls
+    assert kern == ("kernel", "softplus", bf, torch.float32, torch.float32, True, False, None, bf, "sigmoid")
+    assert dtypes == launch.intra_wu_gate_dtypes(bf, torch.float32, torch.float32, bf)
+    assert tensors[:6] == (q, k, v, g, A_log, None) and tensors[7] is beta and tensors[13] is ctab
+    assert tensors[6] is outs[0] and all(a is b for a, b in zip(tensors[8:13], outs[1:], strict=True))
+    assert scalars == (TT, 2, HQK, HV, 0.5)
+    assert [None if t is None else t.dtype for t in tensors] == [None if t is None else d
+                                                                 for t, d in zip(tensors, dtypes, strict=True)]
+    launch.chunk_intra_wu_gate(q, k, v, g, None, None, beta, ctab, gate="safe", lower_bound=-5.0, scale=0.5,
+                               beta_activation="none")
+    assert calls[-1][0][1:8] == ("safe", bf, torch.float32, torch.float32, False, False, -5.0)
+    launch.chunk_intra_wu_gate(q, k, v, g, None, None, beta, ctab[:0], gate="safe", lower_bound=-5.0, scale=0.5,
+                               beta_activation="none")
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_forward_takes_the_gate_stage_by_switch(monkeypatch, fused):
+    """forward: with FUSED_GATE chunk_intra_wu_gate alone makes G (returned in Intermediates) and the five outputs;
+    without, gate_cumsum then chunk_intra_wu. Stages stubbed (CPU tensors; nothing launches)."""
+    from cula_sm100.forward import launch
+
+    B, T, HQK, HV = 1, 70, 2, 4
+    stages = []
+    G = torch.full((B * T, HV, 128), 3.0)
+    five = tuple(torch.zeros(1) for _ in range(5))
+    monkeypatch.setattr(launch, "FUSED_GATE", fused)
+    monkeypatch.setattr(launch, "chunk_intra_wu_gate", lambda *a, **kw: stages.append("fused") or (G, *five))
+    monkeypatch.setattr(launch, "gate_cumsum", lambda *a, **kw: stages.append("gate_cumsum") or G)
+    monkeypatch.setattr(launch, "chunk_intra_wu", lambda q, k, v, G_, *a, **kw: stages.append(
+        ("chunk_intra_wu", G_ is G)) or five)
+    monkeypatch.setattr(launch, "chunk_delta_h", lambda *a, **kw: (torch.zeros(1), torch.zeros(B * T, HV, 128), None))
+    monkeypatch.setattr(launch, "fwd_o", lambda *a, **kw: torch.zeros(B * T, HV, 128))
+    bf = torch.bfloat16
+    q = k = torch.zeros(B, T, HQK, 128, dtype=bf)
+    v = torch.zeros(B, T, HV, 128, dtype=bf)
+    g = torch.zeros(B, T, HV, 128)
+    beta = torch.zeros(B, T, HV, dtype=bf)
+    _, _, it = launch.forward(q, k, v, g, beta, None, None, None, None, None, scale=0.1, output_final_state=False,
+                              use_qk_l2norm_in_kernel=False, gate="precomputed", lower_bound=None,
+                              beta_activation="none")
+    assert stages == (["fused"] if fused else ["gate_cumsum", ("chunk_intra_wu", True)])
+    assert it.g_cumsum is G and it.Aqk is five[0] and it.kg is five[4]

@@ -65,28 +65,39 @@ class ChunkIntraWU(ChunkIntra):
                  u_ptr: cute.Pointer, kg_ptr: cute.Pointer, table_ptr: cute.Pointer, TT: cutlass.Int32,
                  NC: cutlass.Int32, HQK: cutlass.Int32, HV: cutlass.Int32, scale: cutlass.Float32,
                  stream: cuda.CUstream):
-        K, V, BT = self.K, self.V, self.BT
-        hv_k = token_layout(TT, HV, K)
-        hv_v = token_layout(TT, HV, V)
-        mQ = cute.make_tensor(q_ptr, token_layout(TT, HQK, K))
-        mK = cute.make_tensor(k_ptr, token_layout(TT, HQK, K))
-        mV = cute.make_tensor(v_ptr, hv_v)
-        mG = cute.make_tensor(G_ptr, hv_k)
-        mBeta = cute.make_tensor(beta_ptr, token_layout(TT, HV, 1))
-        mAqk = cute.make_tensor(Aqk_ptr, token_layout(TT, HV, BT))
-        mAkk = cute.make_tensor(Akk_ptr, token_layout(TT, HV, BT))
-        mW = cute.make_tensor(w_ptr, hv_k)
-        mU = cute.make_tensor(u_ptr, hv_v)
-        mKg = cute.make_tensor(kg_ptr, hv_k)
-        mT = cute.make_tensor(table_ptr, cute.make_layout((NC, 2), stride=(2, 1)))
+        mQ, mK, mV, mBeta, mAqk, mAkk, mW, mU, mKg, mT = self.io_tensors(
+            q_ptr, k_ptr, v_ptr, beta_ptr, Aqk_ptr, Akk_ptr, w_ptr, u_ptr, kg_ptr, table_ptr, TT, NC, HQK, HV)
+        mG = cute.make_tensor(G_ptr, token_layout(TT, HV, self.K))
         self.kernel(mQ, mK, mV, mG, mBeta, mAqk, mAkk, mW, mU, mKg, mT, HV // HQK, scale).launch(
             grid=[NC, HV, 1], block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=self.MIN_CTAS,
             preferred_smem_carveout=100)
+
+    @cute.jit
+    def io_tensors(self, q_ptr, k_ptr, v_ptr, beta_ptr, Aqk_ptr, Akk_ptr, w_ptr, u_ptr, kg_ptr, table_ptr, TT, NC,
+                   HQK, HV):
+        """The global tensors of every input and output but the gate's: (q, k, v, beta, Aqk, Akk, w, u, kg, chunk
+        table)."""
+        K, V, BT = self.K, self.V, self.BT
+        hq_k = token_layout(TT, HQK, K)
+        hv_k = token_layout(TT, HV, K)
+        hv_v = token_layout(TT, HV, V)
+        hv_bt = token_layout(TT, HV, BT)
+        return (cute.make_tensor(q_ptr, hq_k), cute.make_tensor(k_ptr, hq_k), cute.make_tensor(v_ptr, hv_v),
+                cute.make_tensor(beta_ptr, token_layout(TT, HV, 1)), cute.make_tensor(Aqk_ptr, hv_bt),
+                cute.make_tensor(Akk_ptr, hv_bt), cute.make_tensor(w_ptr, hv_k), cute.make_tensor(u_ptr, hv_v),
+                cute.make_tensor(kg_ptr, hv_k),
+                cute.make_tensor(table_ptr, cute.make_layout((NC, 2), stride=(2, 1))))
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
                mAqk: cute.Tensor, mAkk: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mKg: cute.Tensor,
                mT: cute.Tensor, group: cutlass.Int32, scale: cutlass.Float32):
+        self.run((mG,), mQ, mK, mV, mBeta, mAqk, mAkk, mW, mU, mKg, mT, group, scale)
+
+    @cute.jit
+    def run(self, gate_in, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mBeta: cute.Tensor, mAqk: cute.Tensor,
+            mAkk: cute.Tensor, mW: cute.Tensor, mU: cute.Tensor, mKg: cute.Tensor, mT: cute.Tensor, group, scale):
+        """The kernel's body; `gate_in` is what the G hooks (load_G, fill_G, store_G) read: here (G,)."""
         K, BT = self.K, self.BT
         tidx, _, hv, t0, n = chunk_block(mT)
         wid = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -105,20 +116,38 @@ class ChunkIntraWU(ChunkIntra):
         cp_bf16 = g2s_tiled_copy(K, self.threads)
         copy_rows_g2s(cp_bf16, head_rows(mQ, t0, hq, BT), sQ, n, tidx)
         copy_rows_g2s(cp_bf16, head_rows(mK, t0, hq, BT), sK, n, tidx)
-        copy_rows_g2s(g2s_tiled_copy(K, self.threads, cutlass.Float32), head_rows(mG, t0, hv, BT), sG, n, tidx)
+        self.load_G(gate_in, sG, r_raw, tidx, hv, t0, n)
         cute.arch.cp_async_commit_group()
         load_beta(sBeta, mBeta, t0, hv, n, tidx, self.beta_activation)
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
-        # rows past the chunk end repeat the last valid G (their q/k are zero): exponents stay <= 0
-        ch = tidx % K
-        par = tidx // K
-        for rr in cutlass.range_constexpr(BT // 2):
+        self.fill_G(gate_in, sG, r_raw, tidx, hv, n)
+        cute.arch.sync_threads()
+        self.store_G(gate_in, sG, tidx, hv, t0, n)
+        self.fused_body(sQ, sK, sG, r_raw, sBeta, mV, mAqk, mAkk, mW, mU, mKg, tidx, wid, lane, hv, t0, n, scale)
+
+    @cute.jit
+    def load_G(self, gate_in, sG: cute.Tensor, r_raw: cute.Pointer, tidx, hv, t0, n):
+        """Issue the cp.async of G's rows < n into sG (R is free until fused_body)."""
+        mG, = gate_in
+        copy_rows_g2s(g2s_tiled_copy(self.K, self.threads, cutlass.Float32), head_rows(mG, t0, hv, self.BT), sG, n,
+                      tidx)
+
+    @cute.jit
+    def fill_G(self, gate_in, sG: cute.Tensor, r_raw: cute.Pointer, tidx, hv, n):
+        """After the loads landed: rows past the chunk end repeat the last valid G (their q/k are zero): exponents
+        stay <= 0. Thread = (channel, row parity); row n - 1 is never written here."""
+        ch = tidx % self.K
+        par = tidx // self.K
+        for rr in cutlass.range_constexpr(self.BT // 2):
             r = 2 * rr + par
             if r >= n:
                 sG[r, ch] = sG[n - 1, ch]
-        cute.arch.sync_threads()
-        self.fused_body(sQ, sK, sG, r_raw, sBeta, mV, mAqk, mAkk, mW, mU, mKg, tidx, wid, lane, hv, t0, n, scale)
+
+    @cute.jit
+    def store_G(self, gate_in, sG: cute.Tensor, tidx, hv, t0, n):
+        """After the barrier that follows fill_G: nothing here (G came from global memory)."""
+        pass
 
     @cute.jit
     def fused_body(self, sQ: cute.Tensor, sK: cute.Tensor, sG: cute.Tensor, r_raw: cute.Pointer,

@@ -116,19 +116,34 @@ class GateCumsum:
     @cute.jit
     def rate_bias(self, mA: cute.Tensor, mB: cute.Tensor, hv, lane):
         """(exp(A_log[hv]) or 1, dt_bias[hv, 4 lane .. 4 lane + 3] or 0) in fp32."""
-        rate = cutlass.Float32(1.0)
-        if cutlass.const_expr(self.has_A_log):
-            rate = cute.math.exp(mA[hv].to(cutlass.Float32))
+        rate = self.rate_of(mA, hv)
         bias = cute.make_rmem_tensor((self.VEC,), cutlass.Float32)
-        bias.fill(0.0)
-        if cutlass.const_expr(self.has_dt_bias):
-            for j in cutlass.range_constexpr(self.VEC):
-                bias[j] = mB[hv, lane * self.VEC + j].to(cutlass.Float32)
+        for j in cutlass.range_constexpr(self.VEC):
+            bias[j] = self.bias_of(mB, hv, lane * self.VEC + j)
         return rate, bias
 
     @cute.jit
+    def rate_of(self, mA: cute.Tensor, hv):
+        """exp(A_log[hv]) (1 without A_log), fp32: the gate's rate for value head hv. chunk_intra_wu_gate.py
+        computes the gate with this and bias_of / gate_of, so its G is bitwise this kernel's."""
+        rate = cutlass.Float32(1.0)
+        if cutlass.const_expr(self.has_A_log):
+            rate = cute.math.exp(mA[hv].to(cutlass.Float32))
+        return rate
+
+    @cute.jit
+    def bias_of(self, mB: cute.Tensor, hv, ch):
+        """dt_bias[hv, ch] (0 without dt_bias), fp32."""
+        bias = cutlass.Float32(0.0)
+        if cutlass.const_expr(self.has_dt_bias):
+            bias = mB[hv, ch].to(cutlass.Float32)
+        return bias
+
+    @cute.jit
     def gate_of(self, v: cutlass.Float32, rate: cutlass.Float32, bias: cutlass.Float32):
-        """The log decay x_t of one raw g_t (the module docstring's formulas)."""
+        """The log decay x_t of one raw g_t (the module docstring's formulas). A running sum adds it in the same
+        expression (`acc += gate_of(...)`): ptxas contracts the softplus / safe gate's last multiply with that add
+        into one FFMA (seen in the SASS), so a sum of stored gate values would round differently."""
         if cutlass.const_expr(self.gate == "softplus"):
             z = v + bias
             sp = z

@@ -25,6 +25,9 @@ import torch
 from cula_sm100 import fast_launch
 
 BT = 64
+# the forward's gate: True, chunk_intra_wu_gate (gate, cumsum and chunk_intra_wu in one kernel; G written once, not
+# read back); False, gate_cumsum then chunk_intra_wu (the backward's recompute always takes this path)
+FUSED_GATE = True
 _BF, _F32, _I32 = torch.bfloat16, torch.float32, torch.int32
 
 _TORCH_TO_CUTLASS = {}
@@ -115,6 +118,11 @@ def intra_wu_dtypes(beta_dtype):  # q, k, v, G, beta, Aqk, Akk, w, u, kg, chunk 
     return (_BF, _BF, _BF, _F32, beta_dtype, _BF, _BF, _BF, _BF, _BF, _I32)
 
 
+def intra_wu_gate_dtypes(g_dtype, a_dtype, b_dtype, beta_dtype):
+    # q, k, v, g, A_log, dt_bias, G (out), beta, Aqk, Akk, w, u, kg, chunk table
+    return (_BF, _BF, _BF, g_dtype, a_dtype, b_dtype, _F32, beta_dtype, _BF, _BF, _BF, _BF, _BF, _I32)
+
+
 DELTA_H_DTYPES = (_BF, _BF, _BF, _F32, _F32, _BF, _BF, _F32, _I32)  # w, u, kg, G, h0, h, v_new, ht, sequence table
 FWD_O_DTYPES = (_BF, _F32, _BF, _BF, _BF, _BF, _I32)  # q, G, h, Aqk, v_new, o, chunk table
 
@@ -159,6 +167,15 @@ def intra_wu_kernel(beta_dtype: torch.dtype, beta_activation: str):
     from cula_sm100.forward.chunk_intra_wu import ChunkIntraWU
 
     return _compile(ChunkIntraWU(beta_activation), intra_wu_dtypes(beta_dtype), 1, 1, 1, 1, 1.0)
+
+
+@functools.cache
+def intra_wu_gate_kernel(gate: str, g_dtype, a_dtype, b_dtype, has_A_log: bool, has_dt_bias: bool, lower_bound,
+                         beta_dtype: torch.dtype, beta_activation: str):
+    from cula_sm100.forward.chunk_intra_wu_gate import ChunkIntraWUGate
+
+    return _compile(ChunkIntraWUGate(beta_activation, gate, has_A_log, has_dt_bias, lower_bound),
+                    intra_wu_gate_dtypes(g_dtype, a_dtype, b_dtype, beta_dtype), 1, 1, 1, 1, 1.0)
 
 
 @functools.cache
@@ -241,17 +258,22 @@ def l2norm(x):
     return y
 
 
+def _gate_key(g, A_log, dt_bias, gate, lower_bound):
+    """The gate's compile key: (gate, g dtype, A_log dtype, dt_bias dtype, has A_log, has dt_bias, lower_bound)."""
+    a_dtype = A_log.dtype if A_log is not None else _F32
+    b_dtype = dt_bias.dtype if dt_bias is not None else _F32
+    return (gate, g.dtype, a_dtype, b_dtype, A_log is not None, dt_bias is not None,
+            lower_bound if gate == "safe" else None)
+
+
 def gate_cumsum(g, A_log, dt_bias, ctab, *, gate, lower_bound):
     """G [TT, HV, K] fp32: gate of raw g (or g itself) and its chunk-local cumsum (kernel: gate_cumsum.py)."""
     HV, K = g.shape[-2:]
     TT = g.numel() // (HV * K)
     G = _empty(TT, HV, K, like=g, dtype=torch.float32)
     if ctab.shape[0]:
-        a_dtype = A_log.dtype if A_log is not None else _F32
-        b_dtype = dt_bias.dtype if dt_bias is not None else _F32
-        kern = gate_kernel(gate, g.dtype, a_dtype, b_dtype, A_log is not None, dt_bias is not None,
-                           lower_bound if gate == "safe" else None)
-        _launch(kern, gate_dtypes(g.dtype, a_dtype, b_dtype), (g, A_log, dt_bias, G, ctab), (TT, ctab.shape[0], HV))
+        key = _gate_key(g, A_log, dt_bias, gate, lower_bound)
+        _launch(gate_kernel(*key), gate_dtypes(*key[1:4]), (g, A_log, dt_bias, G, ctab), (TT, ctab.shape[0], HV))
     return G
 
 
@@ -289,6 +311,25 @@ def chunk_intra_wu(q, k, v, G, beta, ctab, *, scale, beta_activation):
         _launch(intra_wu_kernel(beta.dtype, beta_activation), intra_wu_dtypes(beta.dtype),
                 (q, k, v, G, beta, Aqk, Akk, w, u, kg, ctab), (TT, ctab.shape[0], HQK, HV, float(scale)))
     return Aqk, Akk, w, u, kg
+
+
+def chunk_intra_wu_gate(q, k, v, g, A_log, dt_bias, beta, ctab, *, gate, lower_bound, scale, beta_activation):
+    """(G [TT, HV, K] fp32, Aqk, Akk [TT, HV, 64], w, u, kg [TT, HV, 128] bf16) (kernel: chunk_intra_wu_gate.py):
+    gate_cumsum then chunk_intra_wu in one kernel, bitwise the same outputs, G written once and never read back.
+    g [TT, HV, K] raw gate (any float dtype); A_log [HV], dt_bias [HV K] or None; the rest as chunk_intra_wu."""
+    HV, K = g.shape[-2:]
+    TT = g.numel() // (HV * K)
+    HQK, V = q.shape[-2], v.shape[-1]
+    G = _empty(TT, HV, K, like=g, dtype=torch.float32)
+    Aqk, Akk = _empty(TT, HV, BT, like=g), _empty(TT, HV, BT, like=g)
+    w, u, kg = _empty(TT, HV, K, like=g), _empty(TT, HV, V, like=g), _empty(TT, HV, K, like=g)
+    if ctab.shape[0]:
+        key = _gate_key(g, A_log, dt_bias, gate, lower_bound)
+        _launch(intra_wu_gate_kernel(*key, beta.dtype, beta_activation),
+                intra_wu_gate_dtypes(*key[1:4], beta.dtype),
+                (q, k, v, g, A_log, dt_bias, G, beta, Aqk, Akk, w, u, kg, ctab),
+                (TT, ctab.shape[0], HQK, HV, float(scale)))
+    return G, Aqk, Akk, w, u, kg
 
 
 # chunk_delta_h runs N HV 4 CTAs (a sequence's value head in 4 V slices): launched as clusters of the 4 slices from
@@ -344,8 +385,14 @@ def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     q, k, v, g, beta, A_log, dt_bias, initial_state = aligned(q, k, v, g, beta, A_log, dt_bias, initial_state)
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
-    G = gate_cumsum(g.reshape(B * T, HV, K), A_log, dt_bias, ctab, gate=gate, lower_bound=lower_bound)
-    Aqk, Akk, w, u, kg = chunk_intra_wu(q, k, v, G, beta, ctab, scale=scale, beta_activation=beta_activation)
+    g = g.reshape(B * T, HV, K)
+    if FUSED_GATE:
+        G, Aqk, Akk, w, u, kg = chunk_intra_wu_gate(q, k, v, g, A_log, dt_bias, beta, ctab, gate=gate,
+                                                    lower_bound=lower_bound, scale=scale,
+                                                    beta_activation=beta_activation)
+    else:
+        G = gate_cumsum(g, A_log, dt_bias, ctab, gate=gate, lower_bound=lower_bound)
+        Aqk, Akk, w, u, kg = chunk_intra_wu(q, k, v, G, beta, ctab, scale=scale, beta_activation=beta_activation)
     h, v_new, ht = chunk_delta_h(w, u, kg, G, initial_state, ctab, stab, output_final_state=output_final_state)
     o = fwd_o(q, G, h, Aqk, v_new, ctab, scale=scale)
     inter = Intermediates(q=q.reshape(B * T, HQK, K), k=k.reshape(B * T, HQK, K), g_cumsum=G, Aqk=Aqk, Akk=Akk,
