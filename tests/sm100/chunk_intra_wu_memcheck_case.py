@@ -48,13 +48,14 @@ def main():
     print(f"{n} cases ok")
 
 
-def run_under_memcheck(**env):
-    """This file under `compute-sanitizer --tool memcheck`, with `env` added to the environment; returns the
-    CompletedProcess (API errors not reported: the DSL probes device attributes through calls that may fail by
-    design; every access of every kernel launch is checked). The caller skips when compute-sanitizer is absent."""
+def run_under_memcheck(script=None, **env):
+    """`script` (default: this file) under `compute-sanitizer --tool memcheck`, with `env` added to the environment;
+    returns the CompletedProcess (API errors not reported: the DSL probes device attributes through calls that may
+    fail by design; every access of every kernel launch is checked). The caller skips when compute-sanitizer is
+    absent."""
     here = Path(__file__).resolve().parent
     cmd = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9", "--leak-check", "no",
-           "--report-api-errors", "no", sys.executable, str(here / "chunk_intra_wu_memcheck_case.py")]
+           "--report-api-errors", "no", sys.executable, str(script or here / "chunk_intra_wu_memcheck_case.py")]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=here, env=dict(os.environ, **env))
 
 

@@ -1,0 +1,176 @@
+"""GPU: chunk_intra_wu_gate (the raw gate's gate, chunk-local cumsum and chunk_intra_wu in one kernel, through
+launch.chunk_intra_wu_gate: the forward's stage when launch.FUSED_GATE) against its oracle, launch.gate_cumsum then
+launch.chunk_intra_wu on the same inputs: G, Aqk, Akk, w, u and kg BITWISE equal (the kernel runs gate_cumsum's gate
+code in gate_cumsum's summation order, then chunk_intra_wu's code on the same G), in every gate mode, fp32 and bf16 g,
+with and without A_log / dt_bias, T = 1, 63, 64, 65, 500 (GVA 2), GVA 1 / 2 / 4 and varlen batches with empty and
+length-1 sequences; the whole forward with FUSED_GATE on and off (every intermediate, o and the final state bitwise);
+and a compute-sanitizer memcheck run on odd shapes.
+
+    pytest -m gpu tests/sm100/test_chunk_intra_wu_gate_gpu.py
+    python tests/sm100/test_chunk_intra_wu_gate_gpu.py        # the memcheck cases alone (prints "cases ok")
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from sm100_cases import flat, make_inputs, require_gpu, seqlens_to_cu
+
+pytestmark = pytest.mark.gpu
+
+HV_GVA2 = 4
+# (gate, has A_log, has dt_bias, lower_bound)
+GATES = [("softplus", True, True, None), ("softplus", False, False, None), ("softplus", True, False, None),
+         ("safe", True, True, -5.0), ("safe", False, True, -3.0), ("precomputed", False, False, None)]
+G_DTYPES = [torch.float32, torch.bfloat16]
+# (B, T, HQK, HV, varlen lengths or None)
+SHAPES = [(1, 1, 2, 4, None), (1, 63, 2, 4, None), (2, 64, 2, 4, None), (1, 65, 2, 4, None), (2, 500, 2, 4, None),
+          (1, 130, 4, 4, None), (1, 130, 1, 4, None), (1, 0, 2, 8, [5, 1, 0, 64, 65, 130, 0, 7, 63])]
+
+
+def gate_inputs(B, T, HV, gate, has_A, has_b, g_dtype, seed):
+    """Raw g [B, T, HV, 128] in g_dtype (a log decay <= 0 for the precomputed gate; N(-2, 3) for the others, so
+    e^z < 2^-6 and z > 20 both occur), A_log [HV] and dt_bias [HV 128] fp32 or None."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    if gate == "precomputed":
+        g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, 128, generator=gen, device="cuda")) / 8
+    else:
+        g = 3 * torch.randn(B, T, HV, 128, generator=gen, device="cuda") - 2
+    A_log = torch.log(torch.rand(HV, generator=gen, device="cuda") * 15 + 1) if has_A else None
+    dt_bias = 0.1 * torch.randn(HV * 128, generator=gen, device="cuda") if has_b else None
+    return g.to(g_dtype), A_log, dt_bias
+
+
+def both_paths(q, k, v, g, A_log, dt_bias, beta, ctab, *, gate, lower_bound, beta_activation="none"):
+    """(fused outputs, oracle outputs), each (G, Aqk, Akk, w, u, kg)."""
+    from cula_sm100.forward import launch
+
+    HV = v.shape[-2]
+    g = g.reshape(-1, HV, 128)
+    scale = 128 ** -0.5
+    kw = dict(scale=scale, beta_activation=beta_activation)
+    fused = launch.chunk_intra_wu_gate(q, k, v, g, A_log, dt_bias, beta, ctab, gate=gate, lower_bound=lower_bound,
+                                       **kw)
+    G = launch.gate_cumsum(g, A_log, dt_bias, ctab, gate=gate, lower_bound=lower_bound)
+    oracle = (G, *launch.chunk_intra_wu(q, k, v, G, beta, ctab, **kw))
+    return fused, oracle
+
+
+def assert_bitwise(fused, oracle, label):
+    for name, a, b in zip(("G", "Aqk", "Akk", "w", "u", "kg"), fused, oracle, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype, (label, name, a.shape, b.shape)
+        if not torch.equal(a, b):
+            diff = (a.float() - b.float()).abs()
+            raise AssertionError(f"{label}: {name} not bitwise the two-kernel path's: {int((diff > 0).sum())} of "
+                                 f"{a.numel()} differ, max |diff| {float(diff.max()):.3e}")
+    assert torch.isfinite(fused[0]).all(), label
+
+
+def _case(B, T, HQK, HV, lengths, gate, has_A, has_b, lb, g_dtype, beta_activation="none", seed=0):
+    from cula_sm100.forward import launch
+
+    cu = cu_cpu = None
+    if lengths is not None:
+        T = sum(lengths)
+        cu, cu_cpu = seqlens_to_cu(lengths)
+    q, k, v, _, beta, _ = make_inputs(B, T, HQK, HV, seed=seed + T, N=len(lengths) if lengths else None)
+    g, A_log, dt_bias = gate_inputs(B, T, HV, gate, has_A, has_b, g_dtype, seed + T + 1)
+    ctab, _ = launch.tables(B, T, cu, cu_cpu, q.device)
+    fused, oracle = both_paths(q, k, v, g, A_log, dt_bias, beta, ctab, gate=gate, lower_bound=lb,
+                               beta_activation=beta_activation)
+    return fused, oracle
+
+
+@pytest.mark.parametrize("g_dtype", G_DTYPES, ids=["g_f32", "g_bf16"])
+@pytest.mark.parametrize("gate,has_A,has_b,lb", GATES, ids=lambda x: str(x))
+@pytest.mark.parametrize("B,T,HQK,HV,lengths", SHAPES, ids=lambda x: str(x))
+def test_gate_fused_bitwise(B, T, HQK, HV, lengths, gate, has_A, has_b, lb, g_dtype):
+    require_gpu()
+    fused, oracle = _case(B, T, HQK, HV, lengths, gate, has_A, has_b, lb, g_dtype)
+    torch.cuda.synchronize()
+    assert_bitwise(fused, oracle, f"{B=} {T=} {HQK=} {HV=} {lengths=} {gate} A={has_A} b={has_b} {g_dtype}")
+
+
+@pytest.mark.parametrize("beta_activation", ["sigmoid", "2sigmoid"])
+def test_gate_fused_beta_activation(beta_activation):
+    """beta activations (a compile key of the kernel): fp32 beta values through the activation, varlen."""
+    require_gpu()
+    fused, oracle = _case(1, 0, 2, 8, [1, 64, 65, 0, 200], "softplus", True, True, None, torch.float32,
+                          beta_activation=beta_activation, seed=3)
+    torch.cuda.synchronize()
+    assert_bitwise(fused, oracle, beta_activation)
+
+
+@pytest.mark.parametrize("gate,lengths", [("softplus", None), ("safe", [17, 1, 0, 64, 65, 200])])
+def test_forward_fused_gate_switch_bitwise(monkeypatch, gate, lengths):
+    """launch.forward with FUSED_GATE on and off: o, the final state and every intermediate bitwise equal (q/k L2
+    norm in kernel, initial and final state, raw gate with A_log and dt_bias)."""
+    require_gpu()
+    from cula_sm100.forward import launch
+
+    B, T, HQK, HV = (2, 300, 2, 4) if lengths is None else (1, sum(lengths), 2, 8)
+    cu = cu_cpu = None
+    if lengths is not None:
+        cu, cu_cpu = seqlens_to_cu(lengths)
+    q, k, v, _, beta, h0 = make_inputs(B, T, HQK, HV, seed=5, h0=True, N=len(lengths) if lengths else None)
+    g, A_log, dt_bias = gate_inputs(B, T, HV, gate, True, True, torch.float32, 6)
+    runs = []
+    for fused in (True, False):
+        monkeypatch.setattr(launch, "FUSED_GATE", fused)
+        runs.append(launch.forward(q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, scale=128 ** -0.5,
+                                   output_final_state=True, use_qk_l2norm_in_kernel=True, gate=gate,
+                                   lower_bound=-5.0 if gate == "safe" else None, beta_activation="sigmoid"))
+    torch.cuda.synchronize()
+    (o1, ht1, it1), (o2, ht2, it2) = runs
+    assert torch.equal(o1, o2) and torch.equal(ht1, ht2)
+    for name in ("g_cumsum", "Aqk", "Akk", "w", "u", "kg", "h", "v_new"):
+        assert torch.equal(getattr(it1, name), getattr(it2, name)), name
+
+
+def test_gate_fused_no_chunks():
+    """An all-empty varlen batch: no chunk, nothing launched, outputs of 0 rows."""
+    require_gpu()
+    from cula_sm100.forward import launch
+
+    cu, cu_cpu = seqlens_to_cu([0, 0])
+    q, k, v, g, beta, _ = make_inputs(1, 0, 1, 2, N=2)
+    ctab, _ = launch.tables(1, 0, cu, cu_cpu, q.device)
+    outs = launch.chunk_intra_wu_gate(q, k, v, flat(g), None, None, beta, ctab, gate="precomputed", lower_bound=None,
+                                      scale=0.1, beta_activation="none")
+    assert [tuple(o.shape) for o in outs] == [(0, 2, 128), (0, 2, 64), (0, 2, 64)] + [(0, 2, 128)] * 3
+
+
+def test_gate_fused_memcheck_clean_on_odd_shapes():
+    """compute-sanitizer memcheck over memcheck_cases() (this file run as a script): T = 1, 63, 65, GVA 1 / 2 / 4,
+    every gate mode, fp32 and bf16 g, varlen with empty and length-1 sequences: no out-of-bounds or misaligned
+    access (rows past a chunk's end neither read nor written)."""
+    require_gpu()
+    if shutil.which("compute-sanitizer") is None:
+        pytest.skip("compute-sanitizer not on PATH")
+    from chunk_intra_wu_memcheck_case import run_under_memcheck
+
+    proc = run_under_memcheck(script=__file__)
+    print(proc.stdout[-3000:])
+    assert proc.returncode == 0, proc.stdout[:6000] + proc.stderr[-3000:]
+    assert "cases ok" in proc.stdout
+    assert "ERROR SUMMARY: 0 errors" in proc.stdout
+
+
+def memcheck_cases():
+    """The odd shapes of the memcheck run (the fused kernel and its oracle both run; nothing compared here)."""
+    n = 0
+    shapes = [(1, 1, 1, 1, None), (1, 63, 2, 4, None), (1, 65, 1, 4, None), (2, 65, 2, 2, None),
+              (1, 0, 2, 8, [0, 1, 63, 0, 65, 1])]
+    for i, shape in enumerate(shapes):
+        for j, gate_case in enumerate(GATES):
+            _case(*shape, *gate_case, G_DTYPES[(i + j) % 2], seed=i)
+            n += 1
+    torch.cuda.synchronize()
+    print(f"{n} cases ok")
+
+
+if __name__ == "__main__":
+    memcheck_cases()
