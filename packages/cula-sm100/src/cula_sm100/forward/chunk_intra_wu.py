@@ -58,6 +58,9 @@ class ChunkIntraWU(ChunkIntra):
     L_BYTES = 64 * 68 * 4            # L, fp32 rows of L_STRIDE floats, after bk
     AQK_BYTES = 64 * 64 * 2          # Aqk, bf16 [BT, BT], after L (1024-aligned: 33 KiB into R)
     R_BYTES = BK_BYTES + L_BYTES + AQK_BYTES  # 41 KiB >= the score GEMMs' 10 blocks of decayed keys (40 KiB)
+    # G's loads in a cp.async group of their own, waited for before q / k's, so fill_G runs while q / k are in flight
+    # (the raw-gate subclass, whose fill_G computes the gate); False: one group, fill_G after every load
+    G_FIRST = False
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, v_ptr: cute.Pointer, G_ptr: cute.Pointer,
@@ -113,15 +116,21 @@ class ChunkIntraWU(ChunkIntra):
         r_raw = smem.allocate(self.R_BYTES, 1024)
         sBeta = smem.allocate_tensor(cutlass.Float32, cute.make_layout((BT,)), 16)
 
+        if cutlass.const_expr(self.G_FIRST):
+            self.load_G(gate_in, sG, r_raw, tidx, hv, t0, n)
+            cute.arch.cp_async_commit_group()
         cp_bf16 = g2s_tiled_copy(K, self.threads)
         copy_rows_g2s(cp_bf16, head_rows(mQ, t0, hq, BT), sQ, n, tidx)
         copy_rows_g2s(cp_bf16, head_rows(mK, t0, hq, BT), sK, n, tidx)
-        self.load_G(gate_in, sG, r_raw, tidx, hv, t0, n)
+        if cutlass.const_expr(not self.G_FIRST):
+            self.load_G(gate_in, sG, r_raw, tidx, hv, t0, n)
         cute.arch.cp_async_commit_group()
         load_beta(sBeta, mBeta, t0, hv, n, tidx, self.beta_activation)
-        cute.arch.cp_async_wait_group(0)
+        cute.arch.cp_async_wait_group(1 if self.G_FIRST else 0)
         cute.arch.sync_threads()
         self.fill_G(gate_in, sG, r_raw, tidx, hv, n)
+        if cutlass.const_expr(self.G_FIRST):
+            cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
         self.store_G(gate_in, sG, tidx, hv, t0, n)
         self.fused_body(sQ, sK, sG, r_raw, sBeta, mV, mAqk, mAkk, mW, mU, mKg, tidx, wid, lane, hv, t0, n, scale)

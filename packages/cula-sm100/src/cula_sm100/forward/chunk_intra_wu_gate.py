@@ -12,9 +12,9 @@ fwd_o, chunk_delta_h and the backward read the G this kernel writes.
 Tiling, threads and shared memory: chunk_intra_wu's (8 warps, 2 CTAs per SM, 128 registers per thread by the
 launch bound, 107.25 KiB: sQ, sK, sG fp32 rows of 136, region R 41 KiB, beta). What changed, all before the score
 GEMMs (the hooks load_G / fill_G / store_G of ChunkIntraWU.run):
-  * load_G: the raw g rows < n (fp32 / bf16 / fp16) go by cp.async, with q and k, into region R as a plain
-    row-major [64, 128] tile (32 KiB in fp32 <= R's 41 KiB; R is free until the decayed keys are built), not G
-    into sG;
+  * load_G: the raw g rows < n (fp32 / bf16 / fp16) go by cp.async into region R as a plain row-major [64, 128]
+    tile (32 KiB in fp32 <= R's 41 KiB; R is free until the decayed keys are built), not G into sG; issued before
+    q and k in a cp.async group of its own (G_FIRST), so fill_G starts once g has landed, with q / k in flight;
   * fill_G: warps 0-3, thread = channel c (0..127): rate = exp(A_log[hv]) and dt_bias[hv, c] once, then for rows
     0..63 in order `acc += gate_of(raw[r, c])` and sG[r, c] = acc, rows >= n keeping the last valid sum (the
     "rows past a chunk's end repeat the last valid G" that chunk_intra assumes, which chunk_intra_wu's fill_G
@@ -53,6 +53,7 @@ from cula_sm100.forward.gate_cumsum import GateCumsum
 
 class ChunkIntraWUGate(ChunkIntraWU):
     """ChunkIntraWU with G computed from the raw gate (load_G / fill_G / store_G replaced)."""
+    G_FIRST = True  # the gate's ~64 serial rows per thread overlap q / k's loads
 
     def __init__(self, beta_activation: str, gate: str, has_A_log: bool, has_dt_bias: bool,
                  lower_bound: float | None):
