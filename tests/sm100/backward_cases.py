@@ -216,7 +216,8 @@ def _memcheck():
     dA, dL = torch.randn(T, 2, 64, device="cuda"), torch.randn(T, 2, 64, device="cuda")
     dqi, dki = torch.zeros(T, 1, 128, device="cuda"), torch.zeros(T, 1, 128, device="cuda")
     dbi, dGi = torch.zeros(T, 2, device="cuda"), torch.zeros(T, 2, 128, device="cuda")
-    launch.chunk_bwd_intra(qi, ki, Gi, bi, dA, dL, dqi, dki, dbi, dGi, ctab, scale=0.1)
+    for tc in (False, True):  # the CUDA-core kernel and the live tensor-core one
+        launch.chunk_bwd_intra(qi, ki, Gi, bi, dA, dL, dqi, dki, dbi, dGi, ctab, scale=0.1, tc=tc)
     torch.cuda.synchronize()
     print("memcheck cases done")
 

@@ -348,13 +348,16 @@ def test_chunk_bwd_dav_matches_torch_stage(lengths, HV):
                                                   # chunk lengths 2, 3 (mod 4: the kernel's 4-row blocks' other
                                                   # tails), empty, 64 + 64 + 2, at strong decay with a group of 2
                                                   ([2, 3, 63, 0, 130, 7], 2, 4, 0.25)])
-def test_chunk_bwd_intra_matches_torch_stage(lengths, HQK, HV, decay):
-    """chunk_bwd_intra (adds in place to dq, dk, dbeta, dG, then reverse-cumsums dG) against the PyTorch stages
-    torch_stages.intra (a vector-Jacobian product through the reference's decayed scores) and reverse_cumsum on
-    the same inputs, fp32 both; decay 0.25 is a strong one (per-token log decay ~ -3: exp(G_i - G_j) spans
-    e^-200 in a chunk, far past fp32's range)."""
+def test_chunk_bwd_intra_cuda_core_matches_torch_stage(lengths, HQK, HV, decay, monkeypatch):
+    """The CUDA-core chunk_bwd_intra (launch.INTRA_TC off; adds in place to dq, dk, dbeta, dG, then reverse-cumsums
+    dG) against the PyTorch stages torch_stages.intra (a vector-Jacobian product through the reference's decayed
+    scores) and reverse_cumsum on the same inputs, fp32 both; decay 0.25 is a strong one (per-token log decay ~ -3:
+    exp(G_i - G_j) spans e^-200 in a chunk, far past fp32's range). The live tensor-core kernel (bf16 operands) is
+    held to 1e-2 on these shapes against fp64 in test_chunk_bwd_intra_tc_gpu.py, and matched to this one there."""
     require_gpu()
     from cula_sm100.backward import launch, torch_stages
+
+    monkeypatch.setattr(launch, "INTRA_TC", False)
 
     T, ctab, ch, r, gen = _stage_problem(lengths, seed=9)
     unit = torch.nn.functional.normalize

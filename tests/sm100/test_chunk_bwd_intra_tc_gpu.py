@@ -1,5 +1,5 @@
 """GPU: chunk_bwd_intra_tc (the tensor-core intra-chunk backward) against the definition in fp64
-(chunk_bwd_intra_tc_memcheck_case.intra_fp64), against the CUDA-core kernel (launch.chunk_bwd_intra, fp32,
+(chunk_bwd_intra_tc_memcheck_case.intra_fp64), against the CUDA-core kernel (launch.chunk_bwd_intra(tc=False), fp32,
 exact per-pair exponentials) and against FLA 0.6.0's intra stage on the same inputs: the shapes of
 test_backward_gpu.py's test_chunk_bwd_intra_matches_torch_stage (fixed length, varlen with empty and 1-token
 sequences, chunk lengths 2 and 3 mod 4, GVA 1 / 2, mild and strong decay), an extreme decay (exp(G_i - G_j) down
@@ -50,7 +50,7 @@ def _tc(*a, **kw):
 def _cuda_core(*a, **kw):
     from cula_sm100.backward import launch
 
-    return launch.chunk_bwd_intra(*a, **kw)
+    return launch.chunk_bwd_intra(*a, tc=False, **kw)
 
 
 @pytest.mark.parametrize("min_ctas,split_b", [(2, True), (1, True), (2, False)])
@@ -98,9 +98,9 @@ def test_matches_fla(lengths, HQK, HV, decay):
                                                        (1, 0, 2, 4, [1, 100, 0, 64, 200], "softplus", True),
                                                        (1, 0, 1, 2, [37, 0, 64, 99, 1], "safe", False)])
 def test_whole_backward_with_tc_intra(B, T, HQK, HV, lengths, gate, l2, monkeypatch):
-    """Every input's gradient of cula.chunk_kda (CULA_BACKEND=sm100) with launch.chunk_bwd_intra replaced by this
-    kernel, against fp64 autograd through cula_core.reference, held to test_backward_gpu.py's GRAD_TOL (what the
-    live backward holds); the live backward's errors on the same inputs are printed beside them."""
+    """Every input's gradient of cula.chunk_kda (CULA_BACKEND=sm100) with this kernel in the backward in each
+    configuration, against fp64 autograd through cula_core.reference, held to test_backward_gpu.py's GRAD_TOL; the
+    errors with the CUDA-core kernel (launch.INTRA_TC off) on the same inputs are printed beside them."""
     require_gpu()
     from test_backward_gpu import GRAD_NAMES, GRAD_TOL, _expected, _grads, _problem
 
@@ -108,16 +108,19 @@ def test_whole_backward_with_tc_intra(B, T, HQK, HV, lengths, gate, l2, monkeypa
 
     p = _problem(B, T, HQK, HV, lengths, gate, seed=T + HV + len(lengths or []), l2=l2)
     exp = _expected(*p, gate=gate, l2=l2, lengths=lengths)
-    live = _grads("sm100", monkeypatch, *p, gate=gate, l2=l2, lengths=lengths)
-    monkeypatch.setattr(launch, "chunk_bwd_intra", _tc)
-    ours = _grads("sm100", monkeypatch, *p, gate=gate, l2=l2, lengths=lengths)
-    errs = {n: rel_err(ours[n], exp[n]) for n in GRAD_NAMES if exp.get(n) is not None}
-    errs_live = {n: rel_err(live[n], exp[n]) for n in GRAD_NAMES if exp.get(n) is not None}
-    print(f"\nwhole backward, TC intra {B=} {T=} {HQK=} {HV=} {lengths=} {gate} l2={l2}: "
-          + " ".join(f"{n}={e:.2e}" for n, e in errs.items())
-          + "\n  live (CUDA-core intra): " + " ".join(f"{n}={e:.2e}" for n, e in errs_live.items()))
-    for n, e in errs.items():
-        assert e < GRAD_TOL, f"{n}: rel err {e:.3e} >= {GRAD_TOL:.1e}"
+    monkeypatch.setattr(launch, "INTRA_TC", False)
+    cc = _grads("sm100", monkeypatch, *p, gate=gate, l2=l2, lengths=lengths)
+    errs_cc = {n: rel_err(cc[n], exp[n]) for n in GRAD_NAMES if exp.get(n) is not None}
+    monkeypatch.setattr(launch, "INTRA_TC", True)
+    for config in ((1, True), (2, True)):
+        monkeypatch.setattr(launch, "INTRA_TC_CONFIG", config)
+        ours = _grads("sm100", monkeypatch, *p, gate=gate, l2=l2, lengths=lengths)
+        errs = {n: rel_err(ours[n], exp[n]) for n in GRAD_NAMES if exp.get(n) is not None}
+        print(f"\nwhole backward, TC intra {config=} {B=} {T=} {HQK=} {HV=} {lengths=} {gate} l2={l2}: "
+              + " ".join(f"{n}={e:.2e}" for n, e in errs.items())
+              + "\n  CUDA-core intra: " + " ".join(f"{n}={e:.2e}" for n, e in errs_cc.items()))
+        for n, e in errs.items():
+            assert e < GRAD_TOL, f"{config}: {n}: rel err {e:.3e} >= {GRAD_TOL:.1e}"
 
 
 def test_dG_base_enters_the_cumsum_and_nothing_past_the_end():

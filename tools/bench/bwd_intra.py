@@ -1,6 +1,7 @@
 """Benchmark of the sm100 backward's intra-chunk stage: the tensor-core kernel chunk_bwd_intra_tc (each of its
-configurations) against the CUDA-core kernel chunk_bwd_intra (the live one, launch.chunk_bwd_intra), and FLA
-0.6.0's stage (chunk_kda_bwd_intra + its GVA sum + chunk_local_cumsum(reverse)) where FLA is installed.
+configurations; the live one is launch.INTRA_TC_CONFIG) against the CUDA-core kernel chunk_bwd_intra
+(launch.chunk_bwd_intra(tc=False)), and FLA 0.6.0's stage (chunk_kda_bwd_intra + its GVA sum +
+chunk_local_cumsum(reverse)) where FLA is installed.
 
     python -m tools.bench.bwd_intra [--out docs/benchmarks/bwd_intra.md] [--json FILE] [--smoke] [--no-fla]
     (and tools/bench/harness.parse_args's options: --warmup / --repeats in ms for do_bench, --method)
@@ -64,14 +65,14 @@ def bench_shape(shape, timing, with_fla):
 
     (pargs, base, ctab, _ch, scale), lengths = make(shape)
     cc = [b.clone() for b in base]
-    launch.chunk_bwd_intra(*pargs, *cc, ctab, scale=scale)
+    launch.chunk_bwd_intra(*pargs, *cc, ctab, scale=scale, tc=False)
     diffs = []
     for mc, sp in CONFIGS:
         o = [b.clone() for b in base]
         chunk_bwd_intra_tc(*pargs, *o, ctab, scale=scale, min_ctas=mc, split_b=sp)
         diffs.append(max(rel(x - b0, c - b0) for x, c, b0 in zip(o, cc, base, strict=True)))
     bufs = cc  # the timed calls keep adding to these
-    ms_cc = measure(lambda: launch.chunk_bwd_intra(*pargs, *bufs, ctab, scale=scale), [()], timing).median_ms
+    ms_cc = measure(lambda: launch.chunk_bwd_intra(*pargs, *bufs, ctab, scale=scale, tc=False), [()], timing).median_ms
     ms_tc = [measure(lambda mc=mc, sp=sp: chunk_bwd_intra_tc(*pargs, *bufs, ctab, scale=scale, min_ctas=mc,
                                                              split_b=sp), [()], timing).median_ms
              for mc, sp in CONFIGS]

@@ -432,7 +432,7 @@ def _dtypes():
     return (bf, bf, f32, f32, f32, f32, f32, f32, f32, f32, torch.int32)
 
 
-def chunk_bwd_intra_tc(q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab, *, scale, min_ctas: int = 2,
+def chunk_bwd_intra_tc(q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab, *, scale, min_ctas: int = 1,
                        split_b: bool = True):
     """launch.chunk_bwd_intra's calling convention: ADDS in place to dq, dk [TT, HQK, K], dbeta [TT, HV] and
     dG [TT, HV, K] (fp32), then dG holds its reverse chunk-local cumsum. q, k [TT, HQK, K] bf16; G [TT, HV, K]

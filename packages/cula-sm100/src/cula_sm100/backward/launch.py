@@ -97,16 +97,38 @@ def intra_kernel():
     return fwd._compile(ChunkBwdIntra(), INTRA_DTYPES, 1, 1, 1, 1, 1.0)
 
 
-def chunk_bwd_intra(q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab, *, scale):
-    """The intra-chunk backward (chunk_bwd_intra.py), ADDED in place to dq, dk [TT, HQK, K], dbeta [TT, HV] and
-    dG [TT, HV, K] (fp32, as chunk_wy_dqkg returns them); dG then holds its reverse chunk-local cumsum (the
-    gradient of the raw log decay). q, k [TT, HQK, K] bf16; G [TT, HV, K] fp32; beta
-    [TT, HV] fp32 (activated); dAqk (chunk_bwd_dav), dL (chunk_wy_dqkg) [TT, HV, 64] fp32."""
+# The intra-chunk backward on tensor cores (chunk_bwd_intra_tc.py: mma.sync through 16-row reference blocks, exact
+# CUDA-core diagonal under strong decay) on the live path, in the (launch bound: CTAs per SM, B operand split)
+# configuration INTRA_TC_CONFIG; False: the CUDA-core kernel chunk_bwd_intra.py (the fp32 oracle of its tests).
+# Measured on the H100 (session 7, `python -m tools.bench.bwd_intra`, B=2 T=8192 H=32): 1 CTA per SM (255
+# registers, no spills) 1.316 / 2.376 ms at HV = 32 / 64 against 2.806 / 5.722 ms at 2 CTAs per SM (128 registers,
+# 168 B of spills) and 2.809 / 5.728 ms for the CUDA-core kernel; bf16 pairs for B cost < 2% over single bf16 and
+# halve dG's error, so they stay.
+INTRA_TC = True
+INTRA_TC_CONFIG = (1, True)
+
+
+@functools.cache
+def intra_tc_kernel(min_ctas: int, split_b: bool):
+    """The compiled chunk_bwd_intra_tc per configuration (one compilation serves every size)."""
+    from cula_sm100.backward.chunk_bwd_intra_tc import ChunkBwdIntraTC
+
+    return fwd._compile(ChunkBwdIntraTC(min_ctas, split_b), INTRA_DTYPES, 1, 1, 1, 1, 1.0)
+
+
+def chunk_bwd_intra(q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab, *, scale, tc=None):
+    """The intra-chunk backward, ADDED in place to dq, dk [TT, HQK, K], dbeta [TT, HV] and dG [TT, HV, K] (fp32,
+    as chunk_wy_dqkg returns them); dG then holds its reverse chunk-local cumsum (the gradient of the raw log
+    decay). q, k [TT, HQK, K] bf16; G [TT, HV, K] fp32; beta [TT, HV] fp32 (activated); dAqk (chunk_bwd_dav), dL
+    (chunk_wy_dqkg) [TT, HV, 64] fp32. `tc`: the tensor-core kernel chunk_bwd_intra_tc.py (True, in
+    INTRA_TC_CONFIG) or the CUDA-core chunk_bwd_intra.py (False, the tests' and benchmark's fp32 oracle); None
+    follows INTRA_TC."""
     TT, HQK, _ = q.shape
     HV = G.shape[1]
     NC = ctab.shape[0]
     if NC:
-        fwd._launch(intra_kernel(), INTRA_DTYPES, (q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab),
+        kern = intra_tc_kernel(*INTRA_TC_CONFIG) if (INTRA_TC if tc is None else tc) else intra_kernel()
+        fwd._launch(kern, INTRA_DTYPES, (q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab),
                     (TT, NC, HQK, HV, float(scale)))
 
 
