@@ -134,7 +134,7 @@ def fla_stage(args, base, B, lengths, scale):
 
 def main():
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from cula_sm100.backward.chunk_bwd_intra_tc import chunk_bwd_intra_tc
+    from cula_sm100.backward import launch
 
     tail = 64
     lengths = [1, 0, *range(2, 18), 31, 33, 63, 64, 0, 65, 130, 1]  # every residue mod 16, n = 1, empty sequences
@@ -145,7 +145,7 @@ def main():
             outs = [b.clone() for b in base]
             bufs = [torch.cat([o, torch.full((tail, *o.shape[1:]), 7.0, device="cuda")]) for o in outs]
             views = [b[:o.shape[0]] for b, o in zip(bufs, outs, strict=True)]
-            chunk_bwd_intra_tc(*args, *views, ctab, scale=scale, min_ctas=min_ctas, split_b=split_b)
+            launch.chunk_bwd_intra(*args, *views, ctab, scale=scale, tc=True, config=(min_ctas, split_b))
             torch.cuda.synchronize()
             for name, b, o in zip(("dq", "dk", "dbeta", "dG"), bufs, outs, strict=True):
                 assert torch.isfinite(b[:o.shape[0]]).all(), f"{name}: non-finite output"

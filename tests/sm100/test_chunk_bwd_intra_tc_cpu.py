@@ -1,8 +1,8 @@
 """CPU: chunk_bwd_intra_tc (the tensor-core intra-chunk backward, cula_sm100.backward.chunk_bwd_intra_tc) compiles
 for sm_90a and sm_100a with fake pointers in two configurations that cover its compile-time paths (2 CTAs per
 SM with bf16-pair B operands; 1 CTA per SM with the prefetch and single-bf16 B; the two archs side by side), its
-shared-memory plan keeps 2 CTAs per SM, its wrapper passes launch.chunk_bwd_intra's arguments in the compiled
-order (nothing runs), and the fp64 oracle of its GPU tests agrees with torch_stages.intra (the CUDA-core kernel's
+shared-memory plan keeps 2 CTAs per SM, launch.chunk_bwd_intra picks it (or the CUDA-core kernel) and passes the
+arguments in the compiled order (nothing runs), and the fp64 oracle of its GPU tests agrees with torch_stages.intra (the CUDA-core kernel's
 oracle) on the CPU."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import torch
 
 ARCHS = ("sm_90a", "sm_100a")
 CONFIGS = ((2, True), (1, False))  # every code path: both launch bounds (prefetch off / on), both B precisions
-COMPILE = ("from cula_sm100.backward.chunk_bwd_intra_tc import compiled\n"
+COMPILE = ("from cula_sm100.backward.launch import intra_tc_kernel\n"
            f"for mc, split in {CONFIGS!r}:\n"
-           "    compiled(mc, split)\n"
+           "    intra_tc_kernel(mc, split)\n"
            "    print('compiled', mc, split, flush=True)\n")
 
 needs_dsl = pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed")
@@ -58,17 +58,17 @@ def test_shared_memory_plan():
     assert len({(r * C.A_STRIDE * 2 // 16) % 8 for r in range(8)}) == 8
 
 
-@needs_dsl
-def test_wrapper_passes_arguments_in_order(monkeypatch):
-    """The wrapper calls the kernel compiled for (min_ctas, split_b) with (q, k, G, beta, dAqk, dL, dq, dk, dbeta,
-    dG, chunk table, TT, NC, HQK, HV, scale, stream), pointers of the compiled dtypes; no launch without chunks."""
-    from cula_sm100.backward import chunk_bwd_intra_tc as m
-    from cula_sm100.forward import launch as fwd
+def test_launch_picks_the_kernel_and_passes_arguments_in_order(monkeypatch):
+    """launch.chunk_bwd_intra launches the tensor-core kernel compiled for `config` (INTRA_TC_CONFIG by default)
+    or, with tc=False / INTRA_TC off, the CUDA-core kernel, with (q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG,
+    chunk table) and (TT, NC, HQK, HV, scale); nothing is launched without chunks."""
+    from cula_sm100.backward import launch
 
     calls = []
-    monkeypatch.setattr(m, "compiled", lambda mc=2, split=True: (lambda *a: calls.append((mc, split, a))))
-    monkeypatch.setattr(fwd, "_ptr", lambda t, dtype=None: (t, dtype))
-    monkeypatch.setattr(fwd, "_stream", lambda: "stream")
+    monkeypatch.setattr(launch, "intra_tc_kernel", lambda mc, split: ("tc", mc, split))
+    monkeypatch.setattr(launch, "intra_kernel", lambda: ("cuda-core",))
+    monkeypatch.setattr(launch.fwd, "_launch", lambda kern, dtypes, tensors, scalars: calls.append(
+        (kern, dtypes, tensors, scalars)))
     TT, HQK, HV = 70, 2, 4
     bf = torch.bfloat16
     q, k = torch.zeros(TT, HQK, 128, dtype=bf), torch.zeros(TT, HQK, 128, dtype=bf)
@@ -77,16 +77,19 @@ def test_wrapper_passes_arguments_in_order(monkeypatch):
     dA, dL = torch.zeros(TT, HV, 64), torch.zeros(TT, HV, 64)
     dq, dk, db, dG = torch.zeros(TT, HQK, 128), torch.zeros(TT, HQK, 128), torch.zeros(TT, HV), torch.zeros(TT, HV, 128)
     ctab = torch.zeros(2, 2, dtype=torch.int32)
-    m.chunk_bwd_intra_tc(q, k, G, beta, dA, dL, dq, dk, db, dG, ctab, scale=0.5, min_ctas=1, split_b=False)
-    (mc, split, a), = calls
-    assert (mc, split) == (1, False)
-    tensors = (q, k, G, beta, dA, dL, dq, dk, db, dG, ctab)
-    assert len(a) == len(tensors) + 6
-    for (t, dt), want in zip(a[:11], tensors, strict=True):
-        assert t is want and dt == want.dtype
-    assert a[11:] == (TT, 2, HQK, HV, 0.5, "stream")
-    m.chunk_bwd_intra_tc(q, k, G, beta, dA, dL, dq, dk, db, dG, ctab[:0], scale=0.5)
-    assert len(calls) == 1
+    args = (q, k, G, beta, dA, dL, dq, dk, db, dG)
+    launch.chunk_bwd_intra(*args, ctab, scale=0.5)
+    launch.chunk_bwd_intra(*args, ctab, scale=0.5, tc=True, config=(2, False))
+    launch.chunk_bwd_intra(*args, ctab, scale=0.5, tc=False)
+    monkeypatch.setattr(launch, "INTRA_TC", False)
+    launch.chunk_bwd_intra(*args, ctab, scale=0.5)
+    launch.chunk_bwd_intra(*args, ctab[:0], scale=0.5)
+    assert [c[0] for c in calls] == [("tc", *launch.INTRA_TC_CONFIG), ("tc", 2, False), ("cuda-core",),
+                                     ("cuda-core",)]
+    for _, dtypes, tensors, scalars in calls:
+        assert dtypes == launch.INTRA_DTYPES
+        assert len(tensors) == 11 and all(t is w for t, w in zip(tensors, (*args, ctab), strict=True))
+        assert scalars == (TT, 2, HQK, HV, 0.5)
 
 
 @pytest.mark.parametrize("lengths,HQK,HV,decay", [([17, 1, 64, 65, 0, 70], 1, 2, 0.25), (None, 2, 2, 8.0)])

@@ -41,10 +41,11 @@ def _run(fn, args, base, ctab, scale, **kw):
     return outs
 
 
-def _tc(*a, **kw):
-    from cula_sm100.backward.chunk_bwd_intra_tc import chunk_bwd_intra_tc
+def _tc(*a, min_ctas=None, split_b=True, **kw):
+    """The tensor-core kernel through launch (in (min_ctas, split_b); the live configuration without min_ctas)."""
+    from cula_sm100.backward import launch
 
-    return chunk_bwd_intra_tc(*a, **kw)
+    return launch.chunk_bwd_intra(*a, tc=True, config=None if min_ctas is None else (min_ctas, split_b), **kw)
 
 
 def _cuda_core(*a, **kw):

@@ -61,7 +61,6 @@ def rel(a, b):
 def bench_shape(shape, timing, with_fla):
     """(CUDA-core ms, [TC ms per configuration], FLA ms or None, [TC rel. diff per configuration]) of one shape."""
     from cula_sm100.backward import launch
-    from cula_sm100.backward.chunk_bwd_intra_tc import chunk_bwd_intra_tc
 
     (pargs, base, ctab, _ch, scale), lengths = make(shape)
     cc = [b.clone() for b in base]
@@ -69,12 +68,12 @@ def bench_shape(shape, timing, with_fla):
     diffs = []
     for mc, sp in CONFIGS:
         o = [b.clone() for b in base]
-        chunk_bwd_intra_tc(*pargs, *o, ctab, scale=scale, min_ctas=mc, split_b=sp)
+        launch.chunk_bwd_intra(*pargs, *o, ctab, scale=scale, tc=True, config=(mc, sp))
         diffs.append(max(rel(x - b0, c - b0) for x, c, b0 in zip(o, cc, base, strict=True)))
     bufs = cc  # the timed calls keep adding to these
     ms_cc = measure(lambda: launch.chunk_bwd_intra(*pargs, *bufs, ctab, scale=scale, tc=False), [()], timing).median_ms
-    ms_tc = [measure(lambda mc=mc, sp=sp: chunk_bwd_intra_tc(*pargs, *bufs, ctab, scale=scale, min_ctas=mc,
-                                                             split_b=sp), [()], timing).median_ms
+    ms_tc = [measure(lambda mc=mc, sp=sp: launch.chunk_bwd_intra(*pargs, *bufs, ctab, scale=scale, tc=True,
+                                                                 config=(mc, sp)), [()], timing).median_ms
              for mc, sp in CONFIGS]
     ms_fla = None
     if with_fla:

@@ -38,9 +38,9 @@ to the first adding the global dG (chunk_wy_dqkg's) and the running suffix sum, 
 the warp's channels into a per-(row, warp) partial, summed over the 8 warps in a fixed order at the end.
 Shared memory 103.7 KiB (2 CTAs per SM): q, k (bf16, rows padded to 136: conflict-free fragment loads), G
 (fp32 log2 units, rows of 132), dSq / dL (bf16, rows of 72: conflict-free ldmatrix), beta, the scratch and the
-dbeta partials. Registers (static, tools.kernel_report.analyse, B pair): 2 CTAs per SM (the default): 128, spills
-168 bytes (sm_90a) / 136 (sm_100a); 1 CTA per SM (`min_ctas=1`, which also loads the dq / dk / dG a block adds to
-before its products): 255, no spills (sm_90a) / 168 bytes (sm_100a). 80 HMMA (160 with the B pair) per warp and
+dbeta partials. Registers (static, tools.kernel_report.analyse, B pair): 1 CTA per SM (`min_ctas=1`, the default
+and the live configuration, which also loads the dq / dk / dG a block adds to before its products): 255, no spills
+(sm_90a) / 168 bytes (sm_100a); 2 CTAs per SM: 128, spills 168 bytes (sm_90a) / 136 (sm_100a). 80 HMMA (160 with the B pair) per warp and
 value head, 288 MUFU.EX2 in the code (the exact path's included).
 Pipeline per value head: G by cp.async; dAqk / dL as 16-byte loads converted to bf16 (masked to the lower /
 strictly lower triangle, dSq scaled); one barrier; G padded (rows >= n take row n - 1's: exponents stay
@@ -48,17 +48,17 @@ bounded; q = k = dSq = dL = beta = 0 there, so padding adds exactly 0) and scale
 the 4 row blocks. Blocks wholly past the chunk end are skipped. Assumes K = 128, chunks that never cross a
 sequence (the chunk table), n >= 1 per chunk.
 
-Status (session 6): compiled on the CPU only (sm_90a, sm_100a); NOT yet run on a GPU. The CUDA-core kernel
-(chunk_bwd_intra.py) stays the oracle and the live path until the GPU decides:
-    python -m pytest -q -s tests/sm100/test_chunk_bwd_intra_tc_gpu.py      (fp64, CUDA-core kernel, FLA, whole op,
-                                                                            determinism, memcheck)
-    python -m tools.bench.bwd_intra --out docs/benchmarks/bwd_intra.md    (4 configurations vs CUDA-core and FLA)
-Then wire the fastest passing configuration in (launch.chunk_bwd_intra), or delete this file.
+Status (session 7, H100): on the live path (backward.launch.INTRA_TC_CONFIG = (1, True)). Measured
+(docs/benchmarks/bwd_intra.md): 1.334 / 2.407 ms at B=2 T=8192 H=32 HV=32 / 64 against 2.162 / 4.181 ms for the
+CUDA-core kernel and 3.864 / 8.311 ms for FLA's stage; at 2 CTAs per SM (spilling) 2.79 / 5.43 ms. Errors against
+fp64 on the test shapes: dq, dk, dbeta <= 2.4e-3, dG <= 3.1e-3 with the B pair (6.1e-3 single bf16); against FLA's
+stage <= 1.9e-3. Tests: tests/sm100/test_chunk_bwd_intra_tc_gpu.py (fp64, the CUDA-core kernel, FLA, the whole op
+in both configurations, determinism, memcheck: 0 errors). chunk_bwd_intra.py (CUDA-core, fp32 throughout) stays
+as its oracle, reachable with launch.INTRA_TC = False or launch.chunk_bwd_intra(..., tc=False).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import cutlass
@@ -91,7 +91,7 @@ class ChunkBwdIntraTC:
     SMEM = (2 * _BT * QK_STRIDE * 2 + _BT * G_STRIDE * 4 + 2 * _BT * A_STRIDE * 2
             + _BT * 4 + _BT * 8 * 4 + 8 * _BC * S_STRIDE * 4)
 
-    def __init__(self, min_ctas: int = 2, split_b: bool = True):
+    def __init__(self, min_ctas: int = 1, split_b: bool = True):
         # CTAs per SM the launch asks for: 2 caps registers at 128 (sm_90a: 168 bytes of spills; 16 warps per SM),
         # 1 lets ptxas take 255 (no spills; 8 warps per SM). The benchmark times both (tools/bench/bwd_intra.py)
         self.min_ctas = min_ctas
@@ -413,36 +413,3 @@ class ChunkBwdIntraTC:
                 accR[v] = accR[v] + sSl[r0 + rr, j].to(f32) * kj * er
                 accC[v] = accC[v] + (sSq[j, r0 + rr].to(f32) * sQ[j, d].to(f32)
                                      + bj * sSl[j, r0 + rr].to(f32) * kj) * ec
-
-
-@functools.cache
-def compiled(min_ctas: int = 2, split_b: bool = True):
-    """The compiled kernel (one compilation serves every size and group), per (launch bound, B split)."""
-    from cula_sm100.forward import launch as fwd
-
-    return cute.compile(ChunkBwdIntraTC(min_ctas, split_b), *map(fwd._fake_ptr, _dtypes()), 1, 1, 1, 1, 1.0,
-                        fwd._compile_stream())
-
-
-def _dtypes():
-    import torch
-
-    bf, f32 = torch.bfloat16, torch.float32
-    # q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, chunk table
-    return (bf, bf, f32, f32, f32, f32, f32, f32, f32, f32, torch.int32)
-
-
-def chunk_bwd_intra_tc(q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab, *, scale, min_ctas: int = 1,
-                       split_b: bool = True):
-    """launch.chunk_bwd_intra's calling convention: ADDS in place to dq, dk [TT, HQK, K], dbeta [TT, HV] and
-    dG [TT, HV, K] (fp32), then dG holds its reverse chunk-local cumsum. q, k [TT, HQK, K] bf16; G [TT, HV, K]
-    fp32; beta [TT, HV] fp32 (activated); dAqk, dL [TT, HV, 64] fp32; ctab the forward's chunk table."""
-    from cula_sm100.forward import launch as fwd
-
-    TT, HQK, _ = q.shape
-    HV = G.shape[1]
-    NC = ctab.shape[0]
-    if NC:
-        ptrs = [fwd._ptr(t, dt) for t, dt in zip((q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab), _dtypes(),
-                                                 strict=True)]
-        compiled(min_ctas, split_b)(*ptrs, TT, NC, HQK, HV, float(scale), fwd._stream())

@@ -116,18 +116,19 @@ def intra_tc_kernel(min_ctas: int, split_b: bool):
     return fwd._compile(ChunkBwdIntraTC(min_ctas, split_b), INTRA_DTYPES, 1, 1, 1, 1, 1.0)
 
 
-def chunk_bwd_intra(q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab, *, scale, tc=None):
+def chunk_bwd_intra(q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab, *, scale, tc=None, config=None):
     """The intra-chunk backward, ADDED in place to dq, dk [TT, HQK, K], dbeta [TT, HV] and dG [TT, HV, K] (fp32,
     as chunk_wy_dqkg returns them); dG then holds its reverse chunk-local cumsum (the gradient of the raw log
     decay). q, k [TT, HQK, K] bf16; G [TT, HV, K] fp32; beta [TT, HV] fp32 (activated); dAqk (chunk_bwd_dav), dL
-    (chunk_wy_dqkg) [TT, HV, 64] fp32. `tc`: the tensor-core kernel chunk_bwd_intra_tc.py (True, in
-    INTRA_TC_CONFIG) or the CUDA-core chunk_bwd_intra.py (False, the tests' and benchmark's fp32 oracle); None
-    follows INTRA_TC."""
+    (chunk_wy_dqkg) [TT, HV, 64] fp32. `tc`: the tensor-core kernel chunk_bwd_intra_tc.py (True) or the CUDA-core
+    chunk_bwd_intra.py (False, the tests' and benchmark's fp32 oracle); None follows INTRA_TC. `config`: the
+    tensor-core kernel's (CTAs per SM, B split), INTRA_TC_CONFIG when None."""
     TT, HQK, _ = q.shape
     HV = G.shape[1]
     NC = ctab.shape[0]
     if NC:
-        kern = intra_tc_kernel(*INTRA_TC_CONFIG) if (INTRA_TC if tc is None else tc) else intra_kernel()
+        use_tc = INTRA_TC if tc is None else tc
+        kern = intra_tc_kernel(*(config or INTRA_TC_CONFIG)) if use_tc else intra_kernel()
         fwd._launch(kern, INTRA_DTYPES, (q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab),
                     (TT, NC, HQK, HV, float(scale)))
 
