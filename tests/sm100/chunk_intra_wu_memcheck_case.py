@@ -59,5 +59,21 @@ def run_under_memcheck(script=None, **env):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=here, env=dict(os.environ, **env))
 
 
+def assert_memcheck_clean(script):
+    """The body of a memcheck test: skip without compute-sanitizer, else run `script` (its own memcheck cases, which
+    end by printing "... cases ok") under run_under_memcheck and assert a clean exit and 0 errors."""
+    import shutil
+
+    import pytest
+
+    if shutil.which("compute-sanitizer") is None:
+        pytest.skip("compute-sanitizer not on PATH")
+    proc = run_under_memcheck(script=script)
+    print(proc.stdout[-3000:])
+    assert proc.returncode == 0, proc.stdout[:6000] + proc.stderr[-3000:]
+    assert "cases ok" in proc.stdout
+    assert "ERROR SUMMARY: 0 errors" in proc.stdout
+
+
 if __name__ == "__main__":
     main()

@@ -24,10 +24,14 @@ KERNELS = {
     # this kernel is compiled by test_chunk_intra_wu_cpu.py
     "chunk_intra_wu_gate[softplus]": lambda: launch.intra_wu_gate_kernel("softplus", f32, f32, f32, True, True, None,
                                                                         bf, "none"),
+    # its qg_out variant (qg = bf16(q e^G) and G's last rows out: forward(intermediates=False)'s stage)
+    "chunk_intra_wu_gate[softplus, qg_out]": lambda: launch.intra_wu_gate_kernel("softplus", f32, f32, f32, True, True,
+                                                                                None, bf, "none", True),
     "chunk_delta_h": lambda: launch.delta_h_kernel(True, True),
     "chunk_delta_h[no states]": lambda: launch.delta_h_kernel(False, False),
     "chunk_delta_h[no cluster]": lambda: launch.delta_h_kernel(False, False, False),
     "fwd_o": lambda: launch.fwd_o_kernel(),
+    "fwd_o[qg_in]": lambda: launch.fwd_o_kernel(True),
 }
 
 if __name__ == "__main__":

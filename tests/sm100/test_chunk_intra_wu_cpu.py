@@ -4,7 +4,8 @@ launch.intra_wu_kernel / launch.intra_wu_gate_kernel (two processes started toge
 gate variant for every value of every compile key it adds (gate mode, g dtype, A_log / dt_bias present or not,
 beta dtype and activation); the shared-memory plan keeps 2 CTAs per SM; launch.chunk_intra_wu and
 launch.chunk_intra_wu_gate allocate and launch as the stages they replace do, and forward takes the fused gate
-stage when launch.FUSED_GATE (kernels and launches stubbed: nothing runs)."""
+stage when launch.FUSED_GATE (kernels and launches stubbed: nothing runs). Two of the gate keys also compile with
+qg_out (qg = bf16(q e^G) and G's last rows out; its host side: test_fused_qg_cpu.py)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ GATE_KEYS = (("softplus", "f32", "f32", "f32", True, True, None, "bf16", "none")
              ("safe", "f32", "f32", "bf16", False, True, -5.0, "bf16", "2sigmoid"),
              ("safe", "f16", "f32", "f32", True, True, -2.0, "f32", "sigmoid"),
              ("precomputed", "bf16", "f32", "f32", False, False, None, "f32", "none"))
+# compiled with qg_out as well (the forward's main key with qg_out: sm100_compile_check.py)
+QG_KEYS = (GATE_KEYS[3], GATE_KEYS[5])
 COMPILE = ("import torch\n"
            "from cula_sm100.forward.launch import intra_wu_kernel\n"
            "for beta_dtype, act in ((torch.bfloat16, 'sigmoid'), (torch.float32, 'none')):\n"
@@ -36,7 +39,11 @@ COMPILE = ("import torch\n"
            "    gate, g, a, b, has_a, has_b, lb, beta, act = key\n"
            "    dt = {'f32': torch.float32, 'bf16': torch.bfloat16, 'f16': torch.float16}\n"
            "    intra_wu_gate_kernel(gate, dt[g], dt[a], dt[b], has_a, has_b, lb, dt[beta], act)\n"
-           "    print('compiled', key, flush=True)\n")
+           "    print('compiled', key, flush=True)\n"
+           f"for key in {QG_KEYS!r}:\n"
+           "    gate, g, a, b, has_a, has_b, lb, beta, act = key\n"
+           "    intra_wu_gate_kernel(gate, dt[g], dt[a], dt[b], has_a, has_b, lb, dt[beta], act, True)\n"
+           "    print('compiled qg_out', key, flush=True)\n")
 
 needs_dsl = pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed")
 
@@ -58,7 +65,7 @@ def test_fused_kernel_compiles(arch, compiled_by_arch):
     proc = compiled_by_arch[arch]
     rc, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
     assert rc == 0, stdout[-2000:] + stderr[-4000:]
-    assert stdout.count("compiled ") == 2 + len(GATE_KEYS), stdout
+    assert stdout.count("compiled ") == 2 + len(GATE_KEYS) + len(QG_KEYS), stdout
 
 
 @needs_dsl
@@ -121,9 +128,9 @@ def test_wrapper_allocates_and_launches(monkeypatch):
 
 def test_gate_wrapper_allocates_and_launches(monkeypatch):
     """launch.chunk_intra_wu_gate: G [TT, HV, 128] fp32 and the five outputs of chunk_intra_wu; the kernel gets (q, k,
-    v, g, A_log, dt_bias, G, beta, the 5 outputs, chunk table) and (TT, NC, HQK, HV, scale), keyed by gate_cumsum's key
-    (absent A_log / dt_bias: fp32 dtype, not present; lower_bound only for the safe gate) then beta dtype and
-    activation; no launch without chunks."""
+    v, g, A_log, dt_bias, G, beta, the 5 outputs, chunk table, qg absent) and (TT, NC, HQK, HV, scale), keyed by
+    gate_cumsum's key (absent A_log / dt_bias: fp32 dtype, not present; lower_bound only for the safe gate) then beta
+    dtype, activation and qg_out (False); no launch without chunks. (qg_out: test_fused_qg_cpu.py.)"""
     from cula_sm100.forward import launch
 
     calls = _stub_launches(monkeypatch, launch, "intra_wu_gate_kernel")
@@ -137,9 +144,10 @@ def test_gate_wrapper_allocates_and_launches(monkeypatch):
     assert [tuple(o.shape) for o in outs] == [(TT, HV, 128)] + [(TT, HV, 64)] * 2 + [(TT, HV, 128)] * 3
     assert [o.dtype for o in outs] == [torch.float32] + [bf] * 5
     (kern, dtypes, tensors, scalars), = calls
-    assert kern == ("kernel", "softplus", bf, torch.float32, torch.float32, True, False, None, bf, "sigmoid")
+    assert kern == ("kernel", "softplus", bf, torch.float32, torch.float32, True, False, None, bf, "sigmoid", False)
     assert dtypes == launch.intra_wu_gate_dtypes(bf, torch.float32, torch.float32, bf)
     assert tensors[:6] == (q, k, v, g, A_log, None) and tensors[7] is beta and tensors[13] is ctab
+    assert tensors[14] is None  # qg: not written without qg_out
     assert tensors[6] is outs[0] and all(a is b for a, b in zip(tensors[8:13], outs[1:], strict=True))
     assert scalars == (TT, 2, HQK, HV, 0.5)
     assert [None if t is None else t.dtype for t in tensors] == [None if t is None else d

@@ -1,13 +1,14 @@
 """CPU: cula_sm100.fast_launch, the pre-packed launches of every sm100 kernel (forward and backward).
 
 For every compiled kernel the launch code uses (each compile key that changes the argument list or the dtypes:
-l2norm, gate_cumsum with and without A_log / dt_bias, chunk_intra, recompute_w_u, chunk_intra_wu, chunk_delta_h
-plain and cluster with and without its states, fwd_o; chunk_wy_dqkg, chunk_bwd_dav, chunk_bwd_dhu at each key, chunk_bwd_intra,
-gate_bwd, l2norm_bwd) the bytes of the launcher's cells must equal what the DSL's own conversion
-(`compiled.generate_execution_args`) makes of fresh make_ptr pointers, the same scalars and the same stream, over
-two calls with different tensors (new addresses, absent optionals at the dummy address 16). CPU tensors: only
-their addresses are used, nothing is launched. The kernels compile for sm_90a in two subprocesses (forward,
-backward) started together (CUTE_DSL_ARCH must be set before cutlass is imported).
+l2norm, gate_cumsum with and without A_log / dt_bias, chunk_intra, recompute_w_u, chunk_intra_wu, chunk_intra_wu_gate
+with and without qg_out, chunk_delta_h plain and cluster with and without its states, fwd_o with and without qg_in;
+chunk_wy_dqkg, chunk_bwd_dav, chunk_bwd_dhu at each key, chunk_bwd_intra, gate_bwd, l2norm_bwd) the bytes of the
+launcher's cells must equal what the DSL's own conversion (`compiled.generate_execution_args`) makes of fresh
+make_ptr pointers, the same scalars and the same stream, over two calls with different tensors (new addresses,
+absent optionals at the dummy address 16). CPU tensors: only their addresses are used, nothing is launched. The
+kernels compile for sm_90a in two subprocesses (forward, backward) started together (CUTE_DSL_ARCH must be set before
+cutlass is imported).
 
 Also (no compile): the first call's check and the state machine (DSL path first, then the cells; a refused check
 keeps the DSL path; ENABLED = False always takes it with fresh pointers), and the refusals (dtype, alignment,
@@ -54,6 +55,13 @@ def forward_cases():
         "chunk_delta_h[no states, plain]": (lambda: f.delta_h_kernel(False, False, False), f.DELTA_H_DTYPES, (4, 7),
                                             (1000, 16, 3, 4)),
         "fwd_o": (f.fwd_o_kernel, f.FWD_O_DTYPES, (), (1000, 16, 2, 4, s)),
+        # qg_in: G not read (absent)
+        "fwd_o[qg_in]": (lambda: f.fwd_o_kernel(True), f.FWD_O_DTYPES, (1,), (1000, 16, 4, 4, s)),
+        # chunk_intra_wu_gate without (qg absent) and with qg_out
+        **{f"chunk_intra_wu_gate[softplus, qg_out {qg}]": (
+            lambda qg=qg: f.intra_wu_gate_kernel("softplus", _F32, _F32, _F32, True, True, None, _BF, "none", qg),
+            f.intra_wu_gate_dtypes(_F32, _F32, _F32, _BF), () if qg else (14,), (1000, 16, 2, 4, s))
+           for qg in (False, True)},
     }
 
 

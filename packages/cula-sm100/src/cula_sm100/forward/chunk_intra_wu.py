@@ -132,7 +132,7 @@ class ChunkIntraWU(ChunkIntra):
         if cutlass.const_expr(self.G_FIRST):
             cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
-        self.store_G(gate_in, sG, tidx, hv, t0, n)
+        self.store_G(gate_in, sQ, sG, tidx, hv, t0, n)
         self.fused_body(sQ, sK, sG, r_raw, sBeta, mV, mAqk, mAkk, mW, mU, mKg, tidx, wid, lane, hv, t0, n, scale)
 
     @cute.jit
@@ -154,8 +154,9 @@ class ChunkIntraWU(ChunkIntra):
                 sG[r, ch] = sG[n - 1, ch]
 
     @cute.jit
-    def store_G(self, gate_in, sG: cute.Tensor, tidx, hv, t0, n):
-        """After the barrier that follows fill_G: nothing here (G came from global memory)."""
+    def store_G(self, gate_in, sQ: cute.Tensor, sG: cute.Tensor, tidx, hv, t0, n):
+        """After the barrier that follows fill_G (q in sQ and G in sG complete, both still intact): nothing here (G
+        came from global memory)."""
         pass
 
     @cute.jit

@@ -200,6 +200,16 @@ def exp2(x):
     return cute.math.exp2(x, fastmath=True)
 
 
+@cute.jit
+def scale_by_exp(fq: cute.Tensor, fg: cute.Tensor):
+    """fq[e] = bf16(float(fq[e]) e^fg[e]) in place, the 8 values of a 16-byte vector: q e^G (qg, the first operand
+    of fwd_o's GEMM) as fwd_o.py and chunk_intra_wu_gate.py (qg_out) both form it, one expression, so the same
+    bits (fg fp32; fastmath exp)."""
+    for e in cutlass.range_constexpr(8):
+        fq[e] = (fq[e].to(cutlass.Float32) * cute.math.exp(fg[e].to(cutlass.Float32), fastmath=True)
+                 ).to(cutlass.BFloat16)
+
+
 def token_layout(TT, H, D):
     """Row-major (T_total, H, D): FLA's [B, T, H, D] with batch and time packed."""
     return cute.make_layout((TT, H, D), stride=(H * D, D, 1))

@@ -8,6 +8,20 @@ Tiling: 128 threads (4 warps along the 64 rows), all of V = 128 per CTA so q * e
 to bf16 as FLA, fp32 accumulation), h and v_new read with ldmatrix.trans. Pipeline: cp.async q, h, Aqk,
 v_new (rows past the chunk end zero), qg in place (8 channels per thread, 16-byte vectors), two GEMMs, o staged
 through q's shared tile and stored in 16-byte rows.
+
+qg_in (compile-time flag; launch.fwd_o_qg, the forward's stage through the qg path: launch.FUSED_QG with
+forward(intermediates=False)): q_ptr carries qg [TT, HV, K] bf16 = bf16(q e^G), made by chunk_intra_wu_gate with
+qg_out with this kernel's own expression (cute_utils.scale_by_exp), and is cp.async'ed at head hv straight into sQ;
+G_ptr is not read, and neither the G loads nor the exp pass run (one barrier after the copies instead of two).
+Everything else is the same code, so o is bitwise the flag-off kernel's on the q and G that made qg. Why: the G read
+(fp32, 1.07 GB at B = 2, T = 8192, HV = 128) and q's (0.27 GB) become qg's 0.54 GB.
+Static resources (`python -m tools.kernel_report --arch sm_90a|sm_100a --kernel fwd.fwd_o --kernel
+"fwd.fwd_o[qg_in]"`): flag off, 108 registers on both archs, no spills, 1 + 72.0 KiB shared memory, 3 CTAs per SM
+(by shared memory), 1235 SASS instructions, PTX unchanged by the flag. qg_in: left unbounded, ptxas gives it 96
+registers and spills 12 B (a 16-byte stack frame), so it launches with min_blocks_per_mp = 3 (what its shared memory
+allows anyway) and a carveout of 100: 140 registers on sm_90a, 142 on sm_100a, no spills, no local memory, the same
+72.0 KiB and 3 CTAs per SM, 786 SASS instructions (no MUFU, no 16-byte LDG). CPU-compiled only: not yet run on a
+GPU (tests/sm100/test_fused_qg_gpu.py).
 """
 
 from __future__ import annotations
@@ -17,8 +31,8 @@ import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
 from cula_sm100.forward.cute_utils import (chunk_block, copy_rows_g2s, g2s_tiled_copy, gemm_ss, head_rows,
-                                          make_tiled_mma, smem_layout, store_acc_s, store_rows_s2g, token_layout,
-                                          transposed, vec_copy)
+                                          make_tiled_mma, scale_by_exp, smem_layout, store_acc_s, store_rows_s2g,
+                                          token_layout, transposed, vec_copy)
 
 
 class FwdO:
@@ -26,6 +40,12 @@ class FwdO:
     K = 128
     V = 128
     threads = 128
+    QG_IN_MIN_CTAS = 3  # qg_in's launch bound (see __call__)
+
+    def __init__(self, qg_in: bool = False):
+        # True: q_ptr is qg [TT, HV, K] bf16 (q e^G, chunk_intra_wu_gate's qg_out), loaded straight into sQ at the
+        # value head; G_ptr is not read (see the module docstring)
+        self.qg_in = qg_in
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, G_ptr: cute.Pointer, h_ptr: cute.Pointer, Aqk_ptr: cute.Pointer,
@@ -33,7 +53,7 @@ class FwdO:
                  NC: cutlass.Int32, HQK: cutlass.Int32, HV: cutlass.Int32, scale: cutlass.Float32,
                  stream: cuda.CUstream):
         K, V, BT = self.K, self.V, self.BT
-        mQ = cute.make_tensor(q_ptr, token_layout(TT, HQK, K))
+        mQ = cute.make_tensor(q_ptr, token_layout(TT, HV if self.qg_in else HQK, K))
         mG = cute.make_tensor(G_ptr, token_layout(TT, HV, K))
         # h [NC, HV, K, V] viewed as (NC * HV * K, 1, V): row k of (chunk c, head hv) is "token" (c HV + hv) K + k
         mH = cute.make_tensor(h_ptr, cute.make_layout((NC * HV * K, 1, V), stride=(V, V, 1)))
@@ -42,8 +62,15 @@ class FwdO:
         mVn = cute.make_tensor(vnew_ptr, hv_v)
         mO = cute.make_tensor(o_ptr, hv_v)
         mT = cute.make_tensor(table_ptr, cute.make_layout((NC, 2), stride=(2, 1)))
-        self.kernel(mQ, mG, mH, mAqk, mVn, mO, mT, HV, HV // HQK, scale).launch(
-            grid=[NC, HV, 1], block=[self.threads, 1, 1], stream=stream)
+        launch = dict(grid=[NC, HV, 1], block=[self.threads, 1, 1], stream=stream)
+        if cutlass.const_expr(self.qg_in):
+            # unbounded, ptxas gives this variant 96 registers and spills 12 B; bounded by the 3 CTAs per SM that its
+            # 73 KiB of shared memory allow anyway, it takes 140 and spills nothing (the carveout as the other
+            # bounded kernels: a bound > 1 without it makes the DSL query the device). No bound on the plain
+            # kernel: its PTX stays as it was
+            launch["min_blocks_per_mp"] = self.QG_IN_MIN_CTAS
+            launch["preferred_smem_carveout"] = 100
+        self.kernel(mQ, mG, mH, mAqk, mVn, mO, mT, HV, HV // HQK, scale).launch(**launch)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mG: cute.Tensor, mH: cute.Tensor, mAqk: cute.Tensor, mVn: cute.Tensor,
@@ -51,7 +78,7 @@ class FwdO:
                scale: cutlass.Float32):
         K, V, BT = self.K, self.V, self.BT
         tidx, c, hv, t0, n = chunk_block(mT)
-        hq = hv // group
+        hq = hv if self.qg_in else hv // group  # qg_in: qg is in HV space
 
         smem = cutlass.utils.SmemAllocator()
         sQ = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 128)
@@ -65,6 +92,17 @@ class FwdO:
         copy_rows_g2s(g2s_tiled_copy(BT, self.threads), head_rows(mAqk, t0, hv, BT), sA, n, tidx)
         copy_rows_g2s(cp, head_rows(mVn, t0, hv, BT), sVn, n, tidx)
         cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(self.qg_in):
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()
+        else:
+            self.qg_in_place(mG, sQ, tidx, hv, t0, n)
+        self.gemms_and_store(sQ, sH, sA, sVn, mO, tidx, hv, t0, n, scale)
+
+    @cute.jit
+    def qg_in_place(self, mG: cute.Tensor, sQ: cute.Tensor, tidx, hv, t0, n):
+        """After the cp.async copies were issued: sQ = bf16(q e^G) for rows < n, then a barrier."""
+        K, BT = self.K, self.BT
         # q * exp(G) in place, 8 channels per thread in 16-byte vectors. The G loads (to registers) are issued
         # before waiting for the cp.async copies, so their latency overlaps those copies' (session 4: with an
         # L2-norm pass of q placed between these loads and their use, fwd_o ran ~8% faster, H100)
@@ -85,13 +123,15 @@ class FwdO:
         for m in cutlass.range_constexpr(cute.size(pG.shape[1])):
             if coord[0, m, 0][0] < n:
                 cute.copy(vb, pQs[None, m, None], fq)
-                fgm = fg[None, m, None]
-                for e in cutlass.range_constexpr(8):
-                    fq[e] = (fq[e].to(cutlass.Float32) * cute.math.exp(fgm[e].to(cutlass.Float32), fastmath=True)
-                             ).to(cutlass.BFloat16)
+                scale_by_exp(fq, fg[None, m, None])
                 cute.copy(vb, fq, pQd[None, m, None])
         cute.arch.sync_threads()
 
+    @cute.jit
+    def gemms_and_store(self, sQ: cute.Tensor, sH: cute.Tensor, sA: cute.Tensor, sVn: cute.Tensor, mO: cute.Tensor,
+                        tidx, hv, t0, n, scale: cutlass.Float32):
+        """o = scale qg @ h + Aqk @ v_new from the shared tiles (qg in sQ), staged in sQ, rows < n stored."""
+        K, V, BT = self.K, self.V, self.BT
         mma = make_tiled_mma(4)
         thr = mma.get_slice(tidx)
         acc = cute.make_rmem_tensor(thr.partition_shape_C((BT, V)), cutlass.Float32)

@@ -28,6 +28,11 @@ BT = 64
 # the forward's gate: True, chunk_intra_wu_gate (gate, cumsum and chunk_intra_wu in one kernel; G written once, not
 # read back); False, gate_cumsum then chunk_intra_wu (the backward's recompute always takes this path)
 FUSED_GATE = True
+# forward(intermediates=False) (chunk_kda's call) with FUSED_GATE: True, chunk_intra_wu_gate writes qg = bf16(q e^G)
+# and G only at each chunk's last row, and fwd_o reads qg (FwdO(qg_in=True)): neither all of G (fp32) nor q goes
+# through HBM for fwd_o; o and the final state are bitwise the same. False, or intermediates=True: G in full and
+# fwd_o forms qg itself (every intermediate returned)
+FUSED_QG = True
 _BF, _F32, _I32 = torch.bfloat16, torch.float32, torch.int32
 
 _TORCH_TO_CUTLASS = {}
@@ -119,12 +124,13 @@ def intra_wu_dtypes(beta_dtype):  # q, k, v, G, beta, Aqk, Akk, w, u, kg, chunk 
 
 
 def intra_wu_gate_dtypes(g_dtype, a_dtype, b_dtype, beta_dtype):
-    # q, k, v, g, A_log, dt_bias, G (out), beta, Aqk, Akk, w, u, kg, chunk table
-    return (_BF, _BF, _BF, g_dtype, a_dtype, b_dtype, _F32, beta_dtype, _BF, _BF, _BF, _BF, _BF, _I32)
+    # q, k, v, g, A_log, dt_bias, G (out), beta, Aqk, Akk, w, u, kg, chunk table, qg (out; read only with qg_out)
+    return (_BF, _BF, _BF, g_dtype, a_dtype, b_dtype, _F32, beta_dtype, _BF, _BF, _BF, _BF, _BF, _I32, _BF)
 
 
 DELTA_H_DTYPES = (_BF, _BF, _BF, _F32, _F32, _BF, _BF, _F32, _I32)  # w, u, kg, G, h0, h, v_new, ht, sequence table
-FWD_O_DTYPES = (_BF, _F32, _BF, _BF, _BF, _BF, _I32)  # q, G, h, Aqk, v_new, o, chunk table
+# q (qg_in: qg), G (qg_in: not read), h, Aqk, v_new, o, chunk table
+FWD_O_DTYPES = (_BF, _F32, _BF, _BF, _BF, _BF, _I32)
 
 
 def _compile(op, dtypes, *scalars):
@@ -171,10 +177,10 @@ def intra_wu_kernel(beta_dtype: torch.dtype, beta_activation: str):
 
 @functools.cache
 def intra_wu_gate_kernel(gate: str, g_dtype, a_dtype, b_dtype, has_A_log: bool, has_dt_bias: bool, lower_bound,
-                         beta_dtype: torch.dtype, beta_activation: str):
+                         beta_dtype: torch.dtype, beta_activation: str, qg_out: bool = False):
     from cula_sm100.forward.chunk_intra_wu_gate import ChunkIntraWUGate
 
-    return _compile(ChunkIntraWUGate(beta_activation, gate, has_A_log, has_dt_bias, lower_bound),
+    return _compile(ChunkIntraWUGate(beta_activation, gate, has_A_log, has_dt_bias, lower_bound, qg_out),
                     intra_wu_gate_dtypes(g_dtype, a_dtype, b_dtype, beta_dtype), 1, 1, 1, 1, 1.0)
 
 
@@ -186,10 +192,10 @@ def delta_h_kernel(has_initial_state: bool, output_final_state: bool, cluster: b
 
 
 @functools.cache
-def fwd_o_kernel():
+def fwd_o_kernel(qg_in: bool = False):
     from cula_sm100.forward.fwd_o import FwdO
 
-    return _compile(FwdO(), FWD_O_DTYPES, 1, 1, 1, 1, 1.0)
+    return _compile(FwdO(qg_in), FWD_O_DTYPES, 1, 1, 1, 1, 1.0)
 
 
 # ------------------------------------------------------------------ tables
@@ -232,10 +238,11 @@ def tables(B: int, T: int, cu_seqlens, cu_seqlens_cpu, device):
 
 @dataclass
 class Intermediates:
-    """What the forward computed, in FLA's layouts over the packed tokens (tests compare these)."""
+    """What the forward computed, in FLA's layouts over the packed tokens (tests compare these). Through the qg path
+    (forward(intermediates=False) with FUSED_QG) G is never written in full: g_cumsum is None and qg is set."""
     q: torch.Tensor        # [TT, HQK, K] bf16 (L2-normalised if asked)
     k: torch.Tensor
-    g_cumsum: torch.Tensor  # [TT, HV, K] fp32, natural log
+    g_cumsum: torch.Tensor | None  # [TT, HV, K] fp32, natural log; None through the qg path
     Aqk: torch.Tensor      # [TT, HV, 64] bf16
     Akk: torch.Tensor      # [TT, HV, 64] bf16
     w: torch.Tensor        # [TT, HV, K] bf16
@@ -243,6 +250,7 @@ class Intermediates:
     kg: torch.Tensor       # [TT, HV, K] bf16
     h: torch.Tensor        # [NC, HV, K, V] bf16
     v_new: torch.Tensor    # [TT, HV, V] bf16
+    qg: torch.Tensor | None = None  # [TT, HV, K] bf16, bf16(q e^G) (fwd_o's first operand): the qg path only
 
 
 def _empty(*shape, like, dtype=torch.bfloat16):
@@ -313,22 +321,28 @@ def chunk_intra_wu(q, k, v, G, beta, ctab, *, scale, beta_activation):
     return Aqk, Akk, w, u, kg
 
 
-def chunk_intra_wu_gate(q, k, v, g, A_log, dt_bias, beta, ctab, *, gate, lower_bound, scale, beta_activation):
+def chunk_intra_wu_gate(q, k, v, g, A_log, dt_bias, beta, ctab, *, gate, lower_bound, scale, beta_activation,
+                        qg_out=False):
     """(G [TT, HV, K] fp32, Aqk, Akk [TT, HV, 64], w, u, kg [TT, HV, 128] bf16) (kernel: chunk_intra_wu_gate.py):
     gate_cumsum then chunk_intra_wu in one kernel, bitwise the same outputs, G written once and never read back.
-    g [TT, HV, K] raw gate (any float dtype); A_log [HV], dt_bias [HV K] or None; the rest as chunk_intra_wu."""
+    g [TT, HV, K] raw gate (any float dtype); A_log [HV], dt_bias [HV K] or None; the rest as chunk_intra_wu.
+    `qg_out`: (G, qg, Aqk, Akk, w, u, kg) with qg [TT, HV, K] bf16 = bf16(q e^G) (fwd_o's, bitwise) and G written
+    ONLY at each chunk's last row (all chunk_delta_h reads; the other rows of the buffer are left unwritten)."""
     HV, K = g.shape[-2:]
     TT = g.numel() // (HV * K)
     HQK, V = q.shape[-2], v.shape[-1]
     G = _empty(TT, HV, K, like=g, dtype=torch.float32)
+    qg = _empty(TT, HV, K, like=g) if qg_out else None
     Aqk, Akk = _empty(TT, HV, BT, like=g), _empty(TT, HV, BT, like=g)
     w, u, kg = _empty(TT, HV, K, like=g), _empty(TT, HV, V, like=g), _empty(TT, HV, K, like=g)
     if ctab.shape[0]:
         key = _gate_key(g, A_log, dt_bias, gate, lower_bound)
-        _launch(intra_wu_gate_kernel(*key, beta.dtype, beta_activation),
+        _launch(intra_wu_gate_kernel(*key, beta.dtype, beta_activation, qg_out),
                 intra_wu_gate_dtypes(*key[1:4], beta.dtype),
-                (q, k, v, g, A_log, dt_bias, G, beta, Aqk, Akk, w, u, kg, ctab),
+                (q, k, v, g, A_log, dt_bias, G, beta, Aqk, Akk, w, u, kg, ctab, qg),
                 (TT, ctab.shape[0], HQK, HV, float(scale)))
+    if qg_out:
+        return G, qg, Aqk, Akk, w, u, kg
     return G, Aqk, Akk, w, u, kg
 
 
@@ -365,18 +379,32 @@ def chunk_delta_h(w, u, kg, G, initial_state, ctab, stab, *, output_final_state,
 
 def fwd_o(q, G, h, Aqk, v_new, ctab, *, scale):
     """o [TT, HV, V] bf16 (kernel: fwd_o.py)."""
-    TT, HV, _ = G.shape
-    HQK, V = q.shape[-2], v_new.shape[-1]
-    o = _empty(TT, HV, V, like=G)
+    return _fwd_o(False, q, G, h, Aqk, v_new, ctab, G, q.shape[-2], scale)
+
+
+def fwd_o_qg(qg, h, Aqk, v_new, ctab, *, scale):
+    """o [TT, HV, V] bf16 from qg [TT, HV, K] bf16 = bf16(q e^G) (chunk_intra_wu_gate's qg_out; kernel: fwd_o.py
+    with qg_in): bitwise fwd_o's o on the q and G that made qg."""
+    return _fwd_o(True, qg, None, h, Aqk, v_new, ctab, qg, qg.shape[-2], scale)
+
+
+def _fwd_o(qg_in, q, G, h, Aqk, v_new, ctab, like, HQK, scale):
+    """fwd_o's launch; `like` ([TT, HV, K]: G, or qg) gives the sizes and the device."""
+    TT, HV, _ = like.shape
+    V = v_new.shape[-1]
+    o = _empty(TT, HV, V, like=like)
     if ctab.shape[0]:
-        _launch(fwd_o_kernel(), FWD_O_DTYPES, (q, G, h, Aqk, v_new, o, ctab),
+        _launch(fwd_o_kernel(qg_in), FWD_O_DTYPES, (q, G, h, Aqk, v_new, o, ctab),
                 (TT, ctab.shape[0], HQK, HV, float(scale)))
     return o
 
 
 def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *, scale,
-            output_final_state, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation):
-    """The chunk_kda forward; returns (o [B, T, HV, V], final_state [N, HV, K, V] or None, Intermediates)."""
+            output_final_state, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, intermediates=True):
+    """The chunk_kda forward; returns (o [B, T, HV, V], final_state [N, HV, K, V] or None, Intermediates).
+    `intermediates=False`: the caller needs o, the final state and Aqk / Akk only; with FUSED_GATE and FUSED_QG the
+    qg path runs (G never written in full: Intermediates.g_cumsum None, .qg set; o and the state bitwise the
+    same)."""
     B, T, HQK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     ctab, stab = tables(B, T, cu_seqlens, cu_seqlens_cpu, q.device)
@@ -386,17 +414,27 @@ def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     g = g.reshape(B * T, HV, K)
-    if FUSED_GATE:
+    qg_path = FUSED_QG and FUSED_GATE and not intermediates
+    qg = None
+    if qg_path:
+        G, qg, Aqk, Akk, w, u, kg = chunk_intra_wu_gate(q, k, v, g, A_log, dt_bias, beta, ctab, gate=gate,
+                                                        lower_bound=lower_bound, scale=scale,
+                                                        beta_activation=beta_activation, qg_out=True)
+    elif FUSED_GATE:
         G, Aqk, Akk, w, u, kg = chunk_intra_wu_gate(q, k, v, g, A_log, dt_bias, beta, ctab, gate=gate,
                                                     lower_bound=lower_bound, scale=scale,
                                                     beta_activation=beta_activation)
     else:
         G = gate_cumsum(g, A_log, dt_bias, ctab, gate=gate, lower_bound=lower_bound)
         Aqk, Akk, w, u, kg = chunk_intra_wu(q, k, v, G, beta, ctab, scale=scale, beta_activation=beta_activation)
+    # through the qg path G holds only each chunk's last row: all chunk_delta_h reads (ChunkDeltaH.last_g)
     h, v_new, ht = chunk_delta_h(w, u, kg, G, initial_state, ctab, stab, output_final_state=output_final_state)
-    o = fwd_o(q, G, h, Aqk, v_new, ctab, scale=scale)
-    inter = Intermediates(q=q.reshape(B * T, HQK, K), k=k.reshape(B * T, HQK, K), g_cumsum=G, Aqk=Aqk, Akk=Akk,
-                          w=w, u=u, kg=kg, h=h, v_new=v_new)
+    if qg_path:
+        o = fwd_o_qg(qg, h, Aqk, v_new, ctab, scale=scale)
+    else:
+        o = fwd_o(q, G, h, Aqk, v_new, ctab, scale=scale)
+    inter = Intermediates(q=q.reshape(B * T, HQK, K), k=k.reshape(B * T, HQK, K), g_cumsum=None if qg_path else G,
+                          Aqk=Aqk, Akk=Akk, w=w, u=u, kg=kg, h=h, v_new=v_new, qg=qg)
     return o.reshape(B, T, HV, V), ht, inter
 
 
@@ -404,10 +442,11 @@ def chunk_kda(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_se
               output_final_state, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation,
               save_residuals=False):
     """The backend's kernel for `chunk_kda` (calling convention: docs/backends.md); with `save_residuals`
-    also core's residuals (Aqk, Akk), each [B, T, HV, 64] bf16, for cula_sm100.backward."""
+    also core's residuals (Aqk, Akk), each [B, T, HV, 64] bf16, for cula_sm100.backward (which recomputes G
+    itself: the forward's G is not needed, so the forward runs without intermediates: the qg path)."""
     o, ht, it = forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale=scale,
                         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                        gate=gate, lower_bound=lower_bound, beta_activation=beta_activation)
+                        gate=gate, lower_bound=lower_bound, beta_activation=beta_activation, intermediates=False)
     if not save_residuals:
         return o, ht
     B, T = q.shape[:2]
