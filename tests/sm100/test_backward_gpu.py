@@ -234,21 +234,24 @@ def test_backward_deterministic(monkeypatch):
 def test_residuals_give_the_recomputed_gradients_bitwise(lengths, monkeypatch):
     """The forward hands Aqk / Akk to the backward (core's residuals), which then runs recompute_w_u alone
     instead of chunk_intra_wu (the intra-chunk matrices are not recomputed): the
-    gradients are bitwise those of the backward that recomputes them (same kernels, same inputs)."""
+    gradients are bitwise those of the backward that recomputes them (same kernels, same inputs). The forward
+    computes them in chunk_intra_wu_gate (launch.FUSED_GATE), the backward's recompute in chunk_intra_wu."""
     require_gpu()
     from cula_sm100 import forward
     from cula_sm100.forward import launch as fwd_launch
 
     calls = []
-    intra = fwd_launch.chunk_intra_wu
-    monkeypatch.setattr(fwd_launch, "chunk_intra_wu", lambda *a, **kw: calls.append(1) or intra(*a, **kw))
+    for name in ("chunk_intra_wu", "chunk_intra_wu_gate"):
+        fn = getattr(fwd_launch, name)
+        monkeypatch.setattr(fwd_launch, name, lambda *a, _n=name, _f=fn, **kw: calls.append(_n) or _f(*a, **kw))
+    monkeypatch.setattr(fwd_launch, "FUSED_GATE", True)
     B, T = (1, 0) if lengths else (2, 200)
     p = _problem(B, T, 1, 2, lengths, "softplus", seed=11)
     saved = _grads("sm100", monkeypatch, *p, gate="softplus", l2=True, lengths=lengths)
-    assert len(calls) == 1  # the forward's; the backward took the residuals
+    assert calls == ["chunk_intra_wu_gate"]  # the forward's; the backward took the residuals
     monkeypatch.setattr(forward, "saves_residuals", lambda call: False)
     recomputed = _grads("sm100", monkeypatch, *p, gate="softplus", l2=True, lengths=lengths)
-    assert len(calls) == 3  # forward + the backward's recompute
+    assert calls == ["chunk_intra_wu_gate"] * 2 + ["chunk_intra_wu"]  # + the forward, the backward's recompute
     for n in saved:
         assert (saved[n] is None) == (recomputed[n] is None), n
         assert saved[n] is None or torch.equal(saved[n], recomputed[n]), n

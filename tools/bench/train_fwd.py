@@ -13,10 +13,14 @@ Per-kernel rows (at T = 8192 and varlen) time the stages on the same prepared in
 chunk-local cumsum of the gate, our intermediates viewed in FLA's layout): ours `chunk_intra` and
 `recompute_w_u` (the separate kernels, which the backward still runs) against FLA's `chunk_kda_fwd_intra` (which
 runs its intra kernels *and* its recompute_w_u) and FLA's `recompute_w_u_fwd`; the `chunk_intra` row compares
-ours with FLA's difference of the two (FLA's intra part alone), labelled as derived; the forward's fused
-`chunk_intra_wu` against `chunk_kda_fwd_intra`; then `chunk_delta_h` against `chunk_gated_delta_rule_fwd_h`, `fwd_o` against
-`chunk_gla_fwd_o_gk`, the gate against `kda_gate_chunk_cumsum` and the L2 norm of q against `l2norm_fwd` (the
-forward runs it on q and on k). `--hv` keeps only the listed value-head counts (FLA autotunes per HV).
+ours with FLA's difference of the two (FLA's intra part alone), labelled as derived; the fused `chunk_intra_wu`
+(G in) against `chunk_kda_fwd_intra`; the forward's stage `chunk_intra_wu_gate` (raw gate in: the gate, its chunk
+cumsum, chunk_intra and recompute_w_u in one kernel, writing qg = q e^G in bf16 and only the last row of each chunk
+of G) against FLA's `kda_gate_chunk_cumsum` + `chunk_kda_fwd_intra`; then `chunk_delta_h` against
+`chunk_gated_delta_rule_fwd_h`, `fwd_o` (q and G in) and the forward's `fwd_o` from qg against `chunk_gla_fwd_o_gk`,
+the gate alone against `kda_gate_chunk_cumsum` and the L2 norm of q against `l2norm_fwd` (the forward runs it on q
+and on k). The "sum of the forward's stages" row adds the stages the forward launches. `--hv` keeps only the
+listed value-head counts (FLA autotunes per HV).
 Timing: median of `triton.testing.do_bench` through tools/bench/harness.py, after warm-up. The errors column is
 ||cula - FLA|| / ||FLA|| of o on the timed inputs.
 """
@@ -102,7 +106,10 @@ def stage_inputs(x):
     ctab, stab = launch.tables(B, T, cu, x.get("cu_seqlens_cpu"), q.device)
     w, u, kg = launch.recompute_w_u(k, x["v"], G, x["beta"], Akk, ctab, beta_activation="none")
     h, v_new, _ = launch.chunk_delta_h(w, u, kg, G, None, ctab, stab, output_final_state=False)
-    return dict(qraw=x["q"], kraw=x["k"],
+    qg = launch.chunk_intra_wu_gate(q, k, x["v"], x["g"].reshape(-1, HV, K), x["A_log"], x["dt_bias"], x["beta"],
+                                    ctab, gate="softplus", lower_bound=None, scale=K ** -0.5, beta_activation="none",
+                                    qg_out=True)[1]
+    return dict(qg=qg, qraw=x["q"], kraw=x["k"],
                 q=q, k=k, v=x["v"], beta=x["beta"], G=G, gk=gk, ctab=ctab, stab=stab, Akk=Akk, Aqk=Aqk, w=w, u=u,
                 kg=kg, h=h, v_new=v_new, graw=x["g"].reshape(-1, HV, K), A_log=x["A_log"], dt_bias=x["dt_bias"],
                 cu=cu.long() if cu is not None else None)
@@ -134,6 +141,11 @@ def kernel_fns(s):
                                             beta_activation="none"),
         "intra+w_u": lambda: launch.chunk_intra_wu(s["q"], s["k"], s["v"], s["G"], s["beta"], s["ctab"],
                                                    scale=scale, beta_activation="none"),
+        "gate+intra+w_u": lambda: launch.chunk_intra_wu_gate(s["q"], s["k"], s["v"], s["graw"], s["A_log"],
+                                                             s["dt_bias"], s["beta"], s["ctab"], gate="softplus",
+                                                             lower_bound=None, scale=scale,
+                                                             beta_activation="none", qg_out=True),
+        "fwd_o[qg]": lambda: launch.fwd_o_qg(s["qg"], s["h"], s["Aqk"], s["v_new"], s["ctab"], scale=scale),
         "delta_h": lambda: launch.chunk_delta_h(s["w"], s["u"], s["kg"], s["G"], None, s["ctab"], s["stab"],
                                                 output_final_state=False),
         "fwd_o": lambda: launch.fwd_o(s["q"], s["G"], s["h"], s["Aqk"], s["v_new"], s["ctab"], scale=scale),
@@ -300,14 +312,18 @@ def main(argv=None) -> int:
         rows.append(dict(kind="recompute_w_u", **base, cula_ms=t["w_u"], fla_ms=t["fla w_u"]))
         rows.append(dict(kind="chunk_intra_wu (the two fused; FLA: chunk_kda_fwd_intra)", **base,
                          cula_ms=t["intra+w_u"], fla_ms=t["fla intra+w_u"]))
-        live = ("l2norm", "l2norm", "gate", "intra+w_u", "delta_h", "fwd_o")
+        rows.append(dict(kind="chunk_intra_wu_gate, qg out (gate + the two fused; FLA: gate + chunk_kda_fwd_intra)",
+                         **base, cula_ms=t["gate+intra+w_u"], fla_ms=t["fla gate"] + t["fla intra+w_u"]))
+        rows.append(dict(kind="fwd_o from qg (FLA: chunk_gla_fwd_o_gk)", **base, cula_ms=t["fwd_o[qg]"],
+                         fla_ms=t["fla fwd_o"]))
+        live = ("l2norm", "l2norm", "gate+intra+w_u", "delta_h", "fwd_o[qg]")
         rows.append(dict(kind="sum of the forward's stages (l2norm twice)", **base, cula_ms=sum(t[x] for x in live),
                          fla_ms=2 * t["fla l2norm"] + t["fla gate"] + t["fla intra+w_u"] + t["fla delta_h"]
                          + t["fla fwd_o"]))
         for ours, theirs in (("delta_h", "chunk_delta_h"), ("fwd_o", "fwd_o"), ("gate", "gate + cumsum"),
                              ("l2norm", "l2norm (q)")):
             rows.append(dict(kind=theirs, **base, cula_ms=t[ours], fla_ms=t["fla " + ours.split("[")[0]]))
-        for r in rows[-8:]:
+        for r in rows[-10:]:
             print(r, flush=True)
         print("stage ms:", {k_: round(v_, 3) for k_, v_ in t.items()}, flush=True)
         save()
