@@ -5,7 +5,7 @@ run on the same inputs.
     python -m tools.bench.sm100_launch [--out docs/benchmarks/sm100_launch.md]
 
 Rows: chunk_wy_dqkg alone at B=1 T=256 HV=64 and B=2 T=256 HV=32 (H = 32 q/k heads; issue 8's host-bound rows), the
-forward (`forward.launch.forward`: l2norm, gate, chunk_intra, recompute_w_u, chunk_delta_h, fwd_o) and the backward
+forward (`forward.launch.forward`: l2norm of q and of k, chunk_intra_wu_gate, chunk_delta_h, fwd_o) and the backward
 (`backward.launch.chunk_kda_backward` with the forward's residuals) at B=1 T=1024 H=32 HV=32 (softplus gate in the
 kernel, L2 norm). Per switch setting, per call (microseconds):
   * host: time.perf_counter over a row's calls (200 chunk_wy_dqkg, 40 forwards, 16 backwards: few enough that
