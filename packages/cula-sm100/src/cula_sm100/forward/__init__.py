@@ -1,16 +1,20 @@
 """cula_sm100.forward: the chunk_kda training forward (bf16, K = V = 128, native GVA) in CuTe DSL.
 
 Kernels, one per file, launched in this order by `launch.forward` (`launch.py`: tables, buffers, cache):
-  l2norm.py         q/k L2 normalisation (use_qk_l2norm_in_kernel)
-  gate_cumsum.py    gate (precomputed / softplus / safe) and chunk-local cumsum G
-  chunk_intra_wu.py Aqk, Akk = (I + L)^-1, w, u and kg per chunk of 64 (the two below in one kernel, bitwise)
-  chunk_intra.py    Aqk and Akk alone (the fused kernel's oracle in the tests)
-  recompute_w_u.py  w, u and kg per chunk (the backward's, when the forward handed it Akk)
-  chunk_delta_h.py  the inter-chunk state recurrence: per-chunk h, v_new, final state
-  fwd_o.py          o from qg, h, Aqk and v_new
+  l2norm.py              q/k L2 normalisation (use_qk_l2norm_in_kernel)
+  chunk_intra_wu_gate.py the gate (precomputed / softplus / safe) and its chunk-local cumsum G, then Aqk,
+                         Akk = (I + L)^-1, w, u and kg per chunk of 64; through chunk_kda's call (the qg path) also
+                         qg = bf16(q e^G), with G written only at each chunk's last row
+  chunk_delta_h.py       the inter-chunk state recurrence: per-chunk h, v_new, final state
+  fwd_o.py               o from qg (formed from q and G, or read as chunk_intra_wu_gate wrote it), h, Aqk, v_new
+and, for the backward's recompute, launch.FUSED_GATE = False and the tests' oracles:
+  gate_cumsum.py         gate and G alone
+  chunk_intra_wu.py      chunk_intra_wu_gate's work from G (the two below in one kernel, bitwise)
+  chunk_intra.py         Aqk and Akk alone
+  recompute_w_u.py       w, u and kg alone (the backward's, when the forward handed it Akk)
 All multiply with warp-level mma.sync (bf16 -> fp32, `cute_utils.mma_atom`), so they run on sm_90 and sm_100.
 
-When gradients are wanted the forward hands Aqk and Akk (chunk_intra's outputs) to the backward as core's
+When gradients are wanted the forward hands Aqk and Akk to the backward as core's
 residuals (docs/backends.md, "Residuals"); cula_sm100.backward recomputes the rest with `launch`'s stage
 functions.
 This module imports no CuTe DSL: the kernels are compiled on first use.
