@@ -161,6 +161,7 @@ KERNELS: list[tuple[str, str, object]] = [
     ("fwd.fwd_o[qg_in]", "sm100 forward", _sm100_forward("fwd_o[qg_in]")),
     ("bwd.chunk_wy_dqkg", "sm100 backward", _sm100_backward("chunk_wy_dqkg")),
     ("bwd.chunk_bwd_dav", "sm100 backward", _sm100_backward("chunk_bwd_dav")),
+    ("bwd.chunk_bwd_intra_tc", "sm100 backward", _sm100_backward("chunk_bwd_intra_tc")),
     ("bwd.chunk_bwd_intra", "sm100 backward", _sm100_backward("chunk_bwd_intra")),
     ("bwd.chunk_bwd_dhu[dht,dh0]", "sm100 backward", _sm100_backward("chunk_bwd_dhu[dht, dh0]")),
     ("bwd.gate_bwd[softplus]", "sm100 backward",

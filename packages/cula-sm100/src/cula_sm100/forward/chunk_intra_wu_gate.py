@@ -58,8 +58,11 @@ takes the qg pointer too (the last one) and ignores it.
 Static resources of the qg_out variant (`python -m tools.kernel_report --arch sm_90a|sm_100a --kernel
 "fwd.chunk_intra_wu_gate[softplus, qg_out]"`): the same as the flag-off kernel's, sm_90a 115 registers, sm_100a 118,
 no spills, no local memory, 1 + 107.2 KiB, 2 CTAs per SM; SASS 7208 -> 7396 instructions on sm_90a (8249 -> 8436 on
-sm_100a): 32 more MUFU.EX2, 24 -> 20 16-byte stores (G's 8 gone, qg's 4 added) and one 4-byte store. CPU-compiled
-only: not yet run on a GPU (tests/sm100/test_fused_qg_gpu.py).
+sm_100a): 32 more MUFU.EX2, 24 -> 20 16-byte stores (G's 8 gone, qg's 4 added) and one 4-byte store.
+Measured on the H100 (session 7, docs/benchmarks/intra_wu.md and train_fwd.md): the flag-off kernel 1.10x-1.11x
+gate_cumsum + chunk_intra_wu with every output bitwise theirs (tests/sm100/test_chunk_intra_wu_gate_gpu.py, 102
+passed, memcheck clean); with qg_out 3.82 ms at B = 2, T = 8192, HV = 128 (1.41x FLA's gate + chunk_kda_fwd_intra),
+the forward's o bitwise the full path's (tests/sm100/test_fused_qg_gpu.py passed, memcheck clean).
 """
 
 from __future__ import annotations
