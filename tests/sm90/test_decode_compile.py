@@ -97,18 +97,14 @@ def test_chunk_verify_compiles_for_sm90a(sm90a, tc, T, K, safe):
 
 
 def test_verify_override(monkeypatch):
-    """The override (a benchmarking / testing hook) pins every verify call to one variant; the environment
-    variable names one; an unknown name in the environment is an error."""
+    """The override (a benchmarking / testing hook) pins every verify call to one variant; without it the table
+    picks by shape."""
     from cula_sm90.decode import _config
 
+    assert _config.verify_variant(300, 4, 8) == _config.VERIFY_CHUNK_SIMT
     monkeypatch.setattr(_config, "VERIFY_OVERRIDE", _config.VERIFY_CHUNK_TC)
     assert _config.verify_variant(300, 4, 8) == _config.VERIFY_CHUNK_TC
     assert _config.verify_variants_for(4) == (_config.VERIFY_CHUNK_TC,)
-    monkeypatch.setenv(_config.VERIFY_ENV, "chunk_simt")
-    assert _config._verify_from_env() == "chunk_simt"
-    monkeypatch.setenv(_config.VERIFY_ENV, "nope")
-    with pytest.raises(ValueError, match="CULA_SM90_VERIFY='nope': expected one of"):
-        _config._verify_from_env()
 
 
 def test_dispatch_stays_within_what_a_family_prepares():

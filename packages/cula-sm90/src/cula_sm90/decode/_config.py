@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 MODE_FINAL, MODE_STATES, MODE_KVBUFFER = "final", "states", "kvbuffer"
@@ -50,19 +48,8 @@ VERIFY_RECURRENT, VERIFY_CHUNK_SIMT, VERIFY_CHUNK_TC = "recurrent", "chunk_simt"
 VERIFY_VARIANTS = (VERIFY_RECURRENT, VERIFY_CHUNK_SIMT, VERIFY_CHUNK_TC)
 #: the chunk form uses SIMT products up to this many tokens (one m-tile of 8 padded rows), tensor cores beyond
 CHUNK_SIMT_MAX_T = 8
-#: environment variable naming a variant that every verify call then uses (read at import, into VERIFY_OVERRIDE)
-VERIFY_ENV = "CULA_SM90_VERIFY"
-
-
-def _verify_from_env() -> str | None:
-    name = os.environ.get(VERIFY_ENV) or None
-    if name is not None and name not in VERIFY_VARIANTS:
-        raise ValueError(f"{VERIFY_ENV}={name!r}: expected one of {', '.join(VERIFY_VARIANTS)}")
-    return name
-
-
 #: a benchmarking / testing hook: when set, every verify call uses this variant
-VERIFY_OVERRIDE: str | None = _verify_from_env()
+VERIFY_OVERRIDE: str | None = None
 
 
 def verify_variant(N: int, T: int, HV: int) -> str:
