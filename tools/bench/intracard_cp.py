@@ -4,15 +4,15 @@ torch.inference_mode, varlen), on the same bf16 inputs (gate, q/k L2 norm, safe 
 kernel for both).
 
     python -m tools.bench.intracard_cp [--smoke | --trim | --compare] [--longest 16384,131072] [--no-fla]
-        [--sweep] [--profile] [--host-profile] [--save-autotune .bench-cache/fla_autotune_cp.tar]
-        [--warm-timeout S] [--out docs/benchmarks/intracard_cp.md] [--json rows.json] [--keep-autotune]
+        [--sweep] [--profile] [--host-profile] [--out docs/benchmarks/intracard_cp.md] [--json rows.json]
 
 `--sweep` times CP at forced piece counts (CULA_SM90_CP_PIECES), `--compare` the planner's count against the
 one-wave rule's, `--profile` / `--host-profile` the CP path's kernels and host side.
 
 Shapes (the issue's grid): H in (4, 8, 16); one or two sequences of T in (16384, 32768, 65536, 131072) tokens each;
 and a mix of one long sequence (65536) with 31 short ones (512 each). Always varlen with `cu_seqlens_cpu` (FLA's
-CP needs it). Timing: tools/bench/harness.measure (do_bench median after warm-up).
+CP needs it). Timing: tools/bench/harness.measure (do_bench median after warm-up). FLA runs its own kernels
+(`FLA_FLASH_KDA=0`), autotuned in this process on each exact shape (tools/bench/fla_tuning.py).
 
 Columns: `CP gain` = cula no-CP ms / cula CP ms; `auto` = the time with intracard_cp="auto" and whether it split;
 `speed-up` = FLA (its CP on) ms / cula auto ms.
@@ -24,18 +24,16 @@ import argparse
 import json
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
 
-os.environ.setdefault("FLA_INTRACARD_CP", "1")  # before fla is imported: its CP backend reads it
-
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tools.bench import fla_tuning  # noqa: E402
 from tools.bench import prefill as pb  # noqa: E402
 from tools.bench.harness import Timing, environment, measure  # noqa: E402
 
@@ -51,40 +49,46 @@ TRIM = ([dict(H=h, lens=[t] * n) for h in (4, 8, 16) for n, t in ((1, 16384), (1
         + [dict(H=4, lens=[8192]), dict(H=32, lens=[16384]), dict(H=32, lens=[65536])])
 
 
-def make_inputs(shape, seed=0, device="cuda"):
+def make_inputs(shape, seed=0):
     lens = shape["lens"]
-    kw = pb.make_inputs(dict(B=1, T=sum(lens), H=shape["H"]), seed, device)
+    x = pb.make_inputs(dict(B=1, T=sum(lens), H=shape["H"]), seed)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    kw.update(cu_seqlens=cu.to(device), cu_seqlens_cpu=cu)
-    return kw
+    x.update(cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)
+    return x
 
 
 def cula_with(cp):
-    def run(**kw):
-        return pb.cula_prefill(**kw, intracard_cp=cp)
+    def run(x):
+        return pb.cula_prefill(x, intracard_cp=cp)
 
     return run
 
 
-def fla_cp(**kw):
+def fla_cp(x):
     with torch.inference_mode():
-        return pb.fla_chunk_kda(**kw)
-
-
-def warm_one(H: int, varlen: bool) -> None:
-    """One FLA call with its intra-card CP at H: one sequence FLA splits (it splits from 3 x 8192 tokens) and
-    three short ones, so that the pre-scan and merge kernels compile too."""
-    with torch.inference_mode():
-        fla_cp(**make_inputs(dict(H=H, lens=[32768, 512, 512, 512])))
-    torch.cuda.synchronize()
+        return pb.fla_prefill(x)
 
 
 def warm_cula() -> None:
     """Compile cula's kernels (stage 1, stage 2 and its affine mode) with one CP call."""
     t0 = time.perf_counter()
-    cula_with(True)(**make_inputs(dict(H=4, lens=[4096, 4096])))
+    cula_with(True)(make_inputs(dict(H=4, lens=[4096, 4096])))
     torch.cuda.synchronize()
     print(f"cula warm-up: {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def profiled(fn, x: dict, calls: int, cpu: bool = False):
+    """torch.profiler over `calls` calls of fn(x) after three warm-up calls (CUDA activity; CPU too with `cpu`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn(x)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if cpu else [])) as prof:
+        for _ in range(calls):
+            fn(x)
+        torch.cuda.synchronize()
+    return prof
 
 
 # --sweep: CP with a forced piece count (CULA_SM90_CP_PIECES) per shape, to see where the planner's rule stands
@@ -108,12 +112,12 @@ def sweep(timing) -> list[str]:
 
     for s, counts in SWEEP:
         x = make_inputs(s)
-        ref = cula_with(False)(**x)
+        ref = cula_with(False)(x)
         for n in counts:
             os.environ["CULA_SM90_CP_PIECES"] = str(n)
             try:
-                ms = measure(cula_with(True), [x], timing).median_ms
-                o, ht = cula_with(True)(**x)
+                ms = measure(cula_with(True), [(x,)], timing).median_ms
+                o, ht = cula_with(True)(x)
             finally:
                 del os.environ["CULA_SM90_CP_PIECES"]
             lines.append(f"| {s['H']} | {describe(s['lens'])} | {n} | {ms:.3f} | {rel(o, ref[0]):.1e}, "
@@ -129,13 +133,13 @@ def compare(timing, sms) -> list[str]:
              "one-wave / auto |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s, old in COMPARE:
         x = make_inputs(s)
-        t_off = measure(cula_with(False), [x], timing).median_ms
+        t_off = measure(cula_with(False), [(x,)], timing).median_ms
         t_new, t_old = [], []
         for _ in range(2):
-            t_new.append(measure(cula_with("auto"), [x], timing).median_ms)
+            t_new.append(measure(cula_with("auto"), [(x,)], timing).median_ms)
             os.environ["CULA_SM90_CP_PIECES"] = str(old)
             try:
-                t_old.append(measure(cula_with(True), [x], timing).median_ms)
+                t_old.append(measure(cula_with(True), [(x,)], timing).median_ms)
             finally:
                 del os.environ["CULA_SM90_CP_PIECES"]
         lines.append(f"| {s['H']} | {describe(s['lens'])} | {t_off:.3f} | {pieces(s['lens'], s['H'], sms, 'auto')} | "
@@ -155,17 +159,17 @@ def host_profile(s=None, calls: int = 20) -> list[str]:
     out = []
     for cp in (False, True):  # Python time of a call, the GPU left to catch up afterwards (host-bound if ~wall)
         run = cula_with(cp)
-        run(**x)
+        run(x)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(calls):
-            run(**x)
+            run(x)
         t1 = time.perf_counter()
         torch.cuda.synchronize()
         t2 = time.perf_counter()
         out.append(f"host time per call, intracard_cp={cp}: {(t1 - t0) / calls * 1e3:.3f} ms "
                    f"(with the GPU's: {(t2 - t0) / calls * 1e3:.3f} ms)")
-    prof = pb.profiled(cula_with(True), x, calls, cpu=True)
+    prof = profiled(cula_with(True), x, calls, cpu=True)
     ev = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     out.append(f"host profile H={s['H']} {describe(s['lens'])} CP on, per call (self CPU us, calls):")
     out += [f"  {e.self_cpu_time_total / calls:9.1f} us x{e.count / calls:<5.1f} {e.key[:80]}" for e in ev[:25]]
@@ -182,10 +186,10 @@ def profile(calls: int = 10) -> list[str]:
     for s in PROFILE:
         x = make_inputs(s)
         run = cula_with(True)
-        prof = pb.profiled(run, x, calls)
+        prof = profiled(run, x, calls)
         ev = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
         total = sum(e.device_time_total for e in ev) / calls / 1000
-        wall = measure(run, [x], Timing(warmup=20, repeats=100, method="auto")).median_ms
+        wall = measure(run, [(x,)], Timing(warmup=20, repeats=100, method="auto")).median_ms
         out.append(f"profile H={s['H']} {describe(s['lens'])} CP on: wall {wall:.3f} ms, kernels {total:.3f} ms")
         out += [f"  {e.device_time_total / calls / 1000:8.3f} ms x{e.count // calls:<3d} {e.key[:80]}" for e in ev[:10]]
         print("\n".join(out[-11:]), flush=True)
@@ -212,7 +216,6 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--trim", action="store_true", help="the trimmed grid (TRIM) instead of the issue's")
-    ap.add_argument("--keep-autotune", action="store_true")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--out", type=Path, help="write the markdown report here")
     ap.add_argument("--json", type=Path, help="write the rows (times in ms) here as JSON")
@@ -220,12 +223,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rep", type=int, default=300)
     ap.add_argument("--longest", type=lambda v: {int(x) for x in v.split(",")},
                     help="only the grid's shapes whose longest sequence is one of these (comma-separated)")
-    ap.add_argument("--warm-timeout", type=float, help="seconds FLA's warm-up processes may run")
     ap.add_argument("--sweep", action="store_true", help="also time CP at forced piece counts (SWEEP)")
     ap.add_argument("--profile", action="store_true", help="also profile the CP path at a few shapes (PROFILE)")
     ap.add_argument("--compare", action="store_true", help="only: auto against the one-wave piece counts (COMPARE)")
     ap.add_argument("--host-profile", action="store_true", help="also the host side of one CP call")
-    ap.add_argument("--save-autotune", type=Path, help="write Triton's autotune results (FLA's) here as a tar")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("intracard_cp: no CUDA device", file=sys.stderr)
@@ -234,22 +235,17 @@ def main(argv=None) -> int:
     shapes = [] if args.compare else SMOKE if args.smoke else TRIM if args.trim else SHAPES
     if args.longest:
         shapes = [s for s in shapes if max(s["lens"]) in args.longest]
-    # cula's kernels compile (CPU-bound, the GIL released in the compiler) while FLA's warm-up processes run
-    warm = threading.Thread(target=warm_cula)
-    warm.start()
     fla = None
     if not args.no_fla:
+        fla_tuning.prepare()
+        os.environ["FLA_INTRACARD_CP"] = "1"  # before fla is imported: its CP backend reads it
         try:
-            import fla.ops.kda
+            import fla.ops.kda  # noqa: F401
 
             fla = fla_cp
-            pb.warm_fla({(s["H"], True) for s in shapes}, args.keep_autotune, module="tools.bench.intracard_cp",
-                        timeout=args.warm_timeout)
-            if args.save_autotune:
-                pb.save_autotune(args.save_autotune)  # what compiled, before the timing (in case it runs out)
         except ImportError as exc:
             print(f"intracard_cp: FLA not importable ({exc})", file=sys.stderr)
-    warm.join()
+    warm_cula()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     timing = Timing(warmup=args.warmup, repeats=args.rep, method="auto")
     head = ["H", "sequences", "cula no-CP ms", "cula CP ms", "CP gain", "cula auto ms", "pieces CP / auto",
@@ -258,8 +254,12 @@ def main(argv=None) -> int:
     rows = []
     for s in shapes:
         x = make_inputs(s)
-        t = {cp: measure(cula_with(cp), [x], timing).median_ms for cp in (False, True, "auto")}
-        f = measure(fla, [x], timing).median_ms if fla is not None else None
+        t = {cp: measure(cula_with(cp), [(x,)], timing).median_ms for cp in (False, True, "auto")}
+        f = None
+        if fla is not None:
+            fla_tuning.retune()
+            fla(x)  # tunes on this shape
+            f = measure(fla, [(x,)], timing).median_ms
         p_on, p_auto = (pieces(s["lens"], s["H"], sms, m) for m in ("on", "auto"))
         best = min(t[False], t[True])
         rows.append({"H": s["H"], "lens": s["lens"], "no_cp_ms": t[False], "cp_ms": t[True], "auto_ms": t["auto"],
@@ -271,8 +271,6 @@ def main(argv=None) -> int:
         print(lines[-1], flush=True)
         del x
         torch.cuda.empty_cache()
-    if fla is not None and args.save_autotune:
-        pb.save_autotune(args.save_autotune)  # with what this process tuned alone
     extra = []
     if args.compare:
         extra += ["", "## auto (modelled piece count) against the one-wave rule's count", "", *compare(timing, sms)]

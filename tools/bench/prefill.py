@@ -1,30 +1,29 @@
-"""Benchmark of cula-sm90's KDA prefill (`cula.kda_prefill`, forced onto the sm90 backend) against FLA 0.6.0's
-`chunk_kda` forward, on the same bf16 inputs, with the gate, q/k L2 norm and safe gate (lower_bound = -5) in
-kernel for both.
+"""Benchmark of KDA prefill on Hopper: cula (`cula.kda_prefill` on the sm90 backend) against FlashKDA
+(`flash_kda.fwd`, MoonshotAI's CUTLASS forward) and FLA 0.6.0 (`fla.ops.kda.chunk_kda`, its own Triton kernels),
+on the same bf16 inputs in one process.
 
-    python -m tools.bench.prefill [--smoke] [--out docs/benchmarks/prefill.md] [--json FILE] [--keep-autotune]
+    python -m tools.bench.prefill [--smoke] [--no-fla] [--out docs/benchmarks/prefill.md] [--json FILE]
+                                  [--warmup MS] [--rep MS] [--profile B,T,H]
 
-Shapes (the issue's grid): fixed length H = 64, B in (1, 2), T in (512, 1024, 4096, 8192, 16384); varlen with
-10 and 20 sequences of 4096 / 8192 / 16384 tokens in all, lengths uniform, random (a seeded random split) or
-skewed (one sequence holds half the tokens), H = 64. K = V = 128, raw g ~ N(0, 1), beta in (0, 1), no initial
-state, the final state returned. Timing: tools/bench/harness.py (`triton.testing.do_bench` median after
-warm-up); cula is timed through the public op (validation, dispatch and the custom op included) with
-`intracard_cp="auto"` and `cu_seqlens_cpu` given, FLA through `fla.ops.kda.chunk_kda` under `torch.no_grad`.
-`speed-up` = FLA ms / cula ms; the error columns compare cula's (o, final state) with FLA's.
+Every call does what FlashKDA does: safe gate (lower_bound = -5) from raw g with A_log / dt_bias, q/k L2 norm and
+sigmoid(beta) in kernel (beta passed as logits), K = V = 128, no initial state, the final state returned.
+Shapes (issue 18's grid): fixed length H = 64, B in (1, 2), T in (100, 512, 1024, 4096, 8192, 16384); varlen with
+10, 20 and 64 sequences of 4096 / 8192 / 16384 tokens in all (lengths uniform, a seeded random split, or skewed: one
+sequence holds half), H = 64; B = 4 T = 2048 H = 32; B = 1 T = 32768 H = 32; B = 1 T = 65536 H = 16.
 
-FLA autotunes each kernel on its first call per configuration (minutes): `warm_fla` compiles them in parallel
-processes first and drops what they tuned on the shared GPU (this process then tunes alone); autotune results
-already in Triton's cache (restored from .bench-cache/: an earlier run's) are kept; `--keep-autotune` keeps the
-parallel processes' results too.
+Timing: `triton.testing.do_bench` median after warm-up (tools/bench/harness.py), each op called as a user calls it:
+cula through the public op (validation, dispatch, `intracard_cp="auto"`, `cu_seqlens_cpu` given), FlashKDA with its
+outputs allocated in the call, FLA under `torch.no_grad` with `FLA_FLASH_KDA=0` (its own kernels) and autotuned in
+this process on each exact shape (tools/bench/fla_tuning.py). Columns: `vs FlashKDA` = FlashKDA ms / cula ms,
+`vs FLA` = FLA ms / cula ms; `err vs FlashKDA` = max |cula - FlashKDA| / max |FlashKDA| over o and the final state.
+The table for this run's card replaces that card's section of `--out` (one section per card).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
+import math
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -33,13 +32,16 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tools.bench.harness import Timing, compare, environment  # noqa: E402
+from tools.bench import fla_tuning  # noqa: E402
+from tools.bench.harness import Timing, environment, measure  # noqa: E402
 
 K = 128
-FIXED = [dict(B=b, T=t, H=64) for b in (1, 2) for t in (512, 1024, 4096, 8192, 16384)]
-VARLEN = [dict(B=1, N=n, T=t, H=64, lens=kind) for n in (10, 20) for t in (4096, 8192, 16384)
+LOWER_BOUND = -5.0
+FIXED = [dict(B=b, T=t, H=64) for b in (1, 2) for t in (100, 512, 1024, 4096, 8192, 16384)]
+VARLEN = [dict(B=1, N=n, T=t, H=64, lens=kind) for n in (10, 20, 64) for t in (4096, 8192, 16384)
           for kind in ("uniform", "random", "skewed")]
-SMOKE = [dict(B=1, T=1024, H=64), dict(B=1, N=10, T=4096, H=64, lens="skewed")]
+EXTRA = [dict(B=4, T=2048, H=32), dict(B=1, T=32768, H=32), dict(B=1, T=65536, H=16)]
+SMOKE = [dict(B=1, T=100, H=64), dict(B=1, T=4096, H=64), dict(B=1, N=10, T=4096, H=64, lens="skewed")]
 
 
 def lengths(N: int, T: int, kind: str, seed: int = 0) -> list[int]:
@@ -58,189 +60,192 @@ def lengths(N: int, T: int, kind: str, seed: int = 0) -> list[int]:
     return base
 
 
-def make_inputs(shape, seed=0, device="cuda"):
+def make_inputs(shape: dict, seed: int = 0) -> dict:
+    """One input set on the GPU: raw g, beta logits, A_log [H] and dt_bias [H * K] fp32, cu_seqlens (int32 on the
+    GPU and on the host) for varlen shapes."""
     B, T, H = shape["B"], shape["T"], shape["H"]
-    gen = torch.Generator(device=device).manual_seed(seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
 
     def r(*s):
-        return torch.randn(*s, generator=gen, device=device)
+        return torch.randn(*s, generator=gen, device="cuda")
 
-    kw = dict(q=r(B, T, H, K).bfloat16(), k=r(B, T, H, K).bfloat16(), v=r(B, T, H, K).bfloat16(),
-              g=r(B, T, H, K).bfloat16(), beta=torch.rand(B, T, H, generator=gen, device=device).bfloat16(),
-              A_log=torch.log(torch.empty(H, device=device).uniform_(1, 16, generator=gen)),
-              dt_bias=0.1 * r(H * K), use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, safe_gate=True,
-              lower_bound=-5.0, output_final_state=True)
+    x = dict(q=r(B, T, H, K).bfloat16(), k=r(B, T, H, K).bfloat16(), v=r(B, T, H, K).bfloat16(),
+             g=r(B, T, H, K).bfloat16(), beta=r(B, T, H).bfloat16(),
+             A_log=torch.log(torch.empty(H, device="cuda").uniform_(1, 16, generator=gen)), dt_bias=0.1 * r(H * K))
     if "N" in shape:
-        lens = lengths(shape["N"], T, shape["lens"])
-        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-        kw.update(cu_seqlens=cu.to(device), cu_seqlens_cpu=cu)
-    return kw
+        cu = torch.tensor([0, *torch.tensor(lengths(shape["N"], T, shape["lens"])).cumsum(0).tolist()],
+                          dtype=torch.int32)
+        x.update(cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)
+    return x
 
 
-def cula_prefill(**kw):
+def gate_kwargs(x: dict) -> dict:
+    """The keyword arguments every timed call shares (FlashKDA's fixed configuration) for the input set x."""
+    return dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                A_log=x["A_log"], dt_bias=x["dt_bias"], safe_gate=True, lower_bound=LOWER_BOUND,
+                output_final_state=True)
+
+
+def cula_prefill(x: dict, intracard_cp="auto"):
     import cula
 
-    return cula.kda_prefill(**kw)
+    return cula.kda_prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=x.get("cu_seqlens"),
+                            cu_seqlens_cpu=x.get("cu_seqlens_cpu"), intracard_cp=intracard_cp, **gate_kwargs(x))
 
 
-def fla_chunk_kda(**kw):
+def fla_prefill(x: dict):
     from fla.ops.kda import chunk_kda
 
-    kw = dict(kw)
-    if "cu_seqlens" in kw:
-        kw["cu_seqlens"] = kw["cu_seqlens"].long()
-        kw["cu_seqlens_cpu"] = kw["cu_seqlens_cpu"].long()
+    cu = x.get("cu_seqlens")
     with torch.no_grad():
-        return chunk_kda(**kw)
+        return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=None if cu is None else cu.long(),
+                         cu_seqlens_cpu=None if cu is None else x["cu_seqlens_cpu"].long(), **gate_kwargs(x))
 
 
-def warm_one(H: int, varlen: bool) -> None:
-    """One FLA call at (T=4096, H) fixed-length or varlen: compiles (and autotunes) into Triton's cache."""
-    shape = dict(B=1, N=4, T=4096, H=H, lens="uniform") if varlen else dict(B=1, T=4096, H=H)
-    fla_chunk_kda(**make_inputs(shape))
-    torch.cuda.synchronize()
+def flashkda_prefill(x: dict):
+    """FlashKDA as a user calls it: outputs allocated per call; its final state is V-first, [N, H, V, K]."""
+    import flash_kda
+
+    q = x["q"]
+    _B, _T, H, _K = q.shape
+    cu = x.get("cu_seqlens")
+    N = q.shape[0] if cu is None else cu.numel() - 1
+    out = torch.empty_like(x["v"])
+    final = torch.empty(N, H, K, K, dtype=torch.float32, device=q.device)
+    flash_kda.fwd(q, x["k"], x["v"], x["g"], x["beta"], K ** -0.5, out, A_log=x["A_log"],
+                  dt_bias=x["dt_bias"].view(H, K), lower_bound=LOWER_BOUND, initial_state=None, final_state=final,
+                  cu_seqlens=None if cu is None else cu.long())
+    return out, final
 
 
-def triton_cache_dir() -> Path:
-    return Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+def rel_err(ours, ref_out, ref_state_vfirst) -> float:
+    """max |ours - ref| / max |ref| over o and the final state (FlashKDA's state transposed to [N, H, K, V])."""
+    o, state = ours
+    ref_state = ref_state_vfirst.transpose(-1, -2)
+    return max(((o.float() - ref_out.float()).abs().max() / ref_out.float().abs().max()).item(),
+               ((state - ref_state).abs().max() / ref_state.abs().max()).item())
 
 
-def autotune_results() -> set[Path]:
-    return set(triton_cache_dir().rglob("*.autotune.json"))
-
-
-def warm_fla(keys, keep_autotune: bool = False, module: str = "tools.bench.prefill",
-             timeout: float | None = None) -> None:
-    """Compile FLA's kernels for each (H, varlen) in parallel processes, then drop the autotuning they did
-    with the GPU shared, so that this process tunes alone on compiled kernels. Results that were in Triton's
-    cache before (restored from .bench-cache/: an earlier run's, tuned alone) stay; `keep_autotune` keeps the
-    parallel processes' results too (saves the tuning time, at the cost of configurations picked on a shared GPU).
-    `timeout` (s): processes still running then are killed (what they compiled stays in the cache)."""
-    t0 = time.perf_counter()
-    before = autotune_results()
-    procs = [subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
-                               f"from {module} import warm_one; warm_one({H}, {varlen})"])
-             for H, varlen in sorted(keys)]
-    def wait(p):
-        try:
-            return p.wait(timeout=None if timeout is None else max(1.0, t0 + timeout - time.perf_counter()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            return p.wait()
-
-    bad = [p.args[-1] for p in procs if wait(p) != 0]
-    removed = 0
-    for f in [] if keep_autotune else autotune_results() - before:
-        f.unlink()
-        removed += 1
-    print(f"FLA warm-up: {len(procs)} processes in {time.perf_counter() - t0:.0f} s ({len(before)} autotune results "
-          f"restored, {removed} tuned in parallel dropped; failures: {bad})", flush=True)
-
-
-def save_autotune(path: Path) -> None:
-    """Triton's autotune results (FLA's, *.autotune.json) as a tar for .bench-cache/ (restore: tar -xf into
-    ~/.triton/cache)."""
-    import tarfile
-
-    root = triton_cache_dir()
-    files = sorted(autotune_results())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(path, "w") as tar:
-        for f in files:
-            tar.add(f, arcname=str(f.relative_to(root)))
-    print(f"saved {len(files)} autotune results to {path}", flush=True)
-
-
-def profiled(fn, kw: dict, calls: int, cpu: bool = False):
-    """torch.profiler over `calls` calls of fn(**kw) after three warm-up calls (CUDA activity; CPU too with `cpu`)."""
+def profile_kernels(shape: dict, calls: int = 10) -> None:
+    """Mean CUDA time per call of each kernel of cula's prefill at one shape (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
+    x = make_inputs(shape)
     for _ in range(3):
-        fn(**kw)
+        cula_prefill(x)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if cpu else [])) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
-            fn(**kw)
+            cula_prefill(x)
         torch.cuda.synchronize()
-    return prof
-
-
-def profile_kernels(shape, calls: int = 10) -> None:
-    """Mean CUDA time per call of each kernel of cula's prefill at one shape (torch.profiler)."""
-    prof = profiled(cula_prefill, make_inputs(shape), calls)
     print(f"profile {shape}: per call")
     for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]:
         print(f"  {e.device_time_total / calls / 1000:8.3f} ms  {e.key[:90]}")
 
 
-def label(shape) -> dict:
-    out = {"B": shape["B"], "T": shape["T"], "H": shape["H"]}
+def label(shape: dict) -> str:
     if "N" in shape:
-        out.update(N=shape["N"], lens=shape["lens"])
-    return out
+        return f"varlen {shape['N']} seqs, {shape['T']} tokens, {shape['lens']}, H={shape['H']}"
+    return f"B={shape['B']} T={shape['T']} H={shape['H']}"
+
+
+def geomean(xs):
+    return math.exp(sum(math.log(v) for v in xs) / len(xs)) if xs else None
+
+
+def run(shapes, timing: Timing, with_fla: bool) -> list[dict]:
+    rows = []
+    for shape in shapes:
+        x = make_inputs(shape)
+        ref_o, ref_state = flashkda_prefill(x)
+        row = dict(shape=label(shape), err_flashkda=rel_err(cula_prefill(x), ref_o, ref_state))
+        del ref_o, ref_state
+        row["cula_ms"] = measure(cula_prefill, [(x,)], timing).median_ms
+        row["flashkda_ms"] = measure(flashkda_prefill, [(x,)], timing).median_ms
+        if with_fla:
+            fla_tuning.retune()
+            fla_prefill(x)  # tunes on this shape
+            row["fla_ms"] = measure(fla_prefill, [(x,)], timing).median_ms
+        rows.append(row)
+        fla = f"{row['fla_ms']:.3f}" if with_fla else "-"
+        print(f"{row['shape']:<48} cula {row['cula_ms']:.3f}  FlashKDA {row['flashkda_ms']:.3f}  FLA {fla}  "
+              f"err {row['err_flashkda']:.2e}", flush=True)
+        del x
+        torch.cuda.empty_cache()
+    return rows
+
+
+def render(rows: list[dict], env: dict, command: str) -> str:
+    with_fla = all("fla_ms" in r for r in rows)
+    head = "| shape | cula ms | FlashKDA ms | " + ("FLA ms | " if with_fla else "") + "vs FlashKDA | " + \
+        ("vs FLA | " if with_fla else "") + "err vs FlashKDA |"
+    lines = [f"## {env.get('gpu', '?')}", "",
+             f"torch {env.get('torch')}, CUDA {env.get('cuda')}, triton {env.get('triton', '?')}, "
+             f"FLA {env.get('fla-core', '?')}, cula-sm90 {env.get('cula-sm90', '?')}.", "",
+             f"Command: `{command}`", "", head, "|" + "---|" * (head.count("|") - 1)]
+    vs_fk = [r["flashkda_ms"] / r["cula_ms"] for r in rows]
+    vs_fla = [r["fla_ms"] / r["cula_ms"] for r in rows] if with_fla else []
+    for i, r in enumerate(rows):
+        cells = [r["shape"], f"{r['cula_ms']:.3f}", f"{r['flashkda_ms']:.3f}"]
+        cells += [f"{r['fla_ms']:.3f}"] if with_fla else []
+        cells += [f"{vs_fk[i]:.2f}x"] + ([f"{vs_fla[i]:.2f}x"] if with_fla else []) + [f"{r['err_flashkda']:.1e}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"vs FlashKDA: geomean {geomean(vs_fk):.2f}x, min {min(vs_fk):.2f}x over {len(rows)} shapes."]
+    if with_fla:
+        lines.append(f"vs FLA: geomean {geomean(vs_fla):.2f}x, min {min(vs_fla):.2f}x.")
+    return "\n".join(lines) + "\n"
+
+
+def write_section(path: Path, section: str) -> None:
+    """Replace this card's `## <card>` section of `path` (or append it), keeping the other cards' sections."""
+    title = section.splitlines()[0]
+    text = path.read_text() if path.exists() else "# KDA prefill on Hopper: cula vs FlashKDA and FLA 0.6.0\n\n" \
+        "One section per card; inputs, timing and columns: `tools/bench/prefill.py`'s docstring.\n"
+    parts = text.split("\n## ")
+    kept = [parts[0].rstrip("\n")] + ["## " + p.rstrip("\n") for p in parts[1:] if ("## " + p).splitlines()[0] != title]
+    path.write_text("\n\n".join(kept + [section.rstrip("\n")]) + "\n")
+
+
+def publish(module: str, rows: list[dict], render_fn, args, argv) -> None:
+    """Print this card's section (`render_fn(rows, environment, command)`), write it into `args.out` and the rows
+    to `args.json` when given."""
+    import json
+
+    command = f"python -m tools.bench.{module} " + " ".join(argv if argv is not None else sys.argv[1:])
+    section = render_fn(rows, environment("cuda"), command.strip())
+    print(section)
+    if args.out:
+        write_section(args.out, section)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--keep-autotune", action="store_true")
-    ap.add_argument("--no-fla", action="store_true", help="time cula alone")
-    ap.add_argument("--out", type=Path)
+    ap.add_argument("--smoke", action="store_true", help="three shapes")
+    ap.add_argument("--no-fla", action="store_true", help="cula and FlashKDA only")
+    ap.add_argument("--out", type=Path, help="markdown file whose section for this card is rewritten")
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--warmup", type=int, default=25)
-    ap.add_argument("--rep", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
+    ap.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
     ap.add_argument("--profile", metavar="B,T,H", help="per-kernel CUDA times of cula at one shape, then exit")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("prefill: no CUDA device", file=sys.stderr)
+        print("prefill: needs a CUDA device", file=sys.stderr)
         return 1
+    import os
+
     os.environ["CULA_BACKEND"] = "sm90"  # fail loudly rather than time the reference
     if args.profile:
-        B, T, H = (int(x) for x in args.profile.split(","))
+        B, T, H = (int(v) for v in args.profile.split(","))
         profile_kernels(dict(B=B, T=T, H=H))
         return 0
-    shapes = SMOKE if args.smoke else FIXED + VARLEN
-    fla = None
-    if not args.no_fla:
-        try:
-            import fla.ops.kda
-
-            fla = fla_chunk_kda
-            warm_fla({(s["H"], "N" in s) for s in shapes}, args.keep_autotune)
-        except ImportError as exc:
-            print(f"prefill: FLA not importable ({exc})", file=sys.stderr)
-    timing = Timing(warmup=args.warmup, repeats=args.rep, method="auto")
-    sections = []
-    for name, group in (("fixed length", [s for s in shapes if "N" not in s]),
-                        ("varlen", [s for s in shapes if "N" in s])):
-        if not group:
-            continue
-        rep = compare(group, lambda s, seed, device: make_inputs(s, seed, device), cula_prefill, fla,
-                      timing=timing, device="cuda", title=f"kda_prefill, {name}: FLA 0.6.0 chunk_kda vs cula-sm90")
-        for row, s in zip(rep.rows, group, strict=True):
-            row.shape = label(s)
-        sections.append(rep)
-        print(rep.markdown(), flush=True)
-    env = environment("cuda")
-    sp = [r.speedup for rep in sections for r in rep.rows if r.speedup is not None]
-    lines = ["# cula-sm90 KDA prefill vs FLA 0.6.0 chunk_kda", "",
-             f"GPU: {env.get('gpu', '?')}; torch {env.get('torch')}, CUDA {env.get('cuda')}, triton "
-             f"{env.get('triton', '?')}, FLA {env.get('fla-core', '?')}, cula-sm90 {env.get('cula-sm90', '?')}.", "",
-             f"Command: `python -m tools.bench.prefill {' '.join(argv if argv is not None else sys.argv[1:])}` "
-             "(inputs, timing and columns: the module docstring). `speed-up` = FLA ms / cula ms; errors: cula's (o, final state) vs FLA's "
-             "(max abs, and max |diff| / max |FLA| over the two).", ""]
-    if sp:
-        mean = sum(sp) / len(sp)
-        lines += [f"Mean speed-up {mean:.2f}x (min {min(sp):.2f}x, max {max(sp):.2f}x) over {len(sp)} shapes.", ""]
-    report = "\n".join(lines) + "\n" + "\n".join(rep.markdown() for rep in sections)
-    print(report)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(report)
-    if args.json:
-        import json
-
-        args.json.write_text(json.dumps([rep.to_dict() for rep in sections], indent=2, default=str))
+    with_fla = not args.no_fla
+    if with_fla:
+        fla_tuning.prepare()
+    shapes = SMOKE if args.smoke else FIXED + VARLEN + EXTRA
+    rows = run(shapes, Timing(warmup=args.warmup, repeats=args.rep, method="do_bench"), with_fla)
+    publish("prefill", rows, render, args, argv)
     return 0
 
 

@@ -1,0 +1,55 @@
+"""FLA at its best in the timing process: Triton's autotuning redone on the exact shape that is timed.
+
+FLA 0.6.0 autotunes its kernels on keys that leave out the sequence length and the batch (e.g. `H, K, BT`), and
+by default stores the chosen configurations on disk (`FLA_CACHE_RESULTS=1`), so a configuration picked on one
+shape, in one process, is silently reused for another shape or a later run. The benchmarks compare against FLA
+tuned on the shape being timed, in the process that times it:
+
+    from tools.bench import fla_tuning
+    fla_tuning.prepare()           # before FLA is imported
+    ...
+    fla_tuning.retune()            # before the first FLA call on each new shape: forget every choice
+    fla_fn(**inputs)               # this call tunes on the shape (compiled kernels are reused; only tuning reruns)
+
+`prepare` also sets `FLA_FLASH_KDA=0`, so FLA runs its own Triton kernels rather than dispatching inference calls
+to FlashKDA (which the prefill benchmark times in a column of its own).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _fla_modules():
+    return [m for name, m in list(sys.modules.items()) if m is not None and (name == "fla" or name.startswith("fla."))]
+
+
+def prepare() -> None:
+    """Turn off FLA's on-disk autotune cache and its FlashKDA dispatch. Must run before `fla` is imported
+    (FLA reads both variables at import)."""
+    if _fla_modules():
+        raise RuntimeError("fla_tuning.prepare() must run before fla is imported (FLA reads its settings at import)")
+    os.environ["FLA_CACHE_RESULTS"] = "0"
+    os.environ["FLA_FLASH_KDA"] = "0"
+
+
+def autotuners() -> list:
+    """Every Triton autotuner defined by an imported FLA module (FLA's own cached autotuner subclasses it)."""
+    from triton.runtime.autotuner import Autotuner
+
+    found = {}
+    for module in _fla_modules():
+        for value in vars(module).values():
+            if isinstance(value, Autotuner):
+                found[id(value)] = value
+    return list(found.values())
+
+
+def retune() -> int:
+    """Forget the configurations FLA's autotuners chose in this process; returns how many autotuners were reset.
+    The next call of each kernel benchmarks its configurations again, on that call's shape."""
+    tuners = autotuners()
+    for tuner in tuners:
+        tuner.cache.clear()
+    return len(tuners)

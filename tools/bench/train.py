@@ -1,0 +1,197 @@
+"""Benchmark of KDA training through the public op: `cula.chunk_kda` against FLA 0.6.0's `fla.ops.kda.chunk_kda`,
+the forward alone, the whole forward + backward, and the peak extra GPU memory of a training step, on the same bf16
+inputs in one process.
+
+    python -m tools.bench.train [--smoke | --quick] [--out docs/benchmarks/train.md] [--json FILE]
+
+Every call: raw g with the safe gate (lower_bound = -5, A_log, dt_bias) and q/k L2 norm in kernel, K = V = 128,
+gradients of q, k, v, g, beta, A_log and dt_bias. Shapes (issue 19's grid): B in (1, 2), T in (1024, 4096, 8192,
+16384), HQK in (16, 32), HV in (HQK, 2 HQK); varlen (B = 1, 8192 tokens) with 10 and 20 sequences of random and
+skewed lengths at HQK = HV = 32. `--quick`: six rows across the grid's corners.
+
+FLA runs its own Triton kernels, autotuned in this process on each exact shape (tools/bench/fla_tuning.py: every
+tuned choice is forgotten before a shape's first call). Timing: CUDA events, median over `--rep` calls after
+`--warmup` calls (a training step is milliseconds: no do_bench rotation needed). `speed-up` = FLA ms / cula ms.
+Memory: `torch.cuda.max_memory_allocated` during one forward + backward minus what was allocated before it (the
+inputs and the output gradient), per implementation. The table for this run's card replaces that card's section
+of `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tools.bench import fla_tuning  # noqa: E402
+from tools.bench.prefill import lengths, publish  # noqa: E402
+
+K = V = 128
+LOWER_BOUND = -5.0
+TOKENS = 8192
+GRID = [dict(B=b, T=t, H=h, HV=h * m) for h in (16, 32) for m in (1, 2) for b in (1, 2)
+        for t in (1024, 4096, 8192, 16384)]
+GRID += [dict(B=1, T=TOKENS, H=32, HV=32, N=n, lens=kind) for kind in ("random", "skewed") for n in (10, 20)]
+QUICK = [dict(B=2, T=8192, H=32, HV=32), dict(B=2, T=8192, H=32, HV=64), dict(B=1, T=16384, H=16, HV=32),
+         dict(B=1, T=1024, H=16, HV=16), dict(B=2, T=4096, H=16, HV=16),
+         dict(B=1, T=TOKENS, H=32, HV=32, N=20, lens="skewed")]
+SMOKE = [dict(B=1, T=1024, H=16, HV=32)]
+
+
+def make_inputs(shape: dict, seed: int = 0) -> dict:
+    B, T, H, HV = shape["B"], shape["T"], shape["H"], shape["HV"]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def r(*s):
+        return torch.randn(*s, generator=gen, device="cuda")
+
+    x = dict(q=r(B, T, H, K).bfloat16(), k=r(B, T, H, K).bfloat16(), v=r(B, T, HV, V).bfloat16(),
+             g=r(B, T, HV, K).bfloat16(), beta=torch.sigmoid(r(B, T, HV)).bfloat16(),
+             A_log=torch.log(torch.empty(HV, device="cuda").uniform_(1, 16, generator=gen)), dt_bias=0.1 * r(HV * K),
+             do=r(B, T, HV, V).bfloat16(), cu=None, cu_cpu=None)
+    if "N" in shape:
+        cu = torch.tensor([0, *torch.tensor(lengths(shape["N"], T, shape["lens"])).cumsum(0).tolist()],
+                          dtype=torch.int32)
+        x.update(cu=cu.cuda(), cu_cpu=cu)
+    return x
+
+
+LEAVES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
+
+
+def step(impl: str, x: dict, backward: bool):
+    """A closure running one forward (and backward) of `impl` ("cula" or "fla") on fresh leaves of x."""
+    leaves = {n: x[n].detach().clone().requires_grad_() for n in LEAVES}
+    kw = dict(A_log=leaves["A_log"], dt_bias=leaves["dt_bias"], use_gate_in_kernel=True,
+              use_qk_l2norm_in_kernel=True, safe_gate=True, lower_bound=LOWER_BOUND)
+    if impl == "cula":
+        import cula as mod
+
+        if x["cu"] is not None:
+            kw.update(cu_seqlens=x["cu"], cu_seqlens_cpu=x["cu_cpu"])
+    else:
+        from fla.ops import kda as mod
+
+        if x["cu"] is not None:
+            kw.update(cu_seqlens=x["cu"].long(), cu_seqlens_cpu=x["cu_cpu"].long())
+    args = [leaves[n] for n in ("q", "k", "v", "g", "beta")]
+
+    def run():
+        for t in leaves.values():
+            t.grad = None
+        o = mod.chunk_kda(*args, **kw)[0]
+        if backward:
+            o.backward(x["do"])
+            return [leaves[n].grad for n in LEAVES]
+        return [o]
+
+    return run
+
+
+def time_ms(fn, warmup: int, rep: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rep)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in events)
+    return times[len(times) // 2]
+
+
+def peak_extra_mib(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+def rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def run_shape(shape: dict, warmup: int, rep: int) -> dict:
+    x = make_inputs(shape)
+    row = dict(shape=label(shape))
+    ours_g, fla_g = step("cula", x, True)(), None
+    fla_tuning.retune()
+    fla_g = step("fla", x, True)()  # FLA tunes its forward and backward kernels on this shape
+    row["grad_rel_err"] = max(rel(a, b) for a, b in zip(ours_g, fla_g))
+    del ours_g, fla_g
+    for impl in ("cula", "fla"):
+        row[f"{impl}_fwd_ms"] = time_ms(step(impl, x, False), warmup, rep)
+        row[f"{impl}_step_ms"] = time_ms(step(impl, x, True), warmup, rep)
+        row[f"{impl}_mib"] = peak_extra_mib(step(impl, x, True))
+    print(f"{row['shape']:<40} fwd cula {row['cula_fwd_ms']:.3f} FLA {row['fla_fwd_ms']:.3f} | fwd+bwd cula "
+          f"{row['cula_step_ms']:.3f} FLA {row['fla_step_ms']:.3f} | MiB cula {row['cula_mib']:.0f} FLA "
+          f"{row['fla_mib']:.0f} | grad err {row['grad_rel_err']:.1e}", flush=True)
+    del x
+    torch.cuda.empty_cache()
+    return row
+
+
+def label(shape: dict) -> str:
+    if "N" in shape:
+        return f"varlen {shape['N']} seqs {shape['lens']}, {shape['T']} tokens, H={shape['H']} HV={shape['HV']}"
+    return f"B={shape['B']} T={shape['T']} H={shape['H']} HV={shape['HV']}"
+
+
+def geomean(xs):
+    return math.exp(sum(math.log(v) for v in xs) / len(xs))
+
+
+def render(rows: list[dict], env: dict, command: str) -> str:
+    head = ("| shape | cula fwd ms | FLA fwd ms | fwd speed-up | cula fwd+bwd ms | FLA fwd+bwd ms | fwd+bwd speed-up "
+            "| cula MiB | FLA MiB | grads vs FLA |")
+    lines = [f"## {env.get('gpu', '?')}", "",
+             f"torch {env.get('torch')}, CUDA {env.get('cuda')}, triton {env.get('triton', '?')}, "
+             f"FLA {env.get('fla-core', '?')}, cula-sm100 {env.get('cula-sm100', '?')}.", "",
+             f"Command: `{command}`", "", head, "|" + "---|" * (head.count("|") - 1)]
+    fwd = [r["fla_fwd_ms"] / r["cula_fwd_ms"] for r in rows]
+    whole = [r["fla_step_ms"] / r["cula_step_ms"] for r in rows]
+    for r, f, w in zip(rows, fwd, whole):
+        lines.append(f"| {r['shape']} | {r['cula_fwd_ms']:.3f} | {r['fla_fwd_ms']:.3f} | {f:.2f}x | "
+                     f"{r['cula_step_ms']:.3f} | {r['fla_step_ms']:.3f} | {w:.2f}x | {r['cula_mib']:.0f} | "
+                     f"{r['fla_mib']:.0f} | {r['grad_rel_err']:.1e} |")
+    mem = [r["fla_mib"] / r["cula_mib"] for r in rows]
+    lines += ["", f"Forward: geomean {geomean(fwd):.2f}x, min {min(fwd):.2f}x. Forward + backward: geomean "
+              f"{geomean(whole):.2f}x, min {min(whole):.2f}x. Peak extra memory, FLA / cula: min {min(mem):.2f} "
+              f"over {len(rows)} rows. `grads vs FLA`: the largest norm-wise relative difference over the seven "
+              "gradients."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="six rows across the grid's corners")
+    ap.add_argument("--out", type=Path, help="markdown file whose section for this card is rewritten")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rep", type=int, default=10)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("train: needs a CUDA device", file=sys.stderr)
+        return 1
+    fla_tuning.prepare()
+    shapes = SMOKE if args.smoke else QUICK if args.quick else GRID
+    rows = [run_shape(s, args.warmup, args.rep) for s in shapes]
+    publish("train", rows, render, args, argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
