@@ -122,3 +122,33 @@ def test_cp_host_path_equals_serial_and_reference(fwd, lens):
     for n, L in enumerate(lens):
         if L == 0:
             assert torch.equal(ht_on[n], h0[n])
+
+
+def test_cp_mode_and_pieces_come_from_the_arguments_not_the_environment(fwd, monkeypatch):
+    """`intracard_cp` and `cp_pieces` decide the split; variables of the environment (the switches earlier versions
+    read) change nothing. The affine-map pass runs over one row per piece but the last."""
+    monkeypatch.setenv("CULA_SM90_CP", "on")
+    monkeypatch.setenv("CULA_SM90_CP_PIECES", "2")
+    map_rows = []
+
+    def state(affine, o_dtype):
+        run = _state_emulator(affine, o_dtype)
+
+        def record(*args):
+            if affine:
+                map_rows.append(args[12])  # S: rows of the map pass
+            return run(*args)
+        return record
+
+    monkeypatch.setattr(fwd, "compile_state", state)
+    x = _inputs([5000], 2, seed=3)
+    q, k, v, g, beta, h0, cu = x
+    kw = dict(scale=K ** -0.5, output_final_state=True, use_qk_l2norm_in_kernel=True, gate="precomputed",
+              lower_bound=None, beta_activation="none")
+    o_off, ht_off = fwd.prefill(q, k, v, g, beta, None, None, h0, cu, cu, intracard_cp="off", **kw)
+    assert map_rows == []
+    fwd.prefill(q, k, v, g, beta, None, None, h0, cu, cu, intracard_cp="on", **kw)
+    assert map_rows == [3]  # the planner's rule: 4 pieces
+    o_3, ht_3 = fwd.prefill(q, k, v, g, beta, None, None, h0, cu, cu, intracard_cp="on", cp_pieces=3, **kw)
+    assert map_rows == [3, 2]
+    assert _rel(ht_3, ht_off) < 1e-6 and _rel(o_3.float(), o_off.float()) < 1e-2

@@ -1,7 +1,7 @@
 """KDA prefill, stage 2 on tensor cores: the serial state recurrence over the chunks of a segment, and o.
 
-One CTA per (segment, value head, BV-column slice of the state): BV = 64 (the default: 256 threads, 8 warps as
-4 along M x 2 along N) or 32 (128 threads, 4 warps stacked along M). Per chunk of 64 tokens, with h the fp32
+One CTA per (segment, value head, BV-column slice of the state): BV = 64 (what forward.py compiles: 256 threads,
+8 warps as 4 along M x 2 along N) or 32 (128 threads, 4 warps stacked along M). Per chunk of 64 tokens, with h the fp32
 state slice [K = 128, BV] (registers, mma accumulator layout) and the stage-1 intermediates (chunk_intra*.py;
 bf16):
 
@@ -15,10 +15,9 @@ bf16 rounding, and the CP path (stage 2 in affine mode, a scan, stage 2 again) m
 Pipeline per chunk: cp.async of w, qg, kg, Aqk and the u slice (rows past the segment end zero-filled) for the
 next chunk while this one is computed (two stages), the split h written to shared memory meanwhile; then the
 GEMMs. BV = 64 loads each chunk's w, qg, kg, Aqk once for 64 columns (half the CTAs and the L2 traffic of BV =
-32): 176.5 KiB of shared memory, 246 registers, one CTA (8 warps) per SM; H100: 1.56 -> 1.11 ms at T = 16384,
-H = 64.
+32): 176.5 KiB of shared memory, one CTA (8 warps) per SM.
 
-Modes (compile time), as chunk_state.py: normal (h0_idx / ht_idx from the segment table, o written) or affine
+Modes (compile time): normal (h0_idx / ht_idx from the segment table, o written) or affine
 (the CP map pass over the augmented state [M | c], K + V = 256 columns: the slices of M start from the identity
 with u = 0, the slices of c from zero; no o). Segment table `seg` [S, 5] int32: (first token, end token, first
 global chunk, h0_idx, ht_idx). Assumes K = V = 128 and 16-byte aligned intermediates (allocated by forward.py).

@@ -3,9 +3,9 @@ without intra-card context parallel. Thin: validation happened in cula_core; the
 
     stage 1  chunk_intra_tc.ChunkIntraTCKernel   chunk-parallel: gate, cumsum, l2norm, Akk, w/u, Aqk, qg, kg, on
              tensor cores, for the safe gate with lower_bound >= TC_LOWER_BOUND_MIN (intra_kind);
-             chunk_intra.ChunkIntraKernel for every other gate (CULA_SM90_STAGE1_KERNEL=tc|simt forces one)
-    stage 2  chunk_state_tc.ChunkStateTCKernel   per (segment, head, state slice): the serial recurrence and o
-             (chunk_state.ChunkStateKernel: the first, SIMT version, with CULA_SM90_STATE_KERNEL=simt)
+             chunk_intra.ChunkIntraKernel for every other gate
+    stage 2  chunk_state_tc.ChunkStateTCKernel   per (segment, head, STATE_BV state columns): the serial recurrence
+             and o
 
 CP (cula_core.cp_planner decides from host lengths): stage 2 in affine mode gives every piece's map (M, c),
 a scan over the pieces of each sequence (batched fp64 matmuls on the device, immune to a global TF32 setting;
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 
 import torch
 
@@ -26,13 +25,8 @@ BT = 64
 DK = 128
 
 _DTYPES = {}
-# stage 2 variant: "tc" (mma.sync, the default) or "simt" (fp32 FMA, the first version; kept for comparison)
-STATE_KERNEL = os.environ.get("CULA_SM90_STATE_KERNEL", "tc")
-# state columns per CTA of the TC stage 2: 64 (8 warps; each chunk's tiles loaded once for 64 columns) or 32
-STATE_BV = int(os.environ.get("CULA_SM90_STATE_BV", "64"))
-# stage 1 variant: "auto" (tensor-core chunk_intra_tc for the safe gate with a bounded lower bound, else the SIMT
-# chunk_intra), or "tc" / "simt" to force one (tests, benchmarks)
-STAGE1_KERNEL = os.environ.get("CULA_SM90_STAGE1_KERNEL", "auto")
+# state columns per CTA of stage 2: 8 warps, each chunk's tiles loaded once for 64 columns
+STATE_BV = 64
 # the safe gate's lower bound down to which the TC stage 1 serves: its factorised score operands reach
 # e^(8 |lower_bound|) (e^64 here), far from fp32 / bf16 overflow (e^88)
 TC_LOWER_BOUND_MIN = -8.0
@@ -72,8 +66,6 @@ def _stream():
 def intra_kind(gate: str, lower_bound: float) -> str:
     """Which stage 1 serves a call: "tc" (chunk_intra_tc.py, tensor-core scores: the safe gate with a lower bound
     the factorised operands cannot overflow with) or "simt" (chunk_intra.py: any gate)."""
-    if STAGE1_KERNEL != "auto":
-        return STAGE1_KERNEL
     return "tc" if gate == "safe" and TC_LOWER_BOUND_MIN <= lower_bound <= 0.0 else "simt"
 
 
@@ -112,18 +104,16 @@ def compile_intra(gate: str, beta_activation: str, l2norm: bool, has_a_log: bool
 
 
 @functools.cache
-def compile_state(affine: bool, o_dtype: torch.dtype, bv: int | None = None):
-    """Compiled stage 2 (normal or affine-map mode, cached); `bv` state columns per CTA (TC kernel: 32 or 64)."""
+def compile_state(affine: bool, o_dtype: torch.dtype):
+    """Compiled stage 2 (normal or affine-map mode, cached), STATE_BV state columns per CTA."""
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
 
     f32, i32, mid = torch.float32, torch.int32, torch.bfloat16
-    if STATE_KERNEL == "simt":
-        from cula_sm90.prefill.chunk_state import ChunkStateKernel as Kernel
-    else:
-        from cula_sm90.prefill.chunk_state_tc import ChunkStateTCKernel as Kernel
-    kern = Kernel(affine) if STATE_KERNEL == "simt" else Kernel(affine, bv or STATE_BV)
+    from cula_sm90.prefill.chunk_state_tc import ChunkStateTCKernel
+
+    kern = ChunkStateTCKernel(affine, STATE_BV)
     return cute.compile(
         kern, *(_fake_ptr(mid, 16) for _ in range(5)),
         _fake_ptr(f32), _fake_ptr(i32), _fake_ptr(f32), _fake_ptr(f32), _fake_ptr(o_dtype),
@@ -144,12 +134,12 @@ def _host_lengths(B, T, cu_seqlens, cu_seqlens_cpu):
     return tuple(b - a for a, b in itertools.pairwise(c))
 
 
-def planner_kwargs() -> dict:
-    """What the CP planner needs to know of stage 2: CTAs per (segment, head) of the main pass; and
-    CULA_SM90_CP_PIECES (benchmarks: pieces per long sequence, whatever the rule says)."""
-    kw = {"slices": DK // 32 if STATE_KERNEL == "simt" else DK // STATE_BV}
-    if os.environ.get("CULA_SM90_CP_PIECES"):
-        kw["force_pieces"] = int(os.environ["CULA_SM90_CP_PIECES"])
+def planner_kwargs(cp_pieces: int | None = None) -> dict:
+    """What the CP planner needs to know of stage 2 (CTAs per (segment, head) of the main pass), and `cp_pieces`
+    (benchmarks: pieces per long sequence, whatever the planner's rule says; None: the rule decides)."""
+    kw = {"slices": DK // STATE_BV}
+    if cp_pieces is not None:
+        kw["force_pieces"] = int(cp_pieces)
     return kw
 
 
@@ -225,7 +215,11 @@ def _device_tables(B, T, N, cu_seqlens, device, has_h0, want_ht):
 
 
 def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *, scale,
-            output_final_state, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, intracard_cp="off"):
+            output_final_state, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, intracard_cp="off",
+            cp_pieces=None):
+    """The prefill of cula_core's `kda_prefill` custom op on validated, contiguous tensors (its argument order);
+    `intracard_cp` "on" / "off" / "auto" as the planner takes it; `cp_pieces` forces that many CP pieces per long
+    sequence (benchmarks; None: the planner's rule)."""
     B, T, HQK, K = q.shape
     HV = v.shape[2]
     device = q.device
@@ -233,10 +227,9 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     TT = B * T
     has_h0 = initial_state is not None
     lengths = _host_lengths(B, T, cu_seqlens, cu_seqlens_cpu)
-    mode = os.environ.get("CULA_SM90_CP", intracard_cp)
     if lengths is not None:
-        tables = _cached_device_tables(lengths, HV, _num_sms(device.index or 0), mode, device, has_h0,
-                                       bool(output_final_state), tuple(sorted(planner_kwargs().items())))
+        tables = _cached_device_tables(lengths, HV, _num_sms(device.index or 0), intracard_cp, device, has_h0,
+                                       bool(output_final_state), tuple(sorted(planner_kwargs(cp_pieces).items())))
     else:
         tables = _device_tables(B, T, N, cu_seqlens, device, has_h0, bool(output_final_state))
     NC = max(tables["NC"], 1)
