@@ -6,7 +6,7 @@ kernel for both).
     python -m tools.bench.intracard_cp [--smoke | --trim | --compare] [--longest 16384,131072] [--no-fla]
         [--sweep] [--profile] [--host-profile] [--out docs/benchmarks/intracard_cp.md] [--json rows.json]
 
-`--sweep` times CP at forced piece counts (CULA_SM90_CP_PIECES), `--compare` the planner's count against the
+`--sweep` times CP at forced piece counts (cula_sm90's prefill with `cp_pieces`), `--compare` the planner's count against the
 one-wave rule's, `--profile` / `--host-profile` the CP path's kernels and host side.
 
 Shapes (the issue's grid): H in (4, 8, 16); one or two sequences of T in (16384, 32768, 65536, 131072) tokens each;
@@ -64,6 +64,21 @@ def cula_with(cp):
     return run
 
 
+def cula_forced_pieces(pieces: int):
+    """cula-sm90's prefill with CP on and `pieces` pieces per long sequence, whatever the planner's rule says:
+    the host entry below the public op (validation and dispatch skipped), with the arguments that cula_with's
+    call passes it for the input set x."""
+    from cula_sm90.prefill import forward
+
+    def run(x):
+        return forward.prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], None,
+                               x["cu_seqlens"], x["cu_seqlens_cpu"], scale=pb.K ** -0.5, output_final_state=True,
+                               use_qk_l2norm_in_kernel=True, gate="safe", lower_bound=pb.LOWER_BOUND,
+                               beta_activation="sigmoid", intracard_cp="on", cp_pieces=pieces)
+
+    return run
+
+
 def fla_cp(x):
     with torch.inference_mode():
         return pb.fla_prefill(x)
@@ -91,7 +106,7 @@ def profiled(fn, x: dict, calls: int, cpu: bool = False):
     return prof
 
 
-# --sweep: CP with a forced piece count (CULA_SM90_CP_PIECES) per shape, to see where the planner's rule stands
+# --sweep: CP with a forced piece count (cula_forced_pieces) per shape, to see where the planner's rule stands
 SWEEP = [(dict(H=4, lens=[131072]), (8, 12, 16, 24, 32)), (dict(H=8, lens=[131072]), (4, 6, 8, 12, 16)),
          (dict(H=16, lens=[131072]), (2, 3, 4, 6, 8)), (dict(H=8, lens=[65536]), (4, 6, 8, 12)),
          (dict(H=16, lens=[65536]), (2, 3, 4, 6)), (dict(H=16, lens=[65536] * 2), (2, 3)),
@@ -114,12 +129,8 @@ def sweep(timing) -> list[str]:
         x = make_inputs(s)
         ref = cula_with(False)(x)
         for n in counts:
-            os.environ["CULA_SM90_CP_PIECES"] = str(n)
-            try:
-                ms = measure(cula_with(True), [(x,)], timing).median_ms
-                o, ht = cula_with(True)(x)
-            finally:
-                del os.environ["CULA_SM90_CP_PIECES"]
+            ms = measure(cula_forced_pieces(n), [(x,)], timing).median_ms
+            o, ht = cula_forced_pieces(n)(x)
             lines.append(f"| {s['H']} | {describe(s['lens'])} | {n} | {ms:.3f} | {rel(o, ref[0]):.1e}, "
                          f"{rel(ht, ref[1]):.1e} |")
             print(lines[-1], flush=True)
@@ -137,11 +148,7 @@ def compare(timing, sms) -> list[str]:
         t_new, t_old = [], []
         for _ in range(2):
             t_new.append(measure(cula_with("auto"), [(x,)], timing).median_ms)
-            os.environ["CULA_SM90_CP_PIECES"] = str(old)
-            try:
-                t_old.append(measure(cula_with(True), [(x,)], timing).median_ms)
-            finally:
-                del os.environ["CULA_SM90_CP_PIECES"]
+            t_old.append(measure(cula_forced_pieces(old), [(x,)], timing).median_ms)
         lines.append(f"| {s['H']} | {describe(s['lens'])} | {t_off:.3f} | {pieces(s['lens'], s['H'], sms, 'auto')} | "
                      f"{t_new[0]:.3f} / {t_new[1]:.3f} | {old} | {t_old[0]:.3f} / {t_old[1]:.3f} | "
                      f"{min(t_old) / min(t_new):.2f} |")
@@ -277,7 +284,7 @@ def main(argv=None) -> int:
     if args.host_profile:
         extra += ["", "## Host side of a CP call", "", "```", *host_profile(), "```"]
     if args.sweep:
-        extra += ["", "## Piece-count sweep (CULA_SM90_CP_PIECES, intracard_cp=True)", "", *sweep(timing)]
+        extra += ["", "## Piece-count sweep (forced piece counts, intracard_cp=True)", "", *sweep(timing)]
     if args.profile:
         extra += ["", "## CP path per kernel (torch.profiler, CP on)", "", "```", *profile(), "```"]
     env = environment("cuda")
