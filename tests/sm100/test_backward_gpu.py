@@ -235,7 +235,7 @@ def test_residuals_give_the_recomputed_gradients_bitwise(lengths, monkeypatch):
     """The forward hands Aqk / Akk to the backward (core's residuals), which then runs recompute_w_u alone
     instead of chunk_intra_wu (the intra-chunk matrices are not recomputed): the
     gradients are bitwise those of the backward that recomputes them (same kernels, same inputs). The forward
-    computes them in chunk_intra_wu_gate (launch.FUSED_GATE), the backward's recompute in chunk_intra_wu."""
+    computes them in chunk_intra_wu_gate, the backward's recompute in chunk_intra_wu."""
     require_gpu()
     from cula_sm100 import forward
     from cula_sm100.forward import launch as fwd_launch
@@ -244,7 +244,6 @@ def test_residuals_give_the_recomputed_gradients_bitwise(lengths, monkeypatch):
     for name in ("chunk_intra_wu", "chunk_intra_wu_gate"):
         fn = getattr(fwd_launch, name)
         monkeypatch.setattr(fwd_launch, name, lambda *a, _n=name, _f=fn, **kw: calls.append(_n) or _f(*a, **kw))
-    monkeypatch.setattr(fwd_launch, "FUSED_GATE", True)
     B, T = (1, 0) if lengths else (2, 200)
     p = _problem(B, T, 1, 2, lengths, "softplus", seed=11)
     saved = _grads("sm100", monkeypatch, *p, gate="softplus", l2=True, lengths=lengths)

@@ -4,7 +4,7 @@ launch.intra_wu_kernel / launch.intra_wu_gate_kernel (two processes started toge
 gate variant for every value of every compile key it adds (gate mode, g dtype, A_log / dt_bias present or not,
 beta dtype and activation); the shared-memory plan keeps 2 CTAs per SM; launch.chunk_intra_wu and
 launch.chunk_intra_wu_gate allocate and launch as the stages they replace do, and forward takes the fused gate
-stage when launch.FUSED_GATE (kernels and launches stubbed: nothing runs). Two of the gate keys also compile with
+stage (kernels and launches stubbed: nothing runs). Two of the gate keys also compile with
 qg_out (qg = bf16(q e^G) and G's last rows out; its host side: test_fused_qg_cpu.py)."""
 
 from __future__ import annotations
@@ -160,17 +160,15 @@ def test_gate_wrapper_allocates_and_launches(monkeypatch):
     assert len(calls) == 2
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_forward_takes_the_gate_stage_by_switch(monkeypatch, fused):
-    """forward: with FUSED_GATE chunk_intra_wu_gate alone makes G (returned in Intermediates) and the five outputs;
-    without, gate_cumsum then chunk_intra_wu. Stages stubbed (CPU tensors; nothing launches)."""
+def test_forward_makes_G_in_chunk_intra_wu_gate(monkeypatch):
+    """forward: chunk_intra_wu_gate alone makes G (returned in Intermediates) and the five outputs; gate_cumsum and
+    chunk_intra_wu (the backward's recompute) do not run. Stages stubbed (CPU tensors; nothing launches)."""
     from cula_sm100.forward import launch
 
     B, T, HQK, HV = 1, 70, 2, 4
     stages = []
     G = torch.full((B * T, HV, 128), 3.0)
     five = tuple(torch.zeros(1) for _ in range(5))
-    monkeypatch.setattr(launch, "FUSED_GATE", fused)
     monkeypatch.setattr(launch, "chunk_intra_wu_gate", lambda *a, **kw: stages.append("fused") or (G, *five))
     monkeypatch.setattr(launch, "gate_cumsum", lambda *a, **kw: stages.append("gate_cumsum") or G)
     monkeypatch.setattr(launch, "chunk_intra_wu", lambda q, k, v, G_, *a, **kw: stages.append(
@@ -185,5 +183,5 @@ def test_forward_takes_the_gate_stage_by_switch(monkeypatch, fused):
     _, _, it = launch.forward(q, k, v, g, beta, None, None, None, None, None, scale=0.1, output_final_state=False,
                               use_qk_l2norm_in_kernel=False, gate="precomputed", lower_bound=None,
                               beta_activation="none")
-    assert stages == (["fused"] if fused else ["gate_cumsum", ("chunk_intra_wu", True)])
+    assert stages == ["fused"]
     assert it.g_cumsum is G and it.Aqk is five[0] and it.kg is five[4]

@@ -1,9 +1,10 @@
 """GPU: chunk_intra_wu_gate (the raw gate's gate, chunk-local cumsum and chunk_intra_wu in one kernel, through
-launch.chunk_intra_wu_gate: the forward's stage when launch.FUSED_GATE) against its oracle, launch.gate_cumsum then
+launch.chunk_intra_wu_gate: the forward's gate stage) against its oracle, launch.gate_cumsum then
 launch.chunk_intra_wu on the same inputs: G, Aqk, Akk, w, u and kg BITWISE equal (the kernel runs gate_cumsum's gate
 code in gate_cumsum's summation order, then chunk_intra_wu's code on the same G), in every gate mode, fp32 and bf16 g,
 with and without A_log / dt_bias, T = 1, 63, 64, 65, 500 (GVA 2), GVA 1 / 2 / 4 and varlen batches with empty and
-length-1 sequences; the whole forward with FUSED_GATE on and off (every intermediate, o and the final state bitwise);
+length-1 sequences; the whole forward against the same forward composed with the two kernels (every intermediate, o
+and the final state bitwise);
 and a compute-sanitizer memcheck run on odd shapes.
 
     pytest -m gpu tests/sm100/test_chunk_intra_wu_gate_gpu.py
@@ -103,9 +104,10 @@ def test_gate_fused_beta_activation(beta_activation):
 
 
 @pytest.mark.parametrize("gate,lengths", [("softplus", None), ("safe", [17, 1, 0, 64, 65, 200])])
-def test_forward_fused_gate_switch_bitwise(monkeypatch, gate, lengths):
-    """launch.forward with FUSED_GATE on and off: o, the final state and every intermediate bitwise equal (q/k L2
-    norm in kernel, initial and final state, raw gate with A_log and dt_bias)."""
+def test_forward_equals_the_two_kernel_gate_path_bitwise(gate, lengths):
+    """launch.forward (its gate stage chunk_intra_wu_gate) against the same forward composed by hand with
+    gate_cumsum then chunk_intra_wu (the backward's recompute path): o, the final state and every intermediate
+    bitwise equal (q/k L2 norm in kernel, initial and final state, raw gate with A_log and dt_bias)."""
     require_gpu()
     from cula_sm100.forward import launch
 
@@ -115,17 +117,21 @@ def test_forward_fused_gate_switch_bitwise(monkeypatch, gate, lengths):
         cu, cu_cpu = seqlens_to_cu(lengths)
     q, k, v, _, beta, h0 = make_inputs(B, T, HQK, HV, seed=5, h0=True, N=len(lengths) if lengths else None)
     g, A_log, dt_bias = gate_inputs(B, T, HV, gate, True, True, torch.float32, 6)
-    runs = []
-    for fused in (True, False):
-        monkeypatch.setattr(launch, "FUSED_GATE", fused)
-        runs.append(launch.forward(q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, scale=128 ** -0.5,
-                                   output_final_state=True, use_qk_l2norm_in_kernel=True, gate=gate,
-                                   lower_bound=-5.0 if gate == "safe" else None, beta_activation="sigmoid"))
+    scale, lb = 128 ** -0.5, (-5.0 if gate == "safe" else None)
+    o1, ht1, it1 = launch.forward(q, k, v, g, beta, A_log, dt_bias, h0, cu, cu_cpu, scale=scale,
+                                  output_final_state=True, use_qk_l2norm_in_kernel=True, gate=gate, lower_bound=lb,
+                                  beta_activation="sigmoid")
+    ctab, stab = launch.tables(B, T, cu, cu_cpu, q.device)
+    qn, kn = launch.l2norm(q), launch.l2norm(k)
+    G = launch.gate_cumsum(g.reshape(B * T, HV, 128), A_log, dt_bias, ctab, gate=gate, lower_bound=lb)
+    Aqk, Akk, w, u, kg = launch.chunk_intra_wu(qn, kn, v, G, beta, ctab, scale=scale, beta_activation="sigmoid")
+    h, v_new, ht2 = launch.chunk_delta_h(w, u, kg, G, h0, ctab, stab, output_final_state=True)
+    o2 = launch.fwd_o(qn, G, h, Aqk, v_new, ctab, scale=scale).reshape(o1.shape)
     torch.cuda.synchronize()
-    (o1, ht1, it1), (o2, ht2, it2) = runs
     assert torch.equal(o1, o2) and torch.equal(ht1, ht2)
-    for name in ("g_cumsum", "Aqk", "Akk", "w", "u", "kg", "h", "v_new"):
-        assert torch.equal(getattr(it1, name), getattr(it2, name)), name
+    it2 = dict(g_cumsum=G, Aqk=Aqk, Akk=Akk, w=w, u=u, kg=kg, h=h, v_new=v_new)
+    for name, want in it2.items():
+        assert torch.equal(getattr(it1, name), want), name
 
 
 def test_gate_fused_no_chunks():

@@ -1,7 +1,7 @@
-"""CPU: the qg path of the sm100 forward (launch.FUSED_QG, forward(intermediates=False)): chunk_intra_wu_gate with
+"""CPU: the qg path of the sm100 forward (forward(intermediates=False)): chunk_intra_wu_gate with
 qg_out writes qg = bf16(q e^G) and G only at each chunk's last row, fwd_o with qg_in reads qg. Here, with kernels and
 launches stubbed (nothing runs): the wrappers' buffers, arguments and compile keys, the forward's choice of stages
-(qg path only with FUSED_QG, FUSED_GATE and intermediates=False; Intermediates.g_cumsum None and .qg set there),
+(qg path exactly with intermediates=False; Intermediates.g_cumsum None and .qg set there),
 and chunk_kda asking for no intermediates. Both kernels compile for sm_90a / sm_100a in test_sm100_compile.py
 (sm100_compile_check.py's "chunk_intra_wu_gate[softplus, qg_out]" and "fwd_o[qg_in]"), two more gate keys with
 qg_out in test_chunk_intra_wu_cpu.py, their launch cells in test_fast_launch_cpu.py. On the GPU:
@@ -101,29 +101,23 @@ def _run_forward(launch, B, T, HQK, HV, **kw):
                           **kw)
 
 
-@pytest.mark.parametrize("fused_qg", [True, False])
-@pytest.mark.parametrize("fused_gate", [True, False])
 @pytest.mark.parametrize("intermediates", [None, True, False])
-def test_forward_takes_the_qg_path_by_switch(monkeypatch, fused_qg, fused_gate, intermediates):
+def test_forward_takes_the_qg_path_without_intermediates(monkeypatch, intermediates):
     """The qg path (chunk_intra_wu_gate with qg_out, chunk_delta_h on its G, fwd_o_qg on its qg; Intermediates with
-    g_cumsum None and qg set) exactly when FUSED_QG, FUSED_GATE and intermediates=False; otherwise the stages and
-    the Intermediates of before (g_cumsum G, qg None). intermediates=None: the argument left out (True)."""
+    g_cumsum None and qg set) exactly when intermediates=False; otherwise chunk_intra_wu_gate without qg_out, then
+    fwd_o from q and G (g_cumsum G, qg None). intermediates=None: the argument left out (True)."""
     from cula_sm100.forward import launch
 
     B, T, HQK, HV = 1, 70, 2, 4
-    monkeypatch.setattr(launch, "FUSED_QG", fused_qg)
-    monkeypatch.setattr(launch, "FUSED_GATE", fused_gate)
     stages, G, qg, five = _stub_stages(monkeypatch, launch, B, T, HV)
     kw = {} if intermediates is None else dict(intermediates=intermediates)
     o, _, it = _run_forward(launch, B, T, HQK, HV, **kw)
     assert tuple(o.shape) == (B, T, HV, 128)
-    qg_path = fused_qg and fused_gate and intermediates is False
-    if qg_path:
+    if intermediates is False:
         assert stages == [("chunk_intra_wu_gate", True), ("chunk_delta_h", True), ("fwd_o_qg", True)]
         assert it.g_cumsum is None and it.qg is qg
     else:
-        first = [("chunk_intra_wu_gate", False)] if fused_gate else ["gate_cumsum", "chunk_intra_wu"]
-        assert stages == [*first, ("chunk_delta_h", True), ("fwd_o", True)]
+        assert stages == [("chunk_intra_wu_gate", False), ("chunk_delta_h", True), ("fwd_o", True)]
         assert it.g_cumsum is G and it.qg is None
     assert it.Aqk is five[0] and it.Akk is five[1] and it.kg is five[4]
 
@@ -131,7 +125,7 @@ def test_forward_takes_the_qg_path_by_switch(monkeypatch, fused_qg, fused_gate, 
 @pytest.mark.parametrize("save_residuals", [False, True])
 def test_chunk_kda_runs_without_intermediates(monkeypatch, save_residuals):
     """chunk_kda (the backend's entry) calls forward with intermediates=False (the backward recomputes G; the
-    residuals are Aqk / Akk only), so with the switches on it takes the qg path; the residuals are Aqk / Akk as
+    residuals are Aqk / Akk only), so it takes the qg path; the residuals are Aqk / Akk as
     [B, T, HV, 64] views."""
     from cula_sm100.forward import launch
 
@@ -159,12 +153,10 @@ def test_chunk_kda_runs_without_intermediates(monkeypatch, save_residuals):
         assert len(out) == 2
 
 
-def test_switch_defaults():
-    """The qg path is on by default (for chunk_kda), and the Intermediates' qg field defaults to None (every
-    constructor of before, the backward's recompute among them, leaves it out)."""
+def test_intermediates_qg_defaults_to_none():
+    """The Intermediates' qg field defaults to None (the backward's recompute leaves it out)."""
     from cula_sm100.forward import launch
 
-    assert launch.FUSED_QG is True and launch.FUSED_GATE is True
     it = launch.Intermediates(q=None, k=None, g_cumsum=None, Aqk=None, Akk=None, w=None, u=None, kg=None, h=None,
                               v_new=None)
     assert it.qg is None

@@ -1,4 +1,4 @@
-"""GPU: the qg path of the sm100 forward (launch.FUSED_QG with forward(intermediates=False), chunk_kda's call):
+"""GPU: the qg path of the sm100 forward (forward(intermediates=False), chunk_kda's call):
 chunk_intra_wu_gate with qg_out writes qg = bf16(q e^G) and G only at each chunk's last row; chunk_delta_h reads those
 rows; fwd_o with qg_in reads qg instead of q and G.
 
@@ -90,12 +90,10 @@ def last_rows(ctab):
 @pytest.mark.parametrize("with_h0", [True, False], ids=["h0", "no_h0"])
 @pytest.mark.parametrize("gate,has_A,has_b,lb", GATES, ids=lambda x: str(x))
 @pytest.mark.parametrize("B,T,HQK,HV,lengths", SHAPES, ids=lambda x: str(x))
-def test_forward_qg_path_bitwise(monkeypatch, B, T, HQK, HV, lengths, gate, has_A, has_b, lb, with_h0):
+def test_forward_qg_path_bitwise(B, T, HQK, HV, lengths, gate, has_A, has_b, lb, with_h0):
     require_gpu()
     from cula_sm100.forward import launch
 
-    monkeypatch.setattr(launch, "FUSED_QG", True)
-    monkeypatch.setattr(launch, "FUSED_GATE", True)
     args, kw, _ = problem(B, T, HQK, HV, lengths, gate, has_A, has_b, lb, h0=with_h0)
     o1, ht1, it1 = launch.forward(*args, **kw, intermediates=True)
     o2, ht2, it2 = launch.forward(*args, **kw, intermediates=False)
@@ -145,13 +143,12 @@ def test_stage_last_rows_of_G(B, T, HQK, HV, lengths, gate, has_A, has_b, lb):
         assert_equal(a, b, name)
 
 
-def test_chunk_kda_takes_the_qg_path(monkeypatch):
+def test_chunk_kda_takes_the_qg_path():
     """chunk_kda (intermediates=False inside) gives bitwise forward(intermediates=True)'s o and final state, and its
     residuals are that forward's Aqk / Akk."""
     require_gpu()
     from cula_sm100.forward import launch
 
-    monkeypatch.setattr(launch, "FUSED_QG", True)
     args, kw, _ = problem(2, 300, 2, 4, None, "softplus", True, True, None, seed=11)
     o1, ht1, it1 = launch.forward(*args, **kw)
     o2, ht2, (r_qk, r_kk) = launch.chunk_kda(*args, **kw, save_residuals=True)
@@ -173,10 +170,9 @@ def test_fused_qg_memcheck_clean_on_odd_shapes():
 
 
 def memcheck_cases():
-    """The odd shapes of the memcheck run: forward(intermediates=False) with FUSED_QG (nothing compared here)."""
+    """The odd shapes of the memcheck run: forward(intermediates=False) (nothing compared here)."""
     from cula_sm100.forward import launch
 
-    launch.FUSED_QG = launch.FUSED_GATE = True
     n = 0
     shapes = [(1, 1, 1, 1, None), (1, 63, 2, 4, None), (1, 65, 1, 4, None), (2, 65, 2, 2, None),
               (1, 0, 2, 8, [0, 1, 63, 0, 65, 1])]

@@ -1,6 +1,6 @@
 """Benchmark of the fused chunk_intra + recompute_w_u kernel (chunk_intra_wu.py, through launch.chunk_intra_wu)
 against the two-kernel path it replaced (launch.chunk_intra, then launch.recompute_w_u), and of the raw-gate kernel
-(chunk_intra_wu_gate.py, launch.chunk_intra_wu_gate: the forward's stage when launch.FUSED_GATE) against the two
+(chunk_intra_wu_gate.py, launch.chunk_intra_wu_gate: the forward's gate stage) against the two
 launches it replaces (launch.gate_cumsum, then launch.chunk_intra_wu), in one run on the same inputs.
 
     python -m tools.bench.intra_wu [--smoke] [--json FILE] > docs/benchmarks/intra_wu.md

@@ -7,11 +7,11 @@ Kernels, one per file, launched in this order by `launch.forward` (`launch.py`: 
                          qg = bf16(q e^G), with G written only at each chunk's last row
   chunk_delta_h.py       the inter-chunk state recurrence: per-chunk h, v_new, final state
   fwd_o.py               o from qg (formed from q and G, or read as chunk_intra_wu_gate wrote it), h, Aqk, v_new
-and, for the backward's recompute, launch.FUSED_GATE = False and the tests' oracles:
+and for the backward's recompute (and the forward kernels' GPU tests, as oracles):
   gate_cumsum.py         gate and G alone
   chunk_intra_wu.py      chunk_intra_wu_gate's work from G (the two below in one kernel, bitwise)
-  chunk_intra.py         Aqk and Akk alone
   recompute_w_u.py       w, u and kg alone (the backward's, when the forward handed it Akk)
+  chunk_intra.py         Aqk and Akk alone (launched by no production path: the GPU tests' oracle of chunk_intra_wu)
 All multiply with warp-level mma.sync (bf16 -> fp32, `cute_utils.mma_atom`), so they run on sm_90 and sm_100.
 
 When gradients are wanted the forward hands Aqk and Akk to the backward as core's

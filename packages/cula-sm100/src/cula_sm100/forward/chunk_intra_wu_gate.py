@@ -29,17 +29,11 @@ GEMMs (the hooks load_G / fill_G / store_G of ChunkIntraWU.run):
     past the chunk end never written.
 Rows past a chunk's end are never read from global memory (cp.async predicated, the tile's rows zero-filled).
 
-Static resources (CPU, `python -m tools.kernel_report --arch sm_90a|sm_100a --kernel fwd.chunk_intra_wu
---kernel fwd.chunk_intra_wu_gate[softplus]`; softplus gate, fp32 g with A_log and dt_bias, bf16 beta), the same as
-chunk_intra_wu's: sm_90a 115 registers, sm_100a 118, no spills (ptxas) and no local memory on either, 1 + 107.2 KiB
-shared memory, 2 CTAs (16 warps) per SM. SASS grows from 6193 to 7206 instructions on sm_90a (7238 to 8246 on
-sm_100a): the 64 unrolled rows of the gate (MUFU 287 -> 416, 2 per row for softplus) and 8 more 16-byte stores.
-The G hooks leave chunk_intra_wu's PTX and gate_cumsum's PTX unchanged (compared on both archs).
 Host side: launch.intra_wu_gate_kernel (compiled per gate mode, g / A_log / dt_bias dtypes, their presence,
-lower_bound, beta dtype and activation, qg_out) and launch.chunk_intra_wu_gate, the forward's stage when
-launch.FUSED_GATE (launch.gate_cumsum + launch.chunk_intra_wu otherwise, and in the backward's recompute).
+lower_bound, beta dtype and activation, qg_out) and launch.chunk_intra_wu_gate, the forward's first stage after
+l2norm (the backward's recompute runs launch.gate_cumsum + launch.chunk_intra_wu instead: same outputs, bitwise).
 
-qg_out (compile-time flag; launch.forward(intermediates=False) with launch.FUSED_QG, i.e. chunk_kda's forward):
+qg_out (compile-time flag; launch.forward(intermediates=False), i.e. chunk_kda's forward):
 instead of all of G the kernel writes
   * qg [TT, HV, K] bf16 = bf16(float(q[t, hq, c]) e^G[t, hv, c]), fwd_o's first GEMM operand, with fwd_o's very
     expression (cute_utils.scale_by_exp: fastmath exp of the fp32 G times the L2-normalised bf16 q), so the same
@@ -53,16 +47,8 @@ written and read once. Where: store_G, after the barrier that follows fill_G, wh
 and neither has been overwritten yet (sG turns into the per-step decays, sQ into Akk's staging, both later in
 fused_body): all 256 threads, each 8 channels of a row per step (a 16-byte vector of q, two of G, one store), 4
 steps of 16 rows; G's last row by warps 0-3, one channel per thread. No shared memory added. The flag-off kernel is
-the same code (kernel, not kernel_qg; its PTX compared equal before / after on sm_90a and sm_100a); its host function
-takes the qg pointer too (the last one) and ignores it.
-Static resources of the qg_out variant (`python -m tools.kernel_report --arch sm_90a|sm_100a --kernel
-"fwd.chunk_intra_wu_gate[softplus, qg_out]"`): the same as the flag-off kernel's, sm_90a 115 registers, sm_100a 118,
-no spills, no local memory, 1 + 107.2 KiB, 2 CTAs per SM; SASS 7208 -> 7396 instructions on sm_90a (8249 -> 8436 on
-sm_100a): 32 more MUFU.EX2, 24 -> 20 16-byte stores (G's 8 gone, qg's 4 added) and one 4-byte store.
-Measured on the H100 (session 7, docs/benchmarks/intra_wu.md and train_fwd.md): the flag-off kernel 1.10x-1.11x
-gate_cumsum + chunk_intra_wu with every output bitwise theirs (tests/sm100/test_chunk_intra_wu_gate_gpu.py, 102
-passed, memcheck clean); with qg_out 3.82 ms at B = 2, T = 8192, HV = 128 (1.41x FLA's gate + chunk_kda_fwd_intra),
-the forward's o bitwise the full path's (tests/sm100/test_fused_qg_gpu.py passed, memcheck clean).
+the same code (kernel, not kernel_qg); its host function takes the qg pointer too (the last one) and ignores it.
+Static resources of both variants: docs/kernel_report.md; measurements: docs/benchmarks/intra_wu.md.
 """
 
 from __future__ import annotations

@@ -9,20 +9,13 @@ to bf16 as FLA, fp32 accumulation), h and v_new read with ldmatrix.trans. Pipeli
 v_new (rows past the chunk end zero), qg in place (8 channels per thread, 16-byte vectors), two GEMMs, o staged
 through q's shared tile and stored in 16-byte rows.
 
-qg_in (compile-time flag; launch.fwd_o_qg, the forward's stage through the qg path: launch.FUSED_QG with
-forward(intermediates=False)): q_ptr carries qg [TT, HV, K] bf16 = bf16(q e^G), made by chunk_intra_wu_gate with
-qg_out with this kernel's own expression (cute_utils.scale_by_exp), and is cp.async'ed at head hv straight into sQ;
+qg_in (compile-time flag; launch.fwd_o_qg, the forward's stage through the qg path, forward(intermediates=False)):
+q_ptr carries qg [TT, HV, K] bf16 = bf16(q e^G), made by chunk_intra_wu_gate with qg_out with this kernel's own expression (cute_utils.scale_by_exp), and is cp.async'ed at head hv straight into sQ;
 G_ptr is not read, and neither the G loads nor the exp pass run (one barrier after the copies instead of two).
 Everything else is the same code, so o is bitwise the flag-off kernel's on the q and G that made qg. Why: the G read
 (fp32, 1.07 GB at B = 2, T = 8192, HV = 128) and q's (0.27 GB) become qg's 0.54 GB.
-Static resources (`python -m tools.kernel_report --arch sm_90a|sm_100a --kernel fwd.fwd_o --kernel
-"fwd.fwd_o[qg_in]"`): flag off, 108 registers on both archs, no spills, 1 + 72.0 KiB shared memory, 3 CTAs per SM
-(by shared memory), 1235 SASS instructions, PTX unchanged by the flag. qg_in: left unbounded, ptxas gives it 96
-registers and spills 12 B (a 16-byte stack frame), so it launches with min_blocks_per_mp = 3 (what its shared memory
-allows anyway) and a carveout of 100: 140 registers on sm_90a, 142 on sm_100a, no spills, no local memory, the same
-72.0 KiB and 3 CTAs per SM, 786 SASS instructions (no MUFU, no 16-byte LDG). Measured on the H100 (session 7,
-docs/benchmarks/train_fwd.md): 1.011 ms against 1.320 for the flag-off kernel at B = 2, T = 8192, HV = 128 (FLA's
-chunk_gla_fwd_o_gk 1.468); o bitwise the flag-off kernel's (tests/sm100/test_fused_qg_gpu.py passed, memcheck clean).
+qg_in launches with min_blocks_per_mp = 3 (what its shared memory allows anyway; left unbounded, ptxas spills)
+and a carveout of 100. Static resources: docs/kernel_report.md; measurements: docs/benchmarks/train_fwd.md.
 """
 
 from __future__ import annotations

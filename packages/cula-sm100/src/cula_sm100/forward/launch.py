@@ -25,14 +25,6 @@ import torch
 from cula_sm100 import fast_launch
 
 BT = 64
-# the forward's gate: True, chunk_intra_wu_gate (gate, cumsum and chunk_intra_wu in one kernel; G written once, not
-# read back); False, gate_cumsum then chunk_intra_wu (the backward's recompute always takes this path)
-FUSED_GATE = True
-# forward(intermediates=False) (chunk_kda's call) with FUSED_GATE: True, chunk_intra_wu_gate writes qg = bf16(q e^G)
-# and G only at each chunk's last row, and fwd_o reads qg (FwdO(qg_in=True)): neither all of G (fp32) nor q goes
-# through HBM for fwd_o; o and the final state are bitwise the same. False, or intermediates=True: G in full and
-# fwd_o forms qg itself (every intermediate returned)
-FUSED_QG = True
 _BF, _F32, _I32 = torch.bfloat16, torch.float32, torch.int32
 
 _TORCH_TO_CUTLASS = {}
@@ -239,7 +231,7 @@ def tables(B: int, T: int, cu_seqlens, cu_seqlens_cpu, device):
 @dataclass
 class Intermediates:
     """What the forward computed, in FLA's layouts over the packed tokens (tests compare these). Through the qg path
-    (forward(intermediates=False) with FUSED_QG) G is never written in full: g_cumsum is None and qg is set."""
+    (forward(intermediates=False)) G is never written in full: g_cumsum is None and qg is set."""
     q: torch.Tensor        # [TT, HQK, K] bf16 (L2-normalised if asked)
     k: torch.Tensor
     g_cumsum: torch.Tensor | None  # [TT, HV, K] fp32, natural log; None through the qg path
@@ -309,7 +301,7 @@ def recompute_w_u(k, v, G, beta, Akk, ctab, *, beta_activation):
 
 def chunk_intra_wu(q, k, v, G, beta, ctab, *, scale, beta_activation):
     """(Aqk, Akk [TT, HV, 64], w, u, kg [TT, HV, 128]) bf16 (kernel: chunk_intra_wu.py): chunk_intra then
-    recompute_w_u in one kernel, bitwise the same outputs (session 6, H100: 1.14x-1.15x the two kernels' time).
+    recompute_w_u in one kernel, bitwise the same outputs (the backward's recompute).
     q, k [.., HQK, K] bf16; v [.., HV, V] bf16; G [TT, HV, K] fp32; beta [.., HV]."""
     TT, HV, K = G.shape
     HQK, V = q.shape[-2], v.shape[-1]
@@ -347,10 +339,8 @@ def chunk_intra_wu_gate(q, k, v, g, A_log, dt_bias, beta, ctab, *, gate, lower_b
 
 
 # chunk_delta_h runs N HV 4 CTAs (a sequence's value head in 4 V slices): launched as clusters of the 4 slices from
-# this many (sequence, value head) pairs on, as independent CTAs below. Measured on the H100 at T = 8192 (session 5,
-# `python -m tools.bench.train_fwd --delta-h-sweep`): at 64 / 128 pairs clusters took 1.20x / 1.26x the time of
-# plain CTAs (0.423 vs 0.353 ms, 0.760 vs 0.605 ms); at 256 pairs 0.93x (1.324 vs 1.429 ms), at 512 pairs 0.76x /
-# 0.82x (B 4 HV 128, B 2 HV 256). The threshold lies between 128 and 256 pairs.
+# this many (sequence, value head) pairs on, as independent CTAs below (the measured crossover:
+# docs/benchmarks/train_fwd.md, `python -m tools.bench.train_fwd --delta-h-sweep`)
 DELTA_H_CLUSTER_MIN_PAIRS = 256
 
 
@@ -402,9 +392,12 @@ def _fwd_o(qg_in, q, G, h, Aqk, v_new, ctab, like, HQK, scale):
 def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *, scale,
             output_final_state, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, intermediates=True):
     """The chunk_kda forward; returns (o [B, T, HV, V], final_state [N, HV, K, V] or None, Intermediates).
-    `intermediates=False`: the caller needs o, the final state and Aqk / Akk only; with FUSED_GATE and FUSED_QG the
-    qg path runs (G never written in full: Intermediates.g_cumsum None, .qg set; o and the state bitwise the
-    same)."""
+
+    Stages: l2norm (if asked), chunk_intra_wu_gate, chunk_delta_h, fwd_o. `intermediates=True`: every intermediate
+    is written (G in full; fwd_o forms qg = q e^G itself). `intermediates=False` (chunk_kda's call: the caller needs
+    o, the final state and Aqk / Akk only): the qg path, where chunk_intra_wu_gate writes qg = bf16(q e^G) and G
+    only at each chunk's last row (all chunk_delta_h reads) and fwd_o reads qg; Intermediates.g_cumsum is None and
+    .qg set; o and the final state are bitwise those of intermediates=True."""
     B, T, HQK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     ctab, stab = tables(B, T, cu_seqlens, cu_seqlens_cpu, q.device)
@@ -414,19 +407,16 @@ def forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     g = g.reshape(B * T, HV, K)
-    qg_path = FUSED_QG and FUSED_GATE and not intermediates
+    qg_path = not intermediates
     qg = None
     if qg_path:
         G, qg, Aqk, Akk, w, u, kg = chunk_intra_wu_gate(q, k, v, g, A_log, dt_bias, beta, ctab, gate=gate,
                                                         lower_bound=lower_bound, scale=scale,
                                                         beta_activation=beta_activation, qg_out=True)
-    elif FUSED_GATE:
+    else:
         G, Aqk, Akk, w, u, kg = chunk_intra_wu_gate(q, k, v, g, A_log, dt_bias, beta, ctab, gate=gate,
                                                     lower_bound=lower_bound, scale=scale,
                                                     beta_activation=beta_activation)
-    else:
-        G = gate_cumsum(g, A_log, dt_bias, ctab, gate=gate, lower_bound=lower_bound)
-        Aqk, Akk, w, u, kg = chunk_intra_wu(q, k, v, G, beta, ctab, scale=scale, beta_activation=beta_activation)
     # through the qg path G holds only each chunk's last row: all chunk_delta_h reads (ChunkDeltaH.last_g)
     h, v_new, ht = chunk_delta_h(w, u, kg, G, initial_state, ctab, stab, output_final_state=output_final_state)
     if qg_path:
