@@ -75,7 +75,7 @@ def test_cu_seqlens_requires_batch_one():
 def test_device_cu_seqlens_values_are_checked_through_cu_seqlens_cpu():
     # The host copy is what validation reads when given (no device read): its values are checked.
     with pytest.raises(ValueError, match=r"cu_seqlens must end at T = 16"):
-        call(cu_seqlens=torch.tensor([0, 16], dtype=torch.int32),
+        call(cu_seqlens=torch.tensor([0, 12], dtype=torch.int32),
              cu_seqlens_cpu=torch.tensor([0, 12], dtype=torch.int32))
 
 
@@ -102,9 +102,10 @@ DECODE_CASES = [
     (dict(state_pool=torch.randn(P, HV, K, V + 1)), ValueError, r"state_pool must have shape \[P, HV, K, V\] = \[P, 4, 8, 8\], got \[5, 4, 8, 9\]"),
     (dict(state_pool=torch.randn(P, HV, V, K).transpose(-1, -2)), ValueError, r"state_pool must be contiguous"),
     (dict(state_pool=torch.randn(P, HV, K, V).bfloat16()), TypeError, r"state_pool must have dtype in \(float32, float64\), got bfloat16"),
-    (dict(A_log=None), ValueError, r"use_gate_in_kernel=True requires A_log"),
+    (dict(A_log=None), ValueError, r"^the decode ops' in-kernel gate requires A_log of shape \[HV\] = \[4\] \(or lower_bound for the safe gate\), got None$"),
     (dict(beta=torch.rand(N, TD, HV + 1)), ValueError, r"beta must have shape \[N, T, HV\] = \[3, 2, 4\]"),
-    (dict(lower_bound=1.0), ValueError, r"lower_bound must be in the safe range \[-5, 0\)"),
+    (dict(lower_bound=float("nan")), ValueError, r"^lower_bound must be a finite float or None, got nan$"),
+    (dict(lower_bound="-5"), TypeError, r"^lower_bound must be a float or None, got str$"),
 ]
 
 
@@ -129,7 +130,8 @@ def test_decode_takes_one_token():
     (3, ValueError, r"accept_len must be in \[0, T\] = \[0, 2\], got 3"),
     (-1, ValueError, r"accept_len must be in \[0, T\] = \[0, 2\], got -1"),
     (torch.tensor([0, 1, 3], dtype=torch.int32), ValueError, r"accept_len\[2\] = 3 is outside \[0, T\] = \[0, 2\]"),
-    (torch.tensor([0, 1, 1]), TypeError, r"accept_len must have dtype in \(int32\), got int64"),
+    (torch.tensor([0, 1, 1]), TypeError, r"accept_len must be an int or an \[N\] int32 tensor, got a tensor of dtype int64"),
+    (1.0, TypeError, r"accept_len must be an int or an \[N\] int32 tensor, got float"),
     (True, TypeError, r"accept_len must be an int or an \[N\] int32 tensor, got bool"),
 ])
 def test_flush_rejects_bad_accept_lengths_and_leaves_the_pool_untouched(accept_len, exc, message):
@@ -149,7 +151,7 @@ def test_flush_rejects_a_buffer_of_another_shape():
     _, buf = cula_core.kda_decode_mtp_kvbuffer(**args)
     pool = args["state_pool"]
     before = pool.clone()
-    with pytest.raises(ValueError, match=r"kvbuffer must have shape \[N, T, HV, 2K\+V\] = \[3, 2, 4, 24\], got \[3, 2, 4, 23\]"):
+    with pytest.raises(ValueError, match=r"kvbuffer must have shape \[N, T, HV, 2K\+V\] \(N = len\(cache_idx\)\) = \[3, 2, 4, 24\], got \[3, 2, 4, 23\]"):
         cula_core.kda_flush_kvbuffer(pool, args["cache_idx"], buf[..., :-1].contiguous(), 1)
     with pytest.raises(ValueError, match=r"state_pools and kvbuffers must hold one tensor per layer"):
         cula_core.kda_flush_kvbuffer_all_layers([pool, pool], args["cache_idx"], [buf], 1)

@@ -13,6 +13,7 @@ tokens that exist and a slot index outside [0, P) is treated as a padded slot (n
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -47,11 +48,14 @@ def require_shape(name: str, t: torch.Tensor, expected: tuple[int, ...], layout:
 
 
 def require_same_device(tensors: dict[str, torch.Tensor | None]) -> torch.device:
+    """The one device of the tensors (None entries skipped); anything else than a tensor is a TypeError."""
     device = None
     first = None
     for name, t in tensors.items():
         if t is None:
             continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if device is None:
             device, first = t.device, name
         elif t.device != device:
@@ -73,13 +77,29 @@ def values_checkable(t: torch.Tensor) -> bool:
 
 
 def check_int32_indexing(sizes: dict[str, int], who: str) -> None:
-    """For kernels that index with int32: every tensor's element count must stay below 2**31."""
+    """For kernels that index with int32: every tensor's element count must stay below 2**31.
+
+    `sizes` maps a tensor's name to its element count; it must name every tensor the kernels index, outputs
+    included (see `forward_indexed_sizes`)."""
     for name, numel in sizes.items():
         if numel > INT32_MAX:
             raise ValueError(
                 f"{name} has {numel} elements, more than {who} can index with int32 offsets (at most {INT32_MAX}); "
                 f"split the batch"
             )
+
+
+def forward_indexed_sizes(q, k, v, g, beta, initial_state, cu_seqlens, output_final_state: bool) -> dict[str, int]:
+    """Element counts of every tensor a chunk_kda / kda_prefill kernel indexes: the inputs, the output o (v's
+    size), the initial state if given and the final state ``[N, HV, K, V]`` if asked for (or its gradient
+    in the backward). For `check_int32_indexing`: the states grow with N * HV * K * V, not with the tokens
+    (4096 sequences of 32 tokens at HV = 64, K = V = 128 give 2**32-element states from 2**27-element q)."""
+    sizes = {name: t.numel() for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta),
+                                             ("initial_state", initial_state)) if t is not None}
+    if output_final_state:
+        N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        sizes["final_state"] = N * v.shape[2] * q.shape[3] * v.shape[3]
+    return sizes
 
 
 # --------------------------------------------------------------------------------------------------
@@ -127,6 +147,11 @@ def validate_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int) -> tuple[int
                 f"cu_seqlens_cpu must have the shape of cu_seqlens {_shape(cu_seqlens)}, got {_shape(cu_seqlens_cpu)}"
             )
         host = cu_seqlens_cpu
+        if values_checkable(cu_seqlens) and not torch.equal(cu_seqlens.cpu().long(), cu_seqlens_cpu.long()):
+            # one source of truth: some backends plan (and index) from the host copy, others read cu_seqlens
+            i = int((cu_seqlens.cpu().long() != cu_seqlens_cpu.long()).nonzero()[0, 0])
+            raise ValueError(f"cu_seqlens_cpu must hold the values of cu_seqlens, got cu_seqlens_cpu[{i}] = "
+                             f"{int(cu_seqlens_cpu[i])} but cu_seqlens[{i}] = {int(cu_seqlens[i])}")
     elif values_checkable(cu_seqlens):
         host = cu_seqlens.cpu()
     if host is None:
@@ -145,21 +170,38 @@ def validate_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B: int, T: int) -> tuple[int
     return len(values) - 1, tuple(values[i + 1] - values[i] for i in range(len(values) - 1))
 
 
-def validate_gate_args(g_name, use_gate_in_kernel, A_log, dt_bias, safe_gate, lower_bound, HV, K, device) -> None:
+#: FLA 0.6.0's range for `lower_bound` with safe_gate=True (cula_core.reference.gates explains why).
+SAFE_GATE_LOWER_BOUND_RANGE = (-5.0, 0.0)
+
+
+def validate_lower_bound(lower_bound, *, safe_gate: bool = False) -> None:
+    """The one rule for `lower_bound`, every op (FLA 0.6.0's): None or a finite real number, any value; only
+    ``safe_gate=True`` (an argument of chunk_kda / kda_prefill alone, with the gate in kernel) narrows it to
+    FLA's safe range [-5, 0) and makes it required. A non-finite bound is rejected (FLA would let it turn
+    every state NaN); so a model prefilled with a bound decodes with the same bound."""
     if lower_bound is not None:
-        if not isinstance(lower_bound, (int, float)) or isinstance(lower_bound, bool):
-            raise TypeError(f"lower_bound must be a float, got {type(lower_bound).__name__}")
-    if safe_gate and use_gate_in_kernel:
-        # FLA 0.6.0's rule: the bounded gate is only "safe" (bounded to [lower_bound, 0)) with a bound in [-5, 0).
+        if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
+            raise TypeError(f"lower_bound must be a float or None, got {type(lower_bound).__name__}")
+        if not math.isfinite(lower_bound):
+            raise ValueError(f"lower_bound must be a finite float or None, got {lower_bound}")
+    if safe_gate:
+        lo, hi = SAFE_GATE_LOWER_BOUND_RANGE
         if lower_bound is None:
             raise ValueError("safe_gate=True with use_gate_in_kernel=True requires lower_bound (e.g. -5.0), got None")
-        if not (-5.0 <= float(lower_bound) < 0.0):
+        if not lo <= float(lower_bound) < hi:
             raise ValueError(f"lower_bound must be in the safe range [-5, 0) with safe_gate=True, got {lower_bound}")
+
+
+def validate_gate_args(g_name, use_gate_in_kernel, A_log, dt_bias, safe_gate, lower_bound, HV, K, device, *,
+                       gate_in_kernel_by="use_gate_in_kernel=True") -> None:
+    """`gate_in_kernel_by` names what makes the op compute the gate in kernel, for the message when A_log is
+    missing: the argument for chunk_kda / kda_prefill; the decode ops, which always do, say so instead."""
+    validate_lower_bound(lower_bound, safe_gate=bool(safe_gate and use_gate_in_kernel))
     if not use_gate_in_kernel:
         return
     if A_log is None and lower_bound is None:
         raise ValueError(
-            f"use_gate_in_kernel=True requires A_log of shape [HV] = [{HV}] (or lower_bound for the safe gate), "
+            f"{gate_in_kernel_by} requires A_log of shape [HV] = [{HV}] (or lower_bound for the safe gate), "
             "got None"
         )
     if A_log is not None:
@@ -264,12 +306,15 @@ def validate_cache_idx(cache_idx, N: int, P: int) -> None:
 
 
 def validate_accept_len(accept_len, N: int, T: int, device) -> None:
-    if isinstance(accept_len, bool):
-        raise TypeError("accept_len must be an int or an [N] int32 tensor, got bool")
+    if isinstance(accept_len, bool) or not isinstance(accept_len, (int, torch.Tensor)):
+        raise TypeError(f"accept_len must be an int or an [N] int32 tensor, got {type(accept_len).__name__}")
     if isinstance(accept_len, int):
         if not 0 <= accept_len <= T:
             raise ValueError(f"accept_len must be in [0, T] = [0, {T}], got {accept_len}")
         return
+    if accept_len.dtype != torch.int32:
+        raise TypeError(f"accept_len must be an int or an [N] int32 tensor, got a tensor of dtype "
+                        f"{_dtype(accept_len.dtype)}")
     require_tensor("accept_len", accept_len, ndim=1, dtypes=(torch.int32,))
     require_shape("accept_len", accept_len, (N,), "[N]")
     if accept_len.device != device:
@@ -310,7 +355,8 @@ def validate_decode(q, k, v, g, beta, state_pool, cache_idx, *, A_log, dt_bias, 
     require_shape("beta", beta, (N, T, HV), "[N, T, HV]")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    validate_gate_args("g", True, A_log, dt_bias, lower_bound is not None, lower_bound, HV, K, q.device)
+    validate_gate_args("g", True, A_log, dt_bias, False, lower_bound, HV, K, q.device,
+                       gate_in_kernel_by="the decode ops' in-kernel gate")
     P = validate_state_pool("state_pool", state_pool, HV, K, V)
     require_same_device({"q": q, "k": k, "v": v, "g": g, "beta": beta, "state_pool": state_pool,
                          "cache_idx": cache_idx, "A_log": A_log, "dt_bias": dt_bias})
@@ -330,8 +376,10 @@ def validate_kvbuffer(name: str, kvbuffer, state_pool, cache_idx, accept_len) ->
     require_tensor("state_pool", state_pool, ndim=4, dtypes=(torch.float32, torch.float64))
     P, HV, K, V = state_pool.shape
     validate_state_pool("state_pool", state_pool, HV, K, V)
-    N, T = kvbuffer.shape[0], kvbuffer.shape[1]
-    require_shape(name, kvbuffer, kvbuffer_shape(N, T, HV, K, V), "[N, T, HV, 2K+V]")
+    require_tensor("cache_idx", cache_idx, ndim=1, dtypes=(torch.int32,))
+    N, T = cache_idx.shape[0], kvbuffer.shape[1]
+    # N comes from cache_idx (one entry per request): a buffer of another batch is the buffer's fault
+    require_shape(name, kvbuffer, kvbuffer_shape(N, T, HV, K, V), "[N, T, HV, 2K+V] (N = len(cache_idx))")
     if kvbuffer.dtype != state_pool.dtype:
         raise TypeError(f"{name} must have the state pool's dtype {_dtype(state_pool.dtype)}, "
                         f"got {_dtype(kvbuffer.dtype)}")
@@ -339,3 +387,21 @@ def validate_kvbuffer(name: str, kvbuffer, state_pool, cache_idx, accept_len) ->
     validate_cache_idx(cache_idx, N, P)
     validate_accept_len(accept_len, N, T, state_pool.device)
     return N, T
+
+
+def require_disjoint(name: str, tensors) -> None:
+    """Tensors that are updated in place in one call must not share memory: `name`[j] overlapping `name`[i]
+    would be written twice (e.g. the same pool passed for two layers). Compares the byte ranges of real
+    tensors; fake and meta tensors (tracing) have none and are skipped."""
+    spans = []
+    for i, t in enumerate(tensors):
+        if isinstance(t, torch._subclasses.FakeTensor) or t.device.type == "meta" or t.numel() == 0:
+            continue
+        start = t.data_ptr()
+        spans.append((t.device, start, start + t.numel() * t.element_size(), i))
+    spans.sort(key=lambda s: (str(s[0]), s[1]))
+    for (dev_a, _, end_a, i), (dev_b, start_b, _, j) in zip(spans, spans[1:]):
+        if dev_a == dev_b and start_b < end_a:
+            i, j = min(i, j), max(i, j)
+            raise ValueError(f"{name}[{j}] shares memory with {name}[{i}]: each layer needs its own pool "
+                             f"(an aliased pool would be flushed twice)")

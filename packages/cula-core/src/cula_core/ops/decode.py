@@ -40,7 +40,8 @@ def _kda_decode(
     use_qk_l2norm_in_kernel: bool,
 ) -> Tensor:
     call = make_call("kda_decode", q.device, gate="safe" if lower_bound is not None else "softplus",
-                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **decode_call_sizes(q, v, state_pool))
+                     lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                     **decode_call_sizes(q, v, state_pool))
     return run(call, {"state_pool": state_pool, "v": v}, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
                scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
@@ -59,7 +60,7 @@ def _kda_decode_mtp(
     use_qk_l2norm_in_kernel: bool, output_per_token_states: bool,
 ) -> tuple[Tensor, Tensor]:
     call = make_call("kda_decode_mtp", q.device, gate="safe" if lower_bound is not None else "softplus",
-                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                     lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                      output_per_token_states=output_per_token_states, **decode_call_sizes(q, v, state_pool))
     o, states = run(call, {"state_pool": state_pool, "v": v}, q, k, v, g, beta, state_pool, cache_idx, A_log,
                     dt_bias, scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from cula_core.ops._common import call_op, make_call, run
 from cula_core.ops.decode import decode_call_sizes, validate_decode_call
-from cula_core.validation import kvbuffer_shape, validate_kvbuffer
+from cula_core.validation import kvbuffer_shape, require_disjoint, validate_kvbuffer
 
 
 def _kda_decode_mtp_kvbuffer(
@@ -30,7 +30,8 @@ def _kda_decode_mtp_kvbuffer(
     use_qk_l2norm_in_kernel: bool,
 ) -> tuple[Tensor, Tensor]:
     call = make_call("kda_decode_mtp_kvbuffer", q.device, gate="safe" if lower_bound is not None else "softplus",
-                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **decode_call_sizes(q, v, state_pool))
+                     lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                     **decode_call_sizes(q, v, state_pool))
     return run(call, {"state_pool": state_pool, "v": v}, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
                scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
@@ -160,6 +161,7 @@ def kda_flush_kvbuffer_all_layers(
             raise ValueError(f"every layer must have the shapes of layer 0: state_pools[{layer}] "
                              f"{list(pool.shape)}, kvbuffers[{layer}] {list(buf.shape)} vs "
                              f"{list(state_pools[0].shape)}, {list(kvbuffers[0].shape)}")
+    require_disjoint("state_pools", state_pools)
     pools = list(state_pools)
     call_op(torch.ops.cula.kda_flush_kvbuffer_all_layers, _kda_flush_kvbuffer_all_layers, pools, cache_idx,
             [b.contiguous() for b in kvbuffers], *_split_accept_len(accept_len), mutated=(pools,))

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cula_core.validation import SAFE_GATE_LOWER_BOUND_RANGE, validate_lower_bound
+
 __all__ = [
     "BETA_ACTIVATIONS", "GATE_MODES", "L2NORM_EPS", "SAFE_GATE_MIN_LOWER_BOUND", "activate_beta", "kda_gate", "l2norm",
     "log_decay", "safe_gate", "softplus_gate",
@@ -31,7 +33,7 @@ L2NORM_EPS = 1e-6
 
 #: FLA accepts ``lower_bound`` in ``[-5, 0)`` when ``safe_gate=True``: beyond -5 the per-chunk gate range
 #: overflows the fp32 exponentials its tensor-core path relies on.
-SAFE_GATE_MIN_LOWER_BOUND = -5.0
+SAFE_GATE_MIN_LOWER_BOUND = SAFE_GATE_LOWER_BOUND_RANGE[0]
 
 #: The gate modes of the kernel calling convention (docs/backends.md): g is the log decay itself, or raw.
 GATE_MODES = ("precomputed", "softplus", "safe")
@@ -152,13 +154,10 @@ def kda_gate(
 
     Raises:
         ValueError: ``A_log`` and ``lower_bound`` both ``None``; ``safe_gate`` without a ``lower_bound`` in
-        ``[-5, 0)``.
+        ``[-5, 0)``; a non-finite ``lower_bound`` (the rule of every op: `cula_core.validation.validate_lower_bound`).
+        TypeError: a ``lower_bound`` that is not a real number.
     """
-    if safe_gate:
-        if lower_bound is None:
-            raise ValueError("lower_bound: must be given when safe_gate=True (got None)")
-        if not (SAFE_GATE_MIN_LOWER_BOUND <= lower_bound < 0):
-            raise ValueError(f"lower_bound: expected a value in [-5, 0) with safe_gate=True, got {lower_bound}")
+    validate_lower_bound(lower_bound, safe_gate=safe_gate)
     if lower_bound is not None:
         return _bounded_gate(g, A_log, dt_bias, lower_bound)
     if A_log is None:

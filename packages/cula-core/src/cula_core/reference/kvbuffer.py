@@ -79,11 +79,13 @@ def flush_kvbuffer_reference(state_pool, cache_idx, kvbuffer, accept_len):
     mr = m[rows]
     keys, G, delta = buf[..., :K], buf[..., K : 2 * K], buf[..., 2 * K :]
     G_m = G[torch.arange(rows.numel(), device=buf.device), mr - 1]  # [R, HV, K]
-    accepted = (torch.arange(T, device=buf.device)[None, :] < mr[:, None]).to(buf.dtype)  # [R, T]
-    # exp(G_m - G_t) <= 1 for accepted t; rejected tokens are masked out (their exponent may be > 0).
-    decay = torch.exp(torch.minimum(G_m.unsqueeze(1) - G, torch.zeros_like(G))) * accepted[:, :, None, None]
+    accepted = (torch.arange(T, device=buf.device)[None, :] < mr[:, None])[:, :, None, None]  # [R, T, 1, 1]
+    # Rejected tokens are selected away, not multiplied by 0: their rows may hold anything (an exponent
+    # G_m - G_t > 0, a NaN or Inf of a diverged draft), and 0 * Inf or 0 * NaN is NaN.
+    coef = torch.where(accepted, torch.exp(G_m.unsqueeze(1) - G) * keys, 0.0)
+    delta = torch.where(accepted, delta, 0.0)
     slots = cache_idx[rows].long()
     S0 = state_pool[slots]
-    update = torch.einsum("rthk,rthv->rhkv", decay * keys, delta)
+    update = torch.einsum("rthk,rthv->rhkv", coef, delta)
     state_pool[slots] = torch.exp(G_m).unsqueeze(-1) * S0 + update
     return state_pool

@@ -97,6 +97,9 @@ def unsupported_reason(call) -> str | None:
         return f"sm90 decode serves bf16/fp16/fp32 q/k/v, got {call.dtype}"
     elif call.options.get("state_dtype", torch.float32) != torch.float32:
         return f"sm90 decode serves fp32 state pools, got {call.options['state_dtype']}"
+    elif (call.options.get("lower_bound") or 0.0) > 0.0:
+        # a positive bound makes the safe gate a growth: the chunk-form verify's exp(G_t) factors assume decays <= 1
+        return f"sm90 decode serves the safe gate with lower_bound <= 0, got {call.options['lower_bound']}"
     if call.T > MAX_T:
         return f"sm90 decode serves T <= {MAX_T} tokens per request, got T={call.T}"
     return None

@@ -1,5 +1,5 @@
 """KVBuffer flush: the state after each request's m accepted tokens, rebuilt in place as a rank-m update,
-    S_m = diag(exp(G_m)) S_0 + sum_{t < m} (exp(min(G_m - G_t, 0)) * k_t) delta_t^T,
+    S_m = diag(exp(G_m)) S_0 + sum_{t < m} (exp(G_m - G_t) * k_t) delta_t^T,
 from the KVBuffer [k_t | G_t | delta_t] of the verify step (layout: cula_core.ops.kvbuffer). Serves
 `kda_flush_kvbuffer` (L = 1) and `kda_flush_kvbuffer_all_layers` (L layers in one launch).
 
@@ -100,8 +100,8 @@ class FlushKVBuffer:
                         trow = ((tok0 + t) * HV + hv) * W
                         kt = cute.make_tensor(buf_l + (trow + r), cute.make_layout(1))[0]
                         Gt = cute.make_tensor(buf_l + (trow + K + r), cute.make_layout(1))[0]
-                        a = cute.math.exp(cute.math.min(Gm - Gt, Float32(0.0))) * kt
-                        coef[t, r] = cutlass.select_(t < m, a, Float32(0.0))
+                        # rejected tokens selected away (their exponent may be > 0, their rows non-finite)
+                        coef[t, r] = cutlass.select_(t < m, cute.math.exp(Gm - Gt) * kt, Float32(0.0))
             cute.arch.sync_threads()
             eg = load_vec(sc, Int32(T * K) + row0, RK)
             upd = [[Float32(0.0) for _ in range(CW)] for _ in range(RK)]
