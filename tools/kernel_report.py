@@ -61,36 +61,41 @@ REG_UNIT = 256  # registers are allocated per warp, in units of 256
 # ------------------------------------------------------------------------------------------------- the kernels
 
 def _decode_inputs():
-    """(q/k/v dtype, g, beta, A_log, dt_bias, safe, l2norm) of the decode kernels' compile keys, the benchmark's:
-    bf16 q/k/v/g/beta, fp32 A_log and dt_bias, the softplus gate, q/k L2 norm."""
+    """(q/k/v dtype, g dtype, beta dtype, A_log?, dt_bias?, safe, l2norm) of the decode kernels' configurations,
+    the benchmark's: bf16 q/k/v/g/beta, fp32 A_log and dt_bias, the softplus gate, q/k L2 norm."""
     import torch
 
     bf = torch.bfloat16
-    return bf, torch.empty(0, dtype=bf), torch.empty(0, dtype=bf), torch.empty(0), torch.empty(0), False, True
+    return bf, bf, bf, True, True, False, True
 
 
 def _decode_recurrent(mode: str, T: int):
     def build():
+        from cula_core import cute_runtime
         from cula_sm90.decode import _config, launch
 
         tiling = _config.recurrent_tiling(1, T, 8)
-        return launch._recurrent_kernel(mode, T, 128, 128, *_decode_inputs(), tiling).compiled
+        config = launch.recurrent_config(mode, T, 128, 128, *_decode_inputs(), tiling)
+        return cute_runtime.compile_kernel(launch.RECURRENT, config)
     return build
 
 
 def _decode_flush(T: int):
     def build():
+        from cula_core import cute_runtime
         from cula_sm90.decode import launch
 
-        return launch._flush_kernel(T, 128, 128, 1, True).compiled
+        return cute_runtime.compile_kernel(launch.FLUSH, launch.flush_config(T, 128, 128, 1, True))
     return build
 
 
 def _decode_verify(T: int, tensor_cores: bool):
     def build():
+        from cula_core import cute_runtime
         from cula_sm90.decode import launch
 
-        return launch._verify_kernel(T, 128, 128, *_decode_inputs(), tensor_cores).compiled
+        config = launch.verify_config(T, 128, 128, *_decode_inputs(), tensor_cores)
+        return cute_runtime.compile_kernel(launch.VERIFY, config)
     return build
 
 

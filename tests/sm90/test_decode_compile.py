@@ -56,9 +56,39 @@ def test_declines_with_reasons():
 
 
 @pytest.fixture
-def sm90a(monkeypatch):
+def sm90a(monkeypatch, tmp_path_factory):
+    """CuTe DSL present; compiled kernels cached in a folder of this test session (not the user's cache)."""
     pytest.importorskip("cutlass")
-    monkeypatch.delenv("CUTE_DSL_ARCH", raising=False)  # the launcher names sm_90a itself
+    pytest.importorskip("tvm_ffi")
+    from cula_core import cute_runtime as rt
+
+    monkeypatch.delenv("CUTE_DSL_ARCH", raising=False)  # the runtime names sm_90a itself
+    monkeypatch.setenv("CULA_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cula-cache"))
+    rt.reset()
+    yield rt
+    rt.reset()
+
+
+def _launch_reaches_the_driver(run):
+    """On a machine without a usable CUDA driver, a launch whose arguments match the kernel's compiled signature
+    (count and types; TVM-FFI checks them before anything else) fails in CUDA initialisation, not with a
+    TypeError. Not run where CUDA works: the tensors here are host tensors."""
+    if torch.cuda.is_available():
+        return
+    with pytest.raises(RuntimeError, match="(?i)cuda"):
+        run()
+
+
+def _decode_inputs(mode, T, K, qkv, gdt, bdt, has_a, has_b, N=2, HQK=2, HV=4):
+    q, k = (torch.zeros(N, T, HQK, K, dtype=qkv) for _ in range(2))
+    v = torch.zeros(N, T, HV, K, dtype=qkv)
+    g = torch.zeros(N, T, HV, K, dtype=gdt)
+    beta = torch.zeros(N, T, HV, dtype=bdt)
+    pool = torch.zeros(3, HV, K, K)
+    cache_idx = torch.zeros(N, dtype=torch.int32)
+    A_log = torch.zeros(HV) if has_a else None
+    dt_bias = torch.zeros(HV * K) if has_b else None
+    return q, k, v, g, beta, pool, cache_idx, A_log, dt_bias
 
 
 RECURRENT = [  # (mode, T, K, dtypes of q/k/v, g, beta, A_log?, dt_bias?, safe, l2norm)
@@ -71,29 +101,52 @@ RECURRENT = [  # (mode, T, K, dtypes of q/k/v, g, beta, A_log?, dt_bias?, safe, 
 
 
 @pytest.mark.parametrize("case", RECURRENT, ids=lambda c: f"{c[0]}-T{c[1]}-K{c[2]}")
-def test_recurrent_compiles_for_sm90a(sm90a, case):
-    from cula_sm90.decode import _config, launch
+def test_recurrent_family_loads_and_binds(sm90a, monkeypatch, case):
+    """A call's first launch loads every kernel its family can dispatch to (compiled for sm_90a into the cache),
+    and the launch passes exactly the arguments the compiled kernel declares."""
+    from cula_sm90.decode import launch
 
+    rt = sm90a
     mode, T, K, qkv, gdt, bdt, has_a, has_b, safe, l2 = case
-    g = torch.empty(0, dtype=gdt)
-    beta = torch.empty(0, dtype=bdt)
-    A_log = torch.empty(0) if has_a else None
-    dt_bias = torch.empty(0) if has_b else None
-    fl = launch._recurrent_kernel(mode, T, K, K, qkv, g, beta, A_log, dt_bias, safe, l2,
-                                  _config.recurrent_tiling(1, T, 8))
-    assert fl.compiled is not None and len(fl.cells) == len(launch._RECURRENT_KINDS)
+    inputs = _decode_inputs(mode, T, K, qkv, gdt, bdt, has_a, has_b)
+    monkeypatch.setattr(rt, "current_stream", lambda device=None: 0)
+
+    def run():
+        launch._run_recurrent(mode, *inputs, scale=K ** -0.5, lower_bound=-5.0 if safe else None,
+                              use_qk_l2norm_in_kernel=l2)
+
+    _launch_reaches_the_driver(run)
+    family = launch.family_kernels(mode, T, K, K, qkv, launch.gate_read_dtype(gdt), launch.gate_read_dtype(bdt),
+                                   has_a, has_b, safe, l2)
+    loaded = set(rt.loaded())
+    assert family and all(k in loaded for k in family)
+    assert all(rt.resolve(name, config).origin in ("cached", "shipped") for name, config in family)
+
+
+def test_gate_dtypes_are_normalised():
+    """g / beta in fp16 or fp64 and A_log / dt_bias in any dtype share the configurations of fp32 ones (the kernels
+    convert on load): the set built ahead of time stays small."""
+    from cula_sm90.decode import launch
+
+    bf = torch.bfloat16
+    assert [launch.gate_read_dtype(d) for d in (torch.float16, torch.float64, bf, torch.float32)] == \
+        [torch.float32, torch.float32, bf, torch.float32]
+    assert launch.recurrent_config("final", 1, 64, 64, bf, bf, bf, True, False, False, True, (64, 4, 4, 0))[7:9] == \
+        (torch.float32, None)
 
 
 @pytest.mark.parametrize(("tc", "T", "K", "safe"), [(True, 4, 128, False), (True, 1, 64, True), (False, 9, 64, False),
                                                   (False, 6, 128, True)])
 def test_chunk_verify_compiles_for_sm90a(sm90a, tc, T, K, safe):
-    """The chunk-form verify, tensor-core (3xTF32 mma.sync through inline PTX: ptxas checks it) and SIMT."""
+    """The chunk-form verify, tensor-core (3xTF32 mma.sync through inline PTX: ptxas checks it) and SIMT: its
+    compiled signature is the recurrent kernel's (18 arguments)."""
     from cula_sm90.decode import launch
 
+    rt = sm90a
     bf = torch.bfloat16
-    fl = launch._verify_kernel(T, K, K, bf, torch.empty(0, dtype=bf), torch.empty(0, dtype=torch.float32),
-                               torch.empty(0), torch.empty(0), safe, True, tc)
-    assert fl.compiled is not None and len(fl.cells) == len(launch._RECURRENT_KINDS)
+    fn = rt.get(launch.VERIFY, launch.verify_config(T, K, K, bf, torch.float32, bf, True, True, safe, True, tc))
+    with pytest.raises(TypeError, match="Expects 18 parameters"):
+        fn(1, 2)
 
 
 def test_verify_override(monkeypatch):
@@ -123,77 +176,14 @@ def test_dispatch_stays_within_what_a_family_prepares():
 
 @pytest.mark.parametrize(("T", "K", "layers", "per_request"), [(4, 128, 1, True), (3, 64, 1, False),
                                                                 (6, 128, 5, True)])
-def test_flush_compiles_for_sm90a(sm90a, T, K, layers, per_request):
+def test_flush_compiles_and_binds(sm90a, monkeypatch, T, K, layers, per_request):
     from cula_sm90.decode import launch
 
-    fl = launch._flush_kernel(T, K, K, layers, per_request)
-    assert fl.compiled is not None and len(fl.cells) == 4 + 1 + 2 * layers + 3 + 1
-
-
-class _FakeCompiled:
-    """Stands in for a compiled DSL function: binds arguments the way the DSL does (one C value per argument,
-    passed by address) and records what each launch received."""
-
-    def __init__(self, kinds, corrupt=False):
-        import ctypes
-
-        from cula_sm90.decode.launch import _CELL
-
-        self.types = [_CELL[k] for k in kinds]
-        self.corrupt = corrupt
-        self.launches = []
-        self.ctypes = ctypes
-
-    def generate_execution_args(self, *args):
-        vals = [t(a + 1 if self.corrupt and i == 0 else a)
-                for i, (t, a) in enumerate(zip(self.types, args, strict=True))]
-        self._keep = vals
-        return [self.ctypes.addressof(v) for v in vals], []
-
-    def run_compiled_program(self, exe_args):
-        self.launches.append([t.from_address(a).value for t, a in zip(self.types, exe_args, strict=True)])
-
-    def __call__(self, *args):
-        self.launches.append(list(args))
-
-
-@pytest.mark.parametrize("corrupt", [False, True])
-def test_fast_launch_checks_its_binding(corrupt):
-    """FastLaunch takes its pre-built path only when the DSL's own binding passes the same bytes; otherwise every
-    call keeps going through the DSL. Either way each launch receives that call's values."""
-    from cula_sm90.decode.launch import FastLaunch
-
-    kinds = ("ptr", "i32", "i64", "f32", "stream")
-    fake = _FakeCompiled(kinds, corrupt=corrupt)
-    fl = FastLaunch(fake, kinds)
-    calls = [[4096, 7, -3, 0.5, 1234], [8192, 9, 11, -2.0, 99]]
-    for flat in calls:
-        fl(flat, lambda flat=flat: tuple(flat))
-    assert fl.fast is (not corrupt)
-    assert fake.launches == calls
-
-
-def test_fast_launch_preload():
-    """preload() creates the DSL's default executor (kernel module and context) the way the DSL's first call
-    would, once; a compiled object without those internals is left to load on its first call."""
-    import threading
-
-    from cula_sm90.decode.launch import FastLaunch
-
-    class Compiled:
-        def __init__(self):
-            self._executor_lock = threading.Lock()
-            self._default_executor = None
-            self.loads = 0
-
-        def to(self, device):
-            assert device is None
-            self.loads += 1
-            return ("executor", self.loads)
-
-    c = Compiled()
-    fl = FastLaunch(c, ("ptr",))
-    fl.preload()
-    fl.preload()
-    assert c._default_executor == ("executor", 1) and c.loads == 1
-    FastLaunch(object(), ("ptr",)).preload()  # no internals: nothing raised
+    rt = sm90a
+    monkeypatch.setattr(rt, "current_stream", lambda device=None: 0)
+    pools = [torch.zeros(3, 2, K, K) for _ in range(layers)]
+    bufs = [torch.zeros(2, T, 2, 3 * K) for _ in range(layers)]
+    cache_idx = torch.zeros(2, dtype=torch.int32)
+    accept = torch.ones(2, dtype=torch.int32) if per_request else None
+    _launch_reaches_the_driver(lambda: launch._run_flush(pools, cache_idx, bufs, accept, 1))
+    assert (launch.FLUSH, launch.flush_config(T, K, K, layers, per_request)) in rt.loaded()

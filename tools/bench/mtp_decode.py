@@ -18,8 +18,8 @@ Tables:
      the bytes of the KVBuffer vs the T per-token states.
   2. single-token decode (T = 1): `kda_decode` vs `fused_recurrent_kda_fwd` with `ssm_state_indices [N]`
      (in place), and at N = 128 the fraction of the HBM bound (state read + write at the peak bandwidth).
-  3. host cost of one launch of a compiled kernel: the DSL's generic argument binding vs our pre-built
-     argument array (launch.FastLaunch) vs the whole public op, in microseconds per call (wall clock of
+  3. host cost of one launch of a compiled kernel: the backend call (a TVM-FFI launch through
+     cula_core.cute_runtime) vs the whole public op, in microseconds per call (wall clock of
      back-to-back calls at N = 1, T = 1: the host is the bottleneck there).
 Timing: device time per call, from 20 calls captured in one CUDA graph and replayed under `triton.testing.do_bench`
 (median after warm-up, L2 flushed between replays); the eager columns time Python calls through the harness
@@ -195,7 +195,6 @@ def host_overhead(reps=2000):
     x = make_inputs(1, 1, 32, seed=5)
     cula_decode(x)
     torch.cuda.synchronize()
-    fl = next(f for key, f in launch._cache.items() if key[0] == "recurrent" and key[1] == "final" and key[2] == 1)
     from cula_sm90.decode.ops import kda_decode
 
     def direct():
@@ -212,13 +211,9 @@ def host_overhead(reps=2000):
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) / reps * 1e6
 
-    out = {"fast path used": bool(fl.fast)}
+    out = {}
     out["public op (validation + dispatch + custom op + launch)"] = wall(lambda: cula_decode(x))
-    out["backend kernel, pre-built argument array"] = wall(direct)
-    saved = fl.fast
-    fl.fast = False
-    out["backend kernel, DSL generic argument binding"] = wall(direct)
-    fl.fast = saved
+    out["backend kernel (cula_core.cute_runtime TVM-FFI launch)"] = wall(direct)
     return out
 
 
@@ -292,6 +287,7 @@ def static_report(ts=(2, 4, 6, 8), variants=STATIC_VARIANTS) -> str:
         raise SystemExit("--static must set CUTE_DSL_KEEP before cutlass is imported")
     dump = tempfile.mkdtemp(prefix="mtp_static_")
     os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin,ptx", CUTE_DSL_DUMP_DIR=dump)
+    from cula_core import cute_runtime
     from cula_sm90.decode import _config, launch
     from tools.kernel_report import analyse
 
@@ -299,9 +295,9 @@ def static_report(ts=(2, 4, 6, 8), variants=STATIC_VARIANTS) -> str:
     rows = {}
     for v in variants:
         for T in ts:
-            fl = launch._verify_kernel(T, K, V, bf, torch.empty(0, dtype=bf), torch.empty(0, dtype=bf), torch.empty(0),
-                                       torch.empty(0), False, True, v == _config.VERIFY_CHUNK_TC)
-            rows[v, T] = analyse(f"{v}[T={T}]", "decode", fl.compiled, "sm_90a", Path(dump))
+            compiled = cute_runtime.compile_kernel(launch.VERIFY, launch.verify_config(
+                T, K, V, bf, bf, bf, True, True, False, True, v == _config.VERIFY_CHUNK_TC))
+            rows[v, T] = analyse(f"{v}[T={T}]", "decode", compiled, "sm_90a", Path(dump))
     w = lambda t: " ".join(f"{n}x{b}" for b, n in sorted(t.items())) or "-"
     lines = ["", "## Static view of the verify chain (sm_90a, K = V = 128, no GPU)", "",
              "`python -m tools.bench.mtp_decode --static`: cubins read with tools.kernel_report.analyse; SASS counts "

@@ -1,0 +1,72 @@
+"""Argument conversion between torch and cula's CuTe DSL kernels, in one place.
+
+At compile time a kernel's pointer arguments are DSL pointers (`fake_ptr`: element type and assumed alignment,
+any address) and its stream a placeholder (`fake_stream`). At launch the TVM-FFI function takes a pointer as its
+integer address (`data_ptr`), Int32 / Int64 / Float32 scalars as Python ints and floats, and the stream as its raw
+handle (`current_stream`). Nothing here reads a device tensor (no host synchronisation).
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: the address passed for an absent optional tensor: never dereferenced by a kernel (its compile-time flag says the
+#: tensor is absent), but 16-byte aligned like every real argument
+DUMMY_ADDRESS = 16
+
+_DSL_DTYPES: dict = {}
+# the current stream's raw handle without building a torch.cuda.Stream object (CUDA builds of torch have it)
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def dsl_dtype(dtype: torch.dtype):
+    """The CuTe DSL numeric type of a torch dtype (imports the DSL)."""
+    if not _DSL_DTYPES:
+        import cutlass
+
+        _DSL_DTYPES.update({torch.float32: cutlass.Float32, torch.bfloat16: cutlass.BFloat16,
+                            torch.float16: cutlass.Float16, torch.float64: cutlass.Float64,
+                            torch.int32: cutlass.Int32, torch.int64: cutlass.Int64})
+    try:
+        return _DSL_DTYPES[dtype]
+    except KeyError:
+        raise TypeError(f"no CuTe DSL type for torch dtype {dtype}") from None
+
+
+def fake_ptr(dtype: torch.dtype, align: int | None = 16):
+    """A compile-time stand-in for a pointer argument: element type `dtype`, `align` bytes assumed (None: the
+    element size). Its address is irrelevant."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    return make_ptr(dsl_dtype(dtype), 1 << 20, cute.AddressSpace.gmem, assumed_align=align)
+
+
+def fake_stream():
+    """A compile-time stand-in for the stream argument (only its type matters; no GPU needed)."""
+    import cuda.bindings.driver as cuda
+
+    return cuda.CUstream(0)
+
+
+def current_stream(device: torch.device | int | None = None) -> int:
+    """The raw handle of torch's current CUDA stream on `device` (None: the current device)."""
+    if _RAW_STREAM is not None:
+        if device is None:
+            index = torch.cuda.current_device()
+        else:
+            index = device if isinstance(device, int) else (device.index if device.index is not None
+                                                            else torch.cuda.current_device())
+        return _RAW_STREAM(index)
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def data_ptr(t: torch.Tensor | None) -> int:
+    """The address a kernel takes for `t`; DUMMY_ADDRESS for an absent optional tensor."""
+    return DUMMY_ADDRESS if t is None else t.data_ptr()
+
+
+def aligned16(t: torch.Tensor | None) -> torch.Tensor | None:
+    """`t`, or a copy of it when its data is not 16-byte aligned (a view at an odd offset into a larger buffer):
+    the kernels load 16-byte vectors from pointers declared 16-byte aligned. None passes."""
+    return t if t is None or t.data_ptr() % 16 == 0 else t.clone()
