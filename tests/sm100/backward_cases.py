@@ -122,7 +122,7 @@ def fla_one_config():
 def wy_problem(B, T, HQK, HV, lengths=None, *, seed=0, device="cuda"):
     """Inputs of chunk_wy_dqkg as the backward feeds it: the fp32 reference's intermediates of a random problem
     rounded as the forward stores them, and random upstream gradients. Returns (args, chunks, ctab, scale)."""
-    from cula_sm100.backward import torch_stages
+    import torch_stages
     from cula_sm100.forward import launch as fwd
 
     gen = torch.Generator(device=device).manual_seed(seed)

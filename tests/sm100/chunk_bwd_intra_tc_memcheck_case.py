@@ -29,7 +29,7 @@ def problem(lengths, HQK, HV, decay, *, B=1, T=1000, seed=0, device="cuda", tail
     varlen. G is the chunk-local cumsum of logsigmoid(randn) / decay (decay 0.25: exp(G_i - G_j) down to ~e^-200
     in a chunk; 0.02: ~e^-2500). base = (dq, dk, dbeta, dG) the kernel adds to: views of buffers `tail` rows
     longer (the tails are the untouched-memory check)."""
-    from cula_sm100.backward import torch_stages
+    import torch_stages
     from cula_sm100.forward import launch as fwd
 
     if lengths is not None:

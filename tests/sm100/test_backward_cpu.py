@@ -1,9 +1,9 @@
-"""CPU: the sm100 backward's composition (torch_stages: dAqk / local dv, the reverse state recurrence, the intra-chunk
-backward, the gate / L2-norm / beta backward) with chunk_wy_dqkg replaced by its fp64 autograd oracle, fed the
-reference's intermediates, against the reference backward (torch.func.vjp through the reference forward) in fp64.
-This checks the decomposition and every PyTorch stage, both as the PyTorch path composes them and as the live
-path composes its kernels (the kernels' hooks played by the PyTorch stages in the kernels' calling
-conventions); the kernels themselves are checked on the GPU (test_backward_gpu.py).
+"""CPU: the sm100 backward's pipeline (launch.chunk_kda_backward: recompute, dav, dhu, chunk_wy_dqkg, intra,
+finish, in that order) run with every kernel stage replaced by a stand-in in the kernel's calling convention: the
+PyTorch forms of tests/sm100/torch_stages.py (dAqk / local dv, the reverse state recurrence, the intra-chunk backward,
+the gate / L2-norm / beta backward) and chunk_wy_dqkg's fp64 autograd oracle, fed the reference's intermediates;
+against the reference backward (torch.func.vjp through the reference forward) in fp64. This checks the decomposition,
+the pipeline's wiring and every PyTorch stage; the kernels themselves are checked on the GPU (test_backward_gpu.py).
 Also: the backend's declining reasons, and every backward kernel compiles for sm_90a and sm_100a."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from backward_cases import reference_intermediates, wy_dqkg_expected
+import torch_stages
 from cula_core.ops import reference_impls
-from cula_sm100.backward import torch_stages
 
 HERE = Path(__file__).resolve().parent
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0")
@@ -54,34 +54,51 @@ CASES = [
 ]
 
 
-def _kernel_stand_ins(bounds):
-    """The live path's kernel hooks of torch_stages.backward (launch.chunk_bwd_dav / chunk_bwd_dhu /
-    chunk_bwd_intra, their tables bound) played by the PyTorch stages in the kernels' calling conventions
-    (token layouts; intra adds in place and reverse-cumsums dG): checks the kernel path's composition on the CPU."""
+def _stand_in_stages(monkeypatch, it, bounds):
+    """Every stage launch.chunk_kda_backward calls, replaced by its PyTorch form in the kernel's calling convention
+    (token layouts, the tables' arguments ignored; intra adds in place and reverse-cumsums dG); recompute returns
+    the reference's intermediates `it`."""
+    from cula_sm100.backward import launch
+
     ch = torch_stages.chunks_for(tuple(bounds), torch.device("cpu"))
 
-    def dav(do, v_new, Aqk):
+    def dav(do, v_new, Aqk, ctab):
         dA, dv = torch_stages.dav(do, Aqk, v_new, ch)
         return ch.unchunk(dA.permute(0, 2, 1, 3)), ch.unchunk(dv).to(do.dtype)
 
-    def dhu(q, kg, w, G, do, dv, dht, *, scale, want_dh0):
+    def dhu(q, kg, w, G, do, dv, dht, ctab, stab, *, scale, want_dh0, bv):
+        assert bv in (32, 64)
         qg = q.repeat_interleave(G.shape[1] // q.shape[1], dim=1) * torch.exp(G)
         dh, dh0, dv2 = torch_stages.dhu(qg, kg, w, G, do, ch.chunk(dv).float(), dht, ch, scale=scale,
                                         want_dh0=want_dh0)
         return dh, dv2, dh0
 
-    def intra(q, k, G, beta, dA, dL, dq, dk, dbeta, dG, *, scale):
+    def wy(q, k, v, v_new, G, beta, Akk, h, do, dh, dv, ctab, *, scale):
+        return wy_dqkg_expected(q, k, v, v_new, G, beta, Akk, h, do, dh, dv, ch, scale=scale)
+
+    def intra(q, k, G, beta, dA, dL, dq, dk, dbeta, dG, ctab, *, scale):
         parts = torch_stages.intra(q, k, G, beta, ch.chunk(dA).permute(0, 2, 1, 3), dL, ch, scale=scale)
         for out, part in zip((dq, dk, dbeta, dG), parts, strict=True):
             out += part.to(out.dtype)
         dG.copy_(torch_stages.reverse_cumsum(dG, ch))
 
-    return dict(dav_kernel=dav, dhu_kernel=dhu, intra_kernel=intra)
+    def finish(*args, **kw):
+        return torch_stages.finish(*args[:-1], ch, summed=True, **kw)
+
+    order = []
+
+    def logged(name, fn):
+        return lambda *a, **kw: order.append(name) or fn(*a, **kw)
+
+    monkeypatch.setattr(launch, "recompute", logged("recompute", lambda *a, **kw: it))
+    for name, fn in (("chunk_bwd_dav", dav), ("chunk_bwd_dhu", dhu), ("chunk_wy_dqkg", wy),
+                     ("chunk_bwd_intra", intra), ("finish", finish)):
+        monkeypatch.setattr(launch, name, logged(name, fn))
+    return launch, order
 
 
-@pytest.mark.parametrize("hooks", [False, True], ids=["torch-stages", "kernel-path"])
 @pytest.mark.parametrize("B,T,HQK,HV,lengths,gate,l2,act,states", CASES)
-def test_composition_matches_reference(B, T, HQK, HV, lengths, gate, l2, act, states, hooks):
+def test_pipeline_matches_reference(B, T, HQK, HV, lengths, gate, l2, act, states, monkeypatch):
     N = len(lengths) if lengths else None
     q, k, v, g, beta, A_log, dt_bias, h0 = _inputs(B, T, HQK, HV, gate=gate, seed=B * T + HV, h0=states, N=N)
     if not l2:  # inputs the forward takes as final: unit-norm keys keep the recurrence stable
@@ -98,11 +115,13 @@ def test_composition_matches_reference(B, T, HQK, HV, lengths, gate, l2, act, st
               beta_activation=act)
     expected = reference_impls.chunk_kda_backward(do, dht, q, k, v, g, beta, A_log, dt_bias, h0, cu, cu, **kw)
     it = reference_intermediates(q, k, v, g, beta, A_log, dt_bias, h0, cu, **kw)
-    kw.pop("scale")
     bounds = torch_stages.bounds_of(B, T, cu, cu)
-    ours = torch_stages.backward(it, do, dht, v, (q, k, g, beta, A_log, dt_bias, h0), wy=wy_dqkg_expected,
-                                 scale=scale, bounds=bounds, **kw, **(_kernel_stand_ins(bounds) if hooks else {}))
-    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0"), ours, expected, strict=False):
+    launch, order = _stand_in_stages(monkeypatch, it, bounds)
+    marks = []
+    ours = launch.chunk_kda_backward(do, dht, q, k, v, g, beta, A_log, dt_bias, h0, cu, cu, **kw, marks=marks.append)
+    assert order == ["recompute", "chunk_bwd_dav", "chunk_bwd_dhu", "chunk_wy_dqkg", "chunk_bwd_intra", "finish"]
+    assert marks == ["begin", "start", "dav", "dhu", "chunk_wy_dqkg", "intra", "finish"]
+    for name, a, b in zip(NAMES, ours, expected, strict=True):
         assert (a is None) == (b is None), name
         if a is None:
             continue

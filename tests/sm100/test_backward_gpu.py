@@ -274,7 +274,8 @@ def test_chunk_bwd_dhu_matches_torch_stage(lengths, states, bv):
     """chunk_bwd_dhu (the kernel the live backward uses) against the PyTorch stage torch_stages.dhu in fp32 on
     the same inputs, with each V slice width (launch.dhu_slice_width picks 32 for these few heads)."""
     require_gpu()
-    from cula_sm100.backward import launch, torch_stages
+    import torch_stages
+    from cula_sm100.backward import launch
     from cula_sm100.forward import launch as fwd
 
     B, T, HQK, HV = 1, 1000, 2, 4
@@ -311,7 +312,7 @@ def test_chunk_bwd_dhu_matches_torch_stage(lengths, states, bv):
 
 def _stage_problem(lengths, seed):
     """One sequence of 1000 tokens or varlen `lengths`: (T, chunk table, torch_stages.Chunks, randn, generator)."""
-    from cula_sm100.backward import torch_stages
+    import torch_stages
     from cula_sm100.forward import launch as fwd
 
     B, T = (1, 1000) if not lengths else (1, sum(lengths))
@@ -330,7 +331,8 @@ def test_chunk_bwd_dav_matches_torch_stage(lengths, HV):
     """chunk_bwd_dav against the PyTorch stage torch_stages.dav in fp32 on the same inputs (dAqk [TT, HV, 64]
     causal, dv [TT, HV, V] in bf16; rows past each chunk's end never written)."""
     require_gpu()
-    from cula_sm100.backward import launch, torch_stages
+    import torch_stages
+    from cula_sm100.backward import launch
 
     T, ctab, ch, r, _ = _stage_problem(lengths, seed=5)
     do, vn = r(T, HV, 128).bfloat16(), r(T, HV, 128).bfloat16()
@@ -350,16 +352,15 @@ def test_chunk_bwd_dav_matches_torch_stage(lengths, HV):
                                                   # chunk lengths 2, 3 (mod 4: the kernel's 4-row blocks' other
                                                   # tails), empty, 64 + 64 + 2, at strong decay with a group of 2
                                                   ([2, 3, 63, 0, 130, 7], 2, 4, 0.25)])
-def test_chunk_bwd_intra_cuda_core_matches_torch_stage(lengths, HQK, HV, decay, monkeypatch):
-    """The CUDA-core chunk_bwd_intra (launch.INTRA_TC off; adds in place to dq, dk, dbeta, dG, then reverse-cumsums
+def test_chunk_bwd_intra_cuda_core_matches_torch_stage(lengths, HQK, HV, decay):
+    """The CUDA-core chunk_bwd_intra (launch.chunk_bwd_intra(tc=False); adds in place to dq, dk, dbeta, dG, then reverse-cumsums
     dG) against the PyTorch stages torch_stages.intra (a vector-Jacobian product through the reference's decayed
     scores) and reverse_cumsum on the same inputs, fp32 both; decay 0.25 is a strong one (per-token log decay ~ -3:
     exp(G_i - G_j) spans e^-200 in a chunk, far past fp32's range). The live tensor-core kernel (bf16 operands) is
     held to 1e-2 on these shapes against fp64 in test_chunk_bwd_intra_tc_gpu.py, and matched to this one there."""
     require_gpu()
-    from cula_sm100.backward import launch, torch_stages
-
-    monkeypatch.setattr(launch, "INTRA_TC", False)
+    import torch_stages
+    from cula_sm100.backward import launch
 
     T, ctab, ch, r, gen = _stage_problem(lengths, seed=9)
     unit = torch.nn.functional.normalize
@@ -376,7 +377,7 @@ def test_chunk_bwd_intra_cuda_core_matches_torch_stage(lengths, HQK, HV, decay, 
     base = [r(T, HQK, 128), r(T, HQK, 128), r(T, HV), torch.zeros(T, HV, 128, device="cuda")]
     ours = [x.clone() for x in base]
     scale = 128 ** -0.5
-    launch.chunk_bwd_intra(q, k, G, beta, dA, dL, *ours, ctab, scale=scale)
+    launch.chunk_bwd_intra(q, k, G, beta, dA, dL, *ours, ctab, scale=scale, tc=False)
     e = torch_stages.intra(q, k, G, beta, ch.chunk(dA).permute(0, 2, 1, 3), dL, ch, scale=scale)
     e = (*e[:3], torch_stages.reverse_cumsum(e[3], ch))  # the kernel reverse-cumsums dG once it is complete
     errs = {n: rel_err(o - b, x) for n, o, b, x in zip(("dq", "dk", "dbeta", "dG"), ours, base, e, strict=True)}
@@ -396,7 +397,8 @@ def test_finish_kernels_match_torch_stage(lengths, HQK, HV, gate, l2, act, g_dty
     PyTorch stage torch_stages.finish (a vector-Jacobian product through cula_core.reference) on the same inputs,
     dG already reverse-cumsummed in both (summed=True); and bitwise determinism."""
     require_gpu()
-    from cula_sm100.backward import launch, torch_stages
+    import torch_stages
+    from cula_sm100.backward import launch
 
     T, ctab, ch, r, gen = _stage_problem(lengths, seed=13)
     q, k = (r(1, T, HQK, 128).bfloat16() for _ in range(2))

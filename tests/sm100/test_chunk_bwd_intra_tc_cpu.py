@@ -60,7 +60,7 @@ def test_shared_memory_plan():
 
 def test_launch_picks_the_kernel_and_passes_arguments_in_order(monkeypatch):
     """launch.chunk_bwd_intra launches the tensor-core kernel compiled for `config` (INTRA_TC_CONFIG by default)
-    or, with tc=False / INTRA_TC off, the CUDA-core kernel, with (q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG,
+    or, with tc=False, the CUDA-core kernel, with (q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG,
     chunk table) and (TT, NC, HQK, HV, scale); nothing is launched without chunks."""
     from cula_sm100.backward import launch
 
@@ -81,11 +81,8 @@ def test_launch_picks_the_kernel_and_passes_arguments_in_order(monkeypatch):
     launch.chunk_bwd_intra(*args, ctab, scale=0.5)
     launch.chunk_bwd_intra(*args, ctab, scale=0.5, tc=True, config=(2, False))
     launch.chunk_bwd_intra(*args, ctab, scale=0.5, tc=False)
-    monkeypatch.setattr(launch, "INTRA_TC", False)
-    launch.chunk_bwd_intra(*args, ctab, scale=0.5)
     launch.chunk_bwd_intra(*args, ctab[:0], scale=0.5)
-    assert [c[0] for c in calls] == [("tc", *launch.INTRA_TC_CONFIG), ("tc", 2, False), ("cuda-core",),
-                                     ("cuda-core",)]
+    assert [c[0] for c in calls] == [("tc", *launch.INTRA_TC_CONFIG), ("tc", 2, False), ("cuda-core",)]
     for _, dtypes, tensors, scalars in calls:
         assert dtypes == launch.INTRA_DTYPES
         assert len(tensors) == 11 and all(t is w for t, w in zip(tensors, (*args, ctab), strict=True))
@@ -98,7 +95,7 @@ def test_fp64_oracle_matches_torch_stage(lengths, HQK, HV, decay):
     fp64) against torch_stages.intra + reverse_cumsum (a vector-Jacobian product through the reference's decayed
     scores, fp32), strong and mild decay, varlen with empty and short sequences, GVA 2."""
     from chunk_bwd_intra_tc_memcheck_case import intra_fp64, problem
-    from cula_sm100.backward import torch_stages
+    import torch_stages
 
     args, _base, _ctab, ch, scale = problem(lengths, HQK, HV, decay, T=130, seed=4, device="cpu")
     q, k, G, beta, dA, dL = args

@@ -101,20 +101,23 @@ def test_matches_fla(lengths, HQK, HV, decay):
 def test_whole_backward_with_tc_intra(B, T, HQK, HV, lengths, gate, l2, monkeypatch):
     """Every input's gradient of cula.chunk_kda (CULA_BACKEND=sm100) with this kernel in the backward in each
     configuration, against fp64 autograd through cula_core.reference, held to test_backward_gpu.py's GRAD_TOL; the
-    errors with the CUDA-core kernel (launch.INTRA_TC off) on the same inputs are printed beside them."""
+    errors with the CUDA-core kernel on the same inputs are printed beside them. The backward's stage function is
+    replaced by launch.chunk_bwd_intra with explicit tc / config arguments."""
     require_gpu()
+    import functools
+
     from test_backward_gpu import GRAD_NAMES, GRAD_TOL, _expected, _grads, _problem
 
     from cula_sm100.backward import launch
 
     p = _problem(B, T, HQK, HV, lengths, gate, seed=T + HV + len(lengths or []), l2=l2)
     exp = _expected(*p, gate=gate, l2=l2, lengths=lengths)
-    monkeypatch.setattr(launch, "INTRA_TC", False)
+    stage = launch.chunk_bwd_intra
+    monkeypatch.setattr(launch, "chunk_bwd_intra", functools.partial(stage, tc=False))
     cc = _grads("sm100", monkeypatch, *p, gate=gate, l2=l2, lengths=lengths)
     errs_cc = {n: rel_err(cc[n], exp[n]) for n in GRAD_NAMES if exp.get(n) is not None}
-    monkeypatch.setattr(launch, "INTRA_TC", True)
     for config in ((1, True), (2, True)):
-        monkeypatch.setattr(launch, "INTRA_TC_CONFIG", config)
+        monkeypatch.setattr(launch, "chunk_bwd_intra", functools.partial(stage, tc=True, config=config))
         ours = _grads("sm100", monkeypatch, *p, gate=gate, l2=l2, lengths=lengths)
         errs = {n: rel_err(ours[n], exp[n]) for n in GRAD_NAMES if exp.get(n) is not None}
         print(f"\nwhole backward, TC intra {config=} {B=} {T=} {HQK=} {HV=} {lengths=} {gate} l2={l2}: "
@@ -129,7 +132,7 @@ def test_dG_base_enters_the_cumsum_and_nothing_past_the_end():
     (their difference is this kernel's intra error, small against the base's cumsum); the tails of the output
     buffers past the last token stay bitwise untouched."""
     require_gpu()
-    from cula_sm100.backward import torch_stages
+    import torch_stages
 
     tail = 64
     args, base, ctab, ch, scale = problem([5, 64, 0, 70, 1], 1, 2, 8.0, seed=11, tail=tail)

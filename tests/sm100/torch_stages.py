@@ -1,19 +1,15 @@
-"""The stages of the sm100 chunk_kda backward that still run in PyTorch (fp32, on the tensors' device), and the
-composition of the whole backward from the forward's intermediates.
+"""PyTorch forms of the sm100 backward's stages (fp32, on the tensors' device): the oracles the kernels' tests compare
+against, and the stand-ins with which the CPU test runs the live pipeline (launch.chunk_kda_backward).
 
-Stages here (`chunk_wy_dqkg` is the CuTe DSL kernel, passed in as `wy`; `dav` and `dhu` are the PyTorch forms of
-the kernels chunk_bwd_dav / chunk_bwd_dhu, and `intra` of chunk_bwd_intra, which the live backward passes in
-instead: the CPU tests and the kernels' GPU tests use these forms as the oracle; `finish` is the oracle of the
-kernels gate_bwd / l2norm_bwd, `launch.finish`):
-  dav     dAqk = do @ v_new^T (causal), dv = Aqk^T @ do                         (FLA: chunk_kda_bwd_dAv)
-  dhu     reverse state recurrence over each sequence's chunks: dh, dv += kg dh, dh0
-                                                                               (FLA: chunk_gated_delta_rule_bwd_dhu)
+  dav     dAqk = do @ v_new^T (causal), dv = Aqk^T @ do                         (kernel: chunk_bwd_dav)
+  dhu     reverse state recurrence over each sequence's chunks: dh, dv += kg dh, dh0  (kernel: chunk_bwd_dhu)
   intra   backward of Aqk = scale S(q, k, G) and L = beta S(k, k, G) (strict): a vector-Jacobian product
           through the reference's own decayed-score routine (`cula_core.reference.chunk`), in slices of chunks
+          (kernels: chunk_bwd_intra_tc, chunk_bwd_intra)
   finish  reverse chunk-local cumsum of dG; L2 norm, gate and beta activation backward by a vector-Jacobian
-          product through `cula_core.reference` (dA_log, ddt_bias)
-Everything is batched over chunks and heads: tokens are gathered into chunks with index tables built once
-per set of sequence bounds on the host (the forward reads the same bounds), so nothing synchronises.
+          product through `cula_core.reference` (dA_log, ddt_bias)                 (kernels: gate_bwd, l2norm_bwd)
+Everything is batched over chunks and heads: tokens are gathered into chunks with index tables built once per set
+of sequence bounds on the host.
 """
 
 from __future__ import annotations
@@ -170,10 +166,6 @@ def reverse_cumsum(dG, ch: Chunks):
     return ch.unchunk(x.flip(1).cumsum(1).flip(1))
 
 
-def activate_beta(beta, activation):
-    return ref.activate_beta(beta, activation)
-
-
 def finish(dq, dk, dv, dbeta, dG, dh0, q, k, g, beta, A_log, dt_bias, initial_state, ch: Chunks, *, v_dtype,
            use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, summed=False):
     """From gradients of (normalised q/k [TT, HQK, K], v [TT, HV, V], activated beta [TT, HV], G, h0) to the
@@ -203,65 +195,3 @@ def finish(dq, dk, dv, dbeta, dG, dh0, q, k, g, beta, A_log, dt_bias, initial_st
     dvo = dv.reshape(B, T, HV, dv.shape[-1]).to(v_dtype)
     dh0o = dh0.to(initial_state.dtype) if initial_state is not None and dh0 is not None else None
     return dqo, dko, dvo, dgo, dbo, dAo, dto, dh0o
-
-
-def backward(it, do, dht, v, raw, *, wy, scale, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation,
-             bounds, dav_kernel=None, dhu_kernel=None, intra_kernel=None, finish_kernel=None, marks=None):
-    """The whole backward from the forward's intermediates `it` (fields q, k, g_cumsum, Aqk, Akk, w, kg, h,
-    v_new over packed tokens, as `cula_sm100.forward.launch.Intermediates`) and the raw inputs
-    raw = (q, k, g, beta, A_log, dt_bias, initial_state). `wy` is chunk_wy_dqkg's calling convention
-    (`cula_sm100.backward.launch.chunk_wy_dqkg`, or a stand-in for tests). `dav_kernel`, when given, replaces
-    the PyTorch `dav` (`launch.chunk_bwd_dav` less its table: token layouts, dv in bf16). `dhu_kernel`, when
-    given, replaces the PyTorch `dhu` (calling convention of `cula_sm100.backward.launch.chunk_bwd_dhu` less
-    its tables: dv goes in as bf16 and dh comes out as bf16, as FLA's chunk_gated_delta_rule_bwd_dhu).
-    `intra_kernel` (needs `dav_kernel`), when given, replaces the PyTorch `intra` and the reverse cumsum
-    (`launch.chunk_bwd_intra` less its table: adds in place to chunk_wy_dqkg's dq, dk, dbeta, dG, then
-    reverse-cumsums dG). `finish_kernel` (needs `intra_kernel`), when given, replaces `finish`
-    (`launch.finish` less its table: the same arguments less `ch` and `summed`). `marks`, when given, is a
-    callable `marks(name)` called after each stage (the benchmark records CUDA events there).
-    Returns the gradients of (q, k, v, g, beta, A_log, dt_bias, initial_state)."""
-    q, k, g, beta, A_log, dt_bias, initial_state = raw
-    HQK, HV, V = q.shape[2], v.shape[2], v.shape[3]
-    ch = chunks_for(tuple(bounds), do.device)
-    TT = ch.TT
-    do_f = do.reshape(TT, HV, V)
-    beta_act = ref.activate_beta(beta.reshape(TT, HV).float(), beta_activation)
-    mark = marks or (lambda name: None)
-    mark("start")
-    if dav_kernel is not None:  # token layouts: dAqk [TT, HV, 64] fp32, dv [TT, HV, V] bf16
-        dA_t, dv_t = dav_kernel(do_f.contiguous(), it.v_new, it.Aqk)
-        dAqk = ch.chunk(dA_t).permute(0, 2, 1, 3) if intra_kernel is None else None
-    else:
-        dAqk, dv = dav(do_f, it.Aqk, it.v_new, ch)
-        dv_t = ch.unchunk(dv).to(do.dtype) if dhu_kernel is not None else None
-    mark("dav")
-    want_dh0 = initial_state is not None
-    if dhu_kernel is not None:
-        dh, dv, dh0 = dhu_kernel(it.q, it.kg, it.w, it.g_cumsum.contiguous(), do_f.contiguous(), dv_t.contiguous(),
-                                 dht.float().contiguous() if dht is not None else None, scale=scale,
-                                 want_dh0=want_dh0)
-    else:
-        dv = ch.chunk(dv_t).float() if dav_kernel is not None else dv
-        qg = it.q.float().repeat_interleave(HV // HQK, dim=1) * torch.exp(it.g_cumsum.float())
-        dh, dh0, dv = dhu(qg, it.kg, it.w, it.g_cumsum, do_f, dv, dht, ch, scale=scale, want_dh0=want_dh0)
-    mark("dhu")
-    dq, dk, dv, dbeta, dG, dL = wy(it.q, it.k, v.reshape(TT, HV, V), it.v_new, it.g_cumsum, beta_act.contiguous(),
-                                  it.Akk, it.h, do_f.contiguous(), dh.to(it.h.dtype).contiguous(),
-                                  dv.to(do.dtype).contiguous(), ch, scale=scale)
-    mark("chunk_wy_dqkg")
-    if intra_kernel is not None:
-        intra_kernel(it.q, it.k, it.g_cumsum.contiguous(), beta_act.contiguous(), dA_t, dL, dq, dk, dbeta, dG,
-                     scale=scale)
-    else:
-        dq2, dk2, dbeta2, dG2 = intra(it.q, it.k, it.g_cumsum, beta_act, dAqk, dL, ch, scale=scale)
-        dq, dk, dbeta, dG = dq + dq2, dk + dk2, dbeta + dbeta2, dG + dG2
-    mark("intra")
-    kw = dict(v_dtype=v.dtype, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate, lower_bound=lower_bound,
-              beta_activation=beta_activation)
-    if finish_kernel is not None and intra_kernel is not None:
-        out = finish_kernel(dq, dk, dv, dbeta, dG, dh0, q, k, g, beta, A_log, dt_bias, initial_state, **kw)
-    else:
-        out = finish(dq, dk, dv, dbeta, dG, dh0, q, k, g, beta, A_log, dt_bias, initial_state, ch,
-                     summed=intra_kernel is not None, **kw)
-    mark("finish")
-    return out

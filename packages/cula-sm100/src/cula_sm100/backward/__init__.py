@@ -5,14 +5,14 @@
   chunk_bwd_dav.py  CuTe DSL kernel: dAqk = do v_new^T, dv = Aqk^T do, one (chunk, value head) per CTA
   chunk_bwd_dhu.py  CuTe DSL kernel: the reverse state recurrence (dh per chunk, dv += kg dh, dh0), one
                     (sequence, value head, 32 or 64 columns of V) per CTA
-  chunk_bwd_intra.py CuTe DSL kernel: the intra-chunk backward of the decayed scores and the reverse cumsum of
-                    dG, one (chunk, q/k head) per CTA (GVA summed inside)
+  chunk_bwd_intra_tc.py CuTe DSL kernel: the intra-chunk backward of the decayed scores on tensor cores and the
+                    reverse cumsum of dG, one (chunk, q/k head) per CTA (GVA summed inside)
+  chunk_bwd_intra.py the same stage on CUDA cores in fp32: the oracle of chunk_bwd_intra_tc's tests
   gate_bwd.py       CuTe DSL kernel: the gate / beta backward (dg of raw g, dA_log, ddt_bias, dbeta)
   l2norm_bwd.py     CuTe DSL kernel: the q/k L2-norm backward
-  torch_stages.py   the PyTorch forms of every stage (the CPU tests' composition and the kernels' GPU tests'
-                    oracles) and the composition of the whole backward, with the kernels as hooks
-  launch.py         compiled-kernel cache; recomputes the forward with cula_sm100.forward's kernels, then runs
-                    the stages (docs/sm100_backward.md)
+  launch.py         compiled-kernel cache, one function per stage; chunk_kda_backward recomputes the forward with
+                    cula_sm100.forward's kernels, then runs the stages in order (docs/sm100_backward.md)
+The PyTorch forms of the stages (the kernels' oracles) live with the tests (tests/sm100/torch_stages.py).
 This module imports no CuTe DSL: kernels compile on first use.
 """
 

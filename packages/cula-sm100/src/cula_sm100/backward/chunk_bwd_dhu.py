@@ -1,6 +1,6 @@
 """chunk_bwd_dhu: the reverse state recurrence of the backward, one (sequence, value head, slice of BV = 64 or 32
 columns of V) per CTA. On the live path of the backward (launch.chunk_kda_backward); tests/sm100/test_backward_gpu.py
-checks it against the PyTorch stage `torch_stages.dhu` (test_chunk_bwd_dhu_matches_torch_stage) and through the
+checks it against the PyTorch stage `tests/sm100/torch_stages.dhu` (test_chunk_bwd_dhu_matches_torch_stage) and through the
 whole op.
 
 For the chunks of the sequence from last to first (dh: gradient of the state at the END of the chunk, [K = 128,

@@ -38,23 +38,17 @@ to the first adding the global dG (chunk_wy_dqkg's) and the running suffix sum, 
 the warp's channels into a per-(row, warp) partial, summed over the 8 warps in a fixed order at the end.
 Shared memory 103.7 KiB (2 CTAs per SM): q, k (bf16, rows padded to 136: conflict-free fragment loads), G
 (fp32 log2 units, rows of 132), dSq / dL (bf16, rows of 72: conflict-free ldmatrix), beta, the scratch and the
-dbeta partials. Registers (static, tools.kernel_report.analyse, B pair): 1 CTA per SM (`min_ctas=1`, the default
-and the live configuration, which also loads the dq / dk / dG a block adds to before its products): 255, no spills
-(sm_90a) / 168 bytes (sm_100a); 2 CTAs per SM: 128, spills 168 bytes (sm_90a) / 136 (sm_100a). 80 HMMA (160 with the B pair) per warp and
-value head, 288 MUFU.EX2 in the code (the exact path's included).
+dbeta partials. Launch bound: 1 CTA per SM (`min_ctas=1`, the live configuration, which also loads the dq / dk /
+dG a block adds to before its products) or 2 (spills).
 Pipeline per value head: G by cp.async; dAqk / dL as 16-byte loads converted to bf16 (masked to the lower /
 strictly lower triangle, dSq scaled); one barrier; G padded (rows >= n take row n - 1's: exponents stay
 bounded; q = k = dSq = dL = beta = 0 there, so padding adds exactly 0) and scaled to log2 units; one barrier;
 the 4 row blocks. Blocks wholly past the chunk end are skipped. Assumes K = 128, chunks that never cross a
 sequence (the chunk table), n >= 1 per chunk.
 
-Status (session 7, H100): on the live path (backward.launch.INTRA_TC_CONFIG = (1, True)). Measured
-(docs/benchmarks/bwd_intra.md): 1.334 / 2.407 ms at B=2 T=8192 H=32 HV=32 / 64 against 2.162 / 4.181 ms for the
-CUDA-core kernel and 3.864 / 8.311 ms for FLA's stage; at 2 CTAs per SM (spilling) 2.79 / 5.43 ms. Errors against
-fp64 on the test shapes: dq, dk, dbeta <= 2.4e-3, dG <= 3.1e-3 with the B pair (6.1e-3 single bf16); against FLA's
-stage <= 1.9e-3. Tests: tests/sm100/test_chunk_bwd_intra_tc_gpu.py (fp64, the CUDA-core kernel, FLA, the whole op
-in both configurations, determinism, memcheck: 0 errors). chunk_bwd_intra.py (CUDA-core, fp32 throughout) stays
-as its oracle, reachable with launch.INTRA_TC = False or launch.chunk_bwd_intra(..., tc=False).
+On the live path in launch.INTRA_TC_CONFIG = (1, True). chunk_bwd_intra.py (CUDA cores, fp32 throughout) is its
+tests' oracle, reached with launch.chunk_bwd_intra(..., tc=False). Measurements: docs/benchmarks/bwd_intra.md;
+static resources: docs/kernel_report.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,18 @@
-"""Thin launch code of the sm100 chunk_kda backward: the compiled-kernel cache and the order of the stages.
+"""Thin launch code of the sm100 chunk_kda backward: the compiled-kernel cache, one function per stage, and
+`chunk_kda_backward`, the stages in order.
 
 `chunk_kda_backward(...)` follows the kernel calling convention of docs/backends.md. Like FLA 0.6.0's
 `chunk_kda_bwd`, it takes Aqk and Akk from the forward (core's residuals, docs/backends.md) and recomputes the
 other intermediates, here with cula-sm100's own forward kernels (`recompute`: the forward's composition less
 the output, with recompute_w_u alone in place of chunk_intra_wu when the residuals came), then runs the backward
-stages:
+stages, each one CuTe DSL kernel launch (or two):
 
-  1. dAqk = do @ v_new^T (causal), dv = Aqk^T @ do              CuTe DSL kernel (`chunk_bwd_dav.py`)
-  2. reverse state recurrence: dh per chunk, dv += kg @ dh, dh0  CuTe DSL kernel (`chunk_bwd_dhu.py`)
-  3. chunk_wy_dqkg: dq, dk (GVA-summed), dv, dbeta, dG, dL       CuTe DSL kernel (`chunk_wy_dqkg.py`)
-  4. intra-chunk backward of Aqk and L = beta k k^T decays,       CuTe DSL kernel (`chunk_bwd_intra.py`)
-     then the reverse chunk-local cumsum of dG
-  5. gate / beta / L2-norm backward (dA_log, ddt_bias)            PyTorch (`torch_stages.finish`)
-
-The PyTorch stage (5) runs in fp32 on the GPU (a vector-Jacobian product through cula_core.reference's gates,
-no host synchronisation); it is correct but not fast: a kernel still to write.
+  1. dAqk = do @ v_new^T (causal), dv = Aqk^T @ do                       chunk_bwd_dav.py
+  2. reverse state recurrence: dh per chunk, dv += kg @ dh, dh0           chunk_bwd_dhu.py
+  3. dq, dk (GVA-summed), dv, dbeta, dG, dL                               chunk_wy_dqkg.py
+  4. intra-chunk backward of Aqk and L = beta k k^T decays, added to      chunk_bwd_intra_tc.py
+     step 3's outputs, then the reverse chunk-local cumsum of dG
+  5. gate / beta / L2-norm backward (dg, dA_log, ddt_bias, dbeta)         gate_bwd.py, l2norm_bwd.py
 
 Every launch goes through `cula_sm100.fast_launch` (pre-packed C arguments, see there), with each kernel's pointer
 dtypes listed once here (`*_DTYPES`) for its compilation and its launcher alike.
@@ -27,16 +25,8 @@ import itertools
 
 import torch
 
-from cula_sm100.backward import torch_stages
+from cula_core import reference as ref
 from cula_sm100.forward import launch as fwd
-
-
-# chunk_bwd_intra on the live path (False: the PyTorch form torch_stages.intra, the kernel's oracle)
-INTRA_KERNEL = True
-# gate_bwd + l2norm_bwd on the live path (False: the PyTorch form torch_stages.finish, the kernels' oracle); needs
-# INTRA_KERNEL (the kernels take dG after chunk_bwd_intra's reverse cumsum). On since session 5: the whole backward
-# GPU test (every gate, with and without L2 norm, GVA, varlen, FLA, determinism) and memcheck passed with it
-FINISH_KERNEL = True
 
 
 _BF, _F32, _I32 = torch.bfloat16, torch.float32, torch.int32
@@ -97,14 +87,10 @@ def intra_kernel():
     return fwd._compile(ChunkBwdIntra(), INTRA_DTYPES, 1, 1, 1, 1, 1.0)
 
 
-# The intra-chunk backward on tensor cores (chunk_bwd_intra_tc.py: mma.sync through 16-row reference blocks, exact
-# CUDA-core diagonal under strong decay) on the live path, in the (launch bound: CTAs per SM, B operand split)
-# configuration INTRA_TC_CONFIG; False: the CUDA-core kernel chunk_bwd_intra.py (the fp32 oracle of its tests).
-# Measured on the H100 (session 7, `python -m tools.bench.bwd_intra`, B=2 T=8192 H=32): 1 CTA per SM (255
-# registers, no spills) 1.316 / 2.376 ms at HV = 32 / 64 against 2.806 / 5.722 ms at 2 CTAs per SM (128 registers,
-# 168 B of spills) and 2.809 / 5.728 ms for the CUDA-core kernel; bf16 pairs for B cost < 2% over single bf16 and
-# halve dG's error, so they stay.
-INTRA_TC = True
+# The intra-chunk backward runs on tensor cores (chunk_bwd_intra_tc.py: mma.sync through 16-row reference blocks,
+# exact CUDA-core diagonal under strong decay) in this (launch bound: CTAs per SM, B operand split into bf16 pairs)
+# configuration, the fastest measured (docs/benchmarks/bwd_intra.md). The CUDA-core kernel chunk_bwd_intra.py is
+# the fp32 oracle of its tests and benchmark, reached only through chunk_bwd_intra(tc=False).
 INTRA_TC_CONFIG = (1, True)
 
 
@@ -116,19 +102,18 @@ def intra_tc_kernel(min_ctas: int, split_b: bool):
     return fwd._compile(ChunkBwdIntraTC(min_ctas, split_b), INTRA_DTYPES, 1, 1, 1, 1, 1.0)
 
 
-def chunk_bwd_intra(q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab, *, scale, tc=None, config=None):
+def chunk_bwd_intra(q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab, *, scale, tc=True, config=None):
     """The intra-chunk backward, ADDED in place to dq, dk [TT, HQK, K], dbeta [TT, HV] and dG [TT, HV, K] (fp32,
     as chunk_wy_dqkg returns them); dG then holds its reverse chunk-local cumsum (the gradient of the raw log
     decay). q, k [TT, HQK, K] bf16; G [TT, HV, K] fp32; beta [TT, HV] fp32 (activated); dAqk (chunk_bwd_dav), dL
     (chunk_wy_dqkg) [TT, HV, 64] fp32. `tc`: the tensor-core kernel chunk_bwd_intra_tc.py (True) or the CUDA-core
-    chunk_bwd_intra.py (False, the tests' and benchmark's fp32 oracle); None follows INTRA_TC. `config`: the
-    tensor-core kernel's (CTAs per SM, B split), INTRA_TC_CONFIG when None."""
+    chunk_bwd_intra.py (False, the tests' and benchmark's fp32 oracle). `config`: the tensor-core kernel's (CTAs per
+    SM, B split), INTRA_TC_CONFIG when None."""
     TT, HQK, _ = q.shape
     HV = G.shape[1]
     NC = ctab.shape[0]
     if NC:
-        use_tc = INTRA_TC if tc is None else tc
-        kern = intra_tc_kernel(*(config or INTRA_TC_CONFIG)) if use_tc else intra_kernel()
+        kern = intra_tc_kernel(*(config or INTRA_TC_CONFIG)) if tc else intra_kernel()
         fwd._launch(kern, INTRA_DTYPES, (q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab),
                     (TT, NC, HQK, HV, float(scale)))
 
@@ -143,9 +128,8 @@ def dhu_kernel(has_dht: bool, want_dh0: bool, bv: int = 64):
 
 # chunk_bwd_dhu's V slice: 32 columns (4 CTAs per (sequence, head)) up to this many busy (sequence, head) chains,
 # 64 (2 CTAs) above. The recurrence is serial in the chunks, so its time is the longest sequence's chain of steps
-# while the SMs have room: H100, session 5 (`train_bwd --no-kernels` stage times, BV = 64 everywhere): 1.95 / 1.95 /
-# 1.92 ms at 32 / 64 / 64 pairs (64 and 128 CTAs on 132 SMs, T = 8192), 2.72 ms at 128 pairs (256 CTAs); BV = 32
-# at 32 / 64 pairs: 1.32 / 1.51 ms. The threshold keeps BV = 32's grid (~64 KiB a CTA) at most 2 CTAs per SM.
+# while the SMs have room (stage times: docs/sm100_backward.md). The threshold keeps BV = 32's grid (~64 KiB a CTA)
+# at most 2 CTAs per SM.
 DHU_NARROW_MAX_PAIRS = 64
 
 
@@ -233,8 +217,8 @@ def l2norm_bwd_kernel(x_dtype):
 
 def finish(dq, dk, dv, dbeta, dG, dh0, q, k, g, beta, A_log, dt_bias, initial_state, ctab, *, v_dtype,
            use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation):
-    """The gate / L2-norm / beta backward as kernels (gate_bwd.py, l2norm_bwd.py): `torch_stages.finish`'s calling
-    convention with dG already the gradient of the raw log decay (chunk_bwd_intra's reverse cumsum). dq, dk
+    """The gate / L2-norm / beta backward as kernels (gate_bwd.py, l2norm_bwd.py), with dG already the gradient of the
+    raw log decay (chunk_bwd_intra's reverse cumsum). dq, dk
     [TT, HQK, K], dbeta [TT, HV], dG [TT, HV, K] fp32; raw inputs in their shapes and dtypes. Returns the
     gradients of (q, k, v, g, beta, A_log, dt_bias, initial_state), None for absent inputs."""
     B, T, HQK, K = q.shape
@@ -299,39 +283,41 @@ def chunk_kda_backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state,
     this backend's forward (`forward.launch.chunk_kda(save_residuals=True)`), or None to recompute them.
     `marks` (not part of the convention; the benchmark's stage timing): a callable called with each stage's
     name when it is queued."""
-    B, T = q.shape[:2]
-    if marks is not None:
-        marks("begin")
+    mark = marks or _no_mark
+    mark("begin")
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    TT = B * T
     do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state = fwd.aligned(do, dht, q, k, v, g, beta, A_log, dt_bias,
                                                                            initial_state)
     if residuals is not None:
         residuals = fwd.aligned(*residuals)
+    bounds = fwd.sequence_bounds(B, T, cu_seqlens, cu_seqlens_cpu)
     ctab, stab = fwd.tables(B, T, cu_seqlens, cu_seqlens_cpu, q.device)
     it = recompute(q, k, v, g, beta, A_log, dt_bias, initial_state, ctab, stab, scale=scale,
                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate, lower_bound=lower_bound,
                    beta_activation=beta_activation, residuals=residuals)
+    do_t = do.reshape(TT, HV, V)
+    beta_act = ref.activate_beta(beta.reshape(TT, HV).float(), beta_activation).contiguous()
+    dht = dht.float().contiguous() if dht is not None else None
+    mark("start")
+    dAqk, dv = chunk_bwd_dav(do_t, it.v_new, it.Aqk, ctab)
+    mark("dav")
+    dh, dv, dh0 = chunk_bwd_dhu(it.q, it.kg, it.w, it.g_cumsum, do_t, dv, dht, ctab, stab, scale=scale,
+                                want_dh0=initial_state is not None,
+                                bv=dhu_slice_width(busy_sequences(bounds), HV))
+    mark("dhu")
+    dq, dk, dv, dbeta, dG, dL = chunk_wy_dqkg(it.q, it.k, v.reshape(TT, HV, V), it.v_new, it.g_cumsum, beta_act,
+                                              it.Akk, it.h, do_t, dh, dv, ctab, scale=scale)
+    mark("chunk_wy_dqkg")
+    chunk_bwd_intra(it.q, it.k, it.g_cumsum, beta_act, dAqk, dL, dq, dk, dbeta, dG, ctab, scale=scale)
+    mark("intra")
+    grads = finish(dq, dk, dv, dbeta, dG, dh0, q, k, g, beta, A_log, dt_bias, initial_state, ctab, v_dtype=v.dtype,
+                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate, lower_bound=lower_bound,
+                   beta_activation=beta_activation)
+    mark("finish")
+    return grads
 
-    def wy(*args, scale):
-        return chunk_wy_dqkg(*args[:-1], ctab, scale=scale)
 
-    def dav(*args):
-        return chunk_bwd_dav(*args, ctab)
-
-    def intra(*args, scale):
-        return chunk_bwd_intra(*args, ctab, scale=scale)
-
-    bounds = torch_stages.bounds_of(B, T, cu_seqlens, cu_seqlens_cpu)
-    dhu_bv = dhu_slice_width(busy_sequences(bounds), v.shape[2])
-
-    def dhu(*args, scale, want_dh0):
-        return chunk_bwd_dhu(*args, ctab, stab, scale=scale, want_dh0=want_dh0, bv=dhu_bv)
-
-    def fin(*args, **kw):
-        return finish(*args, ctab, **kw)
-
-    return torch_stages.backward(it, do, dht, v, (q, k, g, beta, A_log, dt_bias, initial_state), wy=wy, scale=scale,
-                                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate, lower_bound=lower_bound,
-                                 beta_activation=beta_activation,
-                                 bounds=bounds, dav_kernel=dav,
-                                 dhu_kernel=dhu, intra_kernel=intra if INTRA_KERNEL else None,
-                                 finish_kernel=fin if INTRA_KERNEL and FINISH_KERNEL else None, marks=marks)
+def _no_mark(name: str) -> None:
+    pass

@@ -207,13 +207,18 @@ def _tables_host(bounds: tuple[int, ...]):
 _device_tables: dict = {}
 
 
+def sequence_bounds(B: int, T: int, cu_seqlens, cu_seqlens_cpu) -> tuple[int, ...]:
+    """The N + 1 token offsets of a call's sequences: B rows of T tokens, or cu_seqlens (read from cu_seqlens_cpu
+    when given; otherwise one device-to-host copy, as FLA's prepare_chunk_indices)."""
+    if cu_seqlens is None:
+        return tuple(b * T for b in range(B + 1))
+    src = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()
+    return tuple(int(x) for x in src.tolist())
+
+
 def tables(B: int, T: int, cu_seqlens, cu_seqlens_cpu, device):
     """(chunk table [NC, 2], sequence table [N, 3]) on the device, int32."""
-    if cu_seqlens is None:
-        bounds = tuple(b * T for b in range(B + 1))
-    else:
-        src = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()
-        bounds = tuple(int(x) for x in src.tolist())
+    bounds = sequence_bounds(B, T, cu_seqlens, cu_seqlens_cpu)
     key = (bounds, device)
     hit = _device_tables.get(key)
     if hit is None:
