@@ -103,10 +103,12 @@ def _prefill_intra(kind: str):
     def build():
         import torch
 
+        from cula_core import cute_runtime
         from cula_sm90.prefill import forward
 
         bf = torch.bfloat16  # the benchmark's: safe gate with A_log and dt_bias, q/k L2 norm, beta as given
-        return forward.compile_intra("safe", "none", True, True, True, bf, bf, bf, kind)
+        config = forward.intra_config("safe", "none", True, True, True, bf, bf, bf, kind)
+        return cute_runtime.compile_kernel(forward.INTRA, config)
     return build
 
 
@@ -114,9 +116,10 @@ def _prefill_state(affine: bool):
     def build():
         import torch
 
+        from cula_core import cute_runtime
         from cula_sm90.prefill import forward
 
-        return forward.compile_state(affine, torch.bfloat16)
+        return cute_runtime.compile_kernel(forward.STATE, forward.state_config(affine, torch.bfloat16))
     return build
 
 

@@ -1,5 +1,5 @@
-"""Host side of the sm90 prefill: compiles (once per configuration) and launches the two stages, with or
-without intra-card context parallel. Thin: validation happened in cula_core; the math is in the kernels.
+"""Host side of the sm90 prefill: loads (cula_core.cute_runtime: shipped ahead of time, else compiled once and
+cached) and launches the two stages, with or without intra-card context parallel. Thin: validation happened in cula_core; the math is in the kernels.
 
     stage 1  chunk_intra_tc.ChunkIntraTCKernel   chunk-parallel: gate, cumsum, l2norm, Akk, w/u, Aqk, qg, kg, on
              tensor cores, for the safe gate with lower_bound >= TC_LOWER_BOUND_MIN (intra_kind);
@@ -21,10 +21,11 @@ import itertools
 
 import torch
 
+from cula_core import cute_runtime as rt
+
 BT = 64
 DK = 128
 
-_DTYPES = {}
 # state columns per CTA of stage 2: 8 warps, each chunk's tiles loaded once for 64 columns
 STATE_BV = 64
 # the safe gate's lower bound down to which the TC stage 1 serves: its factorised score operands reach
@@ -32,34 +33,16 @@ STATE_BV = 64
 TC_LOWER_BOUND_MIN = -8.0
 
 
-def _cutlass_dtype(dtype: torch.dtype):
-    if not _DTYPES:
-        import cutlass
-
-        _DTYPES.update({torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
-                        torch.float32: cutlass.Float32, torch.int32: cutlass.Int32})
-    return _DTYPES[dtype]
+INTRA, STATE = "sm90.prefill.intra", "sm90.prefill.state"
 
 
-def _ptr(t: torch.Tensor, align: int | None = None):
-    """A DSL pointer to t's data; `align` (bytes) only for buffers this module allocated (16-byte copies)."""
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_ptr
-
-    return make_ptr(_cutlass_dtype(t.dtype), t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
+def _ptr(t: torch.Tensor, align: int | None = None) -> int:
+    """The address a kernel takes for t (`align`: the compiled pointer's assumption, which the caller ensures)."""
+    return t.data_ptr()
 
 
-def _fake_ptr(dtype: torch.dtype, align: int | None = None):
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_ptr
-
-    return make_ptr(_cutlass_dtype(dtype), 0, cute.AddressSpace.gmem, assumed_align=align)
-
-
-def _stream():
-    import cuda.bindings.driver as cuda
-
-    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+def _stream() -> int:
+    return rt.current_stream()
 
 
 @functools.cache
@@ -69,55 +52,79 @@ def intra_kind(gate: str, lower_bound: float) -> str:
     return "tc" if gate == "safe" and TC_LOWER_BOUND_MIN <= lower_bound <= 0.0 else "simt"
 
 
-@functools.cache
-def compile_intra(gate: str, beta_activation: str, l2norm: bool, has_a_log: bool, has_dt_bias: bool,
-                  qkv_dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, kind: str | None = None):
-    """Compiled stage 1 for one configuration (cached). Sizes are runtime arguments. `kind` None: "tc" for the
-    safe gate (the caller checks its lower bound with intra_kind), "simt" otherwise."""
-    import cuda.bindings.driver as cuda
-    import cutlass
-    import cutlass.cute as cute
+def intra_config(gate: str, beta_activation: str, l2norm: bool, has_a_log: bool, has_dt_bias: bool,
+                 qkv_dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, kind: str) -> tuple:
+    """Compile-time configuration of stage 1 (kind "tc": chunk_intra_tc, the safe gate only; "simt": chunk_intra)."""
+    if kind == "tc" and gate != "safe":
+        raise ValueError(f"the tensor-core stage 1 serves the safe gate only, got {gate}")
+    return (kind, gate, beta_activation, bool(l2norm), bool(has_a_log), bool(has_dt_bias), qkv_dtype, g_dtype,
+            beta_dtype)
 
-    if kind is None:
-        kind = "tc" if gate == "safe" else "simt"
+
+def _build_intra(config: tuple):
+    import cutlass
+
+    kind, gate, beta_activation, l2norm, has_a_log, has_dt_bias, qkv_dtype, g_dtype, beta_dtype = config
     f32, i32, mid = torch.float32, torch.int32, torch.bfloat16
     if kind == "tc":
         from cula_sm90.prefill.chunk_intra_tc import ChunkIntraTCKernel
 
-        if gate != "safe":
-            raise ValueError(f"the tensor-core stage 1 serves the safe gate only, got {gate}")
         kern = ChunkIntraTCKernel(gate, beta_activation, l2norm, has_a_log, has_dt_bias)
         kern.g_smem = g_dtype == torch.bfloat16
-        io = 16  # cp.async and 16-byte stores: forward.py passes 16-byte aligned tensors
+        io = 16  # cp.async and 16-byte stores: prefill() passes 16-byte aligned tensors
     else:
         from cula_sm90.prefill.chunk_intra import ChunkIntraKernel
 
         kern = ChunkIntraKernel(gate, beta_activation, l2norm, has_a_log, has_dt_bias)
         io = None
-    return cute.compile(
-        kern, _fake_ptr(qkv_dtype, io), _fake_ptr(qkv_dtype, io), _fake_ptr(qkv_dtype, io),
-        _fake_ptr(g_dtype, io if g_dtype == torch.bfloat16 else None),
-        _fake_ptr(beta_dtype), _fake_ptr(f32), _fake_ptr(f32), _fake_ptr(i32), _fake_ptr(i32),
-        _fake_ptr(mid, io), _fake_ptr(mid, io), _fake_ptr(mid, io), _fake_ptr(mid, io), _fake_ptr(mid, io),
-        _fake_ptr(f32),
-        *(cutlass.Int32(1) for _ in range(6)), cutlass.Float32(1.0), cutlass.Float32(-5.0), cuda.CUstream(0))
+    p = rt.fake_ptr
+    return kern, (p(qkv_dtype, io), p(qkv_dtype, io), p(qkv_dtype, io),
+                  p(g_dtype, io if g_dtype == torch.bfloat16 else None), p(beta_dtype, None), p(f32, None),
+                  p(f32, None), p(i32, None), p(i32, None), *(p(mid, io) for _ in range(5)), p(f32, None),
+                  *(cutlass.Int32(1) for _ in range(6)), cutlass.Float32(1.0), cutlass.Float32(-5.0),
+                  rt.fake_stream())
+
+
+def state_config(affine: bool, o_dtype: torch.dtype) -> tuple:
+    """Compile-time configuration of stage 2 (chunk_state_tc, STATE_BV state columns per CTA)."""
+    return (bool(affine), o_dtype, STATE_BV)
+
+
+def _build_state(config: tuple):
+    import cutlass
+
+    from cula_sm90.prefill.chunk_state_tc import ChunkStateTCKernel
+
+    affine, o_dtype, bv = config
+    p, f32 = rt.fake_ptr, torch.float32
+    return ChunkStateTCKernel(affine, bv), (
+        *(p(torch.bfloat16, 16) for _ in range(5)), p(f32, None), p(torch.int32, None), p(f32, None), p(f32, None),
+        p(o_dtype, None), *(cutlass.Int32(1) for _ in range(6)), rt.fake_stream())
+
+
+_COMMON = ("cula_sm90.prefill.common", "cula_sm90.prefill.tc", "cula_sm90.prefill.forward")
+rt.register(rt.KernelDef(INTRA, "cula-sm90", "cula_sm90", "sm_90a", _build_intra,
+                         ("cula_sm90.prefill.chunk_intra", "cula_sm90.prefill.chunk_intra_tc", *_COMMON)))
+rt.register(rt.KernelDef(STATE, "cula-sm90", "cula_sm90", "sm_90a", _build_state,
+                         ("cula_sm90.prefill.chunk_state_tc", *_COMMON)))
+
+
+@functools.cache
+def compile_intra(gate: str, beta_activation: str, l2norm: bool, has_a_log: bool, has_dt_bias: bool,
+                  qkv_dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, kind: str | None = None):
+    """Stage 1's launchable function for one configuration (cula_core.cute_runtime: shipped, cached or compiled
+    now). Sizes are runtime arguments. `kind` None: "tc" for the safe gate (the caller checks its lower bound with
+    intra_kind), "simt" otherwise."""
+    if kind is None:
+        kind = "tc" if gate == "safe" else "simt"
+    return rt.get(INTRA, intra_config(gate, beta_activation, l2norm, has_a_log, has_dt_bias, qkv_dtype, g_dtype,
+                                      beta_dtype, kind))
 
 
 @functools.cache
 def compile_state(affine: bool, o_dtype: torch.dtype):
-    """Compiled stage 2 (normal or affine-map mode, cached), STATE_BV state columns per CTA."""
-    import cuda.bindings.driver as cuda
-    import cutlass
-    import cutlass.cute as cute
-
-    f32, i32, mid = torch.float32, torch.int32, torch.bfloat16
-    from cula_sm90.prefill.chunk_state_tc import ChunkStateTCKernel
-
-    kern = ChunkStateTCKernel(affine, STATE_BV)
-    return cute.compile(
-        kern, *(_fake_ptr(mid, 16) for _ in range(5)),
-        _fake_ptr(f32), _fake_ptr(i32), _fake_ptr(f32), _fake_ptr(f32), _fake_ptr(o_dtype),
-        *(cutlass.Int32(1) for _ in range(6)), cuda.CUstream(0))
+    """Stage 2's launchable function (normal or affine-map mode)."""
+    return rt.get(STATE, state_config(affine, o_dtype))
 
 
 @functools.cache
@@ -151,10 +158,8 @@ def _host_tables(lengths: tuple[int, ...], num_heads: int, num_sms: int, mode: s
 
     kw = planner_kwargs() if pk is None else dict(pk)
     p = cp_planner.plan(lengths, num_heads, num_sms, mode, chunk_size=BT, **kw)
-    cu, co = [0], [0]
-    for L in lengths:
-        cu.append(cu[-1] + L)
-        co.append(co[-1] + -(-L // BT))
+    cu = list(itertools.accumulate(lengths, initial=0))
+    co = list(rt.chunk_offsets(tuple(cu), BT))
     return cu, co, p
 
 
