@@ -11,6 +11,7 @@ from cula_core import reference
 from cula_core.dispatch import BackendUnavailableError, CulaFallbackWarning
 from cula_core.ops import (
     chunk_kda,
+    fused_recurrent_kda,
     kda_decode,
     kda_decode_mtp,
     kda_decode_mtp_kvbuffer,
@@ -28,6 +29,7 @@ __all__ = [
     "BackendUnavailableError",
     "CulaFallbackWarning",
     "chunk_kda",
+    "fused_recurrent_kda",
     "kda_decode",
     "kda_decode_mtp",
     "kda_decode_mtp_kvbuffer",

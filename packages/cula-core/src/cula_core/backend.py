@@ -36,6 +36,8 @@ OPS: tuple[str, ...] = (
     "kda_decode_mtp_kvbuffer",
     "kda_flush_kvbuffer",
     "kda_flush_kvbuffer_all_layers",
+    "kda_prefill_chunk_states",  # inference forward that also returns the state at every chunk start
+    "fused_recurrent_kda",  # token-by-token forward; with slot indices, over a state pool updated in place
 )
 
 
@@ -145,6 +147,13 @@ class Backend:
         the backward recomputes what it needs from the inputs."""
         return False
 
+    def serves_state_v_first(self, call: CallConfig) -> bool:
+        """Whether this backend's kernel for `call` (whose ``options["state_v_first"]`` is True) indexes
+        states laid out ``[..., V, K]`` itself. If so, core hands it the caller's V-first states and pools as
+        they are, with the keyword ``state_v_first=True``; if not (the default), core hands it ``[..., K, V]``
+        copies and transposes what it returns (docs/backends.md, "State layout")."""
+        return False
+
     def describe(self) -> str:
         """One line for `python -m cula info`."""
         caps = ", ".join(f"sm_{a}{b}" for a, b in self.capabilities) or "no device"
@@ -159,8 +168,8 @@ class ComposedBackend(Backend):
     """A backend made of kernel families, each a module that owns some ops.
 
     A family module exports ``OPS`` (the ops it serves), ``unsupported_reason(call)`` and ``kernel(op)``,
-    and optionally ``INT32_INDEXING`` (default: the backend's ``int32_indexing``) and ``saves_residuals(call)``
-    (default: False). Subclasses set
+    and optionally ``INT32_INDEXING`` (default: the backend's ``int32_indexing``), ``saves_residuals(call)``
+    and ``serves_state_v_first(call)`` (default: False). Subclasses set
     ``families``; the backend's ops are their union and each question goes to the family that owns the op.
     """
 
@@ -195,3 +204,7 @@ class ComposedBackend(Backend):
     def saves_residuals(self, call: CallConfig) -> bool:
         fam = self.family(call.op)
         return fam is not None and hasattr(fam, "saves_residuals") and bool(fam.saves_residuals(call))
+
+    def serves_state_v_first(self, call: CallConfig) -> bool:
+        fam = self.family(call.op)
+        return fam is not None and hasattr(fam, "serves_state_v_first") and bool(fam.serves_state_v_first(call))

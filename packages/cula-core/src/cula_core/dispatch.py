@@ -44,6 +44,11 @@ class ReferenceBackend(Backend):
     def unsupported_reason(self, call: CallConfig) -> str | None:
         return None
 
+    def serves_state_v_first(self, call: CallConfig) -> bool:
+        # the pool op indexes a V-first pool through a transposed view (no copy of the pool); the chunked
+        # ops take the copies core makes
+        return call.op == "fused_recurrent_kda"
+
     def kernel(self, op: str):
         from cula_core.ops import reference_impls
 

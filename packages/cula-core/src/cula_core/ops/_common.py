@@ -29,15 +29,17 @@ def make_call(op: str, device: torch.device, *, dtype, K, V, HQK, HV, T, gate, v
                       gate=gate, varlen=varlen, requires_grad=requires_grad, options=options)
 
 
-def select(call: CallConfig, tensors: dict[str, torch.Tensor | None]):
-    """The backend for `call` (`dispatch.select`), once `tensors` have passed its indexing limit."""
+def select(call: CallConfig, tensors: dict[str, torch.Tensor | int | None]):
+    """The backend for `call` (`dispatch.select`), once `tensors` (tensors, or element counts of tensors the
+    kernel will create, such as a final state) have passed its indexing limit."""
     backend = dispatch.select(call)
     if backend.indexes_in_int32(call.op):
-        check_int32_indexing({n: t.numel() for n, t in tensors.items() if t is not None}, f"the {backend.name} kernels")
+        sizes = {n: t if isinstance(t, int) else t.numel() for n, t in tensors.items() if t is not None}
+        check_int32_indexing(sizes, f"the {backend.name} kernels")
     return backend
 
 
-def run(call: CallConfig, tensors: dict[str, torch.Tensor | None], *args, **kwargs):
+def run(call: CallConfig, tensors: dict[str, torch.Tensor | int | None], *args, **kwargs):
     """Select the backend for `call`, apply its indexing limit to `tensors`, and run its kernel."""
     return select(call, tensors).kernel(call.op)(*args, **kwargs)
 
@@ -74,11 +76,50 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def fake_forward_outputs(q: torch.Tensor, v: torch.Tensor, cu_seqlens, output_final_state: bool):
+def state_shape(N: int, HV: int, K: int, V: int, state_v_first: bool) -> tuple[int, int, int, int]:
+    """A state's shape in FLA's layout: ``[N, HV, K, V]``, or ``[N, HV, V, K]`` with state_v_first."""
+    return (N, HV, V, K) if state_v_first else (N, HV, K, V)
+
+
+def fake_forward_outputs(q: torch.Tensor, v: torch.Tensor, cu_seqlens, output_final_state: bool,
+                         state_v_first: bool = False):
     """Shapes of a forward's (o, final_state) for the fake ops of chunk_kda and kda_prefill: o like v; the
-    state [N, HV, K, V] in the reference's state dtype (fp64 only for fp64 inputs), or the absent marker."""
+    state [N, HV, K, V] ([N, HV, V, K] V-first) in the reference's state dtype (fp64 only for fp64 inputs), or
+    the absent marker."""
     o = torch.empty_like(v)
     if not output_final_state:
         return o, absent_like(q, torch.float32)
     N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    return o, q.new_empty((N, v.shape[2], q.shape[3], v.shape[3]), dtype=work_dtype(q.dtype))
+    return o, q.new_empty(state_shape(N, v.shape[2], q.shape[3], v.shape[3], state_v_first),
+                          dtype=work_dtype(q.dtype))
+
+
+# --- state layout: V-first states reach a kernel as they are only where its backend indexes them (see
+# Backend.serves_state_v_first); elsewhere core hands the kernel [..., K, V] copies and transposes back.
+
+
+def native_v_first(backend, call: CallConfig) -> bool:
+    """Whether `backend`'s kernel takes `call`'s V-first states as they are."""
+    return bool(call.options.get("state_v_first")) and backend.serves_state_v_first(call)
+
+
+def layout_kwargs(native: bool) -> dict:
+    """The keyword a kernel gets when it indexes V-first states itself (none otherwise: K-first convention)."""
+    return {"state_v_first": True} if native else {}
+
+
+def swap_state_layout(state: torch.Tensor | None) -> torch.Tensor | None:
+    """``[..., K, V]`` <-> ``[..., V, K]`` as a new contiguous tensor (None stays None)."""
+    return None if state is None else state.transpose(-1, -2).contiguous()
+
+
+def unaliased(out: torch.Tensor | None, *inputs: torch.Tensor | None) -> torch.Tensor | None:
+    """`out`, or a copy of it where it shares memory with one of `inputs`: a custom op may not return
+    (a view of) an input, and a caller must be able to change an output without changing its input."""
+    if out is None or out.numel() == 0:
+        return out
+    ptr = out.untyped_storage().data_ptr()
+    for t in inputs:
+        if t is not None and t.numel() and t.untyped_storage().data_ptr() == ptr:
+            return out.clone()
+    return out

@@ -15,53 +15,29 @@ from torch import Tensor
 
 from cula_core import dispatch
 from cula_core.backend import CHUNK_KDA_RESIDUALS, RESIDUAL_CHUNK
-from cula_core.ops._common import absent_like, fake_forward_outputs, make_call, present, select
-from cula_core.validation import validate_kda
-
-# FLA 0.6.0 keyword arguments beyond the named ones. Accepted with effect on the math:
-_BETA_KWARGS = ("use_beta_sigmoid_in_kernel", "allow_neg_eigval")
-# Accepted, no effect on the result (FLA performance switches):
-_HINT_KWARGS = ("disable_recompute", "chunk_size")
-# FLA features cula does not implement: accepted only at their default value.
-_UNSUPPORTED_KWARGS = {
-    "return_intermediate_states": False,
-    "state_v_first": False,
-    "transpose_state_layout": False,
-    "cp_context": None,
-    "use_graph": False,
-    "max_num_seqs": None,
-}
-
-
-def parse_fla_kwargs(kwargs: dict, fn: str) -> str:
-    """Check FLA's extra keyword arguments; returns the beta activation ("none", "sigmoid", "2sigmoid")."""
-    for name, value in kwargs.items():
-        if name in _BETA_KWARGS or name in _HINT_KWARGS:
-            continue
-        if name in _UNSUPPORTED_KWARGS:
-            if value is not _UNSUPPORTED_KWARGS[name] and value != _UNSUPPORTED_KWARGS[name]:
-                raise NotImplementedError(f"{fn}: {name}={value!r} is an FLA option cula does not implement")
-            continue
-        raise TypeError(f"{fn}() got an unexpected keyword argument {name!r}")
-    chunk_size = kwargs.get("chunk_size", 64)
-    if chunk_size not in (32, 64):
-        raise ValueError(f"chunk_size must be 32 or 64, got {chunk_size}")
-    sigmoid = bool(kwargs.get("use_beta_sigmoid_in_kernel", False))
-    if kwargs.get("allow_neg_eigval", False):
-        if not sigmoid:
-            raise ValueError("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
-        return "2sigmoid"
-    return "sigmoid" if sigmoid else "none"
-
+from cula_core.fla_args import resolve_chunk_call
+from cula_core.ops._common import (
+    absent_like,
+    fake_forward_outputs,
+    layout_kwargs,
+    make_call,
+    native_v_first,
+    present,
+    select,
+    swap_state_layout,
+    unaliased,
+)
+from cula_core.ops.prefill import chunk_states
+from cula_core.validation import forward_indexed_sizes
 
 def _call(op, q, v, cu_seqlens, *, gate, requires_grad, use_qk_l2norm_in_kernel, beta_activation, initial_state,
-          output_final_state):
+          output_final_state, state_v_first):
     _B, T, HQK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     return make_call(op, q.device, dtype=q.dtype, K=K, V=V, HQK=HQK, HV=HV, T=T, gate=gate,
                      varlen=cu_seqlens is not None, requires_grad=requires_grad,
                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, beta_activation=beta_activation,
-                     initial_state=initial_state, output_final_state=output_final_state)
+                     initial_state=initial_state, output_final_state=output_final_state, state_v_first=state_v_first)
 
 
 def _residual_shape(q: Tensor, v: Tensor) -> tuple[int, ...]:
@@ -79,21 +55,27 @@ def _chunk_kda_op(
     A_log: Tensor | None, dt_bias: Tensor | None, initial_state: Tensor | None,
     cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None,
     scale: float, output_final_state: bool, use_qk_l2norm_in_kernel: bool, gate: str,
-    lower_bound: float | None, beta_activation: str, requires_grad: bool,
+    lower_bound: float | None, beta_activation: str, requires_grad: bool, state_v_first: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns (o, final_state, Aqk, Akk): the last two are the residuals (docs/backends.md, "Residuals"),
-    present when `requires_grad` and the serving backend saves them, absent otherwise."""
+    present when `requires_grad` and the serving backend saves them, absent otherwise. States are in the
+    caller's layout ([N, HV, V, K] with `state_v_first`)."""
     call = _call("chunk_kda", q, v, cu_seqlens, gate=gate, requires_grad=requires_grad,
                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, beta_activation=beta_activation,
-                 initial_state=initial_state is not None, output_final_state=output_final_state)
-    backend = select(call, {"q": q, "k": k, "v": v, "g": g})
+                 initial_state=initial_state is not None, output_final_state=output_final_state,
+                 state_v_first=state_v_first)
+    backend = select(call, forward_indexed_sizes(q, k, v, g, beta, initial_state, cu_seqlens, output_final_state))
     save = _residual_source(backend, call) != ""
+    native = native_v_first(backend, call)
+    copy_layout = state_v_first and not native
     out = backend.kernel("chunk_kda")(
-        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale=scale,
-        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate,
-        lower_bound=lower_bound, beta_activation=beta_activation, **({"save_residuals": True} if save else {}),
+        q, k, v, g, beta, A_log, dt_bias, swap_state_layout(initial_state) if copy_layout else initial_state,
+        cu_seqlens, cu_seqlens_cpu, scale=scale, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate, lower_bound=lower_bound,
+        beta_activation=beta_activation, **({"save_residuals": True} if save else {}), **layout_kwargs(native),
     )
     o, final_state = out[:2]
+    final_state = swap_state_layout(final_state) if copy_layout else unaliased(final_state, initial_state)
     if save:
         residuals = tuple(out[2])
         shape = _residual_shape(q, v)
@@ -109,11 +91,12 @@ def _chunk_kda_op(
 
 @_chunk_kda_op.register_fake
 def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, output_final_state,
-      use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, requires_grad):
-    o, final_state = fake_forward_outputs(q, v, cu_seqlens, output_final_state)
+      use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, requires_grad, state_v_first=False):
+    o, final_state = fake_forward_outputs(q, v, cu_seqlens, output_final_state, state_v_first)
     call = _call("chunk_kda", q, v, cu_seqlens, gate=gate, requires_grad=requires_grad,
                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, beta_activation=beta_activation,
-                 initial_state=initial_state is not None, output_final_state=output_final_state)
+                 initial_state=initial_state is not None, output_final_state=output_final_state,
+                 state_v_first=state_v_first)
     # the residuals' presence is the serving backend's choice: asked here as the real op asks it
     if _residual_source(dispatch.choose(call).backend, call):
         shape = _residual_shape(q, v)
@@ -127,21 +110,31 @@ def _chunk_kda_backward_op(
     A_log: Tensor | None, dt_bias: Tensor | None, initial_state: Tensor | None,
     cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None,
     scale: float, use_qk_l2norm_in_kernel: bool, gate: str, lower_bound: float | None, beta_activation: str,
-    Aqk: Tensor, Akk: Tensor, residual_source: str,
+    Aqk: Tensor, Akk: Tensor, residual_source: str, state_v_first: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Aqk, Akk: the forward's residuals (absent when it saved none); residual_source: the backend that
-    produced them. They reach the kernel only when that backend also serves this call."""
+    produced them. They reach the kernel only when that backend also serves this call. dht, initial_state and
+    the gradient of initial_state are in the caller's layout ([N, HV, V, K] with `state_v_first`)."""
     call = _call("chunk_kda_backward", q, v, cu_seqlens, gate=gate, requires_grad=True,
                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, beta_activation=beta_activation,
-                 initial_state=initial_state is not None, output_final_state=dht is not None)
-    backend = select(call, {"q": q, "k": k, "v": v, "g": g})
+                 initial_state=initial_state is not None, output_final_state=dht is not None,
+                 state_v_first=state_v_first)
+    backend = select(call, forward_indexed_sizes(q, k, v, g, beta, initial_state, cu_seqlens, dht is not None))
     residuals = (present(Aqk), present(Akk))
     use = residual_source != "" and backend.name == residual_source and None not in residuals
-    grads = backend.kernel("chunk_kda_backward")(
-        do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale=scale,
+    native = native_v_first(backend, call)
+    copy_layout = state_v_first and not native
+    if copy_layout:
+        dht, initial_state_k = swap_state_layout(dht), swap_state_layout(initial_state)
+    else:
+        initial_state_k = initial_state
+    grads = list(backend.kernel("chunk_kda_backward")(
+        do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state_k, cu_seqlens, cu_seqlens_cpu, scale=scale,
         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate, lower_bound=lower_bound,
-        beta_activation=beta_activation, **({"residuals": residuals} if use else {}),
-    )
+        beta_activation=beta_activation, **({"residuals": residuals} if use else {}), **layout_kwargs(native),
+    ))
+    if copy_layout:
+        grads[7] = swap_state_layout(grads[7])
     inputs = (q, k, v, g, beta, A_log, dt_bias, initial_state)
     return tuple(gr if gr is not None else absent_like(x if x is not None else q)
                  for gr, x in zip(grads, inputs, strict=True))
@@ -149,39 +142,42 @@ def _chunk_kda_backward_op(
 
 @_chunk_kda_backward_op.register_fake
 def _(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale,
-      use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, Aqk, Akk, residual_source):
+      use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, Aqk, Akk, residual_source, state_v_first=False):
     inputs = (q, k, v, g, beta, A_log, dt_bias, initial_state)
     return tuple(torch.empty_like(x) if x is not None else absent_like(q) for x in inputs)
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, output_final_state,
-     use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, requires_grad) = inputs
+     use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, requires_grad, state_v_first) = inputs
     _o, _final_state, Aqk, Akk = output
     ctx.mark_non_differentiable(Aqk, Akk)
     ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, Aqk, Akk)
     ctx.cu_seqlens_cpu = cu_seqlens_cpu
     ctx.flags = (scale, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation)
+    ctx.state_v_first = state_v_first
     ctx.residual_source = ""
     if present(Aqk) is not None:
         # the forward op chose its backend by the same rule a moment ago: ask which one that was
         call = _call("chunk_kda", q, v, cu_seqlens, gate=gate, requires_grad=requires_grad,
                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, beta_activation=beta_activation,
-                     initial_state=initial_state is not None, output_final_state=output_final_state)
+                     initial_state=initial_state is not None, output_final_state=output_final_state,
+                     state_v_first=state_v_first)
         ctx.residual_source = _residual_source(dispatch.choose(call).backend, call)
 
 
 def _backward(ctx, do, dht, _dAqk, _dAkk):
     q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, Aqk, Akk = ctx.saved_tensors
     scale, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation = ctx.flags
+    dht = present(dht)
     grads = torch.ops.cula.chunk_kda_backward(
-        do.contiguous(), present(dht), q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
-        ctx.cu_seqlens_cpu, scale, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, Aqk, Akk,
-        ctx.residual_source,
+        do.contiguous(), dht.contiguous() if dht is not None else None, q, k, v, g, beta, A_log, dt_bias,
+        initial_state, cu_seqlens, ctx.cu_seqlens_cpu, scale, use_qk_l2norm_in_kernel, gate, lower_bound,
+        beta_activation, Aqk, Akk, ctx.residual_source, ctx.state_v_first,
     )
     needs = ctx.needs_input_grad
     out = [present(gr) if needs[i] else None for i, gr in enumerate(grads)]
-    return (*out, None, None, None, None, None, None, None, None, None)
+    return (*out, None, None, None, None, None, None, None, None, None, None)
 
 
 torch.library.register_autograd("cula::chunk_kda", _backward, setup_context=_setup_context)
@@ -198,15 +194,25 @@ def chunk_kda(
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
     use_gate_in_kernel: bool = False,
-    A_log: Tensor | None = None,
-    dt_bias: Tensor | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
     safe_gate: bool = False,
     lower_bound: float | None = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
     cu_seqlens: Tensor | None = None,
     cu_seqlens_cpu: Tensor | None = None,
+    cp_context=None,
+    use_graph: bool = False,
+    max_num_seqs: int | None = None,
+    *,
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
     **kwargs,
-) -> tuple[Tensor, Tensor | None]:
-    r"""KDA (gated delta rule with per-channel decay) over whole sequences, with autograd.
+) -> tuple[Tensor, Tensor | None] | tuple[Tensor, Tensor | None, Tensor]:
+    r"""KDA (gated delta rule with per-channel decay) over whole sequences, with autograd. FLA 0.6.0's
+    `fla.ops.kda.chunk_kda`: the same positional order, keywords, results and layouts.
 
     Args:
         q, k: ``[B, T, HQK, K]``, bf16 / fp16 / fp32 (fp64 runs on the reference only).
@@ -216,42 +222,63 @@ def chunk_kda(
             ``use_gate_in_kernel=True`` the raw gate input (see below).
         beta: ``[B, T, HV]``, any float dtype; post-sigmoid unless ``use_beta_sigmoid_in_kernel=True``.
         scale: multiplies q; default ``K ** -0.5``.
-        initial_state: ``[N, HV, K, V]`` fp32, N = B, or the number of sequences with ``cu_seqlens``.
-        output_final_state: also return the ``[N, HV, K, V]`` fp32 state after the last token.
+        initial_state: ``[N, HV, K, V]`` fp32 (``[N, HV, V, K]`` with ``state_v_first``), N = B, or the number
+            of sequences with ``cu_seqlens``.
+        output_final_state: also return the fp32 state after the last token, in the layout of initial_state.
         use_qk_l2norm_in_kernel: L2-normalise q and k over K (FLA's eps) before use.
         use_gate_in_kernel: compute the log decay from raw ``g``: the softplus gate
             ``-exp(A_log[hv]) * softplus(g + dt_bias[hv])``, or with ``lower_bound`` set the safe gate
             ``lower_bound * sigmoid(exp(A_log[hv]) * (g + dt_bias[hv]))`` (without A_log:
             ``lower_bound * sigmoid(g + dt_bias)``).
-        A_log: ``[HV]``; dt_bias: ``[HV * K]`` (optional). Used with ``use_gate_in_kernel``.
+        use_beta_sigmoid_in_kernel: beta holds logits: ``sigmoid(beta)`` is used (``2 * sigmoid(beta)`` with
+            ``allow_neg_eigval=True``, which requires it).
         safe_gate: FLA's flag for bounded gates; with ``use_gate_in_kernel`` it requires ``lower_bound``.
-        lower_bound: in ``[-5, 0)``.
+        lower_bound: in ``[-5, 0)`` with ``safe_gate``.
+        disable_recompute: FLA's memory / speed switch; no effect on the result.
+        return_intermediate_states: inference only (no autograd: under ``torch.inference_mode()`` or
+            ``torch.no_grad()``, or with inputs that do not require grad). Also return ``h``, the state at
+            the start of every chunk of ``chunk_size`` tokens, in q's dtype: ``[B, NT, HV, K, V]``
+            (``[B, NT, HV, V, K]`` with ``state_v_first``), ``NT = ceil(T / chunk_size)``; with ``cu_seqlens``
+            ``B == 1`` and NT counts the chunks of every sequence in order (``ceil(len / chunk_size)`` each).
+        state_v_first: states (initial, final, intermediate, and the gradient of the initial state) are laid
+            out ``[..., V, K]``. The deprecated alias ``transpose_state_layout`` warns (`DeprecationWarning`).
         cu_seqlens: ``[N + 1]`` int32/int64 on q's device, ``B == 1``: sequence starts, from 0 to T.
         cu_seqlens_cpu: the same values on the host; lets validation and planning avoid a device read.
-        **kwargs: FLA's other options: ``use_beta_sigmoid_in_kernel``, ``allow_neg_eigval`` (beta becomes
-            ``sigmoid(beta)`` / ``2 * sigmoid(beta)``), ``disable_recompute`` and ``chunk_size`` (no effect on
-            the result). FLA options cula does not implement raise `NotImplementedError` unless at their
-            default; unknown names raise `TypeError`.
+        cp_context: context parallel across GPUs: not implemented yet (`NotImplementedError` unless None).
+        use_graph, max_num_seqs: FLA's CUDA-graph switches; no effect on the result (FLA's rule that
+            ``cu_seqlens`` has ``max_num_seqs + 1`` entries is checked).
+        A_log: keyword only; HV elements, any shape (``[HV]``, ``[1, 1, HV, 1]``). Used with
+            ``use_gate_in_kernel``.
+        dt_bias: keyword only; HV * K elements, any shape (optional). Used with ``use_gate_in_kernel``.
+        **kwargs: ``chunk_size`` (32 or 64: the chunks of ``h``; no other effect on the result) and
+            ``transpose_state_layout``; any other name raises `TypeError`.
 
     Returns:
-        ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state ``[N, HV, K, V]`` fp32, or None.
+        ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state fp32 (see initial_state), or None.
+        With ``return_intermediate_states=True``: ``(o, final_state, h)``.
 
     Gradients flow to q, k, v, g (or the raw gate input), beta, A_log, dt_bias and initial_state.
     """
-    beta_activation = parse_fla_kwargs(kwargs, "chunk_kda")
-    shapes = validate_kda(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state, use_gate_in_kernel=use_gate_in_kernel,
-        A_log=A_log, dt_bias=dt_bias, safe_gate=safe_gate, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu,
+    call = resolve_chunk_call(
+        "chunk_kda", q, k, v, g, beta, scale=scale, initial_state=initial_state, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate,
+        lower_bound=lower_bound, disable_recompute=disable_recompute,
+        return_intermediate_states=return_intermediate_states, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context, use_graph=use_graph, max_num_seqs=max_num_seqs,
+        A_log=A_log, dt_bias=dt_bias, kwargs=kwargs,
     )
-    if not use_gate_in_kernel:
-        A_log = dt_bias = None
-    if scale is None:
-        scale = shapes.K ** -0.5
-    tensors = [t.contiguous() if t is not None else None for t in (q, k, v, g, beta, A_log, dt_bias, initial_state)]
+    tensors = call.tensors
     requires_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if return_intermediate_states:
+        if requires_grad:
+            raise ValueError("return_intermediate_states=True is for inference and returns no gradients: call it "
+                             "under torch.inference_mode() or torch.no_grad(), or with inputs that do not require "
+                             "grad")
+        return chunk_states(call, output_final_state=bool(output_final_state),
+                            use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel))
     o, final_state, _Aqk, _Akk = torch.ops.cula.chunk_kda(
-        *tensors, cu_seqlens, cu_seqlens_cpu, float(scale), bool(output_final_state), bool(use_qk_l2norm_in_kernel),
-        shapes.gate, None if lower_bound is None else float(lower_bound), beta_activation, requires_grad,
+        *tensors, call.cu_seqlens, call.cu_seqlens_cpu, call.scale, bool(output_final_state),
+        bool(use_qk_l2norm_in_kernel), call.gate, call.lower_bound, call.beta_activation, requires_grad,
+        call.state_v_first,
     )
     return o, (final_state if output_final_state else None)

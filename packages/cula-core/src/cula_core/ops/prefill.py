@@ -1,5 +1,9 @@
 """`kda_prefill`: the inference forward of KDA (no autograd graph), chunk_kda's arguments plus
-`intracard_cp`. Carried by the torch custom op ``cula::kda_prefill``, dispatched at run time."""
+`intracard_cp`. Carried by the torch custom op ``cula::kda_prefill``, dispatched at run time.
+
+With ``return_intermediate_states=True`` (of `kda_prefill` or `chunk_kda`) the forward also returns the state
+at every chunk start; that is the op ``cula::kda_prefill_chunk_states`` (dispatch name
+``kda_prefill_chunk_states``), served by the reference unless a backend lists it."""
 
 from __future__ import annotations
 
@@ -7,9 +11,44 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cula_core.ops._common import absent_like, fake_forward_outputs, make_call, run
-from cula_core.ops.chunk_kda import parse_fla_kwargs
-from cula_core.validation import validate_kda
+from cula_core.fla_args import ChunkCall, resolve_chunk_call
+from cula_core.ops._common import (
+    absent_like,
+    fake_forward_outputs,
+    layout_kwargs,
+    make_call,
+    native_v_first,
+    select,
+    swap_state_layout,
+    unaliased,
+)
+from cula_core.validation import forward_indexed_sizes
+
+
+def _prefill_call(op, q, v, cu_seqlens, *, gate, use_qk_l2norm_in_kernel, beta_activation, initial_state,
+                  output_final_state, state_v_first, **options):
+    _B, T, HQK, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    return make_call(op, q.device, dtype=q.dtype, K=K, V=V, HQK=HQK, HV=HV, T=T, gate=gate,
+                     varlen=cu_seqlens is not None, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                     beta_activation=beta_activation, initial_state=initial_state is not None,
+                     output_final_state=output_final_state, state_v_first=state_v_first, **options)
+
+
+def _run_forward(call, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, **flags):
+    """Select the backend of `call`, run its kernel with the states in the layout it indexes, and return its
+    outputs with every state back in the caller's layout (new tensors, never the input state)."""
+    output_final_state = flags["output_final_state"]
+    backend = select(call, forward_indexed_sizes(q, k, v, g, beta, initial_state, cu_seqlens, output_final_state))
+    native = native_v_first(backend, call)
+    copy_layout = bool(call.options.get("state_v_first")) and not native
+    out = list(backend.kernel(call.op)(
+        q, k, v, g, beta, A_log, dt_bias, swap_state_layout(initial_state) if copy_layout else initial_state,
+        cu_seqlens, cu_seqlens_cpu, **flags, **layout_kwargs(native),
+    ))
+    for i in range(1, len(out)):  # final_state, and the chunk states of kda_prefill_chunk_states
+        out[i] = swap_state_layout(out[i]) if copy_layout else unaliased(out[i], initial_state)
+    return out
 
 
 @torch.library.custom_op("cula::kda_prefill", mutates_args=())
@@ -18,27 +57,70 @@ def _kda_prefill_op(
     A_log: Tensor | None, dt_bias: Tensor | None, initial_state: Tensor | None,
     cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None,
     scale: float, output_final_state: bool, use_qk_l2norm_in_kernel: bool, gate: str,
-    lower_bound: float | None, beta_activation: str, intracard_cp: str,
+    lower_bound: float | None, beta_activation: str, intracard_cp: str, state_v_first: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    _B, T, HQK, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    call = make_call("kda_prefill", q.device, dtype=q.dtype, K=K, V=V, HQK=HQK, HV=HV, T=T, gate=gate,
-                     varlen=cu_seqlens is not None, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                     beta_activation=beta_activation, intracard_cp=intracard_cp,
-                     initial_state=initial_state is not None, output_final_state=output_final_state)
-    o, final_state = run(
-        call, {"q": q, "k": k, "v": v, "g": g}, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
-        cu_seqlens_cpu, scale=scale, output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate, lower_bound=lower_bound,
-        beta_activation=beta_activation, intracard_cp=intracard_cp,
+    call = _prefill_call("kda_prefill", q, v, cu_seqlens, gate=gate, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                         beta_activation=beta_activation, initial_state=initial_state,
+                         output_final_state=output_final_state, state_v_first=state_v_first,
+                         intracard_cp=intracard_cp)
+    o, final_state = _run_forward(
+        call, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale=scale,
+        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate,
+        lower_bound=lower_bound, beta_activation=beta_activation, intracard_cp=intracard_cp,
     )
     return o, final_state if final_state is not None else absent_like(q, torch.float32)
 
 
 @_kda_prefill_op.register_fake
 def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, output_final_state,
-      use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, intracard_cp):
-    return fake_forward_outputs(q, v, cu_seqlens, output_final_state)
+      use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, intracard_cp, state_v_first=False):
+    return fake_forward_outputs(q, v, cu_seqlens, output_final_state, state_v_first)
+
+
+@torch.library.custom_op("cula::kda_prefill_chunk_states", mutates_args=())
+def _kda_prefill_chunk_states_op(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    A_log: Tensor | None, dt_bias: Tensor | None, initial_state: Tensor | None,
+    cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None,
+    scale: float, output_final_state: bool, use_qk_l2norm_in_kernel: bool, gate: str,
+    lower_bound: float | None, beta_activation: str, chunk_size: int, state_v_first: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(o, final_state or absent, h): h ``[B, NT, HV, K, V]`` (V-first: ``[B, NT, HV, V, K]``) in q's dtype."""
+    call = _prefill_call("kda_prefill_chunk_states", q, v, cu_seqlens, gate=gate,
+                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, beta_activation=beta_activation,
+                         initial_state=initial_state, output_final_state=output_final_state,
+                         state_v_first=state_v_first, chunk_size=chunk_size)
+    o, final_state, h = _run_forward(
+        call, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale=scale,
+        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate,
+        lower_bound=lower_bound, beta_activation=beta_activation, chunk_size=chunk_size,
+    )
+    return o, final_state if final_state is not None else absent_like(q, torch.float32), h
+
+
+@_kda_prefill_chunk_states_op.register_fake
+def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, output_final_state,
+      use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, chunk_size, state_v_first):
+    o, final_state = fake_forward_outputs(q, v, cu_seqlens, output_final_state, state_v_first)
+    if cu_seqlens is not None:
+        # the varlen chunk count depends on the sequence lengths: values a tracer does not see
+        NT = torch.library.get_ctx().new_dynamic_size()
+    else:
+        NT = -(-q.shape[1] // chunk_size)
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    trailing = (V, K) if state_v_first else (K, V)
+    return o, final_state, q.new_empty((q.shape[0], NT, HV, *trailing))
+
+
+def chunk_states(call: ChunkCall, *, output_final_state: bool, use_qk_l2norm_in_kernel: bool):
+    """`chunk_kda` / `kda_prefill` with ``return_intermediate_states=True``: ``(o, final_state or None, h)``."""
+    with torch.no_grad():
+        o, final_state, h = torch.ops.cula.kda_prefill_chunk_states(
+            *call.tensors, call.cu_seqlens, call.cu_seqlens_cpu, call.scale, output_final_state,
+            use_qk_l2norm_in_kernel, call.gate, call.lower_bound, call.beta_activation, call.chunk_size,
+            call.state_v_first,
+        )
+    return o, (final_state if output_final_state else None), h
 
 
 def kda_prefill(
@@ -52,30 +134,48 @@ def kda_prefill(
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
     use_gate_in_kernel: bool = False,
-    A_log: Tensor | None = None,
-    dt_bias: Tensor | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
     safe_gate: bool = False,
     lower_bound: float | None = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
     cu_seqlens: Tensor | None = None,
     cu_seqlens_cpu: Tensor | None = None,
+    cp_context=None,
+    use_graph: bool = False,
+    max_num_seqs: int | None = None,
+    *,
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
     intracard_cp: str | bool = "auto",
     **kwargs,
-) -> tuple[Tensor, Tensor | None]:
-    r"""KDA prefill for inference: `chunk_kda`'s arguments, shapes and results (see its docstring),
-    computed without an autograd graph (outputs never require grad).
+) -> tuple[Tensor, Tensor | None] | tuple[Tensor, Tensor | None, Tensor]:
+    r"""KDA prefill for inference: `chunk_kda`'s arguments (same positional order), shapes and results (see
+    its docstring), computed without an autograd graph (outputs never require grad).
 
     Args:
-        intracard_cp: ``"auto"`` (default), ``True`` or ``False``. Intra-card context parallel: split long
-            sequences into pieces at chunk boundaries and run them concurrently (the math:
+        intracard_cp: keyword only; ``"auto"`` (default), ``True`` or ``False``. Intra-card context parallel:
+            split long sequences into pieces at chunk boundaries and run them concurrently (the math:
             `cula_core.reference.context_parallel_reference`). It never changes the result beyond fp32
             rounding of the state; a backend without CP (the reference included) runs the sequences whole.
             ``"auto"`` lets the backend decide from the SM count, heads and lengths (taken from
-            ``cu_seqlens_cpu`` when varlen, never by reading the device).
+            ``cu_seqlens_cpu`` when varlen, never by reading the device). Not used with
+            ``return_intermediate_states``.
 
     Returns:
-        ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state ``[N, HV, K, V]`` fp32, or None.
+        ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state fp32 ``[N, HV, K, V]`` (``[N, HV, V,
+        K]`` with ``state_v_first``), or None. With ``return_intermediate_states=True``: ``(o, final_state, h)``.
     """
-    beta_activation = parse_fla_kwargs(kwargs, "kda_prefill")
+    call = resolve_chunk_call(
+        "kda_prefill", q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
+        disable_recompute=disable_recompute, return_intermediate_states=return_intermediate_states,
+        state_v_first=state_v_first, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, cp_context=cp_context,
+        use_graph=use_graph, max_num_seqs=max_num_seqs, A_log=A_log, dt_bias=dt_bias, kwargs=kwargs,
+    )
     if intracard_cp is True:
         cp = "on"
     elif intracard_cp is False:
@@ -84,20 +184,13 @@ def kda_prefill(
         cp = "auto"
     else:
         raise ValueError(f"intracard_cp must be 'auto', True or False, got {intracard_cp!r}")
-    shapes = validate_kda(
-        q, k, v, g, beta, scale=scale, initial_state=initial_state, use_gate_in_kernel=use_gate_in_kernel,
-        A_log=A_log, dt_bias=dt_bias, safe_gate=safe_gate, lower_bound=lower_bound, cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu,
-    )
-    if not use_gate_in_kernel:
-        A_log = dt_bias = None
-    if scale is None:
-        scale = shapes.K ** -0.5
-    tensors = [t.contiguous() if t is not None else None for t in (q, k, v, g, beta, A_log, dt_bias, initial_state)]
+    if return_intermediate_states:
+        return chunk_states(call, output_final_state=bool(output_final_state),
+                            use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel))
     with torch.no_grad():
         o, final_state = torch.ops.cula.kda_prefill(
-            *tensors, cu_seqlens, cu_seqlens_cpu, float(scale), bool(output_final_state),
-            bool(use_qk_l2norm_in_kernel), shapes.gate, None if lower_bound is None else float(lower_bound),
-            beta_activation, cp,
+            *call.tensors, call.cu_seqlens, call.cu_seqlens_cpu, call.scale, bool(output_final_state),
+            bool(use_qk_l2norm_in_kernel), call.gate, call.lower_bound, call.beta_activation, cp,
+            call.state_v_first,
         )
     return o, (final_state if output_final_state else None)

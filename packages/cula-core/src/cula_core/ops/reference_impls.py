@@ -51,6 +51,47 @@ def kda_prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_
                      gate=gate, lower_bound=lower_bound, beta_activation=beta_activation)
 
 
+def kda_prefill_chunk_states(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *, scale,
+                             output_final_state, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation,
+                             chunk_size):
+    """(o, final_state or None, h): h the state at every chunk start, [B, NT, HV, K, V] in q's dtype (FLA's)."""
+    with torch.no_grad():
+        dtype = work_dtype(q.dtype)
+        qp, kp, gp, bp = _prepare(q, k, g, beta, A_log, dt_bias, dtype=dtype,
+                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate,
+                                  lower_bound=lower_bound, beta_activation=beta_activation)
+        h0 = initial_state.to(dtype) if initial_state is not None else None
+        o, ht, h = ref.chunk_kda_states_reference(qp, kp, v.to(dtype), gp, bp, scale=scale, initial_state=h0,
+                                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                                  chunk_size=chunk_size)
+        return (o.to(v.dtype).contiguous(), ht.contiguous() if ht is not None else None,
+                h.to(q.dtype).contiguous())
+
+
+def fused_recurrent_kda(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, ssm_state_indices,
+                        num_accepted_tokens, *, scale, output_final_state, use_qk_l2norm_in_kernel, gate, lower_bound,
+                        beta_activation, state_v_first=False):
+    """Without ssm_state_indices: (o, final_state or None), the state fp32 (fp64 for fp64 inputs). With them,
+    initial_state is the pool: updated in place (`recurrent_kda_pool`), returns (o, None). V-first states are
+    read and written through transposed views (the reference declares it serves state_v_first here)."""
+    with torch.no_grad():
+        dtype = work_dtype(q.dtype)
+        qp, kp, gp, bp = _prepare(q, k, g, beta, A_log, dt_bias, dtype=dtype,
+                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate,
+                                  lower_bound=lower_bound, beta_activation=beta_activation)
+        state = initial_state.transpose(-1, -2) if state_v_first and initial_state is not None else initial_state
+        if ssm_state_indices is not None:
+            o = ref.recurrent_kda_pool(qp, kp, v.to(dtype), gp, bp, scale, state, ssm_state_indices,
+                                       num_accepted_tokens, cu_seqlens)
+            return o.to(v.dtype).contiguous(), None
+        o, ht = ref.recurrent_kda(qp, kp, v.to(dtype), gp, bp, scale=scale,
+                                  initial_state=state.to(dtype) if state is not None else None,
+                                  output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+        if ht is not None:
+            ht = (ht.transpose(-1, -2) if state_v_first else ht).contiguous()
+        return o.to(v.dtype).contiguous(), ht
+
+
 def chunk_kda_backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *,
                        scale, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation):
     """Gradients of (q, k, v, g, beta, A_log, dt_bias, initial_state) by a vector-Jacobian product through

@@ -34,7 +34,7 @@ import torch
 
 from .recurrent import _compute_dtype, _expand_qk_heads, _pad_time, _seq_bounds, _Varlen
 
-__all__ = ["ChunkIntermediates", "chunk_kda_reference"]
+__all__ = ["ChunkIntermediates", "chunk_kda_reference", "chunk_kda_states_reference"]
 
 # Sub-chunk (row block) size of the intra-chunk scores, as FLA's kernels (BC = 16).
 _SUB_CHUNK = 16
@@ -241,7 +241,8 @@ def chunk_kda_reference(
         vn = u[:, :, c] - w[:, :, c] @ h
         vns.append(vn)
         h = torch.exp(G_last[:, :, c]).unsqueeze(-1) * h + kg[:, :, c].transpose(-1, -2) @ vn
-    final_state = h
+    # with no chunk at all h is still the caller's initial state: return a copy, never the input itself
+    final_state = h if NT > 0 else h.clone()
     if NT > 0:
         h_all = torch.stack(hs, dim=2)                                   # [N, HV, NT, K, V]
         v_new = torch.stack(vns, dim=2)                                  # [N, HV, NT, BT, V]
@@ -297,3 +298,32 @@ def chunk_kda_reference(
         chunk_size=BT,
     )
     return o, final_state, inter
+
+
+def chunk_kda_states_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The forward of :func:`chunk_kda_reference` plus the state at the start of every chunk: what FLA 0.6.0's
+    ``chunk_kda(..., return_intermediate_states=True)`` returns as its third output.
+
+    Same arguments and conventions as :func:`chunk_kda_reference` (inputs taken as final).
+
+    Returns:
+        ``(o [B, T, HV, V], final_state [N, HV, K, V] or None, h [B, NT, HV, K, V])``, all in the compute dtype.
+        ``h[:, c]`` is the state before chunk ``c`` (``h[:, 0]`` the initial state). Fixed length:
+        ``NT = ceil(T / chunk_size)``; varlen (``B == 1``): ``NT`` counts the chunks of all sequences in order,
+        ``ceil(len_n / chunk_size)`` each (none for an empty sequence).
+    """
+    o, final_state, inter = chunk_kda_reference(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                                output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                                chunk_size=chunk_size, return_intermediates=True)
+    return o, final_state, inter.h

@@ -22,7 +22,7 @@ import itertools
 
 import torch
 
-__all__ = ["recurrent_kda"]
+__all__ = ["recurrent_kda", "recurrent_kda_pool"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -110,7 +110,8 @@ def _scan(
 
     Args:
         q, k: ``[N, T, HV, K]`` (already expanded to value heads; q not yet scaled).
-        v: ``[N, T, HV, V]``; g: ``[N, T, HV, K]`` log decay; beta: ``[N, T, HV]``.
+        v: ``[N, T, HV, V]``; g: ``[N, T, HV, K]`` log decay; beta: ``[N, T, HV]``, or ``[N, T, HV, V]`` (a
+            beta per value channel, as FLA's fused recurrent kernel accepts).
         S: ``[N, HV, K, V]`` initial state, in the compute dtype.
         keep_states: also return the state after every token.
 
@@ -121,12 +122,13 @@ def _scan(
     V = v.shape[-1]
     if T == 0:
         o = v.new_zeros(N, 0, HV, V)
-        return o, S, (S.new_zeros(N, 0, HV, K, V) if keep_states else None)
+        # a copy: the caller's initial state must never come back as an output (torch custom ops forbid it)
+        return o, S.clone(), (S.new_zeros(N, 0, HV, K, V) if keep_states else None)
     decay = torch.exp(g).unsqueeze(-1)                      # [N, T, HV, K, 1]
     qs = (q * scale).unsqueeze(-2)                          # [N, T, HV, 1, K]
     kr = k.unsqueeze(-2)                                    # [N, T, HV, 1, K]
     kc = k.unsqueeze(-1)                                    # [N, T, HV, K, 1]
-    bv = beta.unsqueeze(-1)                                 # [N, T, HV, 1]
+    bv = beta if beta.dim() == v.dim() else beta.unsqueeze(-1)  # [N, T, HV, 1] or per channel [N, T, HV, V]
     outs, states = [], []
     for t in range(T):
         S = S * decay[:, t]
@@ -167,7 +169,7 @@ def recurrent_kda(
         k: ``[B, T, HQK, K]`` keys.
         v: ``[B, T, HV, V]`` values, ``HV % HQK == 0`` (GVA when ``HV > HQK``).
         g: ``[B, T, HV, K]`` per-channel log decay.
-        beta: ``[B, T, HV]`` write strengths.
+        beta: ``[B, T, HV]`` write strengths, or ``[B, T, HV, V]``: one per value channel.
         scale: multiplies q; default ``K ** -0.5``.
         initial_state: ``[N, HV, K, V]`` or ``None`` (zeros); ``N = B``, or ``len(cu_seqlens) - 1``.
         output_final_state: return the state after each sequence's last token.
@@ -207,3 +209,83 @@ def recurrent_kda(
     if varlen is not None:
         o = varlen.unpack(o)
     return o, (S if output_final_state else None)
+
+
+def recurrent_kda_pool(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None,
+    state_pool: torch.Tensor,
+    ssm_state_indices: torch.Tensor,
+    num_accepted_tokens: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """KDA over a pool of states, one token at a time (FLA's fused recurrent kernel in continuous batching).
+
+    Sequence ``n`` (batch row ``n``, or the ``n``-th ``cu_seqlens`` range) starts from the pool slot
+    ``ssm_state_indices[n]`` (``[N]`` indices), or ``ssm_state_indices[n, a - 1]`` with
+    ``a = num_accepted_tokens[n]`` (``[N, T_idx]`` indices; column 0 without ``num_accepted_tokens``). Writes:
+    with ``[N]`` indices the state after the sequence's last token goes to slot ``ssm_state_indices[n]``; with
+    ``[N, T_idx]`` indices the state after its token ``t`` goes to slot ``ssm_state_indices[n, t]`` (in token
+    order, so a slot named twice keeps the later state). A negative read slot makes the sequence padded: its
+    outputs are zero and nothing is written; a negative write slot skips that write. Slots ``>= P`` are treated
+    as negative. A zero-length sequence reads and writes nothing.
+
+    Inputs are taken as final (see :func:`recurrent_kda`); the compute dtype is theirs, the pool is read into
+    it and written back rounded to the pool's dtype. ``state_pool`` is ``[P, HV, K, V]``, any strides (a
+    transposed view of a ``[P, HV, V, K]`` pool works: writes land in its storage). No autograd.
+
+    Returns:
+        ``o [B, T, HV, V]`` in the compute dtype (zeros for padded sequences); ``state_pool`` is updated in place.
+    """
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if scale is None:
+        scale = K ** -0.5
+    dtype = _compute_dtype(q, k, v, g, beta)
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    q, k = _expand_qk_heads(q, HV), _expand_qk_heads(k, HV)
+    device = q.device
+
+    if cu_seqlens is not None:
+        bounds = _seq_bounds(cu_seqlens)
+        lengths = [b1 - b0 for b0, b1 in itertools.pairwise(bounds)]
+        varlen = _Varlen(bounds, T, max([*lengths, 0]), device)
+        q, k, v, g, beta = (varlen.pad(x) for x in (q, k, v, g, beta))
+    else:
+        varlen, lengths = None, [T] * B
+    N = q.shape[0]
+    P = state_pool.shape[0]
+
+    idx = ssm_state_indices.to(device=device, dtype=torch.long)
+    per_token = idx.dim() == 2
+    cols = idx.shape[1] if per_token else 1
+    idx = idx.reshape(N, cols)
+    if num_accepted_tokens is not None:
+        read_col = (num_accepted_tokens.to(device=device, dtype=torch.long) - 1).clamp(0, cols - 1)
+    else:
+        read_col = torch.zeros(N, dtype=torch.long, device=device)
+    read = idx.gather(1, read_col[:, None]).squeeze(1)
+    lens = torch.tensor(lengths, dtype=torch.long, device=device)
+    live = (read >= 0) & (read < P) & (lens > 0)
+
+    S0 = state_pool[read.clamp(0, max(P - 1, 0))].to(dtype) if P else q.new_zeros(N, HV, K, V)
+    S0 = torch.where(live[:, None, None, None], S0, 0.0)
+    o, S, states = _scan(q, k, v, g, beta, scale, S0, keep_states=per_token)
+    o = o * live[:, None, None, None].to(o.dtype)
+
+    with torch.no_grad():
+        if per_token:
+            # token by token, so that a slot named at two positions of a row keeps the later state
+            t_idx = torch.arange(states.shape[1], device=device)
+            for t in range(min(states.shape[1], cols)):
+                slot = idx[:, t]
+                write = live & (t_idx[t] < lens) & (slot >= 0) & (slot < P)
+                state_pool[slot[write]] = states[write, t].to(state_pool.dtype)
+        else:
+            slot = idx[:, 0]
+            state_pool[slot[live]] = S[live].to(state_pool.dtype)
+    return varlen.unpack(o) if varlen is not None else o
