@@ -4,6 +4,8 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 if [ -f tools/requirements-test.txt ]; then
-    "$PY" -m pip install -q -r tools/requirements-test.txt
+    step "installing the test requirements (tools/requirements-test.txt: CuTe DSL and the packaging tools, a few hundred MB the first time)"
+    "$PY" -m pip install -r tools/requirements-test.txt
 fi
+step "running pytest $*"
 exec "$PY" -m pytest "$@"

@@ -51,3 +51,32 @@ def test_demo_on_cpu_runs_the_reference_and_reports_errors():
 def test_help_lists_the_commands():
     out = run_cula("--help")
     assert "info" in out and "demo" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+def test_demo_on_cuda_without_cuda_says_why():
+    """`python -m cula demo --device cuda` on a machine without CUDA: exit status 2 and one clear line on stderr
+    (no traceback), before any workload runs."""
+    proc = subprocess.run([sys.executable, "-m", "cula", "demo", "--device", "cuda"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "--device cuda: no CUDA device is available here" in proc.stderr
+    assert "leave --device out" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_demo_device_names_what_is_wrong():
+    from cula_core import cli
+
+    assert cli.demo_device("cpu") == torch.device("cpu")
+    assert cli.demo_device(None).type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError, match="--device 'nonsense' is not a torch device"):
+        cli.demo_device("nonsense")
+    with pytest.raises(ValueError, match="--device meta: the demo runs on cpu or cuda, got meta"):
+        cli.demo_device("meta")
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        with pytest.raises(ValueError, match=f"this machine has {n} CUDA device"):
+            cli.demo_device(f"cuda:{n}")
+    else:
+        with pytest.raises(ValueError, match="no CUDA device is available here"):
+            cli.demo_device("cuda:0")

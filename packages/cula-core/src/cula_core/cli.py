@@ -103,13 +103,35 @@ def _time(fn, device: torch.device) -> tuple[object, float]:
     return result, (time.perf_counter() - t0) * 1e3
 
 
+def demo_device(name: str | None) -> torch.device:
+    """The demo's device: `name` (a torch device string: "cpu", "cuda", "cuda:1"), or cuda when available and cpu
+    otherwise. ValueError, saying why, for a device this machine does not have."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"--device {name!r} is not a torch device ({e})") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise ValueError(f"--device {name}: no CUDA device is available here (torch {torch.__version__}, {build}); "
+                             "leave --device out to run the demo on the CPU reference")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type != "cpu":
+        raise ValueError(f"--device {name}: the demo runs on cpu or cuda, got {dev.type}")
+    return dev
+
+
 def demo(out=sys.stdout, device: str | None = None) -> int:
-    """A small workload on the best backend here; every number printed is computed in this run."""
+    """A small workload on the best backend here; every number printed is computed in this run. ValueError for a
+    device this machine does not have (demo_device)."""
     from cula_core import chunk_kda, kda_decode, kda_prefill
     from cula_core.ops import reference_impls as ref
 
     p = lambda *a: print(*a, file=out)
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = demo_device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     gen = torch.Generator(device="cpu").manual_seed(0)
     B, T, HQK, HV, K, V = 1, 256, 2, 4, 64, 64
@@ -183,4 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "info":
         return info()
+    try:
+        demo_device(args.device)
+    except ValueError as e:
+        demo_p.error(str(e))  # exits with status 2, the message on stderr
     return demo(device=args.device)
