@@ -278,16 +278,40 @@ class DecodeShapes:
     gate: str  # "softplus" | "safe"
 
 
-def validate_state_pool(name: str, pool, HV: int, K: int, V: int) -> int:
-    require_tensor(name, pool, ndim=4, dtypes=(torch.float32, torch.float64))
-    if pool.shape[1:] != (HV, K, V):
-        raise ValueError(f"{name} must have shape [P, HV, K, V] = [P, {HV}, {K}, {V}], got {_shape(pool)}")
+#: dtypes of a serving state pool: the state math runs in fp32 and the pool stores its dtype (fp64: the reference
+#: only, for fp64 checks)
+POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+
+
+def pool_layout(state_v_first: bool) -> str:
+    return "[P, HV, V, K] (state_v_first=True)" if state_v_first else "[P, HV, K, V]"
+
+
+def validate_state_pool(name: str, pool, HV: int, K: int, V: int, state_v_first: bool = False) -> int:
+    """A serving pool: ``[P, HV, K, V]`` or, with `state_v_first`, ``[P, HV, V, K]``; fp32 / bf16 (fp64 for the
+    reference); contiguous. Returns P."""
+    require_tensor(name, pool, ndim=4, dtypes=POOL_DTYPES)
+    trailing = (V, K) if state_v_first else (K, V)
+    if pool.shape[1:] != (HV, *trailing):
+        want = ", ".join(str(s) for s in (HV, *trailing))
+        raise ValueError(f"{name} must have shape {pool_layout(state_v_first)} = [P, {want}], got {_shape(pool)}")
     if not pool.is_contiguous():
         raise ValueError(f"{name} must be contiguous (it is updated in place), got strides {tuple(pool.stride())}")
     return pool.shape[0]
 
 
-def validate_cache_idx(cache_idx, N: int, P: int) -> None:
+def validate_null_slot(null_slot, P: int) -> None:
+    """`null_slot`: None, or the pool slot an engine reserves for padding (vLLM's null block 0); a request whose
+    index is that slot is padded like a negative index: nothing read or written, zero output."""
+    if null_slot is None:
+        return
+    if isinstance(null_slot, bool) or not isinstance(null_slot, int):
+        raise TypeError(f"null_slot must be an int or None, got {type(null_slot).__name__}")
+    if not 0 <= null_slot < P:
+        raise ValueError(f"null_slot must be a slot of the state pool, 0 <= null_slot < P = {P}, got {null_slot}")
+
+
+def validate_cache_idx(cache_idx, N: int, P: int, null_slot: int | None = None) -> None:
     require_tensor("cache_idx", cache_idx, ndim=1, dtypes=(torch.int32,))
     require_shape("cache_idx", cache_idx, (N,), "[N]")
     if not values_checkable(cache_idx):
@@ -298,7 +322,7 @@ def validate_cache_idx(cache_idx, N: int, P: int) -> None:
         i = int(bad[0, 0])
         raise ValueError(f"cache_idx[{i}] = {int(idx[i])} is out of range for a state pool of P = {P} slots "
                          f"(expected -1 for a padded slot or 0 <= idx < {P})")
-    live = idx[idx >= 0]
+    live = idx[(idx >= 0) & (idx != (-1 if null_slot is None else null_slot))]
     if live.numel() != live.unique().numel():
         uniq, counts = live.unique(return_counts=True)
         dup = int(uniq[counts > 1][0])
@@ -329,7 +353,7 @@ def validate_accept_len(accept_len, N: int, T: int, device) -> None:
 
 
 def validate_decode(q, k, v, g, beta, state_pool, cache_idx, *, A_log, dt_bias, scale, lower_bound,
-                    single_token: bool) -> DecodeShapes:
+                    single_token: bool, state_v_first: bool = False, null_slot: int | None = None) -> DecodeShapes:
     require_tensor("q", q, ndim=4)
     N, T, HQK, K = q.shape
     if single_token and T != 1:
@@ -357,10 +381,11 @@ def validate_decode(q, k, v, g, beta, state_pool, cache_idx, *, A_log, dt_bias, 
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     validate_gate_args("g", True, A_log, dt_bias, False, lower_bound, HV, K, q.device,
                        gate_in_kernel_by="the decode ops' in-kernel gate")
-    P = validate_state_pool("state_pool", state_pool, HV, K, V)
+    P = validate_state_pool("state_pool", state_pool, HV, K, V, state_v_first)
     require_same_device({"q": q, "k": k, "v": v, "g": g, "beta": beta, "state_pool": state_pool,
                          "cache_idx": cache_idx, "A_log": A_log, "dt_bias": dt_bias})
-    validate_cache_idx(cache_idx, N, P)
+    validate_null_slot(null_slot, P)
+    validate_cache_idx(cache_idx, N, P, null_slot)
     return DecodeShapes(N, T, HQK, HV, K, V, P, q.device, q.dtype, gate_mode(True, lower_bound))
 
 
@@ -370,21 +395,29 @@ def kvbuffer_shape(N: int, T: int, HV: int, K: int, V: int) -> tuple[int, int, i
     return (N, T, HV, 2 * K + V)
 
 
-def validate_kvbuffer(name: str, kvbuffer, state_pool, cache_idx, accept_len) -> tuple[int, int]:
+def kvbuffer_dtype(pool_dtype: torch.dtype) -> torch.dtype:
+    """The KVBuffer is fp32 whatever the pool stores (fp64 beside an fp64 reference pool)."""
+    return torch.float64 if pool_dtype == torch.float64 else torch.float32
+
+
+def validate_kvbuffer(name: str, kvbuffer, state_pool, cache_idx, accept_len, *, state_v_first: bool = False,
+                      null_slot: int | None = None) -> tuple[int, int]:
     """Checks a flush's arguments; returns (N, T)."""
     require_tensor(name, kvbuffer, ndim=4, dtypes=(torch.float32, torch.float64))
-    require_tensor("state_pool", state_pool, ndim=4, dtypes=(torch.float32, torch.float64))
-    P, HV, K, V = state_pool.shape
-    validate_state_pool("state_pool", state_pool, HV, K, V)
+    require_tensor("state_pool", state_pool, ndim=4, dtypes=POOL_DTYPES)
+    P, HV = state_pool.shape[:2]
+    K, V = (state_pool.shape[3], state_pool.shape[2]) if state_v_first else state_pool.shape[2:]
+    validate_state_pool("state_pool", state_pool, HV, K, V, state_v_first)
     require_tensor("cache_idx", cache_idx, ndim=1, dtypes=(torch.int32,))
     N, T = cache_idx.shape[0], kvbuffer.shape[1]
     # N comes from cache_idx (one entry per request): a buffer of another batch is the buffer's fault
     require_shape(name, kvbuffer, kvbuffer_shape(N, T, HV, K, V), "[N, T, HV, 2K+V] (N = len(cache_idx))")
-    if kvbuffer.dtype != state_pool.dtype:
-        raise TypeError(f"{name} must have the state pool's dtype {_dtype(state_pool.dtype)}, "
-                        f"got {_dtype(kvbuffer.dtype)}")
+    if kvbuffer.dtype != kvbuffer_dtype(state_pool.dtype):
+        raise TypeError(f"{name} must be {_dtype(kvbuffer_dtype(state_pool.dtype))} (the KVBuffer of a "
+                        f"{_dtype(state_pool.dtype)} pool), got {_dtype(kvbuffer.dtype)}")
     require_same_device({"state_pool": state_pool, name: kvbuffer, "cache_idx": cache_idx})
-    validate_cache_idx(cache_idx, N, P)
+    validate_null_slot(null_slot, P)
+    validate_cache_idx(cache_idx, N, P, null_slot)
     validate_accept_len(accept_len, N, T, state_pool.device)
     return N, T
 

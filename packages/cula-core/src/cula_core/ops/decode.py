@@ -1,9 +1,12 @@
 """`kda_decode` and `kda_decode_mtp`: KDA decode steps on a serving state pool.
 
-A pool ``state_pool [P, HV, K, V]`` fp32 holds one state per slot; request ``i`` of the batch uses slot
-``cache_idx[i]`` (int32; negative = padded slot: nothing read or written, output zeros). The gate is
-computed in kernel from the raw ``g`` (softplus gate, or the safe gate when ``lower_bound`` is set).
-Carried by the torch custom ops ``cula::kda_decode`` and ``cula::kda_decode_mtp``, which mutate the pool.
+A pool ``state_pool [P, HV, K, V]`` (``[P, HV, V, K]`` with ``state_v_first=True``, the layout of FLA's layers,
+FlashKDA and SGLang), fp32 or bf16, holds one state per slot: the state math runs in fp32 and a state is rounded
+to the pool's dtype when it is stored. Request ``i`` of the batch uses slot ``cache_idx[i]`` (int32; negative =
+padded slot: nothing read or written, output zeros; so is ``null_slot`` when an engine reserves a slot for
+padding, vLLM's null block 0). The gate is computed in kernel from the raw ``g`` (softplus gate, or the safe
+gate when ``lower_bound`` is set). Carried by the torch custom ops ``cula::kda_decode`` and
+``cula::kda_decode_mtp``, which mutate the pool.
 """
 
 from __future__ import annotations
@@ -17,54 +20,73 @@ from cula_core.validation import validate_decode
 
 
 def validate_decode_call(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale, lower_bound,
-                         single_token=False):
-    """Validate, then normalise: contiguous inputs, default scale. Returns (shapes, tensors, scale)."""
+                         single_token=False, state_v_first=False, null_slot=None):
+    """Validate, then normalise: contiguous inputs, default scale. Returns (shapes, tensors, params, scale)."""
     shapes = validate_decode(q, k, v, g, beta, state_pool, cache_idx, A_log=A_log, dt_bias=dt_bias, scale=scale,
-                             lower_bound=lower_bound, single_token=single_token)
+                             lower_bound=lower_bound, single_token=single_token, state_v_first=state_v_first,
+                             null_slot=null_slot)
     tensors = [t.contiguous() if t is not None else None for t in (q, k, v, g, beta)]
     scale = float(shapes.K ** -0.5 if scale is None else scale)
     params = [t.contiguous() if t is not None else None for t in (A_log, dt_bias)]
     return shapes, tensors, params, scale
 
 
-def decode_call_sizes(q: Tensor, v: Tensor, state_pool: Tensor) -> dict:
-    """make_call's sizes for the decode family; the pool's dtype travels as the option `state_dtype` (a backend
-    whose kernels hold fp32 states declines other pools through it)."""
+def pool_options(state_pool: Tensor, state_v_first: bool, null_slot: int | None) -> dict:
+    """The CallConfig options that describe a pool: its dtype (`state_dtype`), its layout (`state_v_first`) and
+    whether a null slot pads (`null_slot`); a backend declines what its kernels do not index."""
+    return dict(state_dtype=state_pool.dtype, state_v_first=bool(state_v_first), null_slot=null_slot is not None)
+
+
+def pool_kwargs(state_v_first: bool, null_slot: int | None) -> dict:
+    """The kernel keywords of a pool (calling convention): given only when not at their default, so that a
+    backend that never accepted them fails loudly rather than ignoring them."""
+    return {**({"state_v_first": True} if state_v_first else {}),
+            **({"null_slot": int(null_slot)} if null_slot is not None else {})}
+
+
+def decode_call_sizes(q: Tensor, v: Tensor, state_pool: Tensor, state_v_first: bool = False,
+                      null_slot: int | None = None) -> dict:
+    """make_call's sizes and pool options (`pool_options`) for the decode family."""
     return dict(dtype=q.dtype, K=q.shape[3], V=v.shape[3], HQK=q.shape[2], HV=v.shape[2], T=q.shape[1],
-                state_dtype=state_pool.dtype)
+                **pool_options(state_pool, state_v_first, null_slot))
 
 
 def _kda_decode(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor, cache_idx: Tensor,
     A_log: Tensor | None, dt_bias: Tensor | None, scale: float, lower_bound: float | None,
-    use_qk_l2norm_in_kernel: bool,
+    use_qk_l2norm_in_kernel: bool, state_v_first: bool = False,
+    null_slot: int | None = None,
 ) -> Tensor:
     call = make_call("kda_decode", q.device, gate="safe" if lower_bound is not None else "softplus",
                      lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                     **decode_call_sizes(q, v, state_pool))
+                     **decode_call_sizes(q, v, state_pool, state_v_first, null_slot))
     return run(call, {"state_pool": state_pool, "v": v}, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
-               scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+               scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+               **pool_kwargs(state_v_first, null_slot))
 
 
 _kda_decode_op = torch.library.custom_op("cula::kda_decode", _kda_decode, mutates_args=("state_pool",))
 
 
 @_kda_decode_op.register_fake
-def _(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale, lower_bound, use_qk_l2norm_in_kernel):
+def _(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale, lower_bound, use_qk_l2norm_in_kernel,
+      state_v_first=False, null_slot=None):
     return torch.empty_like(v)
 
 
 def _kda_decode_mtp(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor, cache_idx: Tensor,
     A_log: Tensor | None, dt_bias: Tensor | None, scale: float, lower_bound: float | None,
-    use_qk_l2norm_in_kernel: bool, output_per_token_states: bool,
+    use_qk_l2norm_in_kernel: bool, output_per_token_states: bool, state_v_first: bool = False,
+    null_slot: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     call = make_call("kda_decode_mtp", q.device, gate="safe" if lower_bound is not None else "softplus",
                      lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                     output_per_token_states=output_per_token_states, **decode_call_sizes(q, v, state_pool))
+                     output_per_token_states=output_per_token_states,
+                     **decode_call_sizes(q, v, state_pool, state_v_first, null_slot))
     o, states = run(call, {"state_pool": state_pool, "v": v}, q, k, v, g, beta, state_pool, cache_idx, A_log,
                     dt_bias, scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                    output_per_token_states=output_per_token_states)
+                    output_per_token_states=output_per_token_states, **pool_kwargs(state_v_first, null_slot))
     return o, states if states is not None else absent_like(state_pool)
 
 
@@ -73,7 +95,7 @@ _kda_decode_mtp_op = torch.library.custom_op("cula::kda_decode_mtp", _kda_decode
 
 @_kda_decode_mtp_op.register_fake
 def _(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale, lower_bound, use_qk_l2norm_in_kernel,
-      output_per_token_states):
+      output_per_token_states, state_v_first=False, null_slot=None):
     o = torch.empty_like(v)
     if not output_per_token_states:
         return o, absent_like(state_pool)
@@ -94,6 +116,9 @@ def kda_decode(
     scale: float | None = None,
     lower_bound: float | None = None,
     use_qk_l2norm_in_kernel: bool = False,
+    *,
+    state_v_first: bool = False,
+    null_slot: int | None = None,
 ) -> Tensor:
     r"""One decode token per request; updates the pool in place.
 
@@ -101,22 +126,30 @@ def kda_decode(
         q, k: ``[N, 1, HQK, K]`` bf16 / fp16 / fp32. v: ``[N, 1, HV, V]``, q's dtype (``HV % HQK == 0``).
         g: ``[N, 1, HV, K]``, the raw gate input (any float dtype).
         beta: ``[N, 1, HV]``, post-sigmoid.
-        state_pool: ``[P, HV, K, V]`` fp32, contiguous; slot ``cache_idx[i]`` is read and overwritten
-            with the state after the token.
+        state_pool: ``[P, HV, K, V]`` (``[P, HV, V, K]`` with `state_v_first`), fp32 or bf16, contiguous; slot
+            ``cache_idx[i]`` is read and overwritten with the state after the token (computed in fp32, stored
+            in the pool's dtype).
         cache_idx: ``[N]`` int32; negative marks a padded slot (no read, no write, output zeros). Live
             slots must be distinct.
-        A_log: ``[HV]``; dt_bias: ``[HV * K]`` (optional); lower_bound: selects the safe gate (see chunk_kda).
+        A_log: ``[HV]``; dt_bias: ``[HV * K]`` (optional); lower_bound: selects the safe gate (any finite
+            float: `cula_core.validation.validate_lower_bound`).
         scale: multiplies q; default ``K ** -0.5``.
         use_qk_l2norm_in_kernel: L2-normalise q and k first.
+        state_v_first: keyword only; the pool holds each state transposed, ``[V, K]`` (FLA's flag).
+        null_slot: keyword only; a slot of the pool (``0 <= null_slot < P``) that pads like a negative index:
+            a request whose ``cache_idx`` is it reads and writes nothing and outputs zeros, and the slot itself
+            is never touched (engines whose slot 0 is the null slot pass ``null_slot=0``). None: every
+            index ``>= 0`` is a request.
 
     Returns:
         o: ``[N, 1, HV, V]`` in v's dtype.
     """
     _shapes, tensors, params, scale = validate_decode_call(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
-                                                          scale, lower_bound, single_token=True)
+                                                          scale, lower_bound, single_token=True,
+                                                          state_v_first=state_v_first, null_slot=null_slot)
     return call_op(torch.ops.cula.kda_decode, _kda_decode, *tensors, state_pool, cache_idx, *params, scale,
                    None if lower_bound is None else float(lower_bound), bool(use_qk_l2norm_in_kernel),
-                   mutated=(state_pool,))
+                   bool(state_v_first), null_slot, mutated=(state_pool,))
 
 
 def kda_decode_mtp(
@@ -133,22 +166,28 @@ def kda_decode_mtp(
     lower_bound: float | None = None,
     use_qk_l2norm_in_kernel: bool = False,
     output_per_token_states: bool = False,
+    *,
+    state_v_first: bool = False,
+    null_slot: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     r"""Multi-token decode: the recurrence over T draft tokens per request (speculative decoding).
 
     Args: as `kda_decode`, with ``T >= 1`` tokens: q, k ``[N, T, HQK, K]``, v ``[N, T, HV, V]``,
-        g ``[N, T, HV, K]``, beta ``[N, T, HV]``.
-        output_per_token_states: if True, return the state after each token, ``[N, T, HV, K, V]`` fp32, and
-            leave the pool untouched (the caller commits the accepted one); if False, write the state after
-            all T tokens into the pool and return None for it.
+        g ``[N, T, HV, K]``, beta ``[N, T, HV]``. The state stays fp32 through the T tokens; a bf16 pool
+        rounds it once, when it is stored.
+        output_per_token_states: if True, return the state after each token, ``[N, T, HV, K, V]``
+            (``[N, T, HV, V, K]`` with `state_v_first`) in the pool's dtype, and leave the pool untouched (the
+            caller commits the accepted one); if False, write the state after all T tokens into the pool and
+            return None for it.
 
     Returns:
         ``(o, per_token_states)``: o ``[N, T, HV, V]`` in v's dtype; per_token_states as above or None.
         Padded slots give zero outputs and zero states.
     """
     _shapes, tensors, params, scale = validate_decode_call(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
-                                                          scale, lower_bound)
+                                                          scale, lower_bound, state_v_first=state_v_first,
+                                                          null_slot=null_slot)
     o, states = call_op(torch.ops.cula.kda_decode_mtp, _kda_decode_mtp, *tensors, state_pool, cache_idx, *params,
                         scale, None if lower_bound is None else float(lower_bound), bool(use_qk_l2norm_in_kernel),
-                        bool(output_per_token_states), mutated=(state_pool,))
+                        bool(output_per_token_states), bool(state_v_first), null_slot, mutated=(state_pool,))
     return o, (states if output_per_token_states else None)

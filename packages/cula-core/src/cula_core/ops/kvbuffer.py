@@ -10,7 +10,9 @@ G_t = g_1 + ... + g_t, D_t = diag(exp(g_t)) and S_t the state after t tokens:
     [2K:2K+V]  delta_t = beta_t * (v_t - (D_t S_{t-1})^T k_t)
 so that S_t = D_t S_{t-1} + k_t delta_t^T and, unrolled, for any accepted length m:
     S_m = diag(exp(G_m)) S_0 + sum_{t <= m} (exp(G_m - G_t) * k_t) delta_t^T
-Every backend reads and writes this layout: verify and flush may run on different backends.
+Every backend reads and writes this layout: verify and flush may run on different backends. The KVBuffer is
+fp32 whatever the pool's dtype (fp32 or bf16) and layout (``state_v_first``); the flush computes in fp32 and
+rounds the rebuilt state to the pool's dtype once.
 """
 
 from __future__ import annotations
@@ -20,20 +22,22 @@ import torch
 from torch import Tensor
 
 from cula_core.ops._common import call_op, make_call, run
-from cula_core.ops.decode import decode_call_sizes, validate_decode_call
-from cula_core.validation import kvbuffer_shape, require_disjoint, validate_kvbuffer
+from cula_core.ops.decode import decode_call_sizes, pool_kwargs, pool_options, validate_decode_call
+from cula_core.validation import kvbuffer_dtype, kvbuffer_shape, require_disjoint, validate_kvbuffer
 
 
 def _kda_decode_mtp_kvbuffer(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor, cache_idx: Tensor,
     A_log: Tensor | None, dt_bias: Tensor | None, scale: float, lower_bound: float | None,
-    use_qk_l2norm_in_kernel: bool,
+    use_qk_l2norm_in_kernel: bool, state_v_first: bool = False,
+    null_slot: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     call = make_call("kda_decode_mtp_kvbuffer", q.device, gate="safe" if lower_bound is not None else "softplus",
                      lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                     **decode_call_sizes(q, v, state_pool))
+                     **decode_call_sizes(q, v, state_pool, state_v_first, null_slot))
     return run(call, {"state_pool": state_pool, "v": v}, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
-               scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+               scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+               **pool_kwargs(state_v_first, null_slot))
 
 
 _kda_decode_mtp_kvbuffer_op = torch.library.custom_op("cula::kda_decode_mtp_kvbuffer", _kda_decode_mtp_kvbuffer,
@@ -41,19 +45,29 @@ _kda_decode_mtp_kvbuffer_op = torch.library.custom_op("cula::kda_decode_mtp_kvbu
 
 
 @_kda_decode_mtp_kvbuffer_op.register_fake
-def _(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale, lower_bound, use_qk_l2norm_in_kernel):
+def _(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale, lower_bound, use_qk_l2norm_in_kernel,
+      state_v_first=False, null_slot=None):
     N, T, HV, V = v.shape
-    return torch.empty_like(v), state_pool.new_empty(kvbuffer_shape(N, T, HV, q.shape[3], V))
+    return torch.empty_like(v), state_pool.new_empty(kvbuffer_shape(N, T, HV, q.shape[3], V),
+                                                     dtype=kvbuffer_dtype(state_pool.dtype))
+
+
+def _flush_call(op: str, pool: Tensor, kvbuffer: Tensor, state_v_first: bool, null_slot: int | None, **options):
+    """A flush's CallConfig: `dtype` is the KVBuffer's, the pool's dtype and layout are options (pool_options)."""
+    HV = pool.shape[1]
+    K = pool.shape[3] if state_v_first else pool.shape[2]
+    V = kvbuffer.shape[3] - 2 * K
+    return make_call(op, pool.device, dtype=kvbuffer.dtype, K=K, V=V, HQK=HV, HV=HV, T=kvbuffer.shape[1],
+                     gate="precomputed", **pool_options(pool, state_v_first, null_slot), **options)
 
 
 def _kda_flush_kvbuffer(
     state_pool: Tensor, cache_idx: Tensor, kvbuffer: Tensor, accept_len: Tensor | None, accept_len_all: int,
+    state_v_first: bool = False, null_slot: int | None = None,
 ) -> None:
-    _, HV, K, V = state_pool.shape
-    call = make_call("kda_flush_kvbuffer", state_pool.device, dtype=state_pool.dtype, K=K, V=V, HQK=HV, HV=HV,
-                     T=kvbuffer.shape[1], gate="precomputed")
+    call = _flush_call("kda_flush_kvbuffer", state_pool, kvbuffer, state_v_first, null_slot)
     run(call, {"state_pool": state_pool, "kvbuffer": kvbuffer}, state_pool, cache_idx, kvbuffer, accept_len,
-        accept_len_all)
+        accept_len_all, **pool_kwargs(state_v_first, null_slot))
 
 
 _kda_flush_kvbuffer_op = torch.library.custom_op("cula::kda_flush_kvbuffer", _kda_flush_kvbuffer,
@@ -61,20 +75,19 @@ _kda_flush_kvbuffer_op = torch.library.custom_op("cula::kda_flush_kvbuffer", _kd
 
 
 @_kda_flush_kvbuffer_op.register_fake
-def _(state_pool, cache_idx, kvbuffer, accept_len, accept_len_all):
+def _(state_pool, cache_idx, kvbuffer, accept_len, accept_len_all, state_v_first=False, null_slot=None):
     return None
 
 
 def _kda_flush_kvbuffer_all_layers(
     state_pools: list[Tensor], cache_idx: Tensor, kvbuffers: list[Tensor], accept_len: Tensor | None,
-    accept_len_all: int,
+    accept_len_all: int, state_v_first: bool = False, null_slot: int | None = None,
 ) -> None:
-    first = state_pools[0]
-    _, HV, K, V = first.shape
-    call = make_call("kda_flush_kvbuffer_all_layers", first.device, dtype=first.dtype, K=K, V=V, HQK=HV, HV=HV,
-                     T=kvbuffers[0].shape[1], gate="precomputed", layers=len(state_pools))
+    call = _flush_call("kda_flush_kvbuffer_all_layers", state_pools[0], kvbuffers[0], state_v_first, null_slot,
+                       layers=len(state_pools))
     sizes = {f"state_pools[{i}]": p for i, p in enumerate(state_pools)}
-    run(call, sizes, state_pools, cache_idx, kvbuffers, accept_len, accept_len_all)
+    run(call, sizes, state_pools, cache_idx, kvbuffers, accept_len, accept_len_all,
+        **pool_kwargs(state_v_first, null_slot))
 
 
 _kda_flush_kvbuffer_all_layers_op = torch.library.custom_op(
@@ -82,7 +95,7 @@ _kda_flush_kvbuffer_all_layers_op = torch.library.custom_op(
 
 
 @_kda_flush_kvbuffer_all_layers_op.register_fake
-def _(state_pools, cache_idx, kvbuffers, accept_len, accept_len_all):
+def _(state_pools, cache_idx, kvbuffers, accept_len, accept_len_all, state_v_first=False, null_slot=None):
     return None
 
 
@@ -99,55 +112,67 @@ def kda_decode_mtp_kvbuffer(
     scale: float | None = None,
     lower_bound: float | None = None,
     use_qk_l2norm_in_kernel: bool = False,
+    *,
+    state_v_first: bool = False,
+    null_slot: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     r"""Verify T draft tokens per request: all T outputs, and the KVBuffer that `kda_flush_kvbuffer`
     turns into the state after any accepted prefix. The pool is only read.
 
     Args: as `kda_decode_mtp` (q, k ``[N, T, HQK, K]``; v ``[N, T, HV, V]``; raw g ``[N, T, HV, K]``;
-        beta ``[N, T, HV]``; state_pool ``[P, HV, K, V]`` fp32; cache_idx ``[N]`` int32, negative = padded).
+        beta ``[N, T, HV]``; state_pool ``[P, HV, K, V]`` or, with `state_v_first`, ``[P, HV, V, K]``, fp32 or
+        bf16; cache_idx ``[N]`` int32, negative or `null_slot` = padded).
 
     Returns:
-        ``(o, kvbuffer)``: o ``[N, T, HV, V]`` in v's dtype; kvbuffer ``[N, T, HV, 2K + V]`` fp32 in the
-        layout of this module's docstring (zeros for padded slots).
+        ``(o, kvbuffer)``: o ``[N, T, HV, V]`` in v's dtype; kvbuffer ``[N, T, HV, 2K + V]`` fp32 (fp64 beside an
+        fp64 reference pool) in the layout of this module's docstring (zeros for padded slots).
     """
     _shapes, tensors, params, scale = validate_decode_call(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
-                                                          scale, lower_bound)
+                                                          scale, lower_bound, state_v_first=state_v_first,
+                                                          null_slot=null_slot)
     return call_op(torch.ops.cula.kda_decode_mtp_kvbuffer, _kda_decode_mtp_kvbuffer, *tensors, state_pool,
                    cache_idx, *params, scale, None if lower_bound is None else float(lower_bound),
-                   bool(use_qk_l2norm_in_kernel))
+                   bool(use_qk_l2norm_in_kernel), bool(state_v_first), null_slot)
 
 
 def _split_accept_len(accept_len) -> tuple[Tensor | None, int]:
     return (None, int(accept_len)) if isinstance(accept_len, int) else (accept_len, 0)
 
 
-def kda_flush_kvbuffer(state_pool: Tensor, cache_idx: Tensor, kvbuffer: Tensor, accept_len: Tensor | int) -> None:
+def kda_flush_kvbuffer(state_pool: Tensor, cache_idx: Tensor, kvbuffer: Tensor, accept_len: Tensor | int, *,
+                       state_v_first: bool = False, null_slot: int | None = None) -> None:
     r"""Commit the accepted prefix: for each live request i with m = accept_len[i] > 0, make
     ``state_pool[cache_idx[i]]`` the state after its first m verified tokens; m = 0 and padded slots leave
     the pool as it was. In place.
 
     Args:
-        state_pool: ``[P, HV, K, V]`` fp32, the pool the verify step read (unchanged since).
+        state_pool: ``[P, HV, K, V]`` (``[P, HV, V, K]`` with `state_v_first`) fp32 or bf16, the pool the verify
+            step read (unchanged since); a rebuilt state is computed in fp32 and stored in the pool's dtype.
         cache_idx: ``[N]`` int32, the verify step's indices.
         kvbuffer: ``[N, T, HV, 2K + V]`` fp32 from `kda_decode_mtp_kvbuffer`.
         accept_len: an int in ``[0, T]`` for every request, or ``[N]`` int32 on the pool's device (read at
             run time: one compiled kernel serves every accept length).
+        state_v_first, null_slot: keyword only, as in `kda_decode` (the verify step's).
     """
-    validate_kvbuffer("kvbuffer", kvbuffer, state_pool, cache_idx, accept_len)
+    validate_kvbuffer("kvbuffer", kvbuffer, state_pool, cache_idx, accept_len, state_v_first=state_v_first,
+                      null_slot=null_slot)
     call_op(torch.ops.cula.kda_flush_kvbuffer, _kda_flush_kvbuffer, state_pool, cache_idx, kvbuffer.contiguous(),
-            *_split_accept_len(accept_len), mutated=(state_pool,))
+            *_split_accept_len(accept_len), bool(state_v_first), null_slot, mutated=(state_pool,))
 
 
 def kda_flush_kvbuffer_all_layers(
-    state_pools: list[Tensor], cache_idx: Tensor, kvbuffers: list[Tensor], accept_len: Tensor | int
+    state_pools: list[Tensor], cache_idx: Tensor, kvbuffers: list[Tensor], accept_len: Tensor | int, *,
+    state_v_first: bool = False, null_slot: int | None = None,
 ) -> None:
     r"""`kda_flush_kvbuffer` for all L layers in one call (one launch on the kernel backends).
 
     Args:
-        state_pools: L pools ``[P, HV, K, V]`` fp32 (one per layer, same shape).
+        state_pools: L pools ``[P, HV, K, V]`` (``[P, HV, V, K]`` with `state_v_first`), fp32 or bf16 (one per
+            layer, same shape and dtype, no two sharing memory).
         cache_idx: ``[N]`` int32, shared by the layers.
         kvbuffers: L KVBuffers ``[N, T, HV, 2K + V]`` fp32, ``kvbuffers[l]`` from layer l's verify.
         accept_len: int or ``[N]`` int32, shared by the layers.
+        state_v_first, null_slot: keyword only, as in `kda_decode`.
     """
     if not isinstance(state_pools, (list, tuple)) or not isinstance(kvbuffers, (list, tuple)):
         raise TypeError(f"state_pools and kvbuffers must be lists of tensors, got {type(state_pools).__name__} "
@@ -156,7 +181,11 @@ def kda_flush_kvbuffer_all_layers(
         raise ValueError(f"state_pools and kvbuffers must hold one tensor per layer (L >= 1), got "
                          f"{len(state_pools)} pools and {len(kvbuffers)} buffers")
     for layer, (pool, buf) in enumerate(zip(state_pools, kvbuffers, strict=True)):
-        validate_kvbuffer(f"kvbuffers[{layer}]", buf, pool, cache_idx, accept_len)
+        validate_kvbuffer(f"kvbuffers[{layer}]", buf, pool, cache_idx, accept_len, state_v_first=state_v_first,
+                          null_slot=null_slot)
+        if pool.dtype != state_pools[0].dtype:
+            raise TypeError(f"every layer's pool must have the dtype of layer 0's, got state_pools[{layer}] "
+                            f"{pool.dtype} vs {state_pools[0].dtype}")
         if pool.shape != state_pools[0].shape or buf.shape != kvbuffers[0].shape:
             raise ValueError(f"every layer must have the shapes of layer 0: state_pools[{layer}] "
                              f"{list(pool.shape)}, kvbuffers[{layer}] {list(buf.shape)} vs "
@@ -164,4 +193,5 @@ def kda_flush_kvbuffer_all_layers(
     require_disjoint("state_pools", state_pools)
     pools = list(state_pools)
     call_op(torch.ops.cula.kda_flush_kvbuffer_all_layers, _kda_flush_kvbuffer_all_layers, pools, cache_idx,
-            [b.contiguous() for b in kvbuffers], *_split_accept_len(accept_len), mutated=(pools,))
+            [b.contiguous() for b in kvbuffers], *_split_accept_len(accept_len), bool(state_v_first), null_slot,
+            mutated=(pools,))

@@ -119,34 +119,36 @@ def chunk_kda_backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state,
 
 def _prepare_decode(q, k, g, beta, A_log, dt_bias, state_pool, *, lower_bound, use_qk_l2norm_in_kernel):
     gate = "safe" if lower_bound is not None else "softplus"
-    return _prepare(q, k, g, beta, A_log, dt_bias, dtype=state_pool.dtype,
+    return _prepare(q, k, g, beta, A_log, dt_bias, dtype=work_dtype(state_pool.dtype),
                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate, lower_bound=lower_bound)
 
 
 def kda_decode_mtp(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, *, scale, lower_bound,
-                   use_qk_l2norm_in_kernel, output_per_token_states):
+                   use_qk_l2norm_in_kernel, output_per_token_states, state_v_first=False, null_slot=None):
     qp, kp, gp, bp = _prepare_decode(q, k, g, beta, A_log, dt_bias, state_pool, lower_bound=lower_bound,
                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    o, states = ref.decode_mtp_reference(qp, kp, v, gp, bp, state_pool, cache_idx, scale=scale)
+    o, states = ref.decode_mtp_reference(qp, kp, v, gp, bp, state_pool, cache_idx, scale=scale,
+                                         state_v_first=state_v_first, null_slot=null_slot)
     if not output_per_token_states:
-        ref.commit_accepted_reference(state_pool, cache_idx, states, q.shape[1])
+        ref.commit_accepted_reference(state_pool, cache_idx, states, q.shape[1], null_slot=null_slot)
         states = None
     return o.to(v.dtype).contiguous(), states
 
 
 def kda_decode(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, *, scale, lower_bound,
-               use_qk_l2norm_in_kernel):
+               use_qk_l2norm_in_kernel, state_v_first=False, null_slot=None):
     o, _ = kda_decode_mtp(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale=scale,
                           lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                          output_per_token_states=False)
+                          output_per_token_states=False, state_v_first=state_v_first, null_slot=null_slot)
     return o
 
 
 def kda_decode_mtp_kvbuffer(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, *, scale, lower_bound,
-                            use_qk_l2norm_in_kernel):
+                            use_qk_l2norm_in_kernel, state_v_first=False, null_slot=None):
     qp, kp, gp, bp = _prepare_decode(q, k, g, beta, A_log, dt_bias, state_pool, lower_bound=lower_bound,
                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    o, buf = mtp_kvbuffer_reference(qp, kp, v, gp, bp, state_pool, cache_idx, scale=scale)
+    o, buf = mtp_kvbuffer_reference(qp, kp, v, gp, bp, state_pool, cache_idx, scale=scale,
+                                    state_v_first=state_v_first, null_slot=null_slot)
     return o.to(v.dtype).contiguous(), buf
 
 
@@ -154,10 +156,14 @@ def _accept(accept_len, accept_len_all):
     return accept_len if accept_len is not None else accept_len_all
 
 
-def kda_flush_kvbuffer(state_pool, cache_idx, kvbuffer, accept_len, accept_len_all):
-    flush_kvbuffer_reference(state_pool, cache_idx, kvbuffer, _accept(accept_len, accept_len_all))
+def kda_flush_kvbuffer(state_pool, cache_idx, kvbuffer, accept_len, accept_len_all, *, state_v_first=False,
+                       null_slot=None):
+    flush_kvbuffer_reference(state_pool, cache_idx, kvbuffer, _accept(accept_len, accept_len_all),
+                             state_v_first=state_v_first, null_slot=null_slot)
 
 
-def kda_flush_kvbuffer_all_layers(state_pools, cache_idx, kvbuffers, accept_len, accept_len_all):
+def kda_flush_kvbuffer_all_layers(state_pools, cache_idx, kvbuffers, accept_len, accept_len_all, *,
+                                  state_v_first=False, null_slot=None):
     for pool, buf in zip(state_pools, kvbuffers, strict=True):
-        flush_kvbuffer_reference(pool, cache_idx, buf, _accept(accept_len, accept_len_all))
+        flush_kvbuffer_reference(pool, cache_idx, buf, _accept(accept_len, accept_len_all),
+                                 state_v_first=state_v_first, null_slot=null_slot)

@@ -16,6 +16,12 @@ MAX_T = 16
 #: layers of one all-layers flush: two 8-byte offsets per layer travel as kernel parameters (4 KiB in all)
 MAX_LAYERS = 128
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: state pool dtypes: the kernels hold the state in fp32 registers and load / store the pool's dtype
+POOL_DTYPES = (torch.float32,)
+#: whether the kernels index V-first pools [P, HV, V, K] (state_v_first=True)
+V_FIRST_POOLS = False
+#: whether the kernels take a null slot (a slot index that pads like a negative one)
+NULL_SLOT = False
 
 
 #: tilings of the recurrent kernel that the benchmark compares (every one tested against the reference on the H100):
@@ -87,16 +93,21 @@ def unsupported_reason(call) -> str | None:
     if call.K != call.V or call.K not in HEAD_DIMS:
         served = " or ".join(map(str, HEAD_DIMS))
         return f"sm90 decode serves K = V = {served}, got K={call.K}, V={call.V}"
+    state_dtype = call.options.get("state_dtype", torch.float32)
+    if state_dtype not in POOL_DTYPES:
+        return f"sm90 decode serves fp32 and bf16 state pools, got {str(state_dtype).replace('torch.', '')}"
+    if call.options.get("state_v_first") and not V_FIRST_POOLS:
+        return "sm90 decode serves [P, HV, K, V] pools only (state_v_first=False)"
+    if call.options.get("null_slot") and not NULL_SLOT:
+        return "sm90 decode pads with negative indices only (null_slot=None)"
     if call.op in ("kda_flush_kvbuffer", "kda_flush_kvbuffer_all_layers"):
         if call.dtype != torch.float32:
-            return f"sm90 flush serves fp32 state pools and KVBuffers, got {call.dtype}"
+            return f"sm90 flush serves fp32 KVBuffers, got {call.dtype}"
         layers = call.options.get("layers", 1) or 1
         if layers > MAX_LAYERS:
             return f"sm90 all-layers flush serves up to {MAX_LAYERS} layers in one launch, got {layers}"
     elif call.dtype not in INPUT_DTYPES:
         return f"sm90 decode serves bf16/fp16/fp32 q/k/v, got {call.dtype}"
-    elif call.options.get("state_dtype", torch.float32) != torch.float32:
-        return f"sm90 decode serves fp32 state pools, got {call.options['state_dtype']}"
     elif (call.options.get("lower_bound") or 0.0) > 0.0:
         # a positive bound makes the safe gate a growth: the chunk-form verify's exp(G_t) factors assume decays <= 1
         return f"sm90 decode serves the safe gate with lower_bound <= 0, got {call.options['lower_bound']}"
