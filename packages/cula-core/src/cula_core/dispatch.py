@@ -170,3 +170,18 @@ def reset_fallback_warnings() -> None:
     """Forget which fallback warnings were issued, so each is issued again once."""
     with _warned_lock:
         _warned.clear()
+
+
+def kernel_backend_for(call: CallConfig) -> tuple[Backend | None, str | None]:
+    """Which arch backend's kernel would run `call`, asked without running it: ``(backend, None)``, or
+    ``(None, reason)`` when no kernel would (the call would run on the reference, or be refused because
+    ``CULA_BACKEND`` names a backend that cannot serve it). The rule is `choose`'s, ``CULA_BACKEND`` included;
+    nothing is warned or raised. For integrations that must hand a call elsewhere rather than let it fall back
+    to the reference (`cula.fla`)."""
+    try:
+        selection = choose(call)
+    except BackendUnavailableError as exc:
+        return None, str(exc)
+    if selection.backend is REFERENCE_BACKEND:
+        return None, selection.fallback_reason or "CULA_BACKEND=reference forces the reference"
+    return selection.backend, None
