@@ -8,6 +8,13 @@ and ``c`` is the piece's final state when started from zero. CP therefore works 
 computes its ``(M, c)`` from local data only; a scan over pieces, ``S_{p+1} = M_p S_p + c_p``, gives each
 piece its true initial state; every piece reruns its tokens from that state. :func:`context_parallel_reference`
 does exactly this on one device, so it must equal the unsplit run (tests check it).
+
+The backward runs the same scheme the other way. A piece's outputs are affine in its initial state too,
+``o = o(0) + R @ state_in`` with ``R = initial_state_response(...)`` (``[T, K]`` per head), so the gradient
+a piece sends to the state entering it, from its own outputs and the gradient ``dht`` on its own final
+state, is ``e = R^T do + M^T dht``; the gradient of the state entering piece ``p`` is then the reverse scan
+``D_p = e_p + M_p^T D_{p+1}`` (:func:`apply_state_maps_adjoint`). Context parallelism across ranks
+(`cula_core.context_parallel`) exchanges exactly these ``(M, c)`` and ``e``.
 """
 
 from __future__ import annotations
@@ -19,7 +26,14 @@ import torch
 from .chunk import chunk_kda_reference
 from .recurrent import _compute_dtype, _seq_bounds
 
-__all__ = ["context_parallel_reference", "piece_affine_map", "split_at_chunks"]
+__all__ = [
+    "apply_state_maps",
+    "apply_state_maps_adjoint",
+    "context_parallel_reference",
+    "initial_state_response",
+    "piece_affine_map",
+    "split_at_chunks",
+]
 
 
 def piece_affine_map(
@@ -62,6 +76,85 @@ def piece_affine_map(
     _, S = chunk_kda_reference(k_p, k_p, v_aug, g_p, b_p, initial_state=state0, output_final_state=True,
                                chunk_size=chunk_size)
     return S[..., :K], S[..., K:]
+
+
+def initial_state_response(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """The outputs' linear response to the initial state: ``o(state) - o(0) = R @ state`` per token and head.
+
+    KDA is linear in ``(v, initial_state)`` jointly for fixed ``q, k, g, beta``, so this is the output of a
+    run with zero values from the identity state (``V = K``): row ``t`` of ``R`` holds the ``K`` coefficients
+    with which ``o_t[j]`` reads column ``j`` of the initial state.
+
+    Args:
+        q, k: ``[B, T, HQK, K]`` (normalised if wanted); g: ``[B, T, HV, K]`` log decay; beta: ``[B, T, HV]``.
+        scale: multiplies q; default ``K ** -0.5``.
+        cu_seqlens: ``[N + 1]`` offsets of packed sequences (``B == 1``), or None.
+        chunk_size: chunk length of the internal chunked evaluation.
+
+    Returns:
+        ``R [B, T, HV, K]`` in the promoted dtype of the inputs (``o = o(0) + einsum("bthk,bhkv->bthv", R,
+        state)`` for fixed length; with ``cu_seqlens`` each token reads its own sequence's state).
+    """
+    B, T, _, K = k.shape
+    HV = g.shape[2]
+    dtype = _compute_dtype(q, k, g, beta)
+    N = B if cu_seqlens is None else len(_seq_bounds(cu_seqlens)) - 1
+    eye = torch.eye(K, dtype=dtype, device=k.device).expand(N, HV, K, K).contiguous()
+    zeros = torch.zeros(B, T, HV, K, dtype=dtype, device=k.device)
+    R, _ = chunk_kda_reference(q, k, zeros, g, beta, scale=scale, initial_state=eye, cu_seqlens=cu_seqlens,
+                               chunk_size=chunk_size)
+    return R
+
+
+def apply_state_maps(maps, state: torch.Tensor | None = None) -> torch.Tensor:
+    """Run a state through consecutive pieces: ``state = M @ state + c`` for each ``(M, c)`` in order.
+
+    Args:
+        maps: non-empty sequence of ``(M [..., K, K], c [..., K, V])``, first piece first.
+        state: ``[..., K, V]`` entering the first piece, or None (zeros).
+
+    Returns:
+        The state leaving the last piece, in the dtype of the maps.
+    """
+    maps = list(maps)
+    if not maps:
+        raise ValueError("maps: expected at least one (M, c) pair, got none")
+    out = None if state is None else state.to(maps[0][1].dtype)
+    for M, c in maps:
+        out = c if out is None else M @ out + c
+    return out
+
+
+def apply_state_maps_adjoint(maps, grads) -> torch.Tensor:
+    """Gradient of the loss with respect to the state entering the first of consecutive pieces.
+
+    ``grads[p] = e_p`` is what piece ``p`` contributes by itself (its outputs and its own final-state
+    gradient, :func:`initial_state_response`); the state leaving piece ``p`` enters piece ``p + 1``, so
+    ``D_p = e_p + M_p^T D_{p+1}``, evaluated from the last piece back to the first.
+
+    Args:
+        maps: the pieces' ``M [..., K, K]``, first piece first (the last piece's is not needed and may be
+            None).
+        grads: the pieces' ``e [..., K, V]``, same length as ``maps``.
+
+    Returns:
+        ``D_0 [..., K, V]`` in the dtype of ``grads``.
+    """
+    maps, grads = list(maps), list(grads)
+    if not grads or len(maps) != len(grads):
+        raise ValueError(f"maps, grads: expected equal non-zero lengths, got {len(maps)} and {len(grads)}")
+    out = grads[-1]
+    for M, e in zip(reversed(maps[:-1]), reversed(grads[:-1]), strict=True):
+        out = e + M.transpose(-1, -2).to(out.dtype) @ out
+    return out
 
 
 def split_at_chunks(T: int, num_pieces: int, chunk_size: int = 64) -> list[int]:
