@@ -26,12 +26,15 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import pickle
 import re
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -290,38 +293,51 @@ def link_library(objects: Iterable[Path | str], out: Path | str) -> None:
     os.replace(tmp, out)
 
 
-def _export_job(job: tuple[str, str, tuple, str]) -> str:
-    module, name, config, out_dir = job
-    importlib.import_module(module)  # registers the kernel in this worker
-    path = Path(out_dir) / (artifact_id(name, config) + ".o")
-    _export_object(name, config, path)
-    return str(path)
+def export_jobs(jobs: list[tuple[str, str, tuple, str]]) -> None:
+    """Compile and export each (registering module, name, config, out dir) to `<out dir>/<artifact id>.o`."""
+    for module, name, config, out_dir in jobs:
+        importlib.import_module(module)  # registers the kernel in this process
+        _export_object(name, config, Path(out_dir) / (artifact_id(name, config) + ".o"))
 
 
 def build_objects(items: list[tuple[str, tuple]], out_dir: Path | str, *, jobs: int = 1,
                   progress: Callable[[int, int], None] | None = None) -> list[Path]:
-    """Compile and export every (name, config) of `items` to `<out_dir>/<artifact id>.o`, in `jobs` worker
-    processes (each compiles independently: the DSL compiles on one core). Returns the object paths in order."""
+    """Compile and export every (name, config) of `items` to `<out_dir>/<artifact id>.o`, split over `jobs`
+    worker interpreters (`python -m cula_core.cute_runtime.aot_worker`; each compiles on one core, with this
+    process's sys.path; `jobs` 1: in this process). Returns the object paths in the order of `items`."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     work = [(kernel_def(n).build.__module__, n, c, str(out_dir)) for n, c in items]
-    if jobs <= 1:
-        paths = []
-        for i, job in enumerate(work):
-            paths.append(_export_job(job))
-            if progress:
-                progress(i + 1, len(work))
-        return [Path(p) for p in paths]
-    import concurrent.futures
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter per worker: no forked MLIR state
-    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-        futures = [pool.submit(_export_job, job) for job in work]
-        for i, _ in enumerate(concurrent.futures.as_completed(futures)):
-            if progress:
-                progress(i + 1, len(work))
-        return [Path(f.result()) for f in futures]
+    paths = [out_dir / (artifact_id(n, c) + ".o") for n, c in items]
+    jobs = max(1, min(jobs, len(work)))
+    if jobs == 1:  # in this process (kernels registered here only, e.g. by a test, are found)
+        export_jobs(work)
+        if progress:
+            progress(len(paths), len(paths))
+        return paths
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    procs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for w in range(jobs):
+            job_file = Path(tmp) / f"jobs{w}.pickle"
+            job_file.write_bytes(pickle.dumps(work[w::jobs]))
+            procs.append(subprocess.Popen([sys.executable, "-m", "cula_core.cute_runtime.aot_worker", str(job_file)],
+                                          env=env, stderr=subprocess.PIPE, text=True))
+        reported = -1
+        while any(p.poll() is None for p in procs):
+            done = sum(p.is_file() for p in paths)
+            if progress and done != reported:
+                progress(done, len(paths))
+                reported = done
+            time.sleep(1.0)
+        errors = [p.stderr.read() for p in procs if p.returncode != 0]
+        for p in procs:
+            p.stderr.close()
+    if errors:
+        raise RuntimeError("compiling CuTe DSL kernels failed:\n" + "\n".join(e[-4000:] for e in errors))
+    if progress:
+        progress(len(paths), len(paths))
+    return paths
 
 
 def write_manifest(out_dir: Path | str, distribution: str, version: str, arch: str,
