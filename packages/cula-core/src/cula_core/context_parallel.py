@@ -384,7 +384,7 @@ def chunk_kda_cp(
     HV, K, V, N = v.shape[2], q.shape[3], v.shape[3], call.N
     rank, world = dist.get_rank(group=group), dist.get_world_size(group=group)
     bounds = [int(b) for b in cu_host.tolist()]
-    chain, slots = _plan(cp_context, bounds, rank, world)
+    _, slots = _plan(cp_context, bounds, rank, world)
     layout = getattr(cp_context, "layout", "contiguous")
     opts = dict(scale=call.scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                 use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, safe_gate=safe_gate,

@@ -1,0 +1,330 @@
+"""Context parallel across GPUs: `cula_core.context_parallel.chunk_kda_cp` against the single-GPU call and against
+FLA 0.6.0's CP (`fla.ops.kda.chunk_kda(..., cp_context=fla.ops.cp.build_cp_context(...))`), on one host.
+
+    python tools/bench/multi_gpu_cp.py [--quick] [--gpus N] [--no-fla] [--out docs/benchmarks/multi_gpu_cp.md]
+
+One process per GPU (torch.multiprocessing spawn, NCCL, ``NCCL_NVLS_ENABLE=0``; ``CULA_STRICT=1`` so a call that
+would fall back to the reference fails instead of timing it). Inputs: bf16 q/k/v, raw gate with the safe gate in
+kernel (A_log, dt_bias, lower_bound = -5), q/k L2 norm in kernel, K = V = 128, HQK = HV = H.
+
+1. correctness: a global varlen batch (a long sequence through every rank and short ones) split over the ranks,
+   compared on every rank with the single-GPU `cula_core.chunk_kda` of the whole batch: outputs and the gradients
+   of q, k, v, g, beta, A_log, dt_bias (max |cp - single| / max |single| per tensor; A_log / dt_bias summed over
+   ranks), with cula's own context and with FLA's ``FLACPContext`` passed to cula (duck typing);
+2. training step (forward + backward) per shape, one sequence of ``W * T_rank`` tokens: cula CP, FLA CP, and
+   cula's single-GPU call on ``T_rank`` tokens alone (what CP adds). The time is each rank's median over the
+   repeats (CUDA events), the maximum over ranks;
+3. scaling at ``T = 512K`` (``--quick``: 128K) tokens, one sequence: 1 GPU (plain call) and CP over 2, 4, ... GPUs;
+   efficiency = t_1 / (n * t_n).
+
+Prints the tables at the end; writes them to ``--out`` (default docs/benchmarks/multi_gpu_cp.md; ``-`` for none)
+and, when ``$OUT`` is set, a log and JSON there. ``--quick`` is sized to run in under 4 minutes on 2 or 4 GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+QUICK = dict(t_rank=[32768], heads=[16], scale_T=131072, scale_H=16, reps=5, warmup=2)
+FULL = dict(t_rank=[32768, 65536, 131072], heads=[16, 32], scale_T=524288, scale_H=16, reps=10, warmup=3)
+K = V = 128
+LOWER_BOUND = -5.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _inputs(T, H, device, seed, requires_grad=True):
+    import torch
+
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def r(*shape, dtype=torch.bfloat16, s=1.0):
+        return (torch.randn(*shape, generator=gen) * s).to(device=device, dtype=dtype)
+
+    x = dict(q=r(1, T, H, K), k=r(1, T, H, K), v=r(1, T, H, V), g=r(1, T, H, K), beta=r(1, T, H).sigmoid(),
+             A_log=r(H, dtype=torch.float32, s=0.5), dt_bias=r(H * K, dtype=torch.float32, s=0.5))
+    if requires_grad:
+        for t in x.values():
+            t.requires_grad_(True)
+    return x
+
+
+OPTS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, safe_gate=True, lower_bound=LOWER_BOUND)
+TENSORS = ("q", "k", "v", "g", "beta")
+
+
+def _cula_call(x, cu=None, cu_cpu=None, cp_context=None):
+    import cula_core
+    from cula_core.context_parallel import chunk_kda_cp
+
+    args = [x[n] for n in TENSORS]
+    if cp_context is not None:
+        return chunk_kda_cp(*args, cp_context=cp_context, A_log=x["A_log"], dt_bias=x["dt_bias"], **OPTS)[0]
+    return cula_core.chunk_kda(*args, A_log=x["A_log"], dt_bias=x["dt_bias"], cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
+                               **OPTS)[0]
+
+
+def _fla_call(x, cp_context):
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    return fla_chunk_kda(*(x[n] for n in TENSORS), A_log=x["A_log"], dt_bias=x["dt_bias"], cp_context=cp_context,
+                         **OPTS)[0]
+
+
+def _rel(a, b) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+
+def _correctness(rank, world, group, device, have_fla, log):
+    """Max relative errors of CP against the single-GPU call, worst over ranks, per tensor and context kind."""
+    import torch
+    import torch.distributed as dist
+
+    from cula_core.context_parallel import build_cp_context
+
+    part = 8192
+    total = world * part
+    lens = [1000, total - 1000 - 3 * 700 - 1100, 700, 700, 700, 1100]   # sequence 1 runs through every rank
+    bounds = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    x = _inputs(total, 16, device, seed=11)
+    do = torch.randn(1, total, 16, V, generator=torch.Generator().manual_seed(12)).to(device, torch.bfloat16)
+    o_ref = _cula_call(x, bounds.to(device), bounds)
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
+    ref = dict(zip(names, torch.autograd.grad(o_ref, [x[n] for n in names], do), strict=True))
+    a, b = rank * part, (rank + 1) * part
+    contexts = {"cula": build_cp_context(bounds.to(device), group, cu_seqlens_cpu=bounds)}
+    if have_fla:
+        from fla.ops.cp import build_cp_context as fla_build
+
+        contexts["FLA FLACPContext"] = fla_build(bounds.to(device), group, cu_seqlens_cpu=bounds)
+    rows = []
+    for kind, ctx in contexts.items():
+        loc = {n: (x[n][:, a:b] if n in TENSORS else x[n]).detach().clone().requires_grad_(True) for n in names}
+        o = _cula_call(loc, cp_context=ctx)
+        grads = dict(zip(names, torch.autograd.grad(o, [loc[n] for n in names], do[:, a:b]), strict=True))
+        errs = {"o": _rel(o, o_ref[:, a:b])}
+        for n in TENSORS:
+            errs["d" + n] = _rel(grads[n], ref[n][:, a:b])
+        for n in ("A_log", "dt_bias"):
+            summed = grads[n].clone()
+            dist.all_reduce(summed, group=group)
+            errs["d" + n] = _rel(summed, ref[n])
+        worst = torch.tensor(list(errs.values()), device=device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
+        rows.append(dict(context=kind, **dict(zip(errs, worst.tolist(), strict=True))))
+        log(f"correctness [{kind}]: " + ", ".join(f"{k} {v:.2e}" for k, v in rows[-1].items() if k != "context"))
+    return rows
+
+
+def _time(fn, reps, warmup, group, device):
+    """Median ms per call on this rank, maximum over the group's ranks."""
+    import torch
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        dist.barrier(group=group)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    t = torch.tensor([statistics.median(times)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t)
+
+
+def _train_step(call, x, do):
+    def step():
+        for t in x.values():
+            t.grad = None
+        call(x).backward(do)
+    return step
+
+
+def _timing(rank, world, group, device, cfg, have_fla, log):
+    import torch
+
+    from cula_core.context_parallel import build_cp_context
+
+    rows = []
+    for H in cfg["heads"]:
+        for t_rank in cfg["t_rank"]:
+            total = world * t_rank
+            bounds = torch.tensor([0, total], dtype=torch.int32)
+            x = _inputs(t_rank, H, device, seed=rank)
+            do = torch.randn(1, t_rank, H, V, device=device, dtype=torch.bfloat16)
+            ctx = build_cp_context(bounds.to(device), group, cu_seqlens_cpu=bounds)
+            row = dict(H=H, T_rank=t_rank, T_total=total)
+            row["cula_cp_ms"] = _time(_train_step(lambda z: _cula_call(z, cp_context=ctx), x, do), cfg["reps"],
+                                      cfg["warmup"], group, device)
+            local = torch.tensor([0, t_rank], dtype=torch.int32)
+            row["cula_local_ms"] = _time(_train_step(lambda z: _cula_call(z, local.to(device), local), x, do),
+                                         cfg["reps"], cfg["warmup"], group, device)
+            if have_fla:
+                from fla.ops.cp import build_cp_context as fla_build
+
+                fctx = fla_build(bounds.to(device), group, cu_seqlens_cpu=bounds)
+                row["fla_cp_ms"] = _time(_train_step(lambda z: _fla_call(z, fctx), x, do), cfg["reps"],
+                                         cfg["warmup"], group, device)
+                row["speedup"] = row["fla_cp_ms"] / row["cula_cp_ms"]
+            rows.append(row)
+            log("timing: " + json.dumps(row))
+            del x, do
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _scaling(rank, world, device, cfg, log):
+    import torch
+    import torch.distributed as dist
+
+    from cula_core.context_parallel import build_cp_context
+
+    T, H = cfg["scale_T"], cfg["scale_H"]
+    rows = []
+    sizes = [n for n in (1, 2, 4, 8, 16) if n <= world]
+    for n in sizes:
+        group = dist.new_group(list(range(n)))   # every rank takes part in creating every group
+        if rank < n:
+            x = _inputs(T // n, H, device, seed=rank)
+            do = torch.randn(1, T // n, H, V, device=device, dtype=torch.bfloat16)
+            bounds = torch.tensor([0, T], dtype=torch.int32)
+            if n == 1:
+                local = bounds.to(device)
+                call = lambda z: _cula_call(z, local, bounds)  # noqa: E731
+            else:
+                ctx = build_cp_context(bounds.to(device), group, cu_seqlens_cpu=bounds)
+                call = lambda z, ctx=ctx: _cula_call(z, cp_context=ctx)  # noqa: E731
+            ms = _time(_train_step(call, x, do), cfg["reps"], cfg["warmup"], group, device)
+            rows.append(dict(gpus=n, T=T, H=H, ms=ms))
+            del x, do
+            torch.cuda.empty_cache()
+        dist.barrier()
+    if rank == 0:
+        for row in rows:
+            row["efficiency"] = rows[0]["ms"] / (row["gpus"] * row["ms"])
+            log("scaling: " + json.dumps(row))
+    return rows
+
+
+def _worker(rank, world, port, cfg, have_fla, result_path):
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    group = dist.group.WORLD
+
+    def log(msg):
+        if rank == 0:
+            print(msg, flush=True)
+
+    result = {}
+    try:
+        result["correctness"] = _correctness(rank, world, group, device, have_fla, log)
+        result["timing"] = _timing(rank, world, group, device, cfg, have_fla, log)
+        result["scaling"] = _scaling(rank, world, device, cfg, log)
+    finally:
+        if rank == 0:
+            Path(result_path).write_text(json.dumps(result))
+        dist.destroy_process_group()
+
+
+def _tables(result, world, card, command) -> str:
+    lines = [f"# Context parallel across GPUs: cula vs FLA 0.6.0 CP ({world} x {card})", "",
+             f"Command: `{command}` (NCCL_NVLS_ENABLE=0). bf16, K = V = 128, safe gate (lower_bound = -5) and q/k L2 "
+             "norm in kernel. Training step = forward + backward; time = median of a rank's repeats, maximum over "
+             "ranks.", "", "## Correctness (max |CP - single GPU| / max |single GPU|, worst rank)", ""]
+    corr = result.get("correctness", [])
+    if corr:
+        keys = [k for k in corr[0] if k != "context"]
+        lines += ["| context | " + " | ".join(keys) + " |", "|" + " --- |" * (len(keys) + 1)]
+        lines += ["| " + r["context"] + " | " + " | ".join(f"{r[k]:.2e}" for k in keys) + " |" for r in corr]
+    lines += ["", "## Training step, one sequence of W * T_rank tokens", "",
+              "| H | T per rank | T total | cula CP ms | FLA CP ms | speed-up (FLA / cula) | cula 1 GPU, T per rank ms |"
+              " CP overhead |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in result.get("timing", []):
+        fla = f"{r['fla_cp_ms']:.2f}" if "fla_cp_ms" in r else "n/a"
+        sp = f"{r['speedup']:.2f}x" if "speedup" in r else "n/a"
+        lines.append(f"| {r['H']} | {r['T_rank']} | {r['T_total']} | {r['cula_cp_ms']:.2f} | {fla} | {sp} | "
+                     f"{r['cula_local_ms']:.2f} | {r['cula_cp_ms'] / r['cula_local_ms']:.2f}x |")
+    lines += ["", "## Scaling (cula), one sequence", "", "| GPUs | T | H | ms | efficiency t1 / (n tn) |",
+              "| --- | --- | --- | --- | --- |"]
+    for r in result.get("scaling", []):
+        lines.append(f"| {r['gpus']} | {r['T']} | {r['H']} | {r['ms']:.2f} | {r['efficiency'] * 100:.0f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small grid: under 4 minutes on 2 or 4 GPUs")
+    parser.add_argument("--gpus", type=int, default=None, help="ranks (default: every visible GPU)")
+    parser.add_argument("--no-fla", action="store_true", help="skip FLA's CP (also skipped when FLA is absent)")
+    parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "multi_gpu_cp.md"),
+                        help="markdown table path, '-' for none")
+    args = parser.parse_args()
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    os.environ.setdefault("CULA_STRICT", "1")
+    sys.path.insert(0, str(ROOT))
+    import torch
+    import torch.multiprocessing as mp
+
+    world = args.gpus or torch.cuda.device_count()
+    if world < 1:
+        print("multi_gpu_cp: no CUDA device", file=sys.stderr)
+        return 2
+    have_fla = False
+    if not args.no_fla:
+        try:
+            import fla.ops.cp  # noqa: F401
+            import fla.ops.kda  # noqa: F401
+            have_fla = True
+        except ImportError as exc:
+            print(f"multi_gpu_cp: FLA's CP not importable ({exc}); timing cula only")
+    cfg = QUICK if args.quick else FULL
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    result_path = (out_dir or Path("/tmp")) / f"multi_gpu_cp_{os.getpid()}.json"
+    flags = [f for f, on in (("--quick", args.quick), (f"--gpus {args.gpus}", args.gpus), ("--no-fla", args.no_fla))
+             if on]
+    command = " ".join(["python tools/bench/multi_gpu_cp.py", *flags])
+    start = time.time()
+    status = 0
+    try:
+        mp.spawn(_worker, args=(world, _free_port(), cfg, have_fla, str(result_path)), nprocs=world, join=True)
+    except Exception:  # a rank failed: still print what was measured
+        traceback.print_exc()
+        status = 1
+    result = json.loads(result_path.read_text()) if result_path.exists() else {}
+    table = _tables(result, world, torch.cuda.get_device_name(0), command)
+    print(f"\n{table}\n({time.time() - start:.0f} s)")
+    if args.out != "-" and status == 0:
+        Path(args.out).write_text(table)
+    if out_dir is not None:
+        (out_dir / "multi_gpu_cp.md").write_text(table)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
