@@ -118,3 +118,20 @@ def kernel_call(op: str, kw, **flags):
             kw["dt_bias"])
     return KERNELS[op](*args, scale=kw["q"].shape[-1] ** -0.5, lower_bound=kw["lower_bound"],
                        use_qk_l2norm_in_kernel=kw["use_qk_l2norm_in_kernel"], **flags)
+
+
+def serving_pool(kw, dtype=torch.float32, v_first=False, null_slot=None):
+    """`kw` with its pool in a serving engine's form: `dtype` (fp32 or bf16), V-first ([P, HV, V, K]) or not, and,
+    with a null slot, every padded request pointed at it (the keyword added to `kw`)."""
+    kw = dict(kw)
+    pool = kw["state_pool"].to(dtype)
+    kw["state_pool"] = pool.transpose(-1, -2).contiguous() if v_first else pool
+    if v_first:
+        kw["state_v_first"] = True
+    if null_slot is not None:
+        idx = kw["cache_idx"].clone()
+        live = (idx >= 0) & (idx < pool.shape[0])
+        assert not (live & (idx == null_slot)).any(), "make_case left the null slot to a live request"
+        idx[~live] = null_slot
+        kw["cache_idx"], kw["null_slot"] = idx, null_slot
+    return kw

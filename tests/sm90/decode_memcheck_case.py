@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from decode_cases import backend, kernel_call, make_case
+from decode_cases import backend, kernel_call, make_case, serving_pool
 
 import cula_core
 from cula_sm90.decode import _config
@@ -24,9 +24,10 @@ def run_case(kw, T, N, public: bool):
         cula_core.kda_decode_mtp(**kw)
         cula_core.kda_decode_mtp(**kw, output_per_token_states=True)
         _, buf = cula_core.kda_decode_mtp_kvbuffer(**kw)
-        cula_core.kda_flush_kvbuffer(kw["state_pool"], kw["cache_idx"], buf, m)
-        cula_core.kda_flush_kvbuffer(kw["state_pool"], kw["cache_idx"], buf, T)
-        cula_core.kda_flush_kvbuffer_all_layers(pools, kw["cache_idx"], [buf, buf.clone()], m)
+        pool_kw = {name: kw[name] for name in ("state_v_first", "null_slot") if name in kw}
+        cula_core.kda_flush_kvbuffer(kw["state_pool"], kw["cache_idx"], buf, m, **pool_kw)
+        cula_core.kda_flush_kvbuffer(kw["state_pool"], kw["cache_idx"], buf, T, **pool_kw)
+        cula_core.kda_flush_kvbuffer_all_layers(pools, kw["cache_idx"], [buf, buf.clone()], m, **pool_kw)
     else:
         kernel_call("kda_decode_mtp", kw, output_per_token_states=False)
         kernel_call("kda_decode_mtp", kw, output_per_token_states=True)
@@ -36,9 +37,10 @@ def run_case(kw, T, N, public: bool):
         KERNELS["kda_flush_kvbuffer_all_layers"](pools, kw["cache_idx"], [buf, buf.clone()], m, 0)
 
 
-def main(parts=("all", "tilings", "verify")):
+def main(parts=("all", "tilings", "verify", "pools")):
     """parts: "all" (every kernel on odd batches), "tilings" (every dispatched tiling), "verify" (the chunk-form
-    verify, every chunk variant); the test runs all three, a quick check may name some
+    verify, every chunk variant), "pools" (bf16 / V-first pools with a null slot); the test runs all four, a quick
+    check may name some
     (python decode_memcheck_case.py verify)."""
     n = 0
     with backend():
@@ -75,9 +77,17 @@ def main(parts=("all", "tilings", "verify")):
                         n += 1
             finally:
                 _config.VERIFY_OVERRIDE = None
+        # serving pools: bf16 and V-first, padded through a null slot (every kernel, public ops)
+        for dtype, v_first in ((torch.bfloat16, False), (torch.float32, True), (torch.bfloat16, True)):
+            for N, T in ((1, 1), (5, 3), (5, 9)) if "pools" in parts else ():
+                kw = make_case(N, T, 1, 2, extra_slots=2, seed=110 + T)
+                free = sorted(set(range(kw["state_pool"].shape[0])) - set(kw["cache_idx"].tolist()))[0]
+                kw = serving_pool(kw, dtype, v_first, null_slot=free)
+                run_case(kw, T, N, public=True)
+                n += 1
     torch.cuda.synchronize()
     print(f"{n} cases ok")
 
 
 if __name__ == "__main__":
-    main(tuple(sys.argv[1:]) or ("all", "tilings", "verify"))
+    main(tuple(sys.argv[1:]) or ("all", "tilings", "verify", "pools"))

@@ -45,10 +45,19 @@ def test_declines_with_reasons():
     assert backend.unsupported_reason(call(dtype=torch.float64)) == \
         "sm90 decode serves bf16/fp16/fp32 q/k/v, got torch.float64"
     assert backend.unsupported_reason(call(state_dtype=torch.float64)) == \
-        "sm90 decode serves fp32 state pools, got torch.float64"
-    assert backend.unsupported_reason(call(state_dtype=torch.float32)) is None
+        "sm90 decode serves fp32 and bf16 state pools, got float64"
+    assert backend.unsupported_reason(call(state_dtype=torch.float16)) == \
+        "sm90 decode serves fp32 and bf16 state pools, got float16"
+    for pool in (dict(state_dtype=torch.float32), dict(state_dtype=torch.bfloat16, state_v_first=True, null_slot=True)):
+        assert backend.unsupported_reason(call(**pool)) is None
+        assert backend.unsupported_reason(call("kda_flush_kvbuffer", dtype=torch.float32, **pool)) is None
+    assert backend.unsupported_reason(call(gate="safe", lower_bound=-8.0)) is None
+    assert backend.unsupported_reason(call(gate="safe", lower_bound=0.5)) == \
+        "sm90 decode serves the safe gate with lower_bound <= 0, got 0.5"
+    flush = call("kda_flush_kvbuffer", dtype=torch.float64, gate="precomputed", state_dtype=torch.float64)
+    assert backend.unsupported_reason(flush) == "sm90 decode serves fp32 and bf16 state pools, got float64"
     flush = call("kda_flush_kvbuffer", dtype=torch.float64, gate="precomputed")
-    assert backend.unsupported_reason(flush) == "sm90 flush serves fp32 state pools and KVBuffers, got torch.float64"
+    assert backend.unsupported_reason(flush) == "sm90 flush serves fp32 KVBuffers, got torch.float64"
     many = call("kda_flush_kvbuffer_all_layers", dtype=torch.float32, gate="precomputed", layers=129)
     assert backend.unsupported_reason(many) == \
         "sm90 all-layers flush serves up to 128 layers in one launch, got 129"
@@ -79,45 +88,58 @@ def _launch_reaches_the_driver(run):
         run()
 
 
-def _decode_inputs(mode, T, K, qkv, gdt, bdt, has_a, has_b, N=2, HQK=2, HV=4):
+def _decode_inputs(mode, T, K, qkv, gdt, bdt, has_a, has_b, N=2, HQK=2, HV=4, pool_dtype=torch.float32):
     q, k = (torch.zeros(N, T, HQK, K, dtype=qkv) for _ in range(2))
     v = torch.zeros(N, T, HV, K, dtype=qkv)
     g = torch.zeros(N, T, HV, K, dtype=gdt)
     beta = torch.zeros(N, T, HV, dtype=bdt)
-    pool = torch.zeros(3, HV, K, K)
+    pool = torch.zeros(3, HV, K, K, dtype=pool_dtype)
     cache_idx = torch.zeros(N, dtype=torch.int32)
     A_log = torch.zeros(HV) if has_a else None
     dt_bias = torch.zeros(HV * K) if has_b else None
     return q, k, v, g, beta, pool, cache_idx, A_log, dt_bias
 
 
-RECURRENT = [  # (mode, T, K, dtypes of q/k/v, g, beta, A_log?, dt_bias?, safe, l2norm)
-    ("final", 1, 128, torch.bfloat16, torch.bfloat16, torch.bfloat16, True, True, False, True),
-    ("final", 4, 64, torch.float16, torch.float32, torch.float16, False, True, True, True),
-    ("states", 3, 128, torch.float32, torch.float32, torch.float32, True, False, True, False),
-    ("kvbuffer", 6, 128, torch.bfloat16, torch.float32, torch.bfloat16, True, True, False, True),
-    ("kvbuffer", 2, 64, torch.float32, torch.float32, torch.float32, False, False, True, True),
+BF16, F32 = torch.bfloat16, torch.float32
+RECURRENT = [  # (mode, T, K, dtypes of q/k/v, g, beta, A_log?, dt_bias?, safe, l2norm, pool dtype, V-first pool)
+    ("final", 1, 128, torch.bfloat16, torch.bfloat16, torch.bfloat16, True, True, False, True, F32, False),
+    ("final", 4, 64, torch.float16, torch.float32, torch.float16, False, True, True, True, F32, False),
+    ("states", 3, 128, torch.float32, torch.float32, torch.float32, True, False, True, False, F32, False),
+    ("kvbuffer", 6, 128, torch.bfloat16, torch.float32, torch.bfloat16, True, True, False, True, F32, False),
+    ("kvbuffer", 2, 64, torch.float32, torch.float32, torch.float32, False, False, True, True, F32, False),
+    # serving pools: bf16 and / or V-first, in every mode (the verify's chunk forms included: T = 2 and 12)
+    ("final", 1, 128, torch.bfloat16, torch.bfloat16, torch.bfloat16, True, True, False, True, BF16, True),
+    ("final", 4, 128, torch.bfloat16, torch.float32, torch.bfloat16, True, True, True, True, BF16, False),
+    ("states", 3, 64, torch.bfloat16, torch.float32, torch.bfloat16, True, True, False, True, BF16, True),
+    ("states", 2, 128, torch.float32, torch.float32, torch.float32, True, False, True, False, F32, True),
+    ("kvbuffer", 2, 128, torch.bfloat16, torch.float32, torch.bfloat16, True, True, False, True, BF16, True),
+    ("kvbuffer", 12, 128, torch.bfloat16, torch.float32, torch.bfloat16, True, True, True, True, F32, True),
 ]
 
 
-@pytest.mark.parametrize("case", RECURRENT, ids=lambda c: f"{c[0]}-T{c[1]}-K{c[2]}")
+def _case_id(c):
+    pool = ("-bf16" if c[10] == BF16 else "") + ("-vfirst" if c[11] else "")
+    return f"{c[0]}-T{c[1]}-K{c[2]}{pool}"
+
+
+@pytest.mark.parametrize("case", RECURRENT, ids=_case_id)
 def test_recurrent_family_loads_and_binds(sm90a, monkeypatch, case):
     """A call's first launch loads every kernel its family can dispatch to (compiled for sm_90a into the cache),
-    and the launch passes exactly the arguments the compiled kernel declares."""
+    and the launch passes exactly the arguments the compiled kernel declares (the null slot included)."""
     from cula_sm90.decode import launch
 
     rt = sm90a
-    mode, T, K, qkv, gdt, bdt, has_a, has_b, safe, l2 = case
-    inputs = _decode_inputs(mode, T, K, qkv, gdt, bdt, has_a, has_b)
+    mode, T, K, qkv, gdt, bdt, has_a, has_b, safe, l2, pool_dtype, v_first = case
+    inputs = _decode_inputs(mode, T, K, qkv, gdt, bdt, has_a, has_b, pool_dtype=pool_dtype)
     monkeypatch.setattr(rt, "current_stream", lambda device=None: 0)
 
     def run():
         launch._run_recurrent(mode, *inputs, scale=K ** -0.5, lower_bound=-5.0 if safe else None,
-                              use_qk_l2norm_in_kernel=l2)
+                              use_qk_l2norm_in_kernel=l2, state_v_first=v_first, null_slot=0 if v_first else None)
 
     _launch_reaches_the_driver(run)
     family = launch.family_kernels(mode, T, K, K, qkv, launch.gate_read_dtype(gdt), launch.gate_read_dtype(bdt),
-                                   has_a, has_b, safe, l2)
+                                   has_a, has_b, safe, l2, pool_dtype, v_first)
     loaded = set(rt.loaded())
     assert family and all(k in loaded for k in family)
     assert all(rt.resolve(name, config).origin in ("cached", "shipped") for name, config in family)
@@ -145,7 +167,7 @@ def test_chunk_verify_compiles_for_sm90a(sm90a, tc, T, K, safe):
     rt = sm90a
     bf = torch.bfloat16
     fn = rt.get(launch.VERIFY, launch.verify_config(T, K, K, bf, torch.float32, bf, True, True, safe, True, tc))
-    with pytest.raises(TypeError, match="Expects 18 parameters"):
+    with pytest.raises(TypeError, match="Expects 19 parameters"):
         fn(1, 2)
 
 
@@ -174,16 +196,18 @@ def test_dispatch_stays_within_what_a_family_prepares():
                 assert tiling in _config.dispatched_tilings()
 
 
-@pytest.mark.parametrize(("T", "K", "layers", "per_request"), [(4, 128, 1, True), (3, 64, 1, False),
-                                                                (6, 128, 5, True)])
-def test_flush_compiles_and_binds(sm90a, monkeypatch, T, K, layers, per_request):
+@pytest.mark.parametrize(("T", "K", "layers", "per_request", "pool_dtype", "v_first"),
+                         [(4, 128, 1, True, F32, False), (3, 64, 1, False, F32, False), (6, 128, 5, True, F32, False),
+                          (4, 128, 1, True, BF16, False), (3, 128, 3, False, BF16, True), (5, 64, 1, True, F32, True)])
+def test_flush_compiles_and_binds(sm90a, monkeypatch, T, K, layers, per_request, pool_dtype, v_first):
     from cula_sm90.decode import launch
 
     rt = sm90a
     monkeypatch.setattr(rt, "current_stream", lambda device=None: 0)
-    pools = [torch.zeros(3, 2, K, K) for _ in range(layers)]
+    pools = [torch.zeros(3, 2, K, K, dtype=pool_dtype) for _ in range(layers)]
     bufs = [torch.zeros(2, T, 2, 3 * K) for _ in range(layers)]
     cache_idx = torch.zeros(2, dtype=torch.int32)
     accept = torch.ones(2, dtype=torch.int32) if per_request else None
-    _launch_reaches_the_driver(lambda: launch._run_flush(pools, cache_idx, bufs, accept, 1))
-    assert (launch.FLUSH, launch.flush_config(T, K, K, layers, per_request)) in rt.loaded()
+    _launch_reaches_the_driver(lambda: launch._run_flush(pools, cache_idx, bufs, accept, 1, state_v_first=v_first,
+                                                         null_slot=1 if v_first else None))
+    assert (launch.FLUSH, launch.flush_config(T, K, K, layers, per_request, pool_dtype, v_first)) in rt.loaded()

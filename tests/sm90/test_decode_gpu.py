@@ -18,7 +18,7 @@ import torch
 
 import cula_core
 from decode_cases import (REL_TOL, REL_TOL_BF16_OUT, backend, kernel_call, live_rows, make_case,
-                          reference_kvbuffer, reference_mtp, rel_err, require_sm90)
+                          reference_kvbuffer, reference_mtp, rel_err, require_sm90, serving_pool)
 
 pytestmark = pytest.mark.gpu
 
@@ -281,6 +281,47 @@ def test_matches_fla_fused_recurrent():
         o, states = cula_core.kda_decode_mtp(**kw, output_per_token_states=True)
     assert rel_err(o, o_fla) < REL_TOL_BF16_OUT
     assert rel_err(states, fla_pool[scratch.long()]) < 1e-4
+
+
+# A bf16 pool stores the fp32 state rounded once per call: kernel and reference round the same fp32 value up to fp32
+# rounding, so stored states agree to one bf16 ulp (2^-8 relative) at most, and outputs (fp32 math from the same
+# bf16 state) to REL_TOL.
+REL_TOL_BF16_STATE = 2.0 ** -8
+
+
+@pytest.mark.parametrize("T", [1, 3, 9])
+@pytest.mark.parametrize(("dtype", "v_first", "null"), [(torch.bfloat16, False, False), (torch.float32, True, False),
+                                                         (torch.bfloat16, True, True), (torch.float32, False, True)])
+def test_serving_pools(T, dtype, v_first, null):
+    """bf16 and V-first pools and a null slot, every mode and the flush, against the reference on the same pool
+    (fp32 math, the pool's dtype and layout): final state, per-token states, verify + flush."""
+    state_tol = REL_TOL_BF16_STATE if dtype == torch.bfloat16 else REL_TOL
+    for i, N in enumerate((3, 64)):
+        kw = make_case(N, T, HQK, 2 * HQK, safe=bool(i), extra_slots=2, seed=500 + 10 * T + i)
+        free = sorted(set(range(kw["state_pool"].shape[0])) - set(kw["cache_idx"].tolist()))[0]
+        kw = serving_pool(kw, dtype, v_first, null_slot=free if null else None)
+        pool_kw = {name: kw[name] for name in ("state_v_first", "null_slot") if name in kw}
+        runs = {}
+        for name in ("reference", "sm90"):
+            case = dict(kw, state_pool=kw["state_pool"].clone())
+            with backend(name):
+                o_s, states = cula_core.kda_decode_mtp(**case, output_per_token_states=True)
+                o_f, _ = cula_core.kda_decode_mtp(**case)
+                final = case["state_pool"].clone()
+                case["state_pool"] = kw["state_pool"].clone()
+                o_v, buf = cula_core.kda_decode_mtp_kvbuffer(**case)
+                m = torch.arange(N, dtype=torch.int32, device="cuda") % (T + 1)
+                cula_core.kda_flush_kvbuffer(case["state_pool"], case["cache_idx"], buf, m, **pool_kw)
+            runs[name] = (o_s, states, o_f, final, o_v, buf, case["state_pool"])
+        ref, ours = runs["reference"], runs["sm90"]
+        assert ours[1].dtype == dtype and ours[3].dtype == dtype and ours[6].dtype == dtype
+        for j, what in enumerate(("o (states)", "states", "o (final)", "final pool", "o (verify)", "kvbuffer",
+                                  "flushed pool")):
+            tol = state_tol if what in ("states", "final pool", "flushed pool") else REL_TOL
+            assert rel_err(ours[j], ref[j]) < tol, (N, what, rel_err(ours[j], ref[j]))
+        if null:  # the null slot is never written
+            assert torch.equal(ours[3][kw["null_slot"]], kw["state_pool"][kw["null_slot"]])
+            assert torch.equal(ours[6][kw["null_slot"]], kw["state_pool"][kw["null_slot"]])
 
 
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not on PATH")

@@ -6,7 +6,8 @@
     python -m tools.bench.mtp_decode --first-call [--out FILE] # each decode family's first call (compiles)
 
 Inputs: K = V = 128, HQK = HV in (32, 64), bf16 q/k/v/g/beta (raw g, gate and L2 norm in kernel, softplus gate
-with A_log and dt_bias), fp32 state pool, every request live, accept length m = T.
+with A_log and dt_bias), fp32 state pool [P, HV, K, V] (`--pool-dtype bf16`: a bf16 pool, both sides; `--v-first`:
+[P, HV, V, K] pools, `state_v_first=True` on both sides), every request live, accept length m = T.
 
 Tables:
   1. the speculative-decoding chain "verify T draft tokens + commit the state after m = T of them":
@@ -64,20 +65,29 @@ def make_inputs(N, T, H, seed=0, device="cuda"):
     return dict(q=r(N, T, H, K).to(bf), k=r(N, T, H, K).to(bf), v=r(N, T, H, V).to(bf), g=r(N, T, H, K).to(bf),
                 beta=torch.sigmoid(r(N, T, H)).to(bf),
                 A_log=torch.log(torch.rand(H, generator=gen) * 15 + 1).to(device),
-                dt_bias=r(H * K, scale=0.5), state_pool=r(N, H, K, V, scale=0.1),
+                dt_bias=r(H * K, scale=0.5), state_pool=r(N, H, K, V, scale=0.1).to(POOL["dtype"]),
                 cache_idx=torch.randperm(N, generator=gen).to(torch.int32).to(device))
+
+
+#: the pools of every row (set from --pool-dtype / --v-first): dtype, and the V-first layout (K = V here, so a
+#: pool's shape is the same in both layouts; only the flag tells the ops how to index it)
+POOL = {"dtype": torch.float32, "v_first": False}
 
 
 def _op_args(x):
     return (x["q"], x["k"], x["v"], x["g"], x["beta"], x["state_pool"], x["cache_idx"])
 
 
+def _layout():
+    return {"state_v_first": True} if POOL["v_first"] else {}
+
+
 def cula_chain(x, m):
     import cula_core
 
     o, buf = cula_core.kda_decode_mtp_kvbuffer(*_op_args(x), A_log=x["A_log"], dt_bias=x["dt_bias"],
-                                                use_qk_l2norm_in_kernel=True)
-    cula_core.kda_flush_kvbuffer(x["state_pool"], x["cache_idx"], buf, m)
+                                                use_qk_l2norm_in_kernel=True, **_layout())
+    cula_core.kda_flush_kvbuffer(x["state_pool"], x["cache_idx"], buf, m, **_layout())
     return o
 
 
@@ -85,20 +95,21 @@ def cula_verify(x):
     import cula_core
 
     return cula_core.kda_decode_mtp_kvbuffer(*_op_args(x), A_log=x["A_log"], dt_bias=x["dt_bias"],
-                                             use_qk_l2norm_in_kernel=True)[0]
+                                             use_qk_l2norm_in_kernel=True, **_layout())[0]
 
 
 def cula_states(x):
     import cula_core
 
     return cula_core.kda_decode_mtp(*_op_args(x), A_log=x["A_log"], dt_bias=x["dt_bias"], use_qk_l2norm_in_kernel=True,
-                                    output_per_token_states=True)[0]
+                                    output_per_token_states=True, **_layout())[0]
 
 
 def cula_decode(x):
     import cula_core
 
-    return cula_core.kda_decode(*_op_args(x), A_log=x["A_log"], dt_bias=x["dt_bias"], use_qk_l2norm_in_kernel=True)
+    return cula_core.kda_decode(*_op_args(x), A_log=x["A_log"], dt_bias=x["dt_bias"], use_qk_l2norm_in_kernel=True,
+                                **_layout())
 
 
 VERIFY_VARIANTS = ("recurrent", "chunk_simt", "chunk_tc")  # the ones the dispatch tables pick from
@@ -121,7 +132,7 @@ def fla_setup(x, T):
     """FLA's pool: each request's live state in slot indices[n, 0] (= its cache_idx), its other T - 1 tokens'
     states in scratch slots after the N live ones."""
     N = x["q"].shape[0]
-    pool = torch.empty(N * T, *x["state_pool"].shape[1:], device="cuda")
+    pool = torch.empty(N * T, *x["state_pool"].shape[1:], device="cuda", dtype=x["state_pool"].dtype)
     pool[:N] = x["state_pool"]
     idx = torch.empty(N, T, device="cuda", dtype=torch.int32)
     idx[:, 0] = x["cache_idx"]
@@ -143,7 +154,7 @@ def fla_chain(x, pool, idx, m):
 
     o, _ = fused_recurrent_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
                                    initial_state=pool, inplace_final_state=True, ssm_state_indices=idx,
-                                   use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True)
+                                   use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, **_layout())
     if m > 1:  # commit: the accepted token's state into the request's live slot
         pool.index_copy_(0, idx[:, 0].long(), pool[idx[:, m - 1].long()])
     return o
@@ -154,7 +165,7 @@ def fla_decode(x, pool):
 
     return fused_recurrent_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], A_log=x["A_log"], dt_bias=x["dt_bias"],
                                    initial_state=pool, inplace_final_state=True, ssm_state_indices=x["cache_idx"],
-                                   use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True)[0]
+                                   use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, **_layout())[0]
 
 
 def graph_ms(fn, args, timing, reps=20):
@@ -341,11 +352,15 @@ def main(argv=None) -> int:
                     help="only graph-timed runs with the dispatch tables: chain grid, verify growth, T = 1 decode")
     ap.add_argument("--sections", default="growth,decode,chain",
                     help="with --dispatch: which of growth, decode, chain to run (in that order)")
+    ap.add_argument("--pool-dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="state pool dtype of every row (bf16: the HBM bound halves)")
+    ap.add_argument("--v-first", action="store_true", help="V-first pools [P, HV, V, K] (state_v_first=True)")
     ap.add_argument("--out", type=Path, help="write the markdown report here")
     ap.add_argument("--json", type=Path, help="write the raw numbers here (as it goes)")
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     ap.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
     args = ap.parse_args(argv)
+    POOL.update(dtype=torch.bfloat16 if args.pool_dtype == "bf16" else torch.float32, v_first=args.v_first)
     if args.static:
         return _emit(static_report(), args.out)
     if not torch.cuda.is_available():
@@ -453,7 +468,7 @@ def decode_row(N, H, timing):
                     fla_decode(xf, pool.clone()).float())
     row = dict(H=H, N=N, err=err, cula=graph_ms(cula_decode, (x,), timing),
                fla=graph_ms(fla_decode, (xf, pool), timing))
-    bytes_moved = 2 * N * H * K * V * 4 + N * H * (3 * K + V + 1) * 2 + N * H * V * 2
+    bytes_moved = 2 * N * H * K * V * POOL["dtype"].itemsize + N * H * (3 * K + V + 1) * 2 + N * H * V * 2
     row["hbm_pct"] = bytes_moved / (row["cula"] * 1e-3) / 1e9 / peak_hbm_gbs() * 100
     row["fla_hbm_pct"] = bytes_moved / (row["fla"] * 1e-3) / 1e9 / peak_hbm_gbs() * 100
     return row, x, xf, pool

@@ -17,11 +17,11 @@ MAX_T = 16
 MAX_LAYERS = 128
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: state pool dtypes: the kernels hold the state in fp32 registers and load / store the pool's dtype
-POOL_DTYPES = (torch.float32,)
+POOL_DTYPES = (torch.float32, torch.bfloat16)
 #: whether the kernels index V-first pools [P, HV, V, K] (state_v_first=True)
-V_FIRST_POOLS = False
+V_FIRST_POOLS = True
 #: whether the kernels take a null slot (a slot index that pads like a negative one)
-NULL_SLOT = False
+NULL_SLOT = True
 
 
 #: tilings of the recurrent kernel that the benchmark compares (every one tested against the reference on the H100):

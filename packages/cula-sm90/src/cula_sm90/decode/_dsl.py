@@ -101,3 +101,41 @@ def mma_tf32(a, b, c, *, loc=None, ip=None):
         "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
     return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+# ---------------------------------------------------------------- state pieces in either pool layout
+# A state is [K, V] (K-first: element (r, c) at r V + c) or, in a V-first pool, [V, K] (at c K + r). The pool's
+# element type is the pointer's (fp32 or bf16): loads convert to fp32, stores round to it.
+
+def state_piece_offset(slot_head: Int64, row0, col0, K: int, V: int, v_first: bool) -> Int64:
+    """Element offset of entry (row0, col0) of the state at slot_head = slot * HV + hv."""
+    if v_first:
+        return slot_head * (K * V) + Int64(col0) * K + row0
+    return slot_head * (K * V) + Int64(row0) * V + col0
+
+
+def load_state_piece(ptr: cute.Pointer, off: Int64, rows: int, cols: int, K: int, V: int, v_first: bool):
+    """The rows x cols piece at `off` (state_piece_offset) as fp32 [rows][cols]: K-first one vector per row,
+    V-first one vector per column (its rows are consecutive there)."""
+    if v_first:
+        by_col = [load_vec(ptr, off + Int64(c * K), rows) for c in range(cols)]
+        return [[by_col[c][r] for c in range(cols)] for r in range(rows)]
+    return [load_vec(ptr, off + Int64(r * V), cols) for r in range(rows)]
+
+
+def store_state_piece(ptr: cute.Pointer, off: Int64, S, rows: int, cols: int, K: int, V: int, v_first: bool):
+    """Inverse of load_state_piece: S [rows][cols] fp32, rounded to the pointer's element type."""
+    if v_first:
+        for c in range(cols):
+            store_vec(ptr, off + Int64(c * K), [S[r][c] for r in range(rows)], rows)
+    else:
+        for r in range(rows):
+            store_vec(ptr, off + Int64(r * V), S[r], cols)
+
+
+def load_state_row(ptr: cute.Pointer, off: Int64, n: int, K: int, v_first: bool):
+    """n consecutive columns of one state row at `off` (state_piece_offset) as fp32: one vector K-first, n
+    scalar loads V-first (the columns are K apart there)."""
+    if v_first:
+        return [load_vec(ptr, off + Int64(c * K), 1)[0] for c in range(n)]
+    return load_vec(ptr, off, n)

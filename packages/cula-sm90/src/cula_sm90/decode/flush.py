@@ -10,10 +10,11 @@ rank-1 terms in token order and writes the piece back: the pool is read and writ
 T (2K + V) floats per head.
 
 Layers. The pools and buffers of layer l are addressed as layer 0's pointer plus an element offset
-(`4 * pool_offs[l]`, `4 * buf_offs[l]`, kernel parameters): one compilation per layer count L, no device-side table.
+(`pool_offs[l]`, `buf_offs[l]` in 16-byte units, kernel parameters): one compilation per layer count L, no
+device-side table. Pools are fp32 or bf16 (the pointer's type; the math is fp32), [K, V] or V-first [V, K] per state.
 
 Assumptions: m is read at run time (from `accept_len[n]` or the broadcast `accept_all`) and clamped to [0, T];
-m = 0, cache_idx < 0 and cache_idx >= P leave the pool untouched; pools and buffers 16-byte aligned,
+m = 0, cache_idx < 0, cache_idx >= P and cache_idx == null_slot (runtime, -1 for none) leave the pool untouched; pools and buffers 16-byte aligned,
 contiguous; N, HV, P runtime values.
 """
 
@@ -23,7 +24,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from cula_sm90.decode._dsl import load_vec, store_vec
+from cula_sm90.decode._dsl import load_state_piece, load_vec, state_piece_offset, store_state_piece
 
 
 class FlushKVBuffer:
@@ -31,10 +32,11 @@ class FlushKVBuffer:
     from a tensor, and the tiling (block_v, lanes_v, num_warps as in recurrent.RecurrentDecode)."""
 
     def __init__(self, *, T: int, K: int, V: int, layers: int, per_request: bool, block_v: int = 32,
-                 lanes_v: int = 4, num_warps: int = 4):
+                 lanes_v: int = 4, num_warps: int = 4, state_v_first: bool = False):
         if K % 32 or 32 % lanes_v or V % block_v or block_v % (num_warps * lanes_v):
             raise ValueError(f"bad tiling: K={K} V={V} BV={block_v} VL={lanes_v} NW={num_warps}")
         self.T, self.K, self.V, self.L, self.per_request = T, K, V, layers, per_request
+        self.v_first = state_v_first  # pool layout [V, K] per state; the pool's dtype is the pointer's
         self.BV, self.VL, self.NW = block_v, lanes_v, num_warps
         self.KL = 32 // lanes_v
         self.RK = K // self.KL
@@ -44,14 +46,14 @@ class FlushKVBuffer:
 
     @cute.jit
     def __call__(self, pool: cute.Pointer, buf: cute.Pointer, cache_idx: cute.Pointer, accept_len: cute.Pointer,
-                 accept_all: Int32, pool_offs, buf_offs, N: Int32, HV: Int32, P: Int32, stream):
-        self.kernel(pool, buf, cache_idx, accept_len, accept_all, pool_offs, buf_offs, N, HV, P).launch(
+                 accept_all: Int32, pool_offs, buf_offs, N: Int32, HV: Int32, P: Int32, null_slot: Int32, stream):
+        self.kernel(pool, buf, cache_idx, accept_len, accept_all, pool_offs, buf_offs, N, HV, P, null_slot).launch(
             grid=[self.L * N * HV * self.NVB, 1, 1], block=[32 * self.NW, 1, 1], smem=self.smem_bytes,
             stream=stream)
 
     @cute.kernel
     def kernel(self, pool: cute.Pointer, buf: cute.Pointer, cache_idx: cute.Pointer, accept_len: cute.Pointer,
-               accept_all: Int32, pool_offs, buf_offs, N: Int32, HV: Int32, P: Int32):
+               accept_all: Int32, pool_offs, buf_offs, N: Int32, HV: Int32, P: Int32, null_slot: Int32):
         T, K, V, RK, CW = self.T, self.K, self.V, self.RK, self.CW
         W = 2 * K + V
         tid = cute.arch.thread_idx()[0]
@@ -73,7 +75,7 @@ class FlushKVBuffer:
             poff = cutlass.select_(layer == layer_l, pool_offs[layer_l], poff)
             boff = cutlass.select_(layer == layer_l, buf_offs[layer_l], boff)
         # offsets travel in units of 4 elements: the compiler then knows the 16-byte alignment survives
-        pool_l = pool + poff * 4
+        pool_l = pool + poff * (16 // (pool.dtype.width // 8))
         buf_l = buf + boff * 4
         idx = cute.make_tensor(cache_idx + Int64(n), cute.make_layout(1))[0]
         m = accept_all
@@ -86,9 +88,9 @@ class FlushKVBuffer:
         coef = smem.allocate_tensor(Float32, cute.make_layout((T + 1, K), stride=(K, 1)), byte_alignment=16)
         sc = coef.iterator
         # CTA-uniform: the whole CTA returns together (no barrier is skipped by part of it)
-        if (idx >= 0) & (idx < P) & (m > 0):
-            sbase = (Int64(idx) * HV + hv) * (K * V) + Int64(row0) * V + col0
-            S0 = [load_vec(pool_l, sbase + (r * V), CW) for r in range(RK)]
+        if (idx >= 0) & (idx < P) & (idx != null_slot) & (m > 0):
+            sbase = state_piece_offset(Int64(idx) * HV + hv, row0, col0, K, V, self.v_first)
+            S0 = load_state_piece(pool_l, sbase, RK, CW, K, V, self.v_first)
             tok0 = Int64(n) * T
             dl = [load_vec(buf_l, ((tok0 + t) * HV + hv) * W + (2 * K) + col0, CW) for t in range(T)]
             for rr in cutlass.range_constexpr((K + 32 * self.NW - 1) // (32 * self.NW)):
@@ -110,5 +112,5 @@ class FlushKVBuffer:
                 # rejected tokens: coefficient 0 and delta masked (a non-finite delta must not leak in)
                 d = [cutlass.select_(t < m, dl[t][c], Float32(0.0)) for c in range(CW)]
                 upd = [[upd[r][c] + a[r] * d[c] for c in range(CW)] for r in range(RK)]
-            for r in cutlass.range_constexpr(RK):
-                store_vec(pool_l, sbase + (r * V), [eg[r] * S0[r][c] + upd[r][c] for c in range(CW)], CW)
+            S = [[eg[r] * S0[r][c] + upd[r][c] for c in range(CW)] for r in range(RK)]
+            store_state_piece(pool_l, sbase, S, RK, CW, K, V, self.v_first)

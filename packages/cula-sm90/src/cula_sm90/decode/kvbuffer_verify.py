@@ -30,7 +30,9 @@ G, the Kt / Qt tile and the buffer's k_t, G_t rows, a thread per K row (barrier)
 warp order) and writes o and delta. Shared-memory rows are padded to K + 4 floats (conflict-free column reads).
 
 Assumptions (checked on the host in launch.py): inputs contiguous and 16-byte aligned, K in (64, 128), V % 32 == 0,
-T <= 16; N, HV, HQK, P, scale and lower_bound runtime values; cache_idx < 0 or >= P: zeros, the pool not read.
+T <= 16; N, HV, HQK, P, scale, lower_bound and null_slot runtime values; cache_idx < 0, >= P or == null_slot: zeros,
+the pool not read. The pool: fp32 or bf16 (the pointer's type), [K, V] or (compile time) V-first [V, K] per state,
+whose 4-column row pieces are then 4 scalar loads.
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from cula_sm90.decode._dsl import (l2_normalize, load_vec, log_decay, mma_tf32, store_vec, store_zeros, tf32_split,
-                                   xor_sum)
+from cula_sm90.decode._dsl import (l2_normalize, load_state_row, load_vec, log_decay, mma_tf32, state_piece_offset,
+                                   store_vec, store_zeros, tf32_split, xor_sum)
 
 
 class ChunkVerify:
@@ -51,12 +53,13 @@ class ChunkVerify:
     NW = 4    # warps: split K four ways
 
     def __init__(self, *, T: int, K: int, V: int, safe_gate: bool, has_A_log: bool, has_dt_bias: bool, l2norm: bool,
-                 tensor_cores: bool):
+                 tensor_cores: bool, state_v_first: bool = False):
         if K % (8 * self.NW) or V % self.BV or not 1 <= T <= 16:
             raise ValueError(f"bad shape for the chunk verify: T={T} K={K} V={V}")
         self.T, self.K, self.V = T, K, V
         self.safe_gate, self.has_A_log, self.has_dt_bias, self.l2norm = safe_gate, has_A_log, has_dt_bias, l2norm
         self.tc = tensor_cores
+        self.v_first = state_v_first  # pool layout [V, K] per state (row pieces then gathered); dtype: the pointer's
         self.KW = K // self.NW          # state rows per warp
         self.KS = self.KW // 8          # MMA k-steps per warp
         self.RS = self.KW // 4          # SIMT: state rows per lane (4 lanes along K)
@@ -78,19 +81,19 @@ class ChunkVerify:
     def __call__(self, q: cute.Pointer, k: cute.Pointer, v: cute.Pointer, g: cute.Pointer, beta: cute.Pointer,
                  A_log: cute.Pointer, dt_bias: cute.Pointer, pool: cute.Pointer, cache_idx: cute.Pointer,
                  o: cute.Pointer, buf: cute.Pointer, N: Int32, HQK: Int32, HV: Int32, P: Int32, scale: Float32,
-                 lower_bound: Float32, stream):
+                 lower_bound: Float32, null_slot: Int32, stream):
         self.kernel(q, k, v, g, beta, A_log, dt_bias, pool, cache_idx, o, buf, HQK, HV, P, scale,
-                    lower_bound).launch(grid=[N * HV * self.NVB, 1, 1], block=[32 * self.NW, 1, 1],
+                    lower_bound, null_slot).launch(grid=[N * HV * self.NVB, 1, 1], block=[32 * self.NW, 1, 1],
                                         smem=self.smem_bytes, stream=stream)
 
     @cute.kernel
     def kernel(self, q: cute.Pointer, k: cute.Pointer, v: cute.Pointer, g: cute.Pointer, beta: cute.Pointer,
                A_log: cute.Pointer, dt_bias: cute.Pointer, pool: cute.Pointer, cache_idx: cute.Pointer,
                o: cute.Pointer, buf: cute.Pointer, HQK: Int32, HV: Int32, P: Int32, scale: Float32,
-               lower_bound: Float32):
+               lower_bound: Float32, null_slot: Int32):
         T, K, V, MP, KP, BV, NW = self.T, self.K, self.V, self.MP, self.KP, self.BV, self.NW
         W = 2 * K + V
-        tid, warp, lane, vb, hv, h, col0, kbase, idx, live, tok0 = self._coords(cache_idx, HQK, HV, P)
+        tid, warp, lane, vb, hv, h, col0, kbase, idx, live, tok0 = self._coords(cache_idx, HQK, HV, P, null_slot)
 
         smem = cutlass.memory.SmemAllocator()
         # rows padded to KP = K + 4 floats: lanes reading row t at the same column hit distinct banks
@@ -107,16 +110,17 @@ class ChunkVerify:
         sv, sA, sred = vecs.iterator, At.iterator, red.iterator
         if live:
             # --- state rows of this thread first (the long-latency traffic), 16-byte pieces
-            sbase = (Int64(idx) * HV + hv) * (K * V) + col0
+            slot_head = Int64(idx) * HV + hv
             S = []
             if cutlass.const_expr(self.tc):
-                S = self._state_tc(pool, sbase, lane, kbase)
+                S = self._state_tc(pool, slot_head, col0, lane, kbase)
             else:
                 kr = lane // 8
                 c4 = (lane % 8) * 4
                 for i in cutlass.range_constexpr(self.RS):
                     r = kbase + kr * self.RS + i
-                    S.append(load_vec(pool, sbase + Int64(r) * V + c4, 4))
+                    S.append(load_state_row(pool, state_piece_offset(slot_head, r, col0 + c4, K, V, self.v_first), 4,
+                                            K, self.v_first))
             # v and beta for the solve (warp 0 uses them: lane = column; the other warps' copies hit L1)
             vr = [cute.make_tensor(v + (((tok0 + t) * HV + hv) * V + col0 + lane), cute.make_layout(1))
                   .load().to(Float32)[0] for t in range(T)]
@@ -176,7 +180,7 @@ class ChunkVerify:
 
     # ------------------------------------------------------------ the kernel's phases, one method each
 
-    def _coords(self, cache_idx, HQK, HV, P):
+    def _coords(self, cache_idx, HQK, HV, P, null_slot):
         """Who this thread is: (tid, warp, lane, value block, value head, q/k head (GVA), first column, first
         state row of the warp's K-slice, the request's pool slot, whether it is live, its first token row)."""
         tid = cute.arch.thread_idx()[0]
@@ -191,10 +195,10 @@ class ChunkVerify:
         col0 = vb * self.BV
         kbase = warp * self.KW
         idx = cute.make_tensor(cache_idx + Int64(n), cute.make_layout(1))[0]
-        live = (idx >= 0) & (idx < P)
+        live = (idx >= 0) & (idx < P) & (idx != null_slot)   # null_slot is -1 when the engine has none
         return tid, warp, lane, vb, hv, h, col0, kbase, idx, live, Int64(n) * self.T
 
-    def _state_tc(self, pool, sbase, lane, kbase):
+    def _state_tc(self, pool, slot_head, col0, lane, kbase):
         """This thread's state rows in the MMA's B-fragment layout (_products_tc): for k-step s, rows
         s 8 + lane % 4 (+ 4) of the warp's slice, CTA columns 4 (lane / 4) .. + 3 (one 16-byte load each)."""
         S = []
@@ -202,7 +206,8 @@ class ChunkVerify:
         for s in range(self.KS):
             for half in range(2):
                 r = kbase + s * 8 + lane % 4 + half * 4
-                S.append(load_vec(pool, sbase + Int64(r) * self.V + c4, 4))
+                off = state_piece_offset(slot_head, r, col0 + c4, self.K, self.V, self.v_first)
+                S.append(load_state_row(pool, off, 4, self.K, self.v_first))
         return S
 
     def _token_vectors(self, sv, rows: int, q, k, g, A_log, dt_bias, tok0, h, hv, HQK, HV, warp, lane, scale,

@@ -6,10 +6,14 @@ Kernels (registered here) and their compile-time configurations; N, pool size P,
 lower_bound are runtime arguments, so one artifact serves every batch:
 
     sm90.decode.recurrent  recurrent_config(mode, T, K, V, qkv dtype, g dtype, beta dtype, A_log, dt_bias, safe,
-                           l2norm, tiling)                                       recurrent.RecurrentDecode
-    sm90.decode.verify     verify_config(T, K, V, qkv, g, beta, A_log, dt_bias, safe, l2norm, tensor_cores)
-                                                                                 kvbuffer_verify.ChunkVerify
-    sm90.decode.flush      flush_config(T, K, V, layers, per_request)            flush.FlushKVBuffer
+                           l2norm, tiling, pool dtype, v_first)                  recurrent.RecurrentDecode
+    sm90.decode.verify     verify_config(T, K, V, qkv, g, beta, A_log, dt_bias, safe, l2norm, tensor_cores,
+                           pool dtype, v_first)                                  kvbuffer_verify.ChunkVerify
+    sm90.decode.flush      flush_config(T, K, V, layers, per_request, pool dtype, v_first)
+                                                                                 flush.FlushKVBuffer
+
+The pool dtype (fp32 or bf16) and layout (v_first: [V, K] per state) are compile-time; null_slot is a runtime
+argument (-1 when the engine has none).
 
 Dtypes in the configuration: q/k/v as given (bf16, fp16, fp32); g and beta as given when bf16 or fp32, else
 converted to fp32 on the host; A_log and dt_bias always fp32 (None when absent). The kernels convert every input to
@@ -43,29 +47,32 @@ NATIVE_GATE_DTYPES = (torch.bfloat16, torch.float32)
 
 def recurrent_config(mode: str, T: int, K: int, V: int, qkv: torch.dtype, g: torch.dtype, beta: torch.dtype,
                      has_A_log: bool, has_dt_bias: bool, safe: bool, l2norm: bool,
-                     tiling: tuple[int, int, int, int]) -> tuple:
-    """Compile-time configuration of the recurrent kernel (g, beta: the dtypes it reads, NATIVE_GATE_DTYPES)."""
+                     tiling: tuple[int, int, int, int], pool: torch.dtype = _F32, v_first: bool = False) -> tuple:
+    """Compile-time configuration of the recurrent kernel (g, beta: the dtypes it reads, NATIVE_GATE_DTYPES;
+    pool: the state pool's dtype, also that of the per-token states of MODE_STATES; v_first: its layout)."""
     return (mode, T, K, V, qkv, g, beta, _F32 if has_A_log else None, _F32 if has_dt_bias else None, bool(safe),
-            bool(l2norm), tuple(tiling))
+            bool(l2norm), tuple(tiling), pool, bool(v_first))
 
 
 def verify_config(T: int, K: int, V: int, qkv: torch.dtype, g: torch.dtype, beta: torch.dtype, has_A_log: bool,
-                  has_dt_bias: bool, safe: bool, l2norm: bool, tensor_cores: bool) -> tuple:
+                  has_dt_bias: bool, safe: bool, l2norm: bool, tensor_cores: bool, pool: torch.dtype = _F32,
+                  v_first: bool = False) -> tuple:
     """Compile-time configuration of the chunk-form verify (tensor_cores: 3xTF32 products, else SIMT)."""
     return (T, K, V, qkv, g, beta, _F32 if has_A_log else None, _F32 if has_dt_bias else None, bool(safe),
-            bool(l2norm), bool(tensor_cores))
+            bool(l2norm), bool(tensor_cores), pool, bool(v_first))
 
 
-def flush_config(T: int, K: int, V: int, layers: int, per_request: bool) -> tuple:
-    return (T, K, V, layers, bool(per_request))
+def flush_config(T: int, K: int, V: int, layers: int, per_request: bool, pool: torch.dtype = _F32,
+                 v_first: bool = False) -> tuple:
+    return (T, K, V, layers, bool(per_request), pool, bool(v_first))
 
 
-def _gate_args(qkv, gdt, bdt, adt, ddt) -> tuple:
+def _gate_args(qkv, gdt, bdt, adt, ddt, pool, out) -> tuple:
     """Compile-time pointer arguments of the recurrent and verify kernels (same signature): q, k, v, g, beta,
-    A_log, dt_bias, pool, cache_idx, o, out."""
+    A_log, dt_bias, pool, cache_idx, o, out (pool, out: their dtypes)."""
     p = rt.fake_ptr
-    return (p(qkv), p(qkv), p(qkv), p(gdt), p(bdt, bdt.itemsize), p(adt or _F32, 4), p(ddt or _F32), p(_F32),
-            p(_I32, 4), p(qkv), p(_F32))
+    return (p(qkv), p(qkv), p(qkv), p(gdt), p(bdt, bdt.itemsize), p(adt or _F32, 4), p(ddt or _F32), p(pool),
+            p(_I32, 4), p(qkv), p(out))
 
 
 def _scalars(*kinds: str) -> tuple:
@@ -78,31 +85,34 @@ def _scalars(*kinds: str) -> tuple:
 def _build_recurrent(config: tuple):
     from cula_sm90.decode.recurrent import RecurrentDecode
 
-    mode, T, K, V, qkv, gdt, bdt, adt, ddt, safe, l2norm, (bv, vl, nw, wl) = config
+    mode, T, K, V, qkv, gdt, bdt, adt, ddt, safe, l2norm, (bv, vl, nw, wl), pool, v_first = config
     kern = RecurrentDecode(T=T, K=K, V=V, mode=mode, safe_gate=safe, has_A_log=adt is not None,
                            has_dt_bias=ddt is not None, l2norm=l2norm, block_v=bv, lanes_v=vl, num_warps=nw,
-                           warp_local=bool(wl))
-    return kern, (*_gate_args(qkv, gdt, bdt, adt, ddt), *_scalars("i", "i", "i", "i", "f", "f"), rt.fake_stream())
+                           warp_local=bool(wl), state_v_first=v_first)
+    out = pool if mode == _config.MODE_STATES else _F32
+    return kern, (*_gate_args(qkv, gdt, bdt, adt, ddt, pool, out), *_scalars("i", "i", "i", "i", "f", "f", "i"),
+                  rt.fake_stream())
 
 
 def _build_verify(config: tuple):
     from cula_sm90.decode.kvbuffer_verify import ChunkVerify
 
-    T, K, V, qkv, gdt, bdt, adt, ddt, safe, l2norm, tensor_cores = config
+    T, K, V, qkv, gdt, bdt, adt, ddt, safe, l2norm, tensor_cores, pool, v_first = config
     kern = ChunkVerify(T=T, K=K, V=V, tensor_cores=tensor_cores, safe_gate=safe, has_A_log=adt is not None,
-                       has_dt_bias=ddt is not None, l2norm=l2norm)
-    return kern, (*_gate_args(qkv, gdt, bdt, adt, ddt), *_scalars("i", "i", "i", "i", "f", "f"), rt.fake_stream())
+                       has_dt_bias=ddt is not None, l2norm=l2norm, state_v_first=v_first)
+    return kern, (*_gate_args(qkv, gdt, bdt, adt, ddt, pool, _F32), *_scalars("i", "i", "i", "i", "f", "f", "i"),
+                  rt.fake_stream())
 
 
 def _build_flush(config: tuple):
     from cula_sm90.decode.flush import FlushKVBuffer
 
-    T, K, V, layers, per_request = config
-    kern = FlushKVBuffer(T=T, K=K, V=V, layers=layers, per_request=per_request)
+    T, K, V, layers, per_request, pool, v_first = config
+    kern = FlushKVBuffer(T=T, K=K, V=V, layers=layers, per_request=per_request, state_v_first=v_first)
     offs = _scalars(*"l" * layers)
     p = rt.fake_ptr
-    return kern, (p(_F32), p(_F32), p(_I32, 4), p(_I32, 4), *_scalars("i"), offs, offs, *_scalars("i", "i", "i"),
-                  rt.fake_stream())
+    return kern, (p(pool), p(_F32), p(_I32, 4), p(_I32, 4), *_scalars("i"), offs, offs,
+                  *_scalars("i", "i", "i", "i"), rt.fake_stream())
 
 
 _COMMON = ("cula_sm90.decode._dsl", "cula_sm90.decode._config", "cula_sm90.decode.launch")
@@ -112,25 +122,25 @@ for _name, _build, _source in ((RECURRENT, _build_recurrent, "recurrent"), (VERI
 
 
 def variant_kernel(mode: str, variant: str, tiling, T: int, K: int, V: int, qkv, gdt, bdt, has_A_log: bool,
-                   has_dt_bias: bool, safe: bool, l2norm: bool) -> tuple[str, tuple]:
+                   has_dt_bias: bool, safe: bool, l2norm: bool, pool=_F32, v_first: bool = False) -> tuple[str, tuple]:
     """(kernel name, configuration) of one dispatch choice: the recurrent kernel at `tiling`, or the chunk-form
     verify (same signature)."""
     if variant == _config.VERIFY_RECURRENT:
         return RECURRENT, recurrent_config(mode, T, K, V, qkv, gdt, bdt, has_A_log, has_dt_bias, safe, l2norm,
-                                           tiling)
+                                           tiling, pool, v_first)
     return VERIFY, verify_config(T, K, V, qkv, gdt, bdt, has_A_log, has_dt_bias, safe, l2norm,
-                                 variant == _config.VERIFY_CHUNK_TC)
+                                 variant == _config.VERIFY_CHUNK_TC, pool, v_first)
 
 
 def family_kernels(mode: str, T: int, K: int, V: int, qkv, gdt, bdt, has_A_log: bool, has_dt_bias: bool,
-                   safe: bool, l2norm: bool) -> list[tuple[str, tuple]]:
+                   safe: bool, l2norm: bool, pool=_F32, v_first: bool = False) -> list[tuple[str, tuple]]:
     """Every (kernel, configuration) the dispatch tables can pick for a family at any batch size."""
     variants = _config.verify_variants_for(T) if mode == _config.MODE_KVBUFFER else (_config.VERIFY_RECURRENT,)
     out = []
     for variant in variants:
         tilings = _config.recurrent_tilings_for(T) if variant == _config.VERIFY_RECURRENT else (None,)
-        out.extend(variant_kernel(mode, variant, t, T, K, V, qkv, gdt, bdt, has_A_log, has_dt_bias, safe, l2norm)
-                   for t in tilings)
+        out.extend(variant_kernel(mode, variant, t, T, K, V, qkv, gdt, bdt, has_A_log, has_dt_bias, safe, l2norm,
+                                  pool, v_first) for t in tilings)
     return out
 
 
@@ -161,14 +171,14 @@ def _gate_dtype(t: torch.Tensor) -> torch.Tensor:
 
 
 def _run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, *, scale, lower_bound,
-                   use_qk_l2norm_in_kernel):
+                   use_qk_l2norm_in_kernel, state_v_first=False, null_slot=None):
     N, T, HQK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     P = state_pool.shape[0]
     dev = q.device
     o = torch.empty_like(v)
-    if mode == _config.MODE_STATES:
-        out = torch.empty((N, T, HV, K, V), device=dev, dtype=torch.float32)
+    if mode == _config.MODE_STATES:  # per-token states in the pool's layout and dtype
+        out = torch.empty((N, T, *state_pool.shape[1:]), device=dev, dtype=state_pool.dtype)
     elif mode == _config.MODE_KVBUFFER:
         out = torch.empty((N, T, HV, 2 * K + V), device=dev, dtype=torch.float32)
     else:
@@ -182,7 +192,8 @@ def _run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias
     dt_bias = rt.aligned16(dt_bias.float().contiguous()) if dt_bias is not None else None
     safe = lower_bound is not None
     l2norm = bool(use_qk_l2norm_in_kernel)
-    family = (mode, T, K, V, q.dtype, g.dtype, beta.dtype, A_log is not None, dt_bias is not None, safe, l2norm)
+    family = (mode, T, K, V, q.dtype, g.dtype, beta.dtype, A_log is not None, dt_bias is not None, safe, l2norm,
+              state_pool.dtype, bool(state_v_first))
     _prepare_family(family)
     variant = _config.verify_variant(N, T, HV) if mode == _config.MODE_KVBUFFER else _config.VERIFY_RECURRENT
     fn = rt.get(*variant_kernel(mode, variant, _config.recurrent_tiling(N, T, HV), *family[1:]))
@@ -192,27 +203,30 @@ def _run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias
        dt_bias.data_ptr() if dt_bias is not None else pool_addr,    # never read without dt_bias
        pool_addr, cache_idx.data_ptr(), o.data_ptr(),
        out.data_ptr() if out is not None else pool_addr,            # never written in MODE_FINAL
-       N, HQK, HV, P, float(scale), float(lower_bound) if safe else 0.0, rt.current_stream(dev))
+       N, HQK, HV, P, float(scale), float(lower_bound) if safe else 0.0, -1 if null_slot is None else int(null_slot),
+       rt.current_stream(dev))
     return o, out
 
 
 # ---------------------------------------------------------------- flush kernel (one layer or all layers)
 
-def _run_flush(state_pools, cache_idx, kvbuffers, accept_len, accept_len_all) -> None:
+def _run_flush(state_pools, cache_idx, kvbuffers, accept_len, accept_len_all, state_v_first=False,
+               null_slot=None) -> None:
     pool0, buf0 = state_pools[0], kvbuffers[0]
-    P, HV, K, V = pool0.shape
+    P, HV = pool0.shape[:2]
+    K, V = (pool0.shape[3], pool0.shape[2]) if state_v_first else pool0.shape[2:]
     N, T = buf0.shape[:2]
     if N == 0:
         return
     per_request = accept_len is not None
-    fn = rt.get(FLUSH, flush_config(T, K, V, len(state_pools), per_request))
+    fn = rt.get(FLUSH, flush_config(T, K, V, len(state_pools), per_request, pool0.dtype, state_v_first))
     # layer l = layer 0's pointer + 4 * offset elements (16-byte units; every pointer is 16-byte aligned)
     p0, b0 = pool0.data_ptr(), buf0.data_ptr()
     poffs = tuple((p.data_ptr() - p0) // 16 for p in state_pools)
     boffs = tuple((b.data_ptr() - b0) // 16 for b in kvbuffers)
     acc_addr = accept_len.data_ptr() if per_request else cache_idx.data_ptr()  # never read without the tensor
     fn(p0, b0, cache_idx.data_ptr(), acc_addr, int(accept_len_all), poffs, boffs, N, HV, P,
-       rt.current_stream(pool0.device))
+       -1 if null_slot is None else int(null_slot), rt.current_stream(pool0.device))
 
 
 #: ops.py's name for the 16-byte alignment copy

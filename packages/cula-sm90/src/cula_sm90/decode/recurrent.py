@@ -19,9 +19,11 @@ With `warp_local`, each warp prepares all the per-token vectors itself in its ow
 only itself (no CTA barrier).
 
 Assumptions (checked on the host in launch.py): inputs contiguous, q/k/g/v/o/pool/states/buffer pointers
-16-byte aligned, K % 32 == 0, V % BV == 0; N, HV, HQK, P, scale and lower_bound are runtime values (one
-compilation serves every batch); cache_idx < 0 or >= P marks a slot that is skipped (outputs zero,
-nothing of the pool read or written).
+16-byte aligned, K % 32 == 0, V % BV == 0; N, HV, HQK, P, scale, lower_bound and null_slot are runtime values
+(one compilation serves every batch); cache_idx < 0, >= P or == null_slot marks a slot that is skipped (outputs
+zero, nothing of the pool read or written). The pool is fp32 or bf16 (the pointer's type; the state stays fp32 in
+registers) in [K, V] or, compile-time `state_v_first`, [V, K] per state (a lane then loads its piece by columns,
+RK consecutive rows each, and transposes it in registers).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from cula_sm90.decode._dsl import l2_normalize, load_vec, log_decay, store_vec, store_zeros, xor_sum
+from cula_sm90.decode._dsl import (l2_normalize, load_state_piece, load_vec, log_decay, state_piece_offset,
+                                   store_state_piece, store_vec, store_zeros, xor_sum)
 
 from cula_sm90.decode._config import MODE_FINAL, MODE_KVBUFFER, MODE_STATES
 
@@ -44,12 +47,16 @@ class RecurrentDecode:
     block_v (BV), lanes_v (VL), num_warps (NW): the tiling above."""
 
     def __init__(self, *, T: int, K: int, V: int, mode: str, safe_gate: bool, has_A_log: bool, has_dt_bias: bool,
-                 l2norm: bool, block_v: int = 32, lanes_v: int = 4, num_warps: int = 4, warp_local: bool = False):
+                 l2norm: bool, block_v: int = 32, lanes_v: int = 4, num_warps: int = 4, warp_local: bool = False,
+                 state_v_first: bool = False):
         if K % 32 or 32 % lanes_v or V % block_v or block_v % (num_warps * lanes_v):
             raise ValueError(f"bad tiling: K={K} V={V} BV={block_v} VL={lanes_v} NW={num_warps}")
         self.T, self.K, self.V, self.mode = T, K, V, mode
         self.safe_gate, self.has_A_log, self.has_dt_bias, self.l2norm = safe_gate, has_A_log, has_dt_bias, l2norm
         self.BV, self.VL, self.NW = block_v, lanes_v, num_warps
+        # the pool's (and MODE_STATES output's) layout: [K, V] per state, or [V, K]; their element type is the
+        # pointer's (fp32 or bf16: the state is held in fp32 registers either way)
+        self.v_first = state_v_first
         # warp_local: every warp prepares all per-token vectors itself, in its own slice of shared memory, and
         # syncs only itself (no CTA barrier: each warp starts its token loop when its own loads land)
         self.warp_local = warp_local
@@ -66,16 +73,16 @@ class RecurrentDecode:
     def __call__(self, q: cute.Pointer, k: cute.Pointer, v: cute.Pointer, g: cute.Pointer, beta: cute.Pointer,
                  A_log: cute.Pointer, dt_bias: cute.Pointer, pool: cute.Pointer, cache_idx: cute.Pointer,
                  o: cute.Pointer, out: cute.Pointer, N: Int32, HQK: Int32, HV: Int32, P: Int32, scale: Float32,
-                 lower_bound: Float32, stream):
+                 lower_bound: Float32, null_slot: Int32, stream):
         self.kernel(q, k, v, g, beta, A_log, dt_bias, pool, cache_idx, o, out, HQK, HV, P, scale,
-                    lower_bound).launch(grid=[N * HV * self.NVB, 1, 1], block=[32 * self.NW, 1, 1],
+                    lower_bound, null_slot).launch(grid=[N * HV * self.NVB, 1, 1], block=[32 * self.NW, 1, 1],
                                         smem=self.smem_bytes, stream=stream)
 
     @cute.kernel
     def kernel(self, q: cute.Pointer, k: cute.Pointer, v: cute.Pointer, g: cute.Pointer, beta: cute.Pointer,
                A_log: cute.Pointer, dt_bias: cute.Pointer, pool: cute.Pointer, cache_idx: cute.Pointer,
                o: cute.Pointer, out: cute.Pointer, HQK: Int32, HV: Int32, P: Int32, scale: Float32,
-               lower_bound: Float32):
+               lower_bound: Float32, null_slot: Int32):
         T, K, V, RK, CW, EPL = self.T, self.K, self.V, self.RK, self.CW, self.EPL
         tid = cute.arch.thread_idx()[0]
         warp = tid // 32
@@ -91,7 +98,7 @@ class RecurrentDecode:
         row0 = kr * RK
         col0 = vb * self.BV + warp * (self.VL * CW) + vc * CW
         idx = cute.make_tensor(cache_idx + Int64(n), cute.make_layout(1))[0]
-        live = (idx >= 0) & (idx < P)
+        live = (idx >= 0) & (idx < P) & (idx != null_slot)   # null_slot is -1 when the engine has none
 
         smem = cutlass.memory.SmemAllocator()
         nslices = self.NW if cutlass.const_expr(self.warp_local) else 1
@@ -101,12 +108,11 @@ class RecurrentDecode:
         wb = Int32(0)
         if cutlass.const_expr(self.warp_local):
             wb = warp * self.slice
-        KV = Int64(K * V)
         tok0 = Int64(n) * T                 # first token row of this request
         if live:
             # --- prologue: state piece, v and beta into registers; per-token vectors into shared memory
-            sbase = (Int64(idx) * HV + hv) * KV + Int64(row0) * V + col0
-            S = [load_vec(pool, sbase + Int64(r * V), CW) for r in range(RK)]
+            sbase = state_piece_offset(Int64(idx) * HV + hv, row0, col0, K, V, self.v_first)
+            S = load_state_piece(pool, sbase, RK, CW, K, V, self.v_first)
             vr = [load_vec(v, ((tok0 + t) * HV + hv) * V + col0, CW) for t in range(T)]
             br = [cute.make_tensor(beta + ((tok0 + t) * HV + hv), cute.make_layout(1)).load().to(Float32)[0]
                   for t in range(T)]
@@ -174,8 +180,8 @@ class RecurrentDecode:
                 if kr == 0:
                     store_vec(o, row * V + col0, oc, CW)
                 if cutlass.const_expr(self.mode == MODE_STATES):
-                    for r in cutlass.range_constexpr(RK):
-                        store_vec(out, row * KV + Int64(row0) * V + col0 + (r * V), S[r], CW)
+                    store_state_piece(out, state_piece_offset(row, row0, col0, K, V, self.v_first), S, RK, CW, K,
+                                      V, self.v_first)
                 if cutlass.const_expr(self.mode == MODE_KVBUFFER):
                     W = 2 * K + V
                     if kr == 0:
@@ -186,9 +192,8 @@ class RecurrentDecode:
                         store_vec(out, row * W + row0, kk, RK)
                         store_vec(out, row * W + K + row0, G, RK)
             if cutlass.const_expr(self.mode == MODE_FINAL):
-                sbase = (Int64(idx) * HV + hv) * KV + Int64(row0) * V + col0
-                for r in cutlass.range_constexpr(RK):
-                    store_vec(pool, sbase + Int64(r * V), S[r], CW)
+                store_state_piece(pool, state_piece_offset(Int64(idx) * HV + hv, row0, col0, K, V, self.v_first), S,
+                                  RK, CW, K, V, self.v_first)
         else:
             # padded slot: zero outputs (and zero per-token states / buffer), the pool is not touched
             for t in cutlass.range_constexpr(T):
@@ -196,8 +201,8 @@ class RecurrentDecode:
                 if kr == 0:
                     store_zeros(o, row * V + col0, CW)
                 if cutlass.const_expr(self.mode == MODE_STATES):
-                    for r in cutlass.range_constexpr(RK):
-                        store_zeros(out, row * KV + Int64(row0) * V + col0 + (r * V), CW)
+                    store_state_piece(out, state_piece_offset(row, row0, col0, K, V, self.v_first),
+                                      [[Float32(0.0)] * CW for _ in range(RK)], RK, CW, K, V, self.v_first)
                 if cutlass.const_expr(self.mode == MODE_KVBUFFER):
                     W = 2 * K + V
                     if kr == 0:
