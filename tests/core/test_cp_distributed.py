@@ -143,9 +143,10 @@ def _check_rank(rank, world, lengths, layout, HQK, HV, K, V, check_no_grad):
     loc["h0"] = h0_local.requires_grad_(True)
 
     def call():
-        return chunk_kda_cp(*(loc[n] for n in ("q", "k", "v", "g", "beta")), cp_context=ctx,
-                            initial_state=loc["h0"], output_final_state=True, A_log=loc["A_log"],
-                            dt_bias=loc["dt_bias"], **OPTS)
+        # through the public op, as a training script calls it: chunk_kda hands cp_context calls to chunk_kda_cp
+        return cula_core.chunk_kda(*(loc[n] for n in ("q", "k", "v", "g", "beta")), cp_context=ctx,
+                                   initial_state=loc["h0"], output_final_state=True, A_log=loc["A_log"],
+                                   dt_bias=loc["dt_bias"], **OPTS)
 
     if check_no_grad:  # inference: forward collectives only
         with torch.no_grad():

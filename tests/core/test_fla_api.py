@@ -86,8 +86,10 @@ def test_unknown_keyword_and_cp_context():
     q, k, v, g, beta, _ = inputs()
     with pytest.raises(TypeError, match=r"chunk_kda\(\) got an unexpected keyword argument 'head_first'"):
         cula_core.chunk_kda(q, k, v, g, beta, head_first=True)
-    with pytest.raises(NotImplementedError, match=r"cp_context"):
+    with pytest.raises(ValueError, match=r"cp_context\.group is None"):
         cula_core.chunk_kda(q, k, v, g, beta, cp_context=object())
+    with pytest.raises(NotImplementedError, match=r"kda_prefill does not take cp_context"):
+        cula_core.kda_prefill(q, k, v, g, beta, cp_context=object())
 
 
 def test_use_graph_checks_max_num_seqs_and_keeps_the_result():

@@ -143,17 +143,18 @@ def resolve_chunk_call(fn: str, q, k, v, g, beta, *, scale, initial_state, use_g
     """FLA 0.6.0's `chunk_kda` arguments, checked and resolved for op `fn` ("chunk_kda", "kda_prefill").
 
     `kwargs` are the call's extra keyword arguments: ``chunk_size`` and ``transpose_state_layout`` are FLA's;
-    any other name is a `TypeError`. ``cp_context`` raises `NotImplementedError` (multi-GPU context parallel is
-    not served yet). ``use_graph`` / ``max_num_seqs`` and ``disable_recompute`` do not change the result;
+    any other name is a `TypeError`. ``cp_context`` raises `NotImplementedError` (`chunk_kda` serves it through
+    `cula_core.context_parallel` before resolving; other ops do not take it). ``use_graph`` / ``max_num_seqs``
+    and ``disable_recompute`` do not change the result;
     FLA's consistency rules for them are kept."""
     kwargs = dict(kwargs)
     state_v_first = state_v_first_from(state_v_first, kwargs)
     chunk_size = check_chunk_size(kwargs.pop("chunk_size", 64))
     for name in kwargs:
         raise TypeError(f"{fn}() got an unexpected keyword argument {name!r}")
-    if cp_context is not None:
-        raise NotImplementedError(f"{fn}: cp_context (context parallel across GPUs) is not implemented yet; "
-                                  "pass cp_context=None")
+    if cp_context is not None:  # chunk_kda hands cp_context calls to cula_core.context_parallel before this
+        raise NotImplementedError(f"{fn} does not take cp_context (context parallel across ranks); call "
+                                  "chunk_kda(..., cp_context=...) for that")
     if use_graph and max_num_seqs is not None and isinstance(cu_seqlens, torch.Tensor) \
             and cu_seqlens.shape[0] - 1 != max_num_seqs:
         raise ValueError(f"use_graph=True needs cu_seqlens padded with empty sequences to max_num_seqs + 1 = "

@@ -244,7 +244,9 @@ def chunk_kda(
             out ``[..., V, K]``. The deprecated alias ``transpose_state_layout`` warns (`DeprecationWarning`).
         cu_seqlens: ``[N + 1]`` int32/int64 on q's device, ``B == 1``: sequence starts, from 0 to T.
         cu_seqlens_cpu: the same values on the host; lets validation and planning avoid a device read.
-        cp_context: context parallel across GPUs: not implemented yet (`NotImplementedError` unless None).
+        cp_context: context parallel across ranks (torch.distributed): FLA's ``FLACPContext`` or one from
+            `cula_core.context_parallel.build_cp_context`; q, k, v, g, beta are this rank's tokens and
+            ``cu_seqlens`` its local sequences. See docs/context_parallel.md.
         use_graph, max_num_seqs: FLA's CUDA-graph switches; no effect on the result (FLA's rule that
             ``cu_seqlens`` has ``max_num_seqs + 1`` entries is checked).
         A_log: keyword only; HV elements, any shape (``[HV]``, ``[1, 1, HV, 1]``). Used with
@@ -259,6 +261,20 @@ def chunk_kda(
 
     Gradients flow to q, k, v, g (or the raw gate input), beta, A_log, dt_bias and initial_state.
     """
+    if cp_context is not None:
+        # this rank's piece of sequences split across ranks: the state enters through collectives, and the local
+        # compute comes back here without a context
+        from cula_core.context_parallel import chunk_kda_cp
+
+        return chunk_kda_cp(
+            q, k, v, g, beta, cp_context=cp_context, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, safe_gate=safe_gate,
+            lower_bound=lower_bound, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+            disable_recompute=disable_recompute, return_intermediate_states=return_intermediate_states,
+            state_v_first=state_v_first, use_graph=use_graph, max_num_seqs=max_num_seqs, **kwargs,
+        )
     call = resolve_chunk_call(
         "chunk_kda", q, k, v, g, beta, scale=scale, initial_state=initial_state, use_gate_in_kernel=use_gate_in_kernel,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate,
