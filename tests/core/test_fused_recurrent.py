@@ -346,11 +346,11 @@ class _PoolBackend(Backend):
         return self.v_first
 
     def kernel(self, op):
-        from cula_core.ops import reference_impls
+        from cula_core import reference_backend
 
         def run(*args, **kw):
             self.handed.append((args[7], kw.get("state_v_first", False)))
-            return reference_impls.fused_recurrent_kda(*args, **kw)
+            return reference_backend.fused_recurrent_kda(*args, **kw)
 
         return run
 

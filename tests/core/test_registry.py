@@ -101,6 +101,14 @@ def test_op_a_backend_does_not_implement():
     assert "fakesm89 does not implement kda_decode" in sel.fallback_reason
 
 
+def test_reference_backend_has_a_kernel_for_every_op_and_no_other():
+    from cula_core.backend import OPS
+
+    assert all(dispatch.REFERENCE_BACKEND.kernel(op).__name__ == op for op in OPS)
+    with pytest.raises(NotImplementedError, match="backend 'reference' has no kernel for kda_verify"):
+        dispatch.REFERENCE_BACKEND.kernel("kda_verify")
+
+
 def test_public_op_routes_to_the_cpu_backend():
     from cula_testbackend.backends import CpuEcho
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from backward_cases import reference_intermediates, wy_dqkg_expected
 import torch_stages
-from cula_core.ops import reference_impls
+from cula_core import reference_backend
 
 HERE = Path(__file__).resolve().parent
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0")
@@ -113,7 +113,7 @@ def test_pipeline_matches_reference(B, T, HQK, HV, lengths, gate, l2, act, state
     scale = 128 ** -0.5
     kw = dict(scale=scale, use_qk_l2norm_in_kernel=l2, gate=gate, lower_bound=-5.0 if gate == "safe" else None,
               beta_activation=act)
-    expected = reference_impls.chunk_kda_backward(do, dht, q, k, v, g, beta, A_log, dt_bias, h0, cu, cu, **kw)
+    expected = reference_backend.chunk_kda_backward(do, dht, q, k, v, g, beta, A_log, dt_bias, h0, cu, cu, **kw)
     it = reference_intermediates(q, k, v, g, beta, A_log, dt_bias, h0, cu, **kw)
     bounds = torch_stages.bounds_of(B, T, cu, cu)
     launch, order = _stand_in_stages(monkeypatch, it, bounds)

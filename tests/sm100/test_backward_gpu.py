@@ -151,12 +151,12 @@ def _grads(backend, monkeypatch, q, k, v, g, beta, A_log, dt_bias, h0, do, dht, 
 
 def _expected(q, k, v, g, beta, A_log, dt_bias, h0, do, dht, *, gate, l2, lengths):
     """fp64 autograd (vector-Jacobian product) through cula_core.reference on the same inputs."""
-    from cula_core.ops import reference_impls
+    from cula_core import reference_backend
 
     d = torch.float64
     cu = seqlens_to_cu(lengths)[0] if lengths else None
     A, D = (A_log.to(d), dt_bias.to(d)) if gate != "precomputed" else (None, None)
-    out = reference_impls.chunk_kda_backward(
+    out = reference_backend.chunk_kda_backward(
         do.to(d), dht.to(d), q.to(d), k.to(d), v.to(d), g.to(d), beta.to(d), A, D, h0.to(d), cu, cu,
         scale=128 ** -0.5, use_qk_l2norm_in_kernel=l2, gate=gate, lower_bound=-5.0 if gate == "safe" else None,
         beta_activation="none")

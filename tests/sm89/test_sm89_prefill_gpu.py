@@ -154,7 +154,7 @@ def test_cuda_graph_capture_and_replay():
 def test_public_ops_route_to_sm89_and_match(monkeypatch):
     import cula_core
     from cula_core import dispatch
-    from cula_core.ops import reference_impls
+    from cula_core import reference_backend
     from cula_core.ops._common import make_call
 
     monkeypatch.delenv("CULA_BACKEND", raising=False)
@@ -180,7 +180,7 @@ def test_public_ops_route_to_sm89_and_match(monkeypatch):
                                       use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, **kwargs)
         gate = ("safe" if "lower_bound" in kwargs else "softplus") if kwargs["use_gate_in_kernel"] else "precomputed"
         d = torch.float64
-        o_r, ht_r = reference_impls.kda_prefill(
+        o_r, ht_r = reference_backend.kda_prefill(
             q.to(d), k.to(d), v.to(d), g.to(d), beta_raw.to(d), A_log if gate != "precomputed" else None,
             dt_bias if gate != "precomputed" else None, h0.to(d), None, None, scale=K ** -0.5, output_final_state=True,
             use_qk_l2norm_in_kernel=True, gate=gate, lower_bound=kwargs.get("lower_bound"), beta_activation="sigmoid",

@@ -80,7 +80,7 @@ def gate_kwargs(gate, A_log, dt_bias):
 
 def reference(q, k, v, g, beta, *, gate_kw, initial_state=None, cu_seqlens=None):
     """cula_core's reference backend in fp64 (sigmoid beta, in-kernel L2 norm, the gate)."""
-    from cula_core.ops import reference_impls as R
+    from cula_core import reference_backend as R
 
     gate = "precomputed" if not gate_kw else ("safe" if "lower_bound" in gate_kw else "softplus")
     d = torch.float64

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cula_core.ops import reference_impls as R
+from cula_core import reference_backend as R
 from cula_core.reference import chunk_kda_reference
 
 BT, K = 64, 128

@@ -128,7 +128,7 @@ def demo(out=sys.stdout, device: str | None = None) -> int:
     """A small workload on the best backend here; every number printed is computed in this run. ValueError for a
     device this machine does not have (demo_device)."""
     from cula_core import chunk_kda, kda_decode, kda_prefill
-    from cula_core.ops import reference_impls as ref
+    from cula_core import reference_backend as ref
 
     p = lambda *a: print(*a, file=out)
     dev = demo_device(device)

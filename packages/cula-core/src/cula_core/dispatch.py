@@ -20,8 +20,7 @@ from dataclasses import dataclass
 
 from cula_core import registry
 from cula_core.backend import Backend, CallConfig, DeviceInfo
-
-REFERENCE = "reference"
+from cula_core.reference_backend import REFERENCE, REFERENCE_BACKEND
 
 
 class CulaFallbackWarning(UserWarning):
@@ -30,35 +29,6 @@ class CulaFallbackWarning(UserWarning):
 
 class BackendUnavailableError(RuntimeError):
     """A forced backend (CULA_BACKEND) cannot serve a call, or CULA_STRICT=1 forbids the fallback."""
-
-
-class ReferenceBackend(Backend):
-    """The reference math of `cula_core.reference`, on any device. Always available, never preferred."""
-
-    name = REFERENCE
-    package = "cula-core"
-
-    def runs_on(self, device: DeviceInfo) -> bool:
-        return True
-
-    def unsupported_reason(self, call: CallConfig) -> str | None:
-        return None
-
-    def serves_state_v_first(self, call: CallConfig) -> bool:
-        # the pool op indexes a V-first pool through a transposed view (no copy of the pool); the chunked
-        # ops take the copies core makes
-        return call.op == "fused_recurrent_kda"
-
-    def kernel(self, op: str):
-        from cula_core.ops import reference_impls
-
-        return getattr(reference_impls, op)
-
-    def describe(self) -> str:
-        return "plain PyTorch on any device (cula_core.reference)"
-
-
-REFERENCE_BACKEND = ReferenceBackend()
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 current CUDA stream.
 
 `kda_prefill` and `chunk_kda` follow the backend calling convention of cula_core (docs/backends.md; the
-reference backend's `cula_core/ops/reference_impls.py` is the specification): validated, contiguous FLA-layout
+reference backend's `cula_core/reference_backend.py` is the specification): validated, contiguous FLA-layout
 tensors and keyword flags, returning ``(o, final_state or None)``. The element-wise preprocessing runs here,
 on the GPU, through the single definition in `cula_core.reference` (L2 norm of q/k, the softplus or safe gate
 from raw g) plus the beta activation; each is one extra pass over its tensor, the price of not fusing them

@@ -8,6 +8,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from cula_core import dispatch
 from cula_core.backend import CallConfig, DeviceInfo
+from cula_core.reference_backend import work_dtype
 from cula_core.validation import check_int32_indexing
 
 # torch custom ops cannot return None: an output the caller did not ask for is a 0-element tensor.
@@ -69,11 +70,6 @@ def call_op(op, impl, *args, mutated: tuple = ()):
         for t in arg if isinstance(arg, (list, tuple)) else (arg,):
             torch.autograd.graph.increment_version(t)
     return out
-
-
-def work_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The reference computes in fp64 for fp64 inputs (gradcheck) and in fp32 otherwise."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def state_shape(N: int, HV: int, K: int, V: int, state_v_first: bool) -> tuple[int, int, int, int]:
