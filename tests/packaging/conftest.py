@@ -43,7 +43,8 @@ def wheelhouse(dists, tmp_path_factory) -> Path:
     return folder
 
 
-RUNTIME_DEPENDENCIES = {"torch": "torch==2.13.0", "cutlass": "nvidia-cutlass-dsl==4.8.1"}
+RUNTIME_DEPENDENCIES = {"torch": "torch==2.13.0", "cutlass": "nvidia-cutlass-dsl==4.8.1",
+                        "tvm_ffi": "apache-tvm-ffi==0.1.15.post2"}
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,71 @@
+"""The ahead-of-time set of cula-sm90 covers its dispatch: for every call of the served setups
+(cula_sm90.kernels' docstring), whatever the batch size and head count, each kernel the launch code would load is
+one that `aot_configurations()` lists, i.e. one the wheel's build hook ships. No compile here (CPU, seconds)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+pytest.importorskip("cula_sm90")
+
+
+def _aot():
+    from cula_sm90.kernels import aot_configurations
+
+    items = aot_configurations()
+    assert len(items) == len(set(items)), "a configuration listed twice"
+    return set(items)
+
+
+def test_decode_dispatch_resolves_to_shipped_configurations():
+    from cula_sm90 import kernels
+    from cula_sm90.decode import _config, launch
+
+    shipped = _aot()
+    modes = (_config.MODE_FINAL, _config.MODE_STATES, _config.MODE_KVBUFFER)
+    checked = 0
+    for K, qkv, g, beta, safe, T, mode in itertools.product(kernels.HEAD_DIMS, kernels.QKV_DTYPES,
+                                                            kernels.GATE_INPUT_DTYPES, kernels.GATE_INPUT_DTYPES,
+                                                            (False, True), range(1, kernels.DECODE_T_MAX + 1), modes):
+        family = (mode, T, K, K, qkv, g, beta, True, True, safe, True)
+        assert set(launch.family_kernels(*family)) <= shipped, family
+        for N, HV in itertools.product((1, 2, 8, 64, 256, 1024), (1, 4, 32, 64)):
+            variant = _config.verify_variant(N, T, HV) if mode == _config.MODE_KVBUFFER else _config.VERIFY_RECURRENT
+            picked = launch.variant_kernel(mode, variant, _config.recurrent_tiling(N, T, HV), *family[1:])
+            assert picked in shipped, (family, N, HV)
+            checked += 1
+    for K, T, per_request in itertools.product(kernels.HEAD_DIMS, range(1, kernels.DECODE_T_MAX + 1), (False, True)):
+        assert (launch.FLUSH, launch.flush_config(T, K, K, 1, per_request)) in shipped
+    assert checked > 0
+
+
+def test_fp16_gates_share_the_shipped_configurations():
+    """g / beta of another float dtype are read as fp32, so they resolve to the fp32 configurations."""
+    from cula_sm90.decode import _config, launch
+
+    shipped = _aot()
+    bf = torch.bfloat16
+    gdt, bdt = launch.gate_read_dtype(torch.float16), launch.gate_read_dtype(torch.float64)
+    family = (_config.MODE_FINAL, 1, 128, 128, bf, gdt, bdt, True, True, False, True)
+    assert set(launch.family_kernels(*family)) <= shipped
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, -8.0, -9.0, None])
+def test_prefill_dispatch_resolves_to_shipped_configurations(lower_bound):
+    from cula_sm90 import kernels
+    from cula_sm90.prefill import forward
+
+    shipped = _aot()
+    for qkv, g, beta, act in itertools.product(kernels.QKV_DTYPES, kernels.GATE_INPUT_DTYPES,
+                                               kernels.GATE_INPUT_DTYPES, kernels.PREFILL_BETA_ACTIVATIONS):
+        for gate, params in (("safe", True), ("softplus", True), ("precomputed", False)):
+            if gate == "safe" and lower_bound is None:
+                continue
+            kind = forward.intra_kind(gate, -5.0 if lower_bound is None else lower_bound)
+            config = forward.intra_config(gate, act, True, params, params, qkv, g, beta, kind)
+            assert (forward.INTRA, config) in shipped, config
+        for affine in (False, True):
+            assert (forward.STATE, forward.state_config(affine, qkv)) in shipped

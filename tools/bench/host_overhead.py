@@ -1,0 +1,100 @@
+"""Host overhead per kernel launch and per public op call: the wall time of 1000 back-to-back calls of a tiny shape,
+minus the GPU time of the same calls (replayed from a CUDA graph), per call, in microseconds.
+
+    python -m tools.bench.host_overhead [--calls 1000]
+
+Rows: the decode kernels launched directly through cula_core.cute_runtime (the TVM-FFI function with integer
+addresses and the raw stream: what every launch in cula-sm90 costs on the host), and the public ops (validation,
+dispatch, the torch custom op and the launches). Tiny shapes keep the GPU idle most of the time, so that wall minus
+GPU is the host's share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _per_call(fn, calls: int) -> tuple[float, float]:
+    """(wall us, GPU us) per call of fn."""
+    import torch
+
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / calls * 1e6
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(100):
+                fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls // 100):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    gpu = start.elapsed_time(end) * 1e3 / (calls // 100 * 100)
+    return wall, gpu
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=1000)
+    args = ap.parse_args(argv)
+    import torch
+
+    import cula
+    from cula_core import cute_runtime as rt
+    from cula_sm90.decode import _config, launch
+
+    dev, bf, H, K, N = "cuda", torch.bfloat16, 4, 128, 1
+    q, k, v, g = (torch.randn(N, 1, H, K, device=dev, dtype=bf) * 0.1 for _ in range(4))
+    beta = torch.rand(N, 1, H, device=dev, dtype=bf)
+    pool = torch.zeros(4, H, K, K, device=dev)
+    idx = torch.arange(N, dtype=torch.int32, device=dev)
+    A_log, dt_bias = torch.zeros(H, device=dev), torch.zeros(H * K, device=dev)
+    o = torch.empty_like(v)
+    gate = dict(A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True)
+    cfg = launch.recurrent_config(_config.MODE_FINAL, 1, K, K, bf, bf, bf, True, True, False, True,
+                                  _config.recurrent_tiling(N, 1, H))
+    fn = rt.get(launch.RECURRENT, cfg)
+
+    def kernel_launch():  # the whole launch path of one kernel: addresses, sizes, stream, the TVM-FFI call
+        fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), A_log.data_ptr(),
+           dt_bias.data_ptr(), pool.data_ptr(), idx.data_ptr(), o.data_ptr(), pool.data_ptr(), N, H, H, 4,
+           K ** -0.5, 0.0, rt.current_stream(q.device))
+
+    qm, km, vm, gm = (torch.randn(N, 4, H, K, device=dev, dtype=bf) * 0.1 for _ in range(4))
+    bm = torch.rand(N, 4, H, device=dev, dtype=bf)
+    qp, kp, vp, gp = (torch.randn(1, 64, H, K, device=dev, dtype=bf) * 0.1 for _ in range(4))
+    bp = torch.rand(1, 64, H, device=dev, dtype=bf)
+    rows = {
+        "kernel launch: sm90.decode.recurrent (cute_runtime TVM-FFI)": kernel_launch,
+        "op: kda_decode (N=1, H=4)": lambda: cula.kda_decode(q, k, v, g, beta, pool, idx, **gate),
+        "op: kda_decode_mtp_kvbuffer (N=1, T=4)": lambda: cula.kda_decode_mtp_kvbuffer(qm, km, vm, gm, bm, pool, idx,
+                                                                                       **gate),
+        "op: kda_prefill (T=64, 2 kernels)": lambda: cula.kda_prefill(qp, kp, vp, gp, bp, use_gate_in_kernel=True,
+                                                                      **gate),
+    }
+    print(f"Card: {torch.cuda.get_device_name(0)}; {args.calls} back-to-back calls each\n")
+    print("| call | wall us | GPU us | host overhead us |\n| --- | --- | --- | --- |")
+    for name, f in rows.items():
+        try:
+            wall, gpu = _per_call(f, args.calls)
+            print(f"| {name} | {wall:.1f} | {gpu:.1f} | {max(wall - gpu, 0.0):.1f} |", flush=True)
+        except Exception as e:  # report the row and go on: the others still measure
+            print(f"| {name} | error: {type(e).__name__}: {e} | | |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
