@@ -37,13 +37,13 @@ def test_piece_counts_are_the_h100_sweep_optima():
 
 
 def test_stage2_model_counts_waves():
-    assert cp_planner._makespan([1.0] * 264, SMS) == 2.0
-    assert cp_planner._makespan([1.0] * 133, SMS) == 2.0
-    assert cp_planner._makespan([5.0, 1.0, 1.0], 2) == 5.0
-    assert cp_planner._makespan([], SMS) == 0.0
+    assert cp_planner.makespan([1.0] * 264, SMS) == 2.0
+    assert cp_planner.makespan([1.0] * 133, SMS) == 2.0
+    assert cp_planner.makespan([5.0, 1.0, 1.0], 2) == 5.0
+    assert cp_planner.makespan([], SMS) == 0.0
     # H = 16, 2048 chunks in 4 pieces: map pass 3 * 16 * 4 = 192 CTAs (two waves of 512 chunks at weight 0.6),
     # main pass 4 * 16 * 2 = 128 CTAs (one wave of 512)
-    cost = cp_planner._stage2_cost((131072,), (4,), 16, SMS, 64, 2, 4, 0.6)
+    cost = cp_planner.stage2_cost((131072,), (4,), 16, SMS, 64, 2, 4, 0.6)
     assert cost == pytest.approx(2 * 512 * 0.6 + 512)
 
 

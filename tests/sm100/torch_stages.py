@@ -20,7 +20,7 @@ import itertools
 import torch
 
 from cula_core import reference as ref
-from cula_core.reference.chunk import _decayed_scores
+from cula_core.reference.chunk import decayed_scores
 
 BT = 64
 BC = 16
@@ -139,7 +139,7 @@ def intra(q, k, G, beta, dAqk, dL, ch: Chunks, *, scale):
     strict = torch.ones(BT, BT, dtype=torch.bool, device=q.device).tril(-1)
 
     def scores(qx, kx, Gx, bx):
-        Sq, Sk = _decayed_scores((qx, kx), kx, Gx, BC)
+        Sq, Sk = decayed_scores((qx, kx), kx, Gx, BC)
         return scale * Sq, bx.unsqueeze(-1) * Sk * strict
 
     C = qc.shape[0]

@@ -155,7 +155,7 @@ def test_public_ops_route_to_sm89_and_match(monkeypatch):
     import cula_core
     from cula_core import dispatch
     from cula_core import reference_backend
-    from cula_core.ops._common import make_call
+    from cula_core.backend import CallConfig, DeviceInfo
 
     monkeypatch.delenv("CULA_BACKEND", raising=False)
     monkeypatch.setenv("CULA_STRICT", "1")  # a fallback would raise
@@ -169,7 +169,8 @@ def test_public_ops_route_to_sm89_and_match(monkeypatch):
     dt_bias = torch.randn(HV * K, device="cuda", generator=gen)
     h0 = torch.randn(B, HV, K, K, device="cuda", generator=gen)
 
-    call = make_call("kda_prefill", q.device, dtype=torch.float32, K=K, V=K, HQK=HQK, HV=HV, T=T, gate="softplus")
+    call = CallConfig(op="kda_prefill", device=DeviceInfo.of(q.device), dtype=torch.float32, K=K, V=K, HQK=HQK,
+                      HV=HV, T=T, gate="softplus")
     assert dispatch.choose(call).backend.name == "sm89"
 
     for kwargs in (dict(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias),
@@ -192,8 +193,8 @@ def test_public_ops_route_to_sm89_and_match(monkeypatch):
     with torch.no_grad():
         o2, _ = cula_core.chunk_kda(q, k, v, torch.nn.functional.logsigmoid(g_raw) / 4, beta_raw,
                                     use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
-    grad_call = make_call("chunk_kda", q.device, dtype=torch.float32, K=K, V=K, HQK=HQK, HV=HV, T=T,
-                          gate="precomputed", requires_grad=True)
+    grad_call = CallConfig(op="chunk_kda", device=DeviceInfo.of(q.device), dtype=torch.float32, K=K, V=K, HQK=HQK,
+                           HV=HV, T=T, gate="precomputed", requires_grad=True)
     assert dispatch.choose(grad_call).backend.name != "sm89"
     assert torch.isfinite(o2).all()
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import cula_core
 from cula_core.backend import CallConfig, DeviceInfo
-from cula_core.ops._common import run
 from cula_sm90.backend import backend
 
 H100 = DeviceInfo(type="cuda", index=0, capability=(9, 0), name="H100")
@@ -30,14 +30,17 @@ def test_core_rejects_an_oversized_prefill_before_the_kernel(monkeypatch):
     monkeypatch.setattr("cula_core.validation.INT32_MAX", 1000)
     monkeypatch.setattr("cula_core.dispatch.select", lambda call: backend)
     monkeypatch.setattr(backend, "kernel", lambda op: pytest.fail("the kernel must not run"))
-    q = torch.empty(1, 10, 1, 128)  # 1280 elements > 1000
-    call = CallConfig(op="kda_prefill", device=H100, dtype=torch.bfloat16, K=128, V=128, HQK=1, HV=1, T=10)
+    T, K = 10, 128
+    q, k, v, g = (torch.zeros(1, T, 1, K) for _ in range(4))  # q: 1280 elements > 1000
     with pytest.raises(ValueError, match="q has 1280 elements, more than the sm90 kernels can index"):
-        run(call, {"q": q})
-    # the same size is fine for a decode op (64-bit offsets): the kernel is reached
-    monkeypatch.setattr(backend, "kernel", lambda op: lambda *a: "ran")
-    call = CallConfig(op="kda_decode", device=H100, dtype=torch.bfloat16, K=128, V=128, HQK=1, HV=1, T=1)
-    assert run(call, {"state_pool": q}) == "ran"
+        cula_core.kda_prefill(q, k, v, g, torch.zeros(1, T, 1))
+    # the same sizes are fine for a decode op (64-bit offsets): the kernel is reached
+    pool = torch.zeros(1, 1, K, K)  # 16384 elements
+    reached = []
+    monkeypatch.setattr(backend, "kernel", lambda op: lambda *a, **kw: reached.append(op) or torch.zeros(1, 1, 1, K))
+    cula_core.kda_decode(q[:, :1], k[:, :1], v[:, :1], g[:, :1], torch.zeros(1, 1, 1), pool,
+                         torch.zeros(1, dtype=torch.int32), torch.zeros(1), torch.zeros(K))
+    assert reached == ["kda_decode"]
 
 
 def test_composition_routes_each_op_to_its_family(monkeypatch):

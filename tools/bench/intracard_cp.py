@@ -111,7 +111,7 @@ SWEEP = [(dict(H=4, lens=[131072]), (8, 12, 16, 24, 32)), (dict(H=8, lens=[13107
          (dict(H=16, lens=[131072]), (2, 3, 4, 6, 8)), (dict(H=8, lens=[65536]), (4, 6, 8, 12)),
          (dict(H=16, lens=[65536]), (2, 3, 4, 6)), (dict(H=16, lens=[65536] * 2), (2, 3)),
          (dict(H=4, lens=[16384]), (2, 4, 8, 16)), (dict(H=16, lens=[32768]), (2, 3, 4))]
-# --compare: the shapes where the modelled piece count (cp_planner._stage2_cost) differs from the one-wave rule of
+# --compare: the shapes where the modelled piece count (cp_planner.stage2_cost) differs from the one-wave rule of
 # run 1 (its count is the third item): auto (the model) against that count forced, each timed twice, in turn
 COMPARE = ([(dict(H=16, lens=[t]), 4) for t in (32768, 65536, 131072)]
            + [(dict(H=8, lens=[t] * 2), 4) for t in (32768, 65536, 131072)]

@@ -14,17 +14,13 @@ sequences at least half as long as the longest count ("long": short ones finish 
 Nothing is split if the un-split launch already has ``long * heads * slices >= busy_fraction * num_sms`` CTAs,
 or if the longest sequence is under ``min_tokens``. Otherwise pieces are added one at a time to the sequence
 with the longest pieces, up to ``max_waves`` waves of the main pass, and the plan kept is the one a model of
-stage 2 finds fastest (:func:`_stage2_cost`: the map pass's and the main pass's CTAs dispatched in grid order
+stage 2 finds fastest (:func:`stage2_cost`: the map pass's and the main pass's CTAs dispatched in grid order
 onto the SMs, a map chunk step weighing ``map_weight`` of a main one, plus ``piece_cost`` per piece; a plan
 with more pieces must win by ``tie``). ``on`` uses the same construction without the two entry conditions (and
 at least two pieces); ``off`` never splits.
 
-Measured on the H100 (docs/benchmarks/intracard_cp.md): ``min_tokens = 16384``: once the CP call stopped
-synchronising the stream (run 3), CP won at 16384 tokens on all 6 shapes timed there (1.09x - 1.82x; it lost on
-5 of them while the call synchronised, run 1) and from 32768 on the whole grid except two sequences at H = 16
-(1.01x - 1.08x, where the model finds no plan faster either); the model picks the fastest count of run 1's piece
-sweep at every swept shape (16 / 8 / 3 pieces at H = 4 / 8 / 16 for 131072 tokens, where the one-wave rule gave
-4 at H = 16: its map pass took two waves). Shorter sequences are left serial: not measured without the sync.
+The defaults (``min_tokens``, ``map_weight``, ``piece_cost``, ``tie``) were chosen by measurement: see
+docs/benchmarks/intracard_cp.md.
 """
 
 from __future__ import annotations
@@ -33,7 +29,7 @@ import functools
 import heapq
 from dataclasses import dataclass
 
-__all__ = ["CPPlan", "Segment", "plan", "plan_pieces"]
+__all__ = ["CPPlan", "Segment", "makespan", "plan", "plan_pieces", "stage2_cost"]
 
 
 @dataclass(frozen=True)
@@ -96,8 +92,8 @@ def plan_pieces(lengths: tuple[int, ...], num_heads: int, num_sms: int, mode: st
         min_piece_chunks: no piece is shorter than this many chunks (the last one of a sequence excepted).
         map_slices: CTAs per (piece, head) of the map pass (default ``2 * slices``: the augmented state [M | c]
             has K + V columns).
-        map_weight: a map-pass chunk step's time relative to a main-pass one (no output product; 0.6 fitted to
-            the H100 profile of H = 16, 131072 tokens: docs/benchmarks/intracard_cp.md).
+        map_weight: a map-pass chunk step's time relative to a main-pass one (no output product; the default
+            fitted to a profile, docs/benchmarks/intracard_cp.md).
         piece_cost: modelled cost of each piece (the scan's work and launches), in chunk steps.
         max_waves: the main pass may take up to this many waves of CTAs.
         tie: a plan with more pieces must model at least this fraction faster to be taken (each piece costs
@@ -127,7 +123,7 @@ def plan_pieces(lengths: tuple[int, ...], num_heads: int, num_sms: int, mode: st
     if mode == "auto" and (len(long) * num_heads * slices >= busy_fraction * num_sms or longest < min_tokens):
         return tuple(pieces)
     # candidates: add pieces one at a time to the sequence whose pieces are longest, up to `max_waves` waves of
-    # the main pass; keep the candidate the stage-2 model (`_stage2_cost`) finds fastest (fewer pieces on a tie)
+    # the main pass; keep the candidate the stage-2 model (`stage2_cost`) finds fastest (fewer pieces on a tie)
     budget = max(max_waves * num_sms // (num_heads * slices), 2 if mode == "on" else 1)
     heap = [(-_chunks(L, chunk_size), i) for i, L in enumerate(lengths) if L > 0]
     heapq.heapify(heap)
@@ -141,14 +137,14 @@ def plan_pieces(lengths: tuple[int, ...], num_heads: int, num_sms: int, mode: st
         pieces[i] += 1
         total += 1
         heapq.heappush(heap, (-(n_chunks // pieces[i]), i))
-        cost = piece_cost * sum(pieces) + _stage2_cost(lengths, tuple(pieces), num_heads, num_sms, chunk_size,
+        cost = piece_cost * sum(pieces) + stage2_cost(lengths, tuple(pieces), num_heads, num_sms, chunk_size,
                                                          slices, map_slices or 2 * slices, map_weight)
         if best is None or cost < best[0] * (1 - tie):
             best = (cost, tuple(pieces))
     return best[1] if best is not None else tuple(pieces)
 
 
-def _makespan(durations, num_sms: int) -> float:
+def makespan(durations, num_sms: int) -> float:
     """Time to run CTAs of these durations, in launch order, one per SM at a time (each goes to the SM that
     frees first: how the hardware dispatches a grid when one CTA fills an SM)."""
     free = [0.0] * min(num_sms, len(durations))
@@ -161,7 +157,7 @@ def _makespan(durations, num_sms: int) -> float:
     return end
 
 
-def _stage2_cost(lengths, pieces, num_heads, num_sms, chunk_size, slices, map_slices, map_weight) -> float:
+def stage2_cost(lengths, pieces, num_heads, num_sms, chunk_size, slices, map_slices, map_weight) -> float:
     """Modelled time of stage 2 with CP, in units of one chunk step of one main-pass CTA: the map pass (every
     piece but the last, `map_slices` CTAs per head, `map_weight` per chunk: no output product) then the main
     pass (every piece, `slices` CTAs per head). Launch order as the kernel's grid: segment fastest, then head,
@@ -174,8 +170,8 @@ def _stage2_cost(lengths, pieces, num_heads, num_sms, chunk_size, slices, map_sl
             main.append(n)
             if p < P - 1:
                 maps.append(n * map_weight)
-    return (_makespan([d for _ in range(map_slices * num_heads) for d in maps], num_sms)
-            + _makespan([d for _ in range(slices * num_heads) for d in main], num_sms))
+    return (makespan([d for _ in range(map_slices * num_heads) for d in maps], num_sms)
+            + makespan([d for _ in range(slices * num_heads) for d in main], num_sms))
 
 
 def _split(length: int, pieces: int, chunk_size: int) -> list[int]:

@@ -89,10 +89,12 @@ def _sub_chunk_size(BT: int) -> int:
     return _SUB_CHUNK if BT > _SUB_CHUNK and BT % _SUB_CHUNK == 0 else BT
 
 
-def _decayed_scores(xs, k, G, BC):
-    """``S[i, j] = sum_d x_i[d] k_j[d] exp(G_i[d] - G_j[d])`` for ``j <= i`` (0 above), for each ``x`` in ``xs``.
+def decayed_scores(xs, k, G, BC):
+    """``S[i, j] = sum_d x_i[d] k_j[d] exp(G_i[d] - G_j[d])`` for ``j <= i`` (0 above), for each ``x`` in ``xs``:
+    a list of ``[..., BT, BT]`` score matrices, one per ``x``.
 
-    Chunks are laid out ``[..., BT, K]``. Rows go in blocks of ``BC``: inside a diagonal block the decays are
+    Chunks are laid out ``[..., BT, K]`` (each ``x``, ``k`` and the in-chunk cumulative log decay ``G``); ``BC``
+    divides ``BT``. Rows go in blocks of ``BC``: inside a diagonal block the decays are
     formed pairwise (``[BC, BC, K]``); columns before block ``p`` factor through ``G_n``, the block's first
     token, as ``exp(G_i - G_n) * exp(G_n - G_j)``. Both exponents are ``<= 0`` for decays (``g <= 0``), so
     neither factor can overflow, and that part is a plain matmul.
@@ -128,7 +130,7 @@ def _intra_chunk(q, k, v, G, beta, scale):
     BT = k.shape[-2]
     BC = _sub_chunk_size(BT)
     strict = torch.ones(BT, BT, dtype=torch.bool, device=k.device).tril(-1)
-    Aqk, Lkk = _decayed_scores((q, k), k, G, BC)
+    Aqk, Lkk = decayed_scores((q, k), k, G, BC)
     Aqk = scale * Aqk
     L = Lkk * beta.unsqueeze(-1) * strict
     eye = torch.eye(BT, dtype=k.dtype, device=k.device)
