@@ -72,9 +72,9 @@ def _decode_inputs():
 def _decode_recurrent(mode: str, T: int):
     def build():
         from cula_core import cute_runtime
-        from cula_sm90.decode import _config, launch
+        from cula_sm90.decode import configs, launch
 
-        tiling = _config.recurrent_tiling(1, T, 8)
+        tiling = configs.recurrent_tiling(1, T, 8)
         config = launch.recurrent_config(mode, T, 128, 128, *_decode_inputs(), tiling)
         return cute_runtime.compile_kernel(launch.RECURRENT, config)
     return build

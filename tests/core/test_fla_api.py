@@ -174,12 +174,12 @@ class _LayoutBackend(Backend):
         return self.v_first
 
     def kernel(self, op):
-        from cula_core.ops import reference_impls
+        from cula_core import reference_backend
 
         def run(*args, state_v_first=False, **kw):
             self.seen.append((args[7], state_v_first))
             h0 = args[7].transpose(-1, -2).contiguous() if state_v_first else args[7]
-            o, ht = getattr(reference_impls, op)(*args[:7], h0, *args[8:], **kw)
+            o, ht = getattr(reference_backend, op)(*args[:7], h0, *args[8:], **kw)
             return o, (ht.transpose(-1, -2).contiguous() if state_v_first and ht is not None else ht)
 
         return run

@@ -22,10 +22,10 @@ def _aot():
 
 def test_decode_dispatch_resolves_to_shipped_configurations():
     from cula_sm90 import kernels
-    from cula_sm90.decode import _config, launch
+    from cula_sm90.decode import configs, launch
 
     shipped = _aot()
-    modes = (_config.MODE_FINAL, _config.MODE_STATES, _config.MODE_KVBUFFER)
+    modes = (configs.MODE_FINAL, configs.MODE_STATES, configs.MODE_KVBUFFER)
     checked = 0
     for K, qkv, g, beta, safe, T, mode in itertools.product(kernels.HEAD_DIMS, kernels.QKV_DTYPES,
                                                             kernels.GATE_INPUT_DTYPES, kernels.GATE_INPUT_DTYPES,
@@ -33,8 +33,8 @@ def test_decode_dispatch_resolves_to_shipped_configurations():
         family = (mode, T, K, K, qkv, g, beta, True, True, safe, True)
         assert set(launch.family_kernels(*family)) <= shipped, family
         for N, HV in itertools.product((1, 2, 8, 64, 256, 1024), (1, 4, 32, 64)):
-            variant = _config.verify_variant(N, T, HV) if mode == _config.MODE_KVBUFFER else _config.VERIFY_RECURRENT
-            picked = launch.variant_kernel(mode, variant, _config.recurrent_tiling(N, T, HV), *family[1:])
+            variant = configs.verify_variant(N, T, HV) if mode == configs.MODE_KVBUFFER else configs.VERIFY_RECURRENT
+            picked = launch.variant_kernel(mode, variant, configs.recurrent_tiling(N, T, HV), *family[1:])
             assert picked in shipped, (family, N, HV)
             checked += 1
     for K, T, per_request in itertools.product(kernels.HEAD_DIMS, range(1, kernels.DECODE_T_MAX + 1), (False, True)):
@@ -44,12 +44,12 @@ def test_decode_dispatch_resolves_to_shipped_configurations():
 
 def test_fp16_gates_share_the_shipped_configurations():
     """g / beta of another float dtype are read as fp32, so they resolve to the fp32 configurations."""
-    from cula_sm90.decode import _config, launch
+    from cula_sm90.decode import configs, launch
 
     shipped = _aot()
     bf = torch.bfloat16
     gdt, bdt = launch.gate_read_dtype(torch.float16), launch.gate_read_dtype(torch.float64)
-    family = (_config.MODE_FINAL, 1, 128, 128, bf, gdt, bdt, True, True, False, True)
+    family = (configs.MODE_FINAL, 1, 128, 128, bf, gdt, bdt, True, True, False, True)
     assert set(launch.family_kernels(*family)) <= shipped
 
 

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from cula_core.ops import reference_impls
+from cula_core import reference_backend
 
 # ||ours - ref|| / ||ref|| against the fp64 reference. The kernels compute in fp32 (fp32 rounding: ~1e-7 per
 # operation, a few 1e-7 observed over 8 tokens); an fp32 output of a bf16 computation would be ~1e-3.
@@ -96,12 +96,12 @@ def reference_args(kw):
 def reference_mtp(kw):
     """(o, per-token states) of the fp64 reference; padded and out-of-range slots give zeros."""
     args, flags = reference_args(kw)
-    return reference_impls.kda_decode_mtp(*args, **flags, output_per_token_states=True)
+    return reference_backend.kda_decode_mtp(*args, **flags, output_per_token_states=True)
 
 
 def reference_kvbuffer(kw):
     args, flags = reference_args(kw)
-    return reference_impls.kda_decode_mtp_kvbuffer(*args, **flags)
+    return reference_backend.kda_decode_mtp_kvbuffer(*args, **flags)
 
 
 def live_rows(kw) -> torch.Tensor:

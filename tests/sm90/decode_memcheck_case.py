@@ -12,7 +12,7 @@ import torch
 from decode_cases import backend, kernel_call, make_case, serving_pool
 
 import cula_core
-from cula_sm90.decode import _config
+from cula_sm90.decode import configs
 from cula_sm90.decode.ops import KERNELS
 
 
@@ -52,8 +52,8 @@ def main(parts=("all", "tilings", "verify", "pools")):
                     run_case(kw, T, N, public=K == 128)
                     n += 1
         # every tiling the dispatch can pick (the loop above ran the one for these sizes), on an odd batch
-        for tiling in (_config.dispatched_tilings() if "tilings" in parts else ()):
-            _config.TILING_OVERRIDE = tiling
+        for tiling in (configs.dispatched_tilings() if "tilings" in parts else ()):
+            configs.TILING_OVERRIDE = tiling
             try:
                 for T in (1, 3):
                     kw = make_case(5, T, 1, 2, out_of_range=True, extra_slots=1, seed=70 + T)
@@ -62,10 +62,10 @@ def main(parts=("all", "tilings", "verify", "pools")):
                     cula_core.kda_decode_mtp_kvbuffer(**kw)
                     n += 1
             finally:
-                _config.TILING_OVERRIDE = None
+                configs.TILING_OVERRIDE = None
         # the chunk-form verify, every chunk variant, K = V = 128 (public op) and 64 (kernel directly)
-        for name in (_config.VERIFY_VARIANTS[1:] if "verify" in parts else ()):
-            _config.VERIFY_OVERRIDE = name
+        for name in (configs.VERIFY_VARIANTS[1:] if "verify" in parts else ()):
+            configs.VERIFY_OVERRIDE = name
             try:
                 for K in (64, 128):
                     for N, T in ((1, 1), (5, 3), (5, 9)):
@@ -76,7 +76,7 @@ def main(parts=("all", "tilings", "verify", "pools")):
                             kernel_call("kda_decode_mtp_kvbuffer", kw)
                         n += 1
             finally:
-                _config.VERIFY_OVERRIDE = None
+                configs.VERIFY_OVERRIDE = None
         # serving pools: bf16 and V-first, padded through a null slot (every kernel, public ops)
         for dtype, v_first in ((torch.bfloat16, False), (torch.float32, True), (torch.bfloat16, True)):
             for N, T in ((1, 1), (5, 3), (5, 9)) if "pools" in parts else ():

@@ -85,8 +85,8 @@ def reference(q, k, v, g, beta, *, gate_kw, initial_state=None, cu_seqlens=None)
     gate = "precomputed" if not gate_kw else ("safe" if "lower_bound" in gate_kw else "softplus")
     d = torch.float64
     f = (lambda t: None if t is None else t.to(d))
-    o, ht = R._forward(f(q), f(k), f(v), f(g), torch.sigmoid(beta.to(d)), f(gate_kw.get("A_log")),
-                       f(gate_kw.get("dt_bias")), f(initial_state), cu_seqlens, scale=q.shape[-1] ** -0.5,
-                       output_final_state=True, use_qk_l2norm_in_kernel=True, gate=gate,
-                       lower_bound=gate_kw.get("lower_bound"), beta_activation="none")
+    o, ht = R.chunk_kda(f(q), f(k), f(v), f(g), torch.sigmoid(beta.to(d)), f(gate_kw.get("A_log")),
+                        f(gate_kw.get("dt_bias")), f(initial_state), cu_seqlens, None, scale=q.shape[-1] ** -0.5,
+                        output_final_state=True, use_qk_l2norm_in_kernel=True, gate=gate,
+                        lower_bound=gate_kw.get("lower_bound"), beta_activation="none")
     return o, ht

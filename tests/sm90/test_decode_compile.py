@@ -134,8 +134,8 @@ def test_recurrent_family_loads_and_binds(sm90a, monkeypatch, case):
     monkeypatch.setattr(rt, "current_stream", lambda device=None: 0)
 
     def run():
-        launch._run_recurrent(mode, *inputs, scale=K ** -0.5, lower_bound=-5.0 if safe else None,
-                              use_qk_l2norm_in_kernel=l2, state_v_first=v_first, null_slot=0 if v_first else None)
+        launch.run_recurrent(mode, *inputs, scale=K ** -0.5, lower_bound=-5.0 if safe else None,
+                             use_qk_l2norm_in_kernel=l2, state_v_first=v_first, null_slot=0 if v_first else None)
 
     _launch_reaches_the_driver(run)
     family = launch.family_kernels(mode, T, K, K, qkv, launch.gate_read_dtype(gdt), launch.gate_read_dtype(bdt),
@@ -174,26 +174,26 @@ def test_chunk_verify_compiles_for_sm90a(sm90a, tc, T, K, safe):
 def test_verify_override(monkeypatch):
     """The override (a benchmarking / testing hook) pins every verify call to one variant; without it the table
     picks by shape."""
-    from cula_sm90.decode import _config
+    from cula_sm90.decode import configs
 
-    assert _config.verify_variant(300, 4, 8) == _config.VERIFY_CHUNK_SIMT
-    monkeypatch.setattr(_config, "VERIFY_OVERRIDE", _config.VERIFY_CHUNK_TC)
-    assert _config.verify_variant(300, 4, 8) == _config.VERIFY_CHUNK_TC
-    assert _config.verify_variants_for(4) == (_config.VERIFY_CHUNK_TC,)
+    assert configs.verify_variant(300, 4, 8) == configs.VERIFY_CHUNK_SIMT
+    monkeypatch.setattr(configs, "VERIFY_OVERRIDE", configs.VERIFY_CHUNK_TC)
+    assert configs.verify_variant(300, 4, 8) == configs.VERIFY_CHUNK_TC
+    assert configs.verify_variants_for(4) == (configs.VERIFY_CHUNK_TC,)
 
 
 def test_dispatch_stays_within_what_a_family_prepares():
     """Whatever N and HV, the dispatch picks a variant and a tiling that launch._prepare_family compiled and loaded
     on the family's first call (no compile or load at a new batch size: CUDA-graph capture), and a tested tiling."""
-    from cula_sm90.decode import _config
+    from cula_sm90.decode import configs
 
     for N in (1, 2, 5, 8, 16, 64, 128, 300, 1024):
-        for T in range(1, _config.MAX_T + 1):
+        for T in range(1, configs.MAX_T + 1):
             for HV in (1, 4, 8, 32, 64):
-                assert _config.verify_variant(N, T, HV) in _config.verify_variants_for(T)
-                tiling = _config.recurrent_tiling(N, T, HV)
-                assert tiling in _config.recurrent_tilings_for(T) and tiling in _config.TILINGS
-                assert tiling in _config.dispatched_tilings()
+                assert configs.verify_variant(N, T, HV) in configs.verify_variants_for(T)
+                tiling = configs.recurrent_tiling(N, T, HV)
+                assert tiling in configs.recurrent_tilings_for(T) and tiling in configs.TILINGS
+                assert tiling in configs.dispatched_tilings()
 
 
 @pytest.mark.parametrize(("T", "K", "layers", "per_request", "pool_dtype", "v_first"),
@@ -208,6 +208,6 @@ def test_flush_compiles_and_binds(sm90a, monkeypatch, T, K, layers, per_request,
     bufs = [torch.zeros(2, T, 2, 3 * K) for _ in range(layers)]
     cache_idx = torch.zeros(2, dtype=torch.int32)
     accept = torch.ones(2, dtype=torch.int32) if per_request else None
-    _launch_reaches_the_driver(lambda: launch._run_flush(pools, cache_idx, bufs, accept, 1, state_v_first=v_first,
-                                                         null_slot=1 if v_first else None))
+    _launch_reaches_the_driver(lambda: launch.run_flush(pools, cache_idx, bufs, accept, 1, state_v_first=v_first,
+                                                        null_slot=1 if v_first else None))
     assert (launch.FLUSH, launch.flush_config(T, K, K, layers, per_request, pool_dtype, v_first)) in rt.loaded()

@@ -163,22 +163,22 @@ def test_flush_broadcast_int_and_all_layers():
 
 
 def test_every_tiling_of_the_recurrent_kernel():
-    """Each tiling the dispatch may pick (cula_sm90.decode._config.TILINGS), per-token-states and verify modes
+    """Each tiling the dispatch may pick (cula_sm90.decode.configs.TILINGS), per-token-states and verify modes
     (the final-state store is the per-token store's pattern), against the reference: the dispatch table can
     change without leaving a tiling untested."""
-    from cula_sm90.decode import _config
+    from cula_sm90.decode import configs
 
     kw = make_case(5, 3, 2, 4, out_of_range=True, seed=800)
     o_ref, st_ref = reference_mtp(kw)
     _, buf_ref = reference_kvbuffer(kw)
-    for tiling in _config.TILINGS:
-        _config.TILING_OVERRIDE = tiling
+    for tiling in configs.TILINGS:
+        configs.TILING_OVERRIDE = tiling
         try:
             with backend():
                 o, states = cula_core.kda_decode_mtp(**kw, output_per_token_states=True)
                 o2, buf = cula_core.kda_decode_mtp_kvbuffer(**kw)
         finally:
-            _config.TILING_OVERRIDE = None
+            configs.TILING_OVERRIDE = None
         errs = (rel_err(o, o_ref), rel_err(states, st_ref), rel_err(o2, o_ref), rel_err(buf, buf_ref))
         assert max(errs) < REL_TOL, (tiling, errs)
 

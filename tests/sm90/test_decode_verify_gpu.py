@@ -1,5 +1,5 @@
 """GPU tests of the chunk-form KVBuffer verify (cula_sm90/decode/kvbuffer_verify.py), both product variants
-(3xTF32 tensor cores and SIMT), forced through `_config.VERIFY_OVERRIDE` so the public op runs them whatever the
+(3xTF32 tensor cores and SIMT), forced through `configs.VERIFY_OVERRIDE` so the public op runs them whatever the
 dispatch table picks: outputs and the KVBuffer against the fp64 reference at the recurrent kernel's fp32 tolerance,
 the pool untouched, padded / out-of-range requests zero, the flush from their buffer equal to the reference state
 after m tokens, K = V = 64, bitwise determinism."""
@@ -28,13 +28,13 @@ def _sm90():
 
 @contextlib.contextmanager
 def variant(name):
-    from cula_sm90.decode import _config
+    from cula_sm90.decode import configs
 
-    _config.VERIFY_OVERRIDE = name
+    configs.VERIFY_OVERRIDE = name
     try:
         yield
     finally:
-        _config.VERIFY_OVERRIDE = None
+        configs.VERIFY_OVERRIDE = None
 
 
 @pytest.mark.parametrize("T", TS)
@@ -94,13 +94,13 @@ def test_capture_at_a_size_the_dispatch_serves_differently():
     """Warm-up at N = 1 (4 heads: the recurrent verify, tiling 32x4x4), capture at N = 300 (1200 heads: the chunk
     verify, tiling 32x2x2 for the recurrent step) with no call at that size before: the family's first call
     prepared every kernel the dispatch can pick, so the capture only launches. Replay = eager calls, bitwise."""
-    from cula_sm90.decode import _config
+    from cula_sm90.decode import configs
 
     T = 3
     small = make_case(1, T, 2, 4, padded=False, seed=910)
     kw = make_case(300, T, 2, 4, seed=911)
-    assert _config.verify_variant(1, T, 4) != _config.verify_variant(300, T, 4)
-    assert _config.recurrent_tiling(1, T, 4) != _config.recurrent_tiling(300, T, 4)
+    assert configs.verify_variant(1, T, 4) != configs.verify_variant(300, T, 4)
+    assert configs.recurrent_tiling(1, T, 4) != configs.recurrent_tiling(300, T, 4)
     with backend():
         cula_core.kda_decode_mtp(**small)
         cula_core.kda_decode_mtp_kvbuffer(**small)

@@ -22,10 +22,10 @@ BT, K = 64, 128
 def _intra_emulator(gate, beta_activation, l2norm, has_a_log, has_dt_bias, *_dtypes):
     def run(q, k, v, g, beta, a_log, dtb, cu, co, w, u, qg, kg, aqk, gl, TT, N, NC, steps, HQK, G, scale, lb, _s):
         flat = [t.reshape(1, TT, *t.shape[2:]) for t in (q, k, v, g, beta)]
-        qp, kp, gp, bp = R._prepare(flat[0], flat[1], flat[3], flat[4], a_log if has_a_log else None,
-                                    dtb if has_dt_bias else None, dtype=torch.float64,
-                                    use_qk_l2norm_in_kernel=l2norm, gate=gate, lower_bound=lb,
-                                    beta_activation=beta_activation)
+        qp, kp, gp, bp = R.prepare_inputs(flat[0], flat[1], flat[3], flat[4], a_log if has_a_log else None,
+                                          dtb if has_dt_bias else None, dtype=torch.float64,
+                                          use_qk_l2norm_in_kernel=l2norm, gate=gate, lower_bound=lb,
+                                          beta_activation=beta_activation)
         _, _, x = chunk_kda_reference(qp, kp, flat[2].double(), gp, bp, scale=scale, cu_seqlens=cu.long(),
                                       return_intermediates=True)
         for dst, src in ((w, x.w), (u, x.u), (qg, scale * x.qg), (kg, x.kg), (aqk, x.Aqk)):
@@ -70,10 +70,10 @@ def fwd(monkeypatch):
 
     monkeypatch.setattr(forward, "compile_intra", _intra_emulator)
     monkeypatch.setattr(forward, "compile_state", _state_emulator)
-    monkeypatch.setattr(forward, "_ptr", lambda t, align=None: t)
-    monkeypatch.setattr(forward, "_stream", lambda: None)
-    monkeypatch.setattr(forward, "_num_sms", lambda index: 132)
-    forward._cached_device_tables.cache_clear()
+    monkeypatch.setattr(forward, "address", lambda t, align=None: t)
+    monkeypatch.setattr(forward, "launch_stream", lambda: None)
+    monkeypatch.setattr(forward, "sm_count", lambda index: 132)
+    forward.planned_device_tables.cache_clear()
     return forward
 
 
@@ -115,9 +115,9 @@ def test_cp_host_path_equals_serial_and_reference(fwd, lens):
     assert _rel(ht_on, ht_off) < 1e-6 and _rel(o_on.float(), o_off.float()) < 1e-2
     assert torch.equal(ht_dev, ht_off) and torch.equal(o_dev, o_off)
     q, k, v, g, beta, h0, cu = x
-    o_r, ht_r = R._forward(q.double(), k.double(), v.double(), g.double(), beta.double(), None, None, h0.double(),
-                           cu, scale=K ** -0.5, output_final_state=True, use_qk_l2norm_in_kernel=True,
-                           gate="precomputed", lower_bound=None, beta_activation="none")
+    o_r, ht_r = R.chunk_kda(q.double(), k.double(), v.double(), g.double(), beta.double(), None, None, h0.double(),
+                            cu, None, scale=K ** -0.5, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                            gate="precomputed", lower_bound=None, beta_activation="none")
     assert _rel(ht_on, ht_r) < 1e-2 and _rel(o_on.float(), o_r) < 1e-2
     for n, L in enumerate(lens):
         if L == 0:

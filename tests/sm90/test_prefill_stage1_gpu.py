@@ -24,7 +24,7 @@ def stage1(kind, q, k, v, g, beta, A_log, dt_bias, lens, lower_bound, beta_act="
 
     TT, HQK = q.shape[1], q.shape[2]
     HV = v.shape[2]
-    cu_l, co_l, _ = F._host_tables(tuple(lens), HV, 132, "off")
+    cu_l, co_l, _ = F.host_tables(tuple(lens), HV, 132, "off")
     cu = torch.tensor(cu_l, dtype=torch.int32, device="cuda")
     co = torch.tensor(co_l, dtype=torch.int32, device="cuda")
     NC = max(co_l[-1], 1)
@@ -35,9 +35,11 @@ def stage1(kind, q, k, v, g, beta, A_log, dt_bias, lens, lower_bound, beta_act="
     fn = F.compile_intra("safe", beta_act, True, True, True, q.dtype, g.dtype, beta.dtype, kind)
     io = 16 if kind == "tc" else None
     N = len(lens)
-    fn(F._ptr(q, io), F._ptr(k, io), F._ptr(v, io), F._ptr(g, io if g.dtype == torch.bfloat16 else None), F._ptr(beta), F._ptr(A_log), F._ptr(dt_bias),
-       F._ptr(cu), F._ptr(co), *(F._ptr(out[n], io) for n in ("w", "u", "qg", "kg", "aqk")), F._ptr(out["gl"]),
-       TT, N, NC, max(N, 1).bit_length() + 1, HQK, HV // HQK, K ** -0.5, float(lower_bound), F._stream())
+    g_io = io if g.dtype == torch.bfloat16 else None
+    mids = (F.address(out[n], io) for n in ("w", "u", "qg", "kg", "aqk"))
+    fn(F.address(q, io), F.address(k, io), F.address(v, io), F.address(g, g_io), F.address(beta), F.address(A_log),
+       F.address(dt_bias), F.address(cu), F.address(co), *mids, F.address(out["gl"]),
+       TT, N, NC, max(N, 1).bit_length() + 1, HQK, HV // HQK, K ** -0.5, float(lower_bound), F.launch_stream())
     torch.cuda.synchronize()
     return out
 

@@ -54,7 +54,7 @@ def main(argv=None) -> int:
 
     import cula
     from cula_core import cute_runtime as rt
-    from cula_sm90.decode import _config, launch
+    from cula_sm90.decode import configs, launch
 
     dev, bf, H, K, N = "cuda", torch.bfloat16, 4, 128, 1
     q, k, v, g = (torch.randn(N, 1, H, K, device=dev, dtype=bf) * 0.1 for _ in range(4))
@@ -64,8 +64,8 @@ def main(argv=None) -> int:
     A_log, dt_bias = torch.zeros(H, device=dev), torch.zeros(H * K, device=dev)
     o = torch.empty_like(v)
     gate = dict(A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True)
-    cfg = launch.recurrent_config(_config.MODE_FINAL, 1, K, K, bf, bf, bf, True, True, False, True,
-                                  _config.recurrent_tiling(N, 1, H))
+    cfg = launch.recurrent_config(configs.MODE_FINAL, 1, K, K, bf, bf, bf, True, True, False, True,
+                                  configs.recurrent_tiling(N, 1, H))
     fn = rt.get(launch.RECURRENT, cfg)
 
     def kernel_launch():  # the whole launch path of one kernel: addresses, sizes, stream, the TVM-FFI call

@@ -118,13 +118,13 @@ VERIFY_VARIANTS = ("recurrent", "chunk_simt", "chunk_tc")  # the ones the dispat
 def with_variant(fn, name):
     """fn with every verify call forced to one variant (at capture time too: the graph keeps that kernel)."""
     def call(*args):
-        from cula_sm90.decode import _config
+        from cula_sm90.decode import configs
 
-        _config.VERIFY_OVERRIDE = name
+        configs.VERIFY_OVERRIDE = name
         try:
             return fn(*args)
         finally:
-            _config.VERIFY_OVERRIDE = None
+            configs.VERIFY_OVERRIDE = None
     return call
 
 
@@ -230,7 +230,7 @@ def host_overhead(reps=2000):
 
 def tiling_sweep(timing, hs, ns=(1, 16, 128), cases=((1, cula_decode), (4, cula_verify)), tilings=None):
     """Device ms of the recurrent kernel per tiling: plain decode (T = 1) and verify (T = 4)."""
-    from cula_sm90.decode import _config
+    from cula_sm90.decode import configs
 
     timing = Timing(warmup=10, repeats=40, method=timing.method)  # many cells: shorter runs than the tables'
 
@@ -241,12 +241,12 @@ def tiling_sweep(timing, hs, ns=(1, 16, 128), cases=((1, cula_decode), (4, cula_
                 for T, fn in cases:
                     x = make_inputs(N, T, H, seed=N)
                     row = dict(H=H, N=N, T=T)
-                    for tiling in tilings or _config.TILINGS:
-                        _config.TILING_OVERRIDE = tiling
+                    for tiling in tilings or configs.TILINGS:
+                        configs.TILING_OVERRIDE = tiling
                         try:
                             row[tiling] = graph_ms(fn, (x,), timing)
                         finally:
-                            _config.TILING_OVERRIDE = None
+                            configs.TILING_OVERRIDE = None
                     out.append(row)
                     print(row, flush=True)
                     del x
@@ -299,7 +299,7 @@ def static_report(ts=(2, 4, 6, 8), variants=STATIC_VARIANTS) -> str:
     dump = tempfile.mkdtemp(prefix="mtp_static_")
     os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin,ptx", CUTE_DSL_DUMP_DIR=dump)
     from cula_core import cute_runtime
-    from cula_sm90.decode import _config, launch
+    from cula_sm90.decode import configs, launch
     from tools.kernel_report import analyse
 
     bf = torch.bfloat16
@@ -307,7 +307,7 @@ def static_report(ts=(2, 4, 6, 8), variants=STATIC_VARIANTS) -> str:
     for v in variants:
         for T in ts:
             compiled = cute_runtime.compile_kernel(launch.VERIFY, launch.verify_config(
-                T, K, V, bf, bf, bf, True, True, False, True, v == _config.VERIFY_CHUNK_TC))
+                T, K, V, bf, bf, bf, True, True, False, True, v == configs.VERIFY_CHUNK_TC))
             rows[v, T] = analyse(f"{v}[T={T}]", "decode", compiled, "sm_90a", Path(dump))
     w = lambda t: " ".join(f"{n}x{b}" for b, n in sorted(t.items())) or "-"
     lines = ["", "## Static view of the verify chain (sm_90a, K = V = 128, no GPU)", "",
@@ -481,9 +481,9 @@ def dispatch_run(timing, hs=HS, ns=NS, ts=TS, growth_ts=(2, 3, 4, 6, 8), growth_
       growth: the verify alone per variant at H = 64, T in growth_ts, N in growth_ns (the T = 6 / T = 2 goal),
               with FLA's chain and ours (the dispatch's) beside it;
       decode: T = 1 decode (the tiling the dispatch picks) against FLA;
-      chain:  verify + commit (each verify call going to the variant `_config.verify_variant` picks) against
+      chain:  verify + commit (each verify call going to the variant `configs.verify_variant` picks) against
               FLA's chain on the issue's grid."""
-    from cula_sm90.decode import _config
+    from cula_sm90.decode import configs
 
     out = {"chain": [], "growth": [], "decode": []}
 
@@ -506,7 +506,7 @@ def dispatch_run(timing, hs=HS, ns=NS, ts=TS, growth_ts=(2, 3, 4, 6, 8), growth_
         for H in (hs if "decode" in sections else ()):
             for N in ns:
                 row, x, xf, pool = decode_row(N, H, timing)
-                row["tiling"] = _config.recurrent_tiling(N, 1, H)
+                row["tiling"] = configs.recurrent_tiling(N, 1, H)
                 keep("decode", row)
                 del x, pool, xf
         for H in (hs if "chain" in sections else ()):
@@ -514,7 +514,7 @@ def dispatch_run(timing, hs=HS, ns=NS, ts=TS, growth_ts=(2, 3, 4, 6, 8), growth_
                 for N in ns:
                     x, xf, pool, idx, ref = chain_case(N, T, H)
                     _, err = errors(cula_chain(dict(x, state_pool=x["state_pool"].clone()), T).float(), ref.float())
-                    keep("chain", dict(H=H, T=T, N=N, err=err, variant=_config.verify_variant(N, T, H),
+                    keep("chain", dict(H=H, T=T, N=N, err=err, variant=configs.verify_variant(N, T, H),
                                        fla=graph_ms(fla_chain, (xf, pool, idx, T), timing),
                                        cula=graph_ms(cula_chain, (x, T), timing)))
                     del x, pool, idx, xf
@@ -524,7 +524,7 @@ def dispatch_run(timing, hs=HS, ns=NS, ts=TS, growth_ts=(2, 3, 4, 6, 8), growth_
 def render_dispatch(d, env) -> str:
     lines = ["", "## With the dispatch tables (final run)", "",
              f"GPU: {env.get('gpu', '?')}. Device time (20 calls in one CUDA graph, replayed; median). `variant`: the "
-             "verify kernel `_config.verify_variant` picks for the cell.", "",
+             "verify kernel `configs.verify_variant` picks for the cell.", "",
              "| H | T | N | FLA ms | cula ms | speed-up | variant | max rel err (o) |",
              "|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in d["chain"]:

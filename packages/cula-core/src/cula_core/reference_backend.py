@@ -22,8 +22,11 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _prepare(q, k, g, beta, A_log, dt_bias, *, dtype, use_qk_l2norm_in_kernel, gate, lower_bound,
-             beta_activation="none"):
+def prepare_inputs(q, k, g, beta, A_log, dt_bias, *, dtype, use_qk_l2norm_in_kernel, gate, lower_bound,
+                   beta_activation="none"):
+    """What every kernel does to its inputs before the recurrence: (q, k, g, beta) in `dtype`, q and k
+    L2-normalised when asked, g turned into the log decay by `gate` ("precomputed", "softplus" or "safe", with
+    A_log / dt_bias / lower_bound), beta through `beta_activation` ("none" or "sigmoid"). Shapes unchanged."""
     q, k, g, beta = (t.to(dtype) for t in (q, k, g, beta))
     if use_qk_l2norm_in_kernel:
         q, k = ref.l2norm(q), ref.l2norm(k)
@@ -35,9 +38,9 @@ def _prepare(q, k, g, beta, A_log, dt_bias, *, dtype, use_qk_l2norm_in_kernel, g
 def _forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *, scale, output_final_state,
              use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation):
     dtype = work_dtype(q.dtype)
-    qp, kp, gp, bp = _prepare(q, k, g, beta, A_log, dt_bias, dtype=dtype,
-                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate,
-                              lower_bound=lower_bound, beta_activation=beta_activation)
+    qp, kp, gp, bp = prepare_inputs(q, k, g, beta, A_log, dt_bias, dtype=dtype,
+                                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate,
+                                    lower_bound=lower_bound, beta_activation=beta_activation)
     h0 = initial_state.to(dtype) if initial_state is not None else None
     o, ht = ref.chunk_kda_reference(qp, kp, v.to(dtype), gp, bp, scale=scale, initial_state=h0,
                                     output_final_state=output_final_state, cu_seqlens=cu_seqlens)
@@ -67,9 +70,9 @@ def kda_prefill_chunk_states(q, k, v, g, beta, A_log, dt_bias, initial_state, cu
     """(o, final_state or None, h): h the state at every chunk start, [B, NT, HV, K, V] in q's dtype (FLA's)."""
     with torch.no_grad():
         dtype = work_dtype(q.dtype)
-        qp, kp, gp, bp = _prepare(q, k, g, beta, A_log, dt_bias, dtype=dtype,
-                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate,
-                                  lower_bound=lower_bound, beta_activation=beta_activation)
+        qp, kp, gp, bp = prepare_inputs(q, k, g, beta, A_log, dt_bias, dtype=dtype,
+                                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate,
+                                        lower_bound=lower_bound, beta_activation=beta_activation)
         h0 = initial_state.to(dtype) if initial_state is not None else None
         o, ht, h = ref.chunk_kda_states_reference(qp, kp, v.to(dtype), gp, bp, scale=scale, initial_state=h0,
                                                   output_final_state=output_final_state, cu_seqlens=cu_seqlens,
@@ -86,9 +89,9 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seql
     read and written through transposed views (the reference declares it serves state_v_first here)."""
     with torch.no_grad():
         dtype = work_dtype(q.dtype)
-        qp, kp, gp, bp = _prepare(q, k, g, beta, A_log, dt_bias, dtype=dtype,
-                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate,
-                                  lower_bound=lower_bound, beta_activation=beta_activation)
+        qp, kp, gp, bp = prepare_inputs(q, k, g, beta, A_log, dt_bias, dtype=dtype,
+                                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate,
+                                        lower_bound=lower_bound, beta_activation=beta_activation)
         state = initial_state.transpose(-1, -2) if state_v_first and initial_state is not None else initial_state
         if ssm_state_indices is not None:
             o = ref.recurrent_kda_pool(qp, kp, v.to(dtype), gp, bp, scale, state, ssm_state_indices,
@@ -129,8 +132,8 @@ def chunk_kda_backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state,
 
 def _prepare_decode(q, k, g, beta, A_log, dt_bias, state_pool, *, lower_bound, use_qk_l2norm_in_kernel):
     gate = "safe" if lower_bound is not None else "softplus"
-    return _prepare(q, k, g, beta, A_log, dt_bias, dtype=work_dtype(state_pool.dtype),
-                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate, lower_bound=lower_bound)
+    return prepare_inputs(q, k, g, beta, A_log, dt_bias, dtype=work_dtype(state_pool.dtype),
+                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate, lower_bound=lower_bound)
 
 
 def kda_decode_mtp(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, *, scale, lower_bound,

@@ -32,12 +32,12 @@ PREFILL_BETA_ACTIVATIONS = ("none", "sigmoid")
 
 
 def decode_configurations() -> list[tuple[str, tuple]]:
-    from cula_sm90.decode import _config, launch
+    from cula_sm90.decode import configs, launch
 
     out = []
     for K, qkv, g, beta, safe, T in itertools.product(HEAD_DIMS, QKV_DTYPES, GATE_INPUT_DTYPES, GATE_INPUT_DTYPES,
                                                        (False, True), range(1, DECODE_T_MAX + 1)):
-        for mode in (_config.MODE_FINAL, _config.MODE_STATES, _config.MODE_KVBUFFER):
+        for mode in (configs.MODE_FINAL, configs.MODE_STATES, configs.MODE_KVBUFFER):
             out.extend(launch.family_kernels(mode, T, K, K, qkv, g, beta, True, True, safe, True))
     for K, T, layers, per_request in itertools.product(HEAD_DIMS, range(1, DECODE_T_MAX + 1), FLUSH_LAYERS,
                                                        (False, True)):

@@ -10,7 +10,7 @@ Nothing here imports CuTe DSL: `kernel(op)` returns functions that compile their
 
 from __future__ import annotations
 
-from cula_sm90.decode import _config
+from cula_sm90.decode import configs
 
 OPS: tuple[str, ...] = ("kda_decode", "kda_decode_mtp", "kda_decode_mtp_kvbuffer", "kda_flush_kvbuffer",
                         "kda_flush_kvbuffer_all_layers")
@@ -20,7 +20,7 @@ INT32_INDEXING = False  # 64-bit offsets: state pools may hold 2**31 elements or
 def unsupported_reason(call) -> str | None:
     if call.op not in OPS:
         return f"sm90 does not implement {call.op}"
-    return _config.unsupported_reason(call)
+    return configs.unsupported_reason(call)
 
 
 def kernel(op: str):

@@ -20,7 +20,7 @@ converted to fp32 on the host; A_log and dt_bias always fp32 (None when absent).
 fp32 as they load it, so these conversions change no result; they keep the configuration set small enough to be
 built ahead of time (cula_sm90.kernels.aot_configurations).
 
-Dispatch: `_config.recurrent_tiling` (the recurrent kernel's tiling) and `_config.verify_variant` (recurrent kernel
+Dispatch: `configs.recurrent_tiling` (the recurrent kernel's tiling) and `configs.verify_variant` (recurrent kernel
 or chunk form for the verify) pick by T and heads = N * HV; the measurements behind the tables are in
 docs/benchmarks/mtp_decode.md. On a family's first call (mode, T, head dims, dtypes, gate) every kernel the tables
 can pick for it at any N is loaded, so that a later batch size never compiles or loads one (a CUDA-graph capture
@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from cula_core import cute_runtime as rt
-from cula_sm90.decode import _config
+from cula_sm90.decode import configs
 
 RECURRENT, VERIFY, FLUSH = "sm90.decode.recurrent", "sm90.decode.verify", "sm90.decode.flush"
 _ARCH, _DIST, _PKG = "sm_90a", "cula-sm90", "cula_sm90"
@@ -89,7 +89,7 @@ def _build_recurrent(config: tuple):
     kern = RecurrentDecode(T=T, K=K, V=V, mode=mode, safe_gate=safe, has_A_log=adt is not None,
                            has_dt_bias=ddt is not None, l2norm=l2norm, block_v=bv, lanes_v=vl, num_warps=nw,
                            warp_local=bool(wl), state_v_first=v_first)
-    out = pool if mode == _config.MODE_STATES else _F32
+    out = pool if mode == configs.MODE_STATES else _F32
     return kern, (*_gate_args(qkv, gdt, bdt, adt, ddt, pool, out), *_scalars("i", "i", "i", "i", "f", "f", "i"),
                   rt.fake_stream())
 
@@ -115,7 +115,7 @@ def _build_flush(config: tuple):
                   *_scalars("i", "i", "i", "i"), rt.fake_stream())
 
 
-_COMMON = ("cula_sm90.decode._dsl", "cula_sm90.decode._config", "cula_sm90.decode.launch")
+_COMMON = ("cula_sm90.decode._dsl", "cula_sm90.decode.configs", "cula_sm90.decode.launch")
 for _name, _build, _source in ((RECURRENT, _build_recurrent, "recurrent"), (VERIFY, _build_verify, "kvbuffer_verify"),
                                (FLUSH, _build_flush, "flush")):
     rt.register(rt.KernelDef(_name, _DIST, _PKG, _ARCH, _build, (f"cula_sm90.decode.{_source}", *_COMMON)))
@@ -125,20 +125,20 @@ def variant_kernel(mode: str, variant: str, tiling, T: int, K: int, V: int, qkv,
                    has_dt_bias: bool, safe: bool, l2norm: bool, pool=_F32, v_first: bool = False) -> tuple[str, tuple]:
     """(kernel name, configuration) of one dispatch choice: the recurrent kernel at `tiling`, or the chunk-form
     verify (same signature)."""
-    if variant == _config.VERIFY_RECURRENT:
+    if variant == configs.VERIFY_RECURRENT:
         return RECURRENT, recurrent_config(mode, T, K, V, qkv, gdt, bdt, has_A_log, has_dt_bias, safe, l2norm,
                                            tiling, pool, v_first)
     return VERIFY, verify_config(T, K, V, qkv, gdt, bdt, has_A_log, has_dt_bias, safe, l2norm,
-                                 variant == _config.VERIFY_CHUNK_TC, pool, v_first)
+                                 variant == configs.VERIFY_CHUNK_TC, pool, v_first)
 
 
 def family_kernels(mode: str, T: int, K: int, V: int, qkv, gdt, bdt, has_A_log: bool, has_dt_bias: bool,
                    safe: bool, l2norm: bool, pool=_F32, v_first: bool = False) -> list[tuple[str, tuple]]:
     """Every (kernel, configuration) the dispatch tables can pick for a family at any batch size."""
-    variants = _config.verify_variants_for(T) if mode == _config.MODE_KVBUFFER else (_config.VERIFY_RECURRENT,)
+    variants = configs.verify_variants_for(T) if mode == configs.MODE_KVBUFFER else (configs.VERIFY_RECURRENT,)
     out = []
     for variant in variants:
-        tilings = _config.recurrent_tilings_for(T) if variant == _config.VERIFY_RECURRENT else (None,)
+        tilings = configs.recurrent_tilings_for(T) if variant == configs.VERIFY_RECURRENT else (None,)
         out.extend(variant_kernel(mode, variant, t, T, K, V, qkv, gdt, bdt, has_A_log, has_dt_bias, safe, l2norm,
                                   pool, v_first) for t in tilings)
     return out
@@ -150,7 +150,7 @@ _families: set[tuple] = set()
 def _prepare_family(family: tuple) -> None:
     """Load every kernel of a family once (see the module docstring); the benchmarks' dispatch hooks change what a
     family holds."""
-    key = (*family, _config.TILING_OVERRIDE, _config.VERIFY_OVERRIDE)
+    key = (*family, configs.TILING_OVERRIDE, configs.VERIFY_OVERRIDE)
     if key in _families:
         return
     for name, config in family_kernels(*family):
@@ -170,16 +170,21 @@ def _gate_dtype(t: torch.Tensor) -> torch.Tensor:
     return t.to(gate_read_dtype(t.dtype))
 
 
-def _run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, *, scale, lower_bound,
-                   use_qk_l2norm_in_kernel, state_v_first=False, null_slot=None):
+def run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, *, scale, lower_bound,
+                  use_qk_l2norm_in_kernel, state_v_first=False, null_slot=None):
+    """Launch the recurrent or verify kernel `mode` (configs.MODE_*) picks for this batch: (o, out) with o like v
+    and out the per-token states [N, T, *pool slot] in the pool's dtype (MODE_STATES), the KVBuffer
+    [N, T, HV, 2K + V] fp32 (MODE_KVBUFFER) or None (MODE_FINAL, which updates the pool in place). Arguments in
+    the decode calling convention of docs/backends.md, already validated; the pool 16-byte aligned (q, k, v and g
+    are copied where they are not)."""
     N, T, HQK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     P = state_pool.shape[0]
     dev = q.device
     o = torch.empty_like(v)
-    if mode == _config.MODE_STATES:  # per-token states in the pool's layout and dtype
+    if mode == configs.MODE_STATES:  # per-token states in the pool's layout and dtype
         out = torch.empty((N, T, *state_pool.shape[1:]), device=dev, dtype=state_pool.dtype)
-    elif mode == _config.MODE_KVBUFFER:
+    elif mode == configs.MODE_KVBUFFER:
         out = torch.empty((N, T, HV, 2 * K + V), device=dev, dtype=torch.float32)
     else:
         out = None
@@ -195,8 +200,8 @@ def _run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias
     family = (mode, T, K, V, q.dtype, g.dtype, beta.dtype, A_log is not None, dt_bias is not None, safe, l2norm,
               state_pool.dtype, bool(state_v_first))
     _prepare_family(family)
-    variant = _config.verify_variant(N, T, HV) if mode == _config.MODE_KVBUFFER else _config.VERIFY_RECURRENT
-    fn = rt.get(*variant_kernel(mode, variant, _config.recurrent_tiling(N, T, HV), *family[1:]))
+    variant = configs.verify_variant(N, T, HV) if mode == configs.MODE_KVBUFFER else configs.VERIFY_RECURRENT
+    fn = rt.get(*variant_kernel(mode, variant, configs.recurrent_tiling(N, T, HV), *family[1:]))
     pool_addr = state_pool.data_ptr()
     fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
        A_log.data_ptr() if A_log is not None else pool_addr,        # never read without A_log
@@ -210,8 +215,10 @@ def _run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias
 
 # ---------------------------------------------------------------- flush kernel (one layer or all layers)
 
-def _run_flush(state_pools, cache_idx, kvbuffers, accept_len, accept_len_all, state_v_first=False,
-               null_slot=None) -> None:
+def run_flush(state_pools, cache_idx, kvbuffers, accept_len, accept_len_all, state_v_first=False,
+              null_slot=None) -> None:
+    """Commit each request's accepted tokens of `kvbuffers` (one per layer) into `state_pools` in one launch.
+    Pools and buffers 16-byte aligned; accept_len [N] int32 or None (accept_len_all for every request)."""
     pool0, buf0 = state_pools[0], kvbuffers[0]
     P, HV = pool0.shape[:2]
     K, V = (pool0.shape[3], pool0.shape[2]) if state_v_first else pool0.shape[2:]

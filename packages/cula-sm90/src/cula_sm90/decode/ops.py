@@ -1,4 +1,4 @@
-"""The decode ops in the kernel calling convention of docs/backends.md (cula_core/ops/reference_impls.py is
+"""The decode ops in the kernel calling convention of docs/backends.md (cula_core/reference_backend.py is
 the executable specification): each prepares nothing core has not, and launches the kernels of launch.py.
 
 Pools of another dtype than fp32 / bf16 are declined through the CallConfig (its `state_dtype` option); one that
@@ -10,24 +10,24 @@ from __future__ import annotations
 
 import torch
 
-from cula_core.ops import reference_impls
-from cula_sm90.decode import _config, launch
+from cula_core import reference_backend
+from cula_sm90.decode import configs, launch
 
 
 def _kernel_can_take(state_pool: torch.Tensor) -> bool:
-    return state_pool.dtype in _config.POOL_DTYPES and state_pool.data_ptr() % 16 == 0
+    return state_pool.dtype in configs.POOL_DTYPES and state_pool.data_ptr() % 16 == 0
 
 
 def kda_decode_mtp(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, *, scale, lower_bound,
                    use_qk_l2norm_in_kernel, output_per_token_states, **pool):
     if not _kernel_can_take(state_pool):
-        return reference_impls.kda_decode_mtp(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale=scale,
-                                              lower_bound=lower_bound,
-                                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                                              output_per_token_states=output_per_token_states, **pool)
-    mode = _config.MODE_STATES if output_per_token_states else _config.MODE_FINAL
-    return launch._run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale=scale,
-                                 lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **pool)
+        return reference_backend.kda_decode_mtp(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale=scale,
+                                                lower_bound=lower_bound,
+                                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                                output_per_token_states=output_per_token_states, **pool)
+    mode = configs.MODE_STATES if output_per_token_states else configs.MODE_FINAL
+    return launch.run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale=scale,
+                                lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **pool)
 
 
 def kda_decode(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, *, scale, lower_bound,
@@ -41,21 +41,21 @@ def kda_decode(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, *, scale
 def kda_decode_mtp_kvbuffer(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, *, scale, lower_bound,
                             use_qk_l2norm_in_kernel, **pool):
     if not _kernel_can_take(state_pool):
-        return reference_impls.kda_decode_mtp_kvbuffer(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
-                                                       scale=scale, lower_bound=lower_bound,
-                                                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **pool)
-    return launch._run_recurrent(_config.MODE_KVBUFFER, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
-                                 scale=scale, lower_bound=lower_bound,
-                                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **pool)
+        return reference_backend.kda_decode_mtp_kvbuffer(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
+                                                         scale=scale, lower_bound=lower_bound,
+                                                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **pool)
+    return launch.run_recurrent(configs.MODE_KVBUFFER, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
+                                scale=scale, lower_bound=lower_bound,
+                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **pool)
 
 
 def kda_flush_kvbuffer_all_layers(state_pools, cache_idx, kvbuffers, accept_len, accept_len_all, **pool):
     """`pool`: the calling convention's state_v_first / null_slot keywords (only those that are set)."""
     kvbuffers = [launch._aligned(b) for b in kvbuffers]
     if not all(_kernel_can_take(p) for p in state_pools):
-        return reference_impls.kda_flush_kvbuffer_all_layers(state_pools, cache_idx, kvbuffers, accept_len,
-                                                             accept_len_all, **pool)
-    launch._run_flush(list(state_pools), cache_idx, kvbuffers, accept_len, accept_len_all, **pool)
+        return reference_backend.kda_flush_kvbuffer_all_layers(state_pools, cache_idx, kvbuffers, accept_len,
+                                                               accept_len_all, **pool)
+    launch.run_flush(list(state_pools), cache_idx, kvbuffers, accept_len, accept_len_all, **pool)
 
 
 def kda_flush_kvbuffer(state_pool, cache_idx, kvbuffer, accept_len, accept_len_all, **pool):

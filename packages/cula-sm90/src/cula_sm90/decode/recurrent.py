@@ -35,7 +35,7 @@ from cutlass import Float32, Int32, Int64
 from cula_sm90.decode._dsl import (l2_normalize, load_state_piece, load_vec, log_decay, state_piece_offset,
                                    store_state_piece, store_vec, store_zeros, xor_sum)
 
-from cula_sm90.decode._config import MODE_FINAL, MODE_KVBUFFER, MODE_STATES
+from cula_sm90.decode.configs import MODE_FINAL, MODE_KVBUFFER, MODE_STATES
 
 
 class RecurrentDecode:

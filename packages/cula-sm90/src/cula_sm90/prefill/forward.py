@@ -1,5 +1,6 @@
 """Host side of the sm90 prefill: loads (cula_core.cute_runtime: shipped ahead of time, else compiled once and
-cached) and launches the two stages, with or without intra-card context parallel. Thin: validation happened in cula_core; the math is in the kernels.
+cached) and launches the two stages, with or without intra-card context parallel. Thin: validation happened in
+cula_core; the math is in the kernels.
 
     stage 1  chunk_intra_tc.ChunkIntraTCKernel   chunk-parallel: gate, cumsum, l2norm, Akk, w/u, Aqk, qg, kg, on
              tensor cores, for the safe gate with lower_bound >= TC_LOWER_BOUND_MIN (intra_kind);
@@ -36,12 +37,14 @@ TC_LOWER_BOUND_MIN = -8.0
 INTRA, STATE = "sm90.prefill.intra", "sm90.prefill.state"
 
 
-def _ptr(t: torch.Tensor, align: int | None = None) -> int:
-    """The address a kernel takes for t (`align`: the compiled pointer's assumption, which the caller ensures)."""
+def address(t: torch.Tensor, align: int | None = None) -> int:
+    """The address a kernel takes for t (`align`: the compiled pointer's assumption, which the caller ensures).
+    Every kernel argument goes through here and `launch_stream`: the seam a host-path test replaces."""
     return t.data_ptr()
 
 
-def _stream() -> int:
+def launch_stream() -> int:
+    """The current CUDA stream's handle, as the kernels take it."""
     return rt.current_stream()
 
 
@@ -128,7 +131,8 @@ def compile_state(affine: bool, o_dtype: torch.dtype):
 
 
 @functools.cache
-def _num_sms(index: int) -> int:
+def sm_count(index: int) -> int:
+    """Streaming multiprocessors of CUDA device `index` (the CP planner's input)."""
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
@@ -151,7 +155,7 @@ def planner_kwargs(cp_pieces: int | None = None) -> dict:
 
 
 @functools.lru_cache(maxsize=64)
-def _host_tables(lengths: tuple[int, ...], num_heads: int, num_sms: int, mode: str, pk: tuple | None = None):
+def host_tables(lengths: tuple[int, ...], num_heads: int, num_sms: int, mode: str, pk: tuple | None = None):
     """cu_seqlens, chunk offsets and the CP plan for host-known lengths (cached by lengths and the planner's
     arguments `pk`, planner_kwargs() as items; None: planner_kwargs() now)."""
     from cula_core import cp_planner
@@ -169,8 +173,9 @@ def _device_int32(values, device) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_device_tables(lengths, num_heads, num_sms, mode, device, has_h0, want_ht, pk):
-    cu, co, p = _host_tables(lengths, num_heads, num_sms, mode, pk)
+def planned_device_tables(lengths, num_heads, num_sms, mode, device, has_h0, want_ht, pk):
+    """The launch tables on `device` for host-known lengths (host_tables' plan; cached by every argument)."""
+    cu, co, p = host_tables(lengths, num_heads, num_sms, mode, pk)
     N = len(lengths)
     tables = {"cu": _device_int32(cu, device), "co": _device_int32(co, device), "plan": p, "NC": co[-1]}
     if not p.split:
@@ -233,7 +238,7 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     has_h0 = initial_state is not None
     lengths = _host_lengths(B, T, cu_seqlens, cu_seqlens_cpu)
     if lengths is not None:
-        tables = _cached_device_tables(lengths, HV, _num_sms(device.index or 0), intracard_cp, device, has_h0,
+        tables = planned_device_tables(lengths, HV, sm_count(device.index or 0), intracard_cp, device, has_h0,
                                        bool(output_final_state), tuple(sorted(planner_kwargs(cp_pieces).items())))
     else:
         tables = _device_tables(B, T, N, cu_seqlens, device, has_h0, bool(output_final_state))
@@ -259,7 +264,7 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     dummy = torch.empty(1, dtype=torch.float32, device=device)
     a_log = A_log.float() if A_log is not None else dummy
     dtb = dt_bias.float() if dt_bias is not None else dummy
-    stream = _stream()
+    stream = launch_stream()
     lb = -5.0 if lower_bound is None else float(lower_bound)
     kind = intra_kind(gate, lb)
     intra = compile_intra(gate, beta_activation, bool(use_qk_l2norm_in_kernel), A_log is not None,
@@ -269,21 +274,20 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
         q, k, v, g = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (q, k, v, g))
         io = 16
     g_io = io if g.dtype == torch.bfloat16 else None
-    intra(_ptr(q, io), _ptr(k, io), _ptr(v, io), _ptr(g, g_io), _ptr(beta), _ptr(a_log), _ptr(dtb),
-          _ptr(tables["cu"]), _ptr(tables["co"]), _ptr(w, io), _ptr(u, io), _ptr(qg, io), _ptr(kg, io),
-          _ptr(aqk, io), _ptr(gl),
-          TT, N, NC,
+    intra(address(q, io), address(k, io), address(v, io), address(g, g_io), address(beta), address(a_log),
+          address(dtb), address(tables["cu"]), address(tables["co"]), address(w, io), address(u, io), address(qg, io),
+          address(kg, io), address(aqk, io), address(gl), TT, N, NC,
           max(N, 1).bit_length() + 1, HQK, HV // HQK, float(scale), lb, stream)
 
     state = compile_state(False, v.dtype)
-    mids = [_ptr(t, 16) for t in (w, u, qg, kg, aqk)]
+    mids = [address(t, 16) for t in (w, u, qg, kg, aqk)]
     plan = tables["plan"]
     seg = tables["seg"]
     S = seg.shape[0]
     ht = final if final is not None else dummy
     if plan is None or not plan.split:
         h0 = initial_state if has_h0 else dummy
-        state(*mids, _ptr(gl), _ptr(seg), _ptr(h0), _ptr(ht), _ptr(o),
+        state(*mids, address(gl), address(seg), address(h0), address(ht), address(o),
               TT, NC, S, HV, max(h0.shape[0] if has_h0 else 1, 1), N if final is not None else 1, stream)
         return o, final
 
@@ -291,8 +295,8 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     map_seg = tables["map_seg"]
     R = map_seg.shape[0]
     maps = torch.empty(R, HV, K, 2 * K, dtype=torch.float32, device=device)
-    compile_state(True, v.dtype)(*mids, _ptr(gl), _ptr(map_seg),
-                                 _ptr(dummy), _ptr(maps), _ptr(o), TT, NC, R, HV, 1, R, stream)
+    compile_state(True, v.dtype)(*mids, address(gl), address(map_seg),
+                                 address(dummy), address(maps), address(o), TT, NC, R, HV, 1, R, stream)
     starts = torch.empty(S, HV, K, K, dtype=torch.float32, device=device)
     if has_h0:
         starts[tables["firsts"]] = initial_state
@@ -312,6 +316,6 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     if has_h0:
         reached = composed[..., :K] @ initial_state[tables["scan_seq"]].double() + reached
     starts[tables["scan_dst"]] = reached.float()
-    state(*mids, _ptr(gl), _ptr(seg), _ptr(starts), _ptr(ht), _ptr(o),
+    state(*mids, address(gl), address(seg), address(starts), address(ht), address(o),
           TT, NC, S, HV, S, N if final is not None else 1, stream)
     return o, final
