@@ -223,8 +223,8 @@ def test_dhu_slice_width_dispatch(monkeypatch):
     assert launch.busy_sequences((0, 0)) == 0.0
     asked = []
     monkeypatch.setattr(launch, "dhu_kernel", lambda dht, dh0, bv: (asked.append(bv), lambda *a: None)[1])
-    monkeypatch.setattr(launch.fwd, "_ptr", lambda *a: None)
-    monkeypatch.setattr(launch.fwd, "_stream", lambda: None)
+    monkeypatch.setattr(launch.fwd, "kernel_pointer", lambda *a: None)
+    monkeypatch.setattr(launch.fwd, "launch_stream", lambda: None)
     for N, HV, bv, want in ((2, 32, None, 32), (2, 64, None, 64), (2, 32, 64, 64), (2, 64, 32, 32)):
         TT = 3 * N
         q = torch.zeros(TT, 1, 128, dtype=torch.bfloat16)

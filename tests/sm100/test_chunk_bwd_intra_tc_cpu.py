@@ -67,7 +67,7 @@ def test_launch_picks_the_kernel_and_passes_arguments_in_order(monkeypatch):
     calls = []
     monkeypatch.setattr(launch, "intra_tc_kernel", lambda mc, split: ("tc", mc, split))
     monkeypatch.setattr(launch, "intra_kernel", lambda: ("cuda-core",))
-    monkeypatch.setattr(launch.fwd, "_launch", lambda kern, dtypes, tensors, scalars: calls.append(
+    monkeypatch.setattr(launch.fwd, "launch_kernel", lambda kern, dtypes, tensors, scalars: calls.append(
         (kern, dtypes, tensors, scalars)))
     TT, HQK, HV = 70, 2, 4
     bf = torch.bfloat16

@@ -87,10 +87,10 @@ def test_shared_memory_plan():
 
 
 def _stub_launches(monkeypatch, launch, kernel_cache: str):
-    """launch's kernel cache `kernel_cache` returns ("kernel", *key) and _launch records its calls (returned)."""
+    """launch's kernel cache `kernel_cache` returns ("kernel", *key) and launch_kernel records its calls (returned)."""
     calls = []
     monkeypatch.setattr(launch, kernel_cache, lambda *key: ("kernel", *key))
-    monkeypatch.setattr(launch, "_launch", lambda kern, dtypes, tensors, scalars: calls.append(
+    monkeypatch.setattr(launch, "launch_kernel", lambda kern, dtypes, tensors, scalars: calls.append(
         (kern, dtypes, tensors, scalars)))
     return calls
 

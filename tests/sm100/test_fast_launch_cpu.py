@@ -114,7 +114,7 @@ def check(part: str) -> None:
                        for i, dt in enumerate(dtypes)]
             ints = tuple(x + rnd if isinstance(x, int) else x for x in scalars)
             stream = cuda.CUstream(0x7F0000001230 + 0x100 * rnd)
-            fresh = [fwd._ptr(t, dt) for t, dt in zip(tensors, dtypes, strict=True)]
+            fresh = [fwd.kernel_pointer(t, dt) for t, dt in zip(tensors, dtypes, strict=True)]
             want = _c_bytes(kern.generate_execution_args(*fresh, *ints, stream)[0], sizes)
             with lau.lock:
                 lau.fill(tensors, ints, stream)
@@ -183,7 +183,7 @@ def test_first_call_checks_then_cells(monkeypatch):
     from cula_sm100 import fast_launch
     from cula_sm100.forward import launch as fwd
 
-    monkeypatch.setattr(fwd, "_ptr", lambda t, dt=None: (dt, 16 if t is None else t.data_ptr()))
+    monkeypatch.setattr(fwd, "kernel_pointer", lambda t, dt=None: (dt, 16 if t is None else t.data_ptr()))
     monkeypatch.setattr(fast_launch, "ENABLED", True)
     x, y = torch.empty(64, dtype=_BF), torch.empty(64, dtype=_F32)
     exe = _FakeExe()
@@ -202,7 +202,7 @@ def test_refused_check_keeps_the_dsl_path(monkeypatch):
     from cula_sm100 import fast_launch
     from cula_sm100.forward import launch as fwd
 
-    monkeypatch.setattr(fwd, "_ptr", lambda t, dt=None: (dt, 16 if t is None else t.data_ptr()))
+    monkeypatch.setattr(fwd, "kernel_pointer", lambda t, dt=None: (dt, 16 if t is None else t.data_ptr()))
     monkeypatch.setattr(fast_launch, "ENABLED", True)
     x = torch.empty(64, dtype=_BF)
     exe = _FakeExe(agree=False)

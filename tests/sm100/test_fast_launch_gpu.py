@@ -102,7 +102,7 @@ def test_fast_launch_bitwise_equal_to_dsl_path(name, monkeypatch):
     fast = _run(x, residuals=residuals)    # then the cells
     _equal(first, slow)
     _equal(fast, slow)
-    launchers = [lau for _, lau in fast_launch._launchers.values() if hasattr(lau.compiled, "generate_execution_args")]
+    launchers = [lau for lau in fast_launch.cached_launchers() if hasattr(lau.compiled, "generate_execution_args")]
     assert launchers
     refused = [lau.dtypes for lau in launchers if lau.fast is not True or lau.host is None]
     assert not refused, refused
@@ -117,19 +117,19 @@ def test_fast_launch_bitwise_equal_to_dsl_path(name, monkeypatch):
 
 
 def test_launches_on_the_current_stream():
-    """forward.launch._stream (torch's raw current-stream handle when torch has it) is the current stream, also
+    """forward.launch.launch_stream (torch's raw current-stream handle when torch has it) is the current stream, also
     under `torch.cuda.stream(side)`; the forward and backward launched on a side stream give the same bits."""
     require_gpu()
     from cula_sm100.forward import launch as fwd
 
-    assert int(fwd._stream()) == torch.cuda.current_stream().cuda_stream
+    assert int(fwd.launch_stream()) == torch.cuda.current_stream().cuda_stream
     side = torch.cuda.Stream()
     shape, residuals = CASES["B2 T130 HQK2 HV4, residuals"]
     x = _problem(*shape, seed=7)
     main = _run(x, residuals=residuals)
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        assert int(fwd._stream()) == side.cuda_stream != torch.cuda.default_stream().cuda_stream
+        assert int(fwd.launch_stream()) == side.cuda_stream != torch.cuda.default_stream().cuda_stream
         other = _run(x, residuals=residuals)
     _equal(other, main)
 

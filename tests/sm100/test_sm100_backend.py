@@ -77,9 +77,9 @@ def test_import_loads_no_cute_dsl():
 
 
 def test_chunk_tables():
-    from cula_sm100.forward.launch import _tables_host
+    from cula_sm100.forward.launch import host_tables
 
-    chunks, seqs = _tables_host((0, 1, 1, 130, 194))  # lengths 1, 0, 129, 64
+    chunks, seqs = host_tables((0, 1, 1, 130, 194))  # lengths 1, 0, 129, 64
     assert chunks.tolist() == [[0, 1], [1, 64], [65, 64], [129, 1], [130, 64]]
     assert seqs.tolist() == [[0, 1, 0], [1, 1, 1], [1, 130, 1], [130, 194, 4]]
     assert chunks.dtype == seqs.dtype == torch.int32

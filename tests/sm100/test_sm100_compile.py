@@ -61,8 +61,8 @@ def test_chunk_delta_h_cluster_dispatch(monkeypatch):
 
     asked = []
     monkeypatch.setattr(launch, "delta_h_kernel", lambda h0, ht, cluster: (asked.append(cluster), lambda *a: None)[1])
-    monkeypatch.setattr(launch, "_ptr", lambda *a: None)
-    monkeypatch.setattr(launch, "_stream", lambda: None)
+    monkeypatch.setattr(launch, "kernel_pointer", lambda *a: None)
+    monkeypatch.setattr(launch, "launch_stream", lambda: None)
     for N, HV, cluster, want in ((2, 64, None, False), (4, 64, None, True), (2, 128, None, True),
                                  (4, 64, False, False), (2, 64, True, True)):
         TT = 3 * N

@@ -1,10 +1,9 @@
 """Pre-packed launches of cula-sm100's compiled CuTe DSL kernels (forward and backward).
 
 Why. Calling a compiled kernel through the DSL (`compiled(*args)`) converts every argument on every call: a fresh
-`make_ptr` pointer object per tensor (~4 us of Python each), then the per-argument adapters and the packing of the
-C argument array. With 5-20 arguments a launch costs tens of microseconds of host time, more than the kernel itself
-takes on small problems (a 256-token chunk_wy_dqkg runs a few microseconds), so small training steps were
-host-bound (docs/benchmarks/train_bwd.md).
+`make_ptr` pointer object per tensor, then the per-argument adapters and the packing of the C argument array. With
+5-20 arguments a launch costs tens of microseconds of host time, more than the kernel itself takes on small
+problems, so small training steps are host-bound without this (docs/benchmarks/sm100_launch.md).
 
 How. Every sm100 kernel here has the same signature shape: pointers (one per tensor, dtype fixed by the compile
 key), then 32-bit scalars (Int32 sizes, Float32 scale), then the CUstream. A `Launcher` owns the C arguments'
@@ -12,24 +11,20 @@ storage (the pointers' addresses in one ctypes array of 8-byte slots, one cell p
 and the packed argument array of the compiled host function, built once over their addresses (plus the executor's
 trailing entries: its error cell and kernel handles). A call only writes the addresses (one slice assignment), the
 scalars and the stream handle, and calls the host function. Nothing is read from the device; no synchronisation.
-On this session's CPU host, chunk_wy_dqkg's 18 pointers, 5 scalars and stream take 9.5 us to fill and check, against
-30.6 us for the DSL's conversion of reused pointer objects (session 5's PointerArgs, which this supersedes) and
-130 us with fresh make_ptr pointers (the packing of the argument array, which a DSL call also pays, not counted).
 
 Safety. A launcher checks each tensor's dtype against the compiled one and the 16-byte alignment every kernel
 assumes (the pointers are declared `assumed_align=16`); an absent optional tensor gets the dummy address 16 that
-`forward.launch._ptr(None, ...)` gives (never dereferenced). The first call of each compiled kernel goes through
-the DSL's own call path, after checking that the DSL would hand the host function exactly the bytes of the cells
-(`generate_execution_args`); if not (another DSL version, a kernel whose arguments the cells do not describe), that
-kernel keeps the DSL path for good. The cells are shared, so a call holds the launcher's lock from the first write
-to the return of the host function.
+`forward.launch.kernel_pointer(None, ...)` gives (never dereferenced). The first call of each compiled kernel goes
+through the DSL's own call path, after checking that the DSL would hand the host function exactly the bytes of the
+cells (`generate_execution_args`); if not (another DSL version, a kernel whose arguments the cells do not
+describe), that kernel keeps the DSL path for good. The cells are shared, so a call holds the launcher's lock from
+the first write to the return of the host function.
 
 Switch. `ENABLED = False` routes every launch through the DSL's call path with fresh pointers (debugging, and the
 GPU test that compares both paths bitwise). tests/sm100/test_fast_launch_cpu.py checks the cells' bytes against
-`generate_execution_args` for every kernel on the CPU; tests/sm100/test_fast_launch_gpu.py (session 7, H100: passed)
-checks every forward and backward kernel bitwise against the DSL path, launches on the current stream and memcheck.
-Measured effect (H100, session 7): the 256-token chunk_wy_dqkg rows of docs/benchmarks/train_bwd.md at 2.05x /
-2.21x FLA, from 1.74x / 1.97x with session 5's reused pointer objects.
+`generate_execution_args` for every kernel on the CPU; tests/sm100/test_fast_launch_gpu.py checks every forward and
+backward kernel bitwise against the DSL path, launches on the current stream and memcheck. Host time per call with
+and without it: docs/benchmarks/sm100_launch.md.
 """
 
 from __future__ import annotations
@@ -42,7 +37,7 @@ import threading
 # False: every launch through the compiled function's own __call__ with fresh make_ptr pointers
 ENABLED = True
 
-DUMMY_ADDRESS = 16  # forward.launch._ptr(None, ...)'s address for an absent optional tensor (never read)
+DUMMY_ADDRESS = 16  # forward.launch.kernel_pointer(None, ...)'s address for an absent optional tensor (never read)
 
 
 class Launcher:
@@ -99,12 +94,12 @@ class Launcher:
         self.stream_cell.value = int(stream)
 
     def dsl_args(self, tensors, scalars, stream) -> tuple:
-        """The same call's arguments as the DSL takes them: fresh make_ptr pointers (forward.launch._ptr), the
+        """The same call's arguments as the DSL takes them: fresh make_ptr pointers (forward.launch.kernel_pointer), the
         scalars as given, the CUstream."""
         from cula_sm100.forward import launch as fwd
 
         self._check_dtypes(tensors)
-        return (*(fwd._ptr(t, dt) for dt, t in zip(self.dtypes, tensors, strict=True)), *scalars, stream)
+        return (*(fwd.kernel_pointer(t, dt) for dt, t in zip(self.dtypes, tensors, strict=True)), *scalars, stream)
 
     def matches_dsl(self, dsl_args) -> bool:
         """Whether the DSL's own conversion of `dsl_args` hands the host function exactly the cells' bytes (the
@@ -162,6 +157,11 @@ def _bytes_at(address, n: int) -> bytes | None:
 
 _launchers: dict[int, tuple[object, Launcher]] = {}
 _launchers_lock = threading.Lock()
+
+
+def cached_launchers() -> list[Launcher]:
+    """The launchers made so far in this process, one per compiled kernel launched."""
+    return [entry[1] for entry in list(_launchers.values())]
 
 
 def launcher(compiled, dtypes, scalar_kinds: str) -> Launcher:

@@ -75,7 +75,7 @@ def chunk_bwd_dav(do, v_new, Aqk, ctab):
     dv = torch.empty_like(do)
     NC = ctab.shape[0]
     if NC:
-        fwd._launch(dav_kernel(), DAV_DTYPES, (do, v_new, Aqk, dA, dv, ctab), (TT, NC, HV))
+        fwd.launch_kernel(dav_kernel(), DAV_DTYPES, (do, v_new, Aqk, dA, dv, ctab), (TT, NC, HV))
     return dA, dv
 
 
@@ -114,8 +114,8 @@ def chunk_bwd_intra(q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab, *, scale, 
     NC = ctab.shape[0]
     if NC:
         kern = intra_tc_kernel(*(config or INTRA_TC_CONFIG)) if tc else intra_kernel()
-        fwd._launch(kern, INTRA_DTYPES, (q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab),
-                    (TT, NC, HQK, HV, float(scale)))
+        fwd.launch_kernel(kern, INTRA_DTYPES, (q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab),
+                          (TT, NC, HQK, HV, float(scale)))
 
 
 @functools.cache
@@ -162,8 +162,8 @@ def chunk_bwd_dhu(q, kg, w, G, do, dv, dht, ctab, stab, *, scale, want_dh0, bv=N
     dh0 = torch.empty(N, HV, K, V, device=G.device, dtype=torch.float32) if want_dh0 else None
     if N:
         bv = bv or dhu_slice_width(N, HV)  # the lengths are not known here: as if all were equal
-        fwd._launch(dhu_kernel(dht is not None, want_dh0, bv), DHU_DTYPES,
-                    (q, kg, w, G, do, dv, dht, dh, dv2, dh0, stab), (TT, NC, N, HQK, HV, float(scale)))
+        fwd.launch_kernel(dhu_kernel(dht is not None, want_dh0, bv), DHU_DTYPES,
+                          (q, kg, w, G, do, dv, dht, dh, dv2, dh0, stab), (TT, NC, N, HQK, HV, float(scale)))
     return dh, dv2, dh0
 
 
@@ -192,8 +192,9 @@ def chunk_wy_dqkg(q, k, v, v_new, G, beta, Akk, h, do, dh, dv, ctab, *, scale):
     dA = torch.empty(TT, HV, fwd.BT, device=q.device, dtype=torch.float32)
     NC = ctab.shape[0]
     if NC:
-        fwd._launch(wy_dqkg_kernel(), WY_DTYPES, (q, k, v, v_new, G, beta, Akk, h, do, dh, dv, dq, dk, dv2, dg, db, dA,
-                                                  ctab), (TT, NC, HQK, HV, float(scale)))
+        fwd.launch_kernel(wy_dqkg_kernel(), WY_DTYPES,
+                          (q, k, v, v_new, G, beta, Akk, h, do, dh, dv, dq, dk, dv2, dg, db, dA, ctab),
+                          (TT, NC, HQK, HV, float(scale)))
     return dq, dk, dv2, db, dg, dA
 
 
@@ -230,7 +231,7 @@ def finish(dq, dk, dv, dbeta, dG, dh0, q, k, g, beta, A_log, dt_bias, initial_st
         if TT * HQK:
             kern, dtypes = l2norm_bwd_kernel(q.dtype), l2norm_bwd_dtypes(q.dtype)
             for x, dy, dx in ((q, dq, dqo), (k, dk, dko)):
-                fwd._launch(kern, dtypes, (x.contiguous(), dy, dx), (TT * HQK,))
+                fwd.launch_kernel(kern, dtypes, (x.contiguous(), dy, dx), (TT * HQK,))
     else:
         dqo, dko = dq.reshape(q.shape).to(q.dtype), dk.reshape(k.shape).to(k.dtype)
     g_c, beta_c = g.contiguous(), beta.contiguous()
@@ -243,8 +244,8 @@ def finish(dq, dk, dv, dbeta, dG, dh0, q, k, g, beta, A_log, dt_bias, initial_st
     if NC:
         kern = gate_bwd_kernel(gate, has_a, has_b, lower_bound if gate == "safe" else None, beta_activation,
                                g.dtype, beta.dtype)
-        fwd._launch(kern, gate_bwd_dtypes(g.dtype, beta.dtype),
-                    (dG, g_c, a32, b32, dbeta, beta_c, dgo, dbo, pa, pb, ctab), (TT, NC, HV))
+        fwd.launch_kernel(kern, gate_bwd_dtypes(g.dtype, beta.dtype),
+                          (dG, g_c, a32, b32, dbeta, beta_c, dgo, dbo, pa, pb, ctab), (TT, NC, HV))
     # partial sums per (chunk, head, channel) summed by torch in a fixed order: deterministic
     dAo = pa.sum((0, 2)).reshape(A_log.shape).to(A_log.dtype) if has_a else None
     dto = pb.sum(0).reshape(dt_bias.shape).to(dt_bias.dtype) if has_b else None

@@ -39,7 +39,7 @@ def _cutlass_dtype(dtype: torch.dtype):
     return _TORCH_TO_CUTLASS[dtype]
 
 
-def _ptr(t: torch.Tensor | None, dtype: torch.dtype | None = None):
+def kernel_pointer(t: torch.Tensor | None, dtype: torch.dtype | None = None):
     """A CuTe global pointer to t's data (a dummy, never dereferenced, for an absent optional tensor)."""
     from cutlass.base_dsl.enums import AddressSpace
     from cutlass.cute.runtime import make_ptr
@@ -57,7 +57,7 @@ def aligned(*tensors):
 
 
 def _fake_ptr(dtype: torch.dtype):
-    return _ptr(None, dtype)
+    return kernel_pointer(None, dtype)
 
 
 _CUSTREAM = None
@@ -66,7 +66,7 @@ _CUSTREAM = None
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def _stream():
+def launch_stream():
     """The current CUDA stream as the kernels take it (a CUstream)."""
     global _CUSTREAM
     if _CUSTREAM is None:
@@ -78,9 +78,9 @@ def _stream():
     return _CUSTREAM(torch.cuda.current_stream().cuda_stream)
 
 
-def _launch(kern, dtypes, tensors, scalars):
+def launch_kernel(kern, dtypes, tensors, scalars):
     """Launch a compiled kernel of this package on the current stream (fast_launch: pre-packed arguments)."""
-    fast_launch.launch(kern, dtypes, tensors, scalars, _stream())
+    fast_launch.launch(kern, dtypes, tensors, scalars, launch_stream())
 
 
 def _compile_stream():
@@ -194,7 +194,10 @@ def fwd_o_kernel(qg_in: bool = False):
 
 
 @functools.lru_cache(maxsize=64)
-def _tables_host(bounds: tuple[int, ...]):
+def host_tables(bounds: tuple[int, ...]):
+    """(chunk table [NC, 2] of (first token, length), sequence table [N, 3] of (start, end, first chunk)), int32 on
+    the host, for the sequences between consecutive `bounds` (sequence_bounds); chunks of BT tokens, a sequence's
+    last one shorter, an empty sequence owning none."""
     chunks, seqs = [], []
     for b0, b1 in itertools.pairwise(bounds):
         seqs.append((b0, b1, len(chunks)))
@@ -222,7 +225,7 @@ def tables(B: int, T: int, cu_seqlens, cu_seqlens_cpu, device):
     key = (bounds, device)
     hit = _device_tables.get(key)
     if hit is None:
-        c, s = _tables_host(bounds)
+        c, s = host_tables(bounds)
         hit = (c.to(device), s.to(device))
         if len(_device_tables) > 64:
             _device_tables.clear()
@@ -259,7 +262,7 @@ def l2norm(x):
     y = torch.empty_like(x)
     rows = x.numel() // x.shape[-1]
     if rows:
-        _launch(l2norm_kernel(x.dtype), l2norm_dtypes(x.dtype), (x, y), (rows,))
+        launch_kernel(l2norm_kernel(x.dtype), l2norm_dtypes(x.dtype), (x, y), (rows,))
     return y
 
 
@@ -278,7 +281,7 @@ def gate_cumsum(g, A_log, dt_bias, ctab, *, gate, lower_bound):
     G = _empty(TT, HV, K, like=g, dtype=torch.float32)
     if ctab.shape[0]:
         key = _gate_key(g, A_log, dt_bias, gate, lower_bound)
-        _launch(gate_kernel(*key), gate_dtypes(*key[1:4]), (g, A_log, dt_bias, G, ctab), (TT, ctab.shape[0], HV))
+        launch_kernel(gate_kernel(*key), gate_dtypes(*key[1:4]), (g, A_log, dt_bias, G, ctab), (TT, ctab.shape[0], HV))
     return G
 
 
@@ -288,8 +291,8 @@ def chunk_intra(q, k, G, beta, ctab, *, scale, beta_activation):
     HQK = q.shape[-2]
     Aqk, Akk = _empty(TT, HV, BT, like=G), _empty(TT, HV, BT, like=G)
     if ctab.shape[0]:
-        _launch(intra_kernel(beta.dtype, beta_activation), intra_dtypes(beta.dtype), (q, k, G, beta, Aqk, Akk, ctab),
-                (TT, ctab.shape[0], HQK, HV, float(scale)))
+        launch_kernel(intra_kernel(beta.dtype, beta_activation), intra_dtypes(beta.dtype),
+                      (q, k, G, beta, Aqk, Akk, ctab), (TT, ctab.shape[0], HQK, HV, float(scale)))
     return Aqk, Akk
 
 
@@ -299,8 +302,8 @@ def recompute_w_u(k, v, G, beta, Akk, ctab, *, beta_activation):
     HQK, V = k.shape[-2], v.shape[-1]
     w, u, kg = _empty(TT, HV, K, like=G), _empty(TT, HV, V, like=G), _empty(TT, HV, K, like=G)
     if ctab.shape[0]:
-        _launch(wu_kernel(beta.dtype, beta_activation), wu_dtypes(beta.dtype), (k, v, G, beta, Akk, w, u, kg, ctab),
-                (TT, ctab.shape[0], HQK, HV))
+        launch_kernel(wu_kernel(beta.dtype, beta_activation), wu_dtypes(beta.dtype),
+                      (k, v, G, beta, Akk, w, u, kg, ctab), (TT, ctab.shape[0], HQK, HV))
     return w, u, kg
 
 
@@ -313,8 +316,8 @@ def chunk_intra_wu(q, k, v, G, beta, ctab, *, scale, beta_activation):
     Aqk, Akk = _empty(TT, HV, BT, like=G), _empty(TT, HV, BT, like=G)
     w, u, kg = _empty(TT, HV, K, like=G), _empty(TT, HV, V, like=G), _empty(TT, HV, K, like=G)
     if ctab.shape[0]:
-        _launch(intra_wu_kernel(beta.dtype, beta_activation), intra_wu_dtypes(beta.dtype),
-                (q, k, v, G, beta, Aqk, Akk, w, u, kg, ctab), (TT, ctab.shape[0], HQK, HV, float(scale)))
+        launch_kernel(intra_wu_kernel(beta.dtype, beta_activation), intra_wu_dtypes(beta.dtype),
+                      (q, k, v, G, beta, Aqk, Akk, w, u, kg, ctab), (TT, ctab.shape[0], HQK, HV, float(scale)))
     return Aqk, Akk, w, u, kg
 
 
@@ -334,10 +337,10 @@ def chunk_intra_wu_gate(q, k, v, g, A_log, dt_bias, beta, ctab, *, gate, lower_b
     w, u, kg = _empty(TT, HV, K, like=g), _empty(TT, HV, V, like=g), _empty(TT, HV, K, like=g)
     if ctab.shape[0]:
         key = _gate_key(g, A_log, dt_bias, gate, lower_bound)
-        _launch(intra_wu_gate_kernel(*key, beta.dtype, beta_activation, qg_out),
-                intra_wu_gate_dtypes(*key[1:4], beta.dtype),
-                (q, k, v, g, A_log, dt_bias, G, beta, Aqk, Akk, w, u, kg, ctab, qg),
-                (TT, ctab.shape[0], HQK, HV, float(scale)))
+        launch_kernel(intra_wu_gate_kernel(*key, beta.dtype, beta_activation, qg_out),
+                      intra_wu_gate_dtypes(*key[1:4], beta.dtype),
+                      (q, k, v, g, A_log, dt_bias, G, beta, Aqk, Akk, w, u, kg, ctab, qg),
+                      (TT, ctab.shape[0], HQK, HV, float(scale)))
     if qg_out:
         return G, qg, Aqk, Akk, w, u, kg
     return G, Aqk, Akk, w, u, kg
@@ -367,8 +370,8 @@ def chunk_delta_h(w, u, kg, G, initial_state, ctab, stab, *, output_final_state,
     ht = _empty(N, HV, K, V, like=G, dtype=torch.float32) if output_final_state else None
     if N:
         h0 = initial_state.contiguous() if initial_state is not None else None
-        _launch(delta_h_kernel(h0 is not None, output_final_state, cluster), DELTA_H_DTYPES,
-                (w, u, kg, G, h0, h, v_new, ht, stab), (TT, NC, N, HV))
+        launch_kernel(delta_h_kernel(h0 is not None, output_final_state, cluster), DELTA_H_DTYPES,
+                      (w, u, kg, G, h0, h, v_new, ht, stab), (TT, NC, N, HV))
     return h, v_new, ht
 
 
@@ -389,8 +392,8 @@ def _fwd_o(qg_in, q, G, h, Aqk, v_new, ctab, like, HQK, scale):
     V = v_new.shape[-1]
     o = _empty(TT, HV, V, like=like)
     if ctab.shape[0]:
-        _launch(fwd_o_kernel(qg_in), FWD_O_DTYPES, (q, G, h, Aqk, v_new, o, ctab),
-                (TT, ctab.shape[0], HQK, HV, float(scale)))
+        launch_kernel(fwd_o_kernel(qg_in), FWD_O_DTYPES, (q, G, h, Aqk, v_new, o, ctab),
+                      (TT, ctab.shape[0], HQK, HV, float(scale)))
     return o
 
 
