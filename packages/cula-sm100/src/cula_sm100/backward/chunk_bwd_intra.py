@@ -22,8 +22,8 @@ in fp32 with exp(G_id - G_jd) <= 1 computed per pair (exact for any decay, no fa
 row that could overflow). Rows are register-tiled by R = 4 (`rows`): per column j one load of G_j and k_j and one
 read-modify-write of the thread's C_j serve 4 rows (their 4 contributions summed in registers), and the 4 rows
 give 8 independent FMA chains (dq_i, R_i); dSq and dL are interleaved, one 8-byte broadcast load per (row,
-column). Why: the one-row kernel (session 3) issued 6 shared-memory accesses per pair and was bound by their
-issue (7.3 ms of a 13.6 ms backward at B=2 T=8192 H=32 on the H100); this one issues 7 per 4 pairs. Columns
+column). Why: a loop over one row at a time issues 6 shared-memory accesses per pair and is bound by their issue;
+this one issues 7 per 4 pairs (the measurements: docs/sm100_backward.md). Columns
 0..i0 hold for the whole block (no masks); the up to 3 columns i0+1..i0+3 are a compile-time-masked triangle.
 Row blocks run from last to first: column j takes contributions from rows i >= j only, so when block i0 has run
 its own 4 columns are complete, and each row's dq, dk, dG is added to global memory once, the reverse cumsum of
@@ -31,15 +31,13 @@ dG running along (no second pass over dk, dG).
 Tails (n not a multiple of 4, n = 1): the last block's padding rows get k = beta = dSq = dL = 0 and the last
 valid row's G (every exp they meet is then <= 1), q from the last valid row (finite); they add exactly 0
 to every column, and are never stored; no global row >= n is read.
-Shared memory 98.5 KiB (two CTAs per SM; 94 registers, no spills): k (bf16), G, C (fp32) [64 x 128], the lower
+Shared memory 98.5 KiB (two CTAs per SM): k (bf16), G, C (fp32) [64 x 128], the lower
 triangle of (dSq, dL) (fp32 pairs, packed by rows); q is read per row from global memory (one use per row and
 head), one row block ahead. Pipeline per value head: k (once) and G by cp.async (16 bytes a thread, every row in
 flight), dAqk / dL 16 rows at a time (16 loads a thread in flight, branch-free stores) into the packed triangle,
 one barrier, the blocked pair loop; each block loads the dq, dk, dG it adds to at its start and stores them at its
 end. dbeta's sum over channels: warp shuffles, then the 4 warps' partials through shared memory. Assumes K = 128,
 chunks that never cross a sequence.
-Measured on the H100 (session 5, `train_bwd --no-kernels` stage times): 2.11 ms at B = 2, T = 8192, HV = 32 (the
-one-row-per-step form: 7.30 ms), 4.11 ms at HV = 64 (14.01); GPU tests, memcheck and racecheck clean.
 """
 
 from __future__ import annotations

@@ -17,14 +17,14 @@ gradient of v_new in total; A = Akk = (I + L)^-1; G natural-log chunk-local cums
 
 This is FLA 0.6.0's `chunk_kda_bwd_kernel_wy_dqkg_fused` (its `A` is loaded transposed; its g is in log2
 units) except that dq, dk are produced per q/k head, summed over the group's value heads inside the CTA.
-Tiling and pipeline (session 3's "v2", promoted in session 4 after its H100 tests; the first kernel, 4 warps
-with dq / dk read-added-written in global memory per value head, was 5.7x slower and is gone):
+Tiling and pipeline (chosen over 4 warps with dq / dk read-added-written in global memory per value head by
+measurement: docs/sm100_backward.md):
 
-  * 8 warps (256 threads) as a 4 (rows) x 2 (columns) grid of mma.sync m16n8k16 warps (the first kernel: 4
+  * 8 warps (256 threads) as a 4 (rows) x 2 (columns) grid of mma.sync m16n8k16 warps (rather than 4
     warps along the rows): twice the warps to hide latency and half the accumulator registers per product (a
     [64 x 128] fp32 tile is 32 registers per thread).
   * dq, dk accumulated over the group's value heads in REGISTERS (two fp32 fragments) and written once per CTA
-    (the first kernel: a fp32 read-add-write of global memory per value head). The same thread sums the value
+    (not a fp32 read-add-write of global memory per value head). The same thread sums the value
     heads in a fixed order: bitwise deterministic, no atomics, no zero-fill before the launch.
   * dG accumulated in a register fragment within a value head and written once; dL, dv, dG, dq, dk all leave
     through shared memory in 16-byte stores (`cute_utils.store_rows_s2g`); G arrives by 16-byte cp.async

@@ -14,9 +14,8 @@ Tiling: 128 threads (4 warps along M); `w @ h` is [64 x 128] @ [128 x 32] and `k
 fp32 accumulation; transposed operands read with ldmatrix.trans.
 Grid (V / BV, HV, N), launched as clusters of the 4 V slices of one (sequence, head): the hardware starts them
 together in every wave, so they walk the chunks in step, w and kg come from HBM once and the other three slices
-hit L2. (Without clusters, measured: one wave runs at FLA's speed, but the time grows super-linearly with more
-waves, 0.82x FLA at HV = 128, B = 2, T = 8192; the cluster launch is the fix for slices drifting apart in later
-waves, its own effect not yet timed: `tools/bench/train_fwd.py --delta-h-sweep`, docs/sm100.md.)
+hit L2. (Without clusters the slices drift apart in later waves and the time grows super-linearly with the number
+of waves; below launch.DELTA_H_CLUSTER_MIN_PAIRS pairs plain CTAs are faster: docs/benchmarks/train_fwd.md.)
 Pipeline, 48.5 KiB of shared memory and a launch bound of 4 CTAs per SM (128 registers), so 528 CTAs run at
 once on an H100's 132 SMs (N HV 4 CTAs: one wave at B = 2, HV = 64; see docs/sm100.md for HV >= 128):
   * w and kg have one buffer each, refilled by cp.async with chunk ci + 1's tile (rows past the end zero) as
@@ -24,8 +23,7 @@ once on an H100's 132 SMs (N HV 4 CTAs: one wave at B = 2, HV = 64; see docs/sm1
   * u has two stages, and v_new replaces u in its stage (each element is read and written by one thread);
   * G at chunk ci + 1's last row is loaded during chunk ci;
   * h and v_new leave from their bf16 shared tiles (the GEMM operands) in 16-byte rows.
-(Session 3's pipeline, two stages of w / kg / u at 84.5 KiB and 2 CTAs per SM with grid (N, HV, V / BV), was
-0.52x / 0.41x FLA at HV = 64 / 128 against this one's 1.02x / 0.87x, bitwise equal results; it was removed.)
+(Chosen over double-buffered w / kg / u at 2 CTAs per SM by measurement: docs/sm100.md.)
 """
 
 from __future__ import annotations

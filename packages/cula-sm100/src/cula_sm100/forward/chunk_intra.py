@@ -31,8 +31,8 @@ so every exponent stays <= 0), build B, MMA (A built per k-block), per-step deca
 CTA take rows 32..63 and 1..31), fp32 sub-blocks, solve; Aqk and Akk staged as bf16 where q was, then 16-byte
 stores of rows < n.
 
-Measured on the H100 (session 5, docs/benchmarks/train_fwd.md): 1.21x - 1.32x FLA's intra stage; the earlier
-4-warp form of this kernel (242 registers, 8 warps per SM) was 0.77x - 0.86x and is gone.
+8 warps rather than 4 (which need 242 registers, 8 warps per SM): chosen by measurement, docs/sm100.md and
+docs/benchmarks/train_fwd.md.
 """
 
 from __future__ import annotations

@@ -30,11 +30,11 @@ Pipeline: cp.async q, k, G; B of the scores, scores (chunk_intra); then, with G 
 then the per-step decays, the fp32 sub-blocks, cp.async v, the solve, the bf16 stagings; stores of Aqk / Akk
 while the two warp groups run the w / u GEMMs, then the stores of w and u.
 
-Static resources (tools.kernel_report on the CPU): sm_90a 115 registers, sm_100a 118, no spills on either (the
-accumulators leave before the decays, not after: chunk_intra itself spills 68 B on sm_100a), 1 + 107.2 KiB.
-Host side: launch.intra_wu_kernel (compiled per beta dtype and activation) and launch.chunk_intra_wu (the forward's
-stage since session 6). Measured on the H100 (session 6, the lead's run): outputs bitwise the two-kernel path's,
-1.14x-1.15x faster than chunk_intra + recompute_w_u. chunk_intra.py and recompute_w_u.py stay: the backward's
+The accumulators leave before the decays are computed, not after, which keeps the kernel free of spills
+(registers and shared memory per architecture: docs/kernel_report.md).
+Host side: launch.intra_wu_kernel (compiled per beta dtype and activation) and launch.chunk_intra_wu (the backward's
+recompute; the forward runs chunk_intra_wu_gate). Outputs equal chunk_intra + recompute_w_u's bitwise (timings:
+docs/benchmarks/intra_wu.md). chunk_intra.py and recompute_w_u.py stay: the backward's
 recompute runs recompute_w_u alone when the forward's Aqk / Akk came with it, and the tests use the pair as this
 kernel's oracle.
 """

@@ -4,8 +4,8 @@ and writes G out, one (chunk of 64, value head) per CTA.
     G          = gate_cumsum.py's output, bitwise (same per-element gate code, same summation order)
     Aqk, Akk, w, u, kg   exactly as chunk_intra_wu.py (everything after G is its code, unchanged)
 
-Why: the forward ran gate_cumsum (reads g, writes G, fp32 [TT, HV, 128]) and then chunk_intra_wu read G back from
-HBM: at B = 2, T = 8192, HV = 128 that read is ~1.07 GB (~0.32 ms of a 7.35 ms forward on the H100). Here G is
+Why: gate_cumsum (reads g, writes G, fp32 [TT, HV, 128]) followed by chunk_intra_wu reads G back from HBM: at
+B = 2, T = 8192, HV = 128 that read is ~1.07 GB. Here G is
 produced where chunk_intra_wu keeps it anyway (sG) and only written: one HBM pass of G and one launch less.
 fwd_o, chunk_delta_h and the backward read the G this kernel writes.
 

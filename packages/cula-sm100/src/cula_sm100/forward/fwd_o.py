@@ -98,8 +98,7 @@ class FwdO:
         """After the cp.async copies were issued: sQ = bf16(q e^G) for rows < n, then a barrier."""
         K, BT = self.K, self.BT
         # q * exp(G) in place, 8 channels per thread in 16-byte vectors. The G loads (to registers) are issued
-        # before waiting for the cp.async copies, so their latency overlaps those copies' (session 4: with an
-        # L2-norm pass of q placed between these loads and their use, fwd_o ran ~8% faster, H100)
+        # before waiting for the cp.async copies, so their latency overlaps those copies'
         vb = vec_copy(K, self.threads)
         vf = vec_copy(K, self.threads, cutlass.Float32)
         tb = vb.get_slice(tidx)

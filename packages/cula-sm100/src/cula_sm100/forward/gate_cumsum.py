@@ -8,21 +8,19 @@
 Tiling: one WARP per (chunk, value head), 4 warps per CTA on 4 consecutive value heads of one chunk (a token's
 4 head rows are 2 KB of contiguous memory), grid (chunks, ceil(HV / 4)). Lane l owns channels 4l .. 4l+3, so
 every access is one vector per lane per row (16 bytes of fp32 g / G, 8 of bf16 g) and a warp moves a whole
-512-byte row per instruction; the session-3 kernel had one thread per channel and issued 64 4-byte loads and
-stores per thread (128 registers, 16 warps per SM).
+512-byte row per instruction (one thread per channel would issue 64 4-byte loads and stores per thread).
 Pipeline: the chunk's rows in batches of ROWS_PER_BATCH: all of a batch's loads first (independent, so
 ROWS_PER_BATCH x 16 bytes per lane are in flight), then per channel the gate and the running sum in row order,
-then the batch's stores. Each channel is summed sequentially, in row order, exactly as before: gate="precomputed"
-is bitwise the earlier kernel's result.
+then the batch's stores. Each channel is summed sequentially, in row order, whatever ROWS_PER_BATCH is (and as
+chunk_intra_wu_gate sums it: the same G bitwise).
 Gate arithmetic: exp / log through the MUFU approximations (ex2.approx, lg2.approx), as FLA's softplus (its
 inline PTX) and sigmoid do: the precise libdevice exp + log1p cost ~40 instructions per element and made this
 pass instruction-bound rather than HBM-bound. softplus keeps relative accuracy where log(1 + e) would lose it
 (e = exp(z) < 2^-6: the series e - e^2/2 + e^3/3 - e^4/4, truncation < 1e-8 relative); elsewhere the error is
 lg2.approx's (absolute ~2^-22 in log2), i.e. about 1e-7 absolute per token on the softplus value.
 Varlen: the chunk table gives each chunk's first token and length (1..64); chunks never cross a sequence, and
-rows at or past the length are neither read nor written.
-Measured on the H100 (session 5): 0.386 ms at B = 2, T = 8192, HV = 64 (was 0.434; FLA 0.381), 0.99x FLA at HV 64 /
-128 / 256 and varlen; G within the fp64 reference's tolerance in every gate mode (test_gate_cumsum_modes).
+rows at or past the length are neither read nor written. G is within the fp64 reference's tolerance in every
+gate mode (test_gate_cumsum_modes).
 """
 
 from __future__ import annotations
@@ -45,9 +43,8 @@ class GateCumsum:
     K = 128
     VEC = 4                    # channels per lane: 16 bytes of fp32
     WARPS = 4                  # value heads per CTA (one warp each)
-    # rows loaded ahead per lane. sm_90a, softplus, fp32 g: 8 -> 70 registers, 28 warps/SM, 8 x 16 B in flight per
-    # lane (112 KB per SM); 4 -> 40 registers, 48 warps/SM (96 KB); 16 -> 112 registers, 16 warps/SM (128 KB).
-    # H100, B = 2, T = 8192, HV = 64 (session 5): 0.386 / 0.389 / 0.396 ms at 8 / 4 / 16 (FLA 0.381)
+    # rows loaded ahead per lane: more bytes in flight per lane against fewer warps per SM (registers); 8 chosen
+    # over 4 and 16 by measurement (docs/sm100.md)
     ROWS_PER_BATCH = 8
     SERIES_BELOW = 2.0 ** -6   # softplus: e = exp(z) below this uses the log1p series
 

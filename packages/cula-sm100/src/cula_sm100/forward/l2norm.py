@@ -4,8 +4,8 @@ Tiling: one HALF-warp per row of K = 128 bf16, 8 consecutive channels (one 16-by
 128-thread CTA touches 8 consecutive rows (2 KB) per access and each thread handles ROWS_PER_THREAD rows
 (those rows' loads are all issued before any arithmetic: ROWS_PER_THREAD x 16 bytes in flight per lane).
 A CTA covers 8 x ROWS_PER_THREAD consecutive rows of the flattened `[T_total * HQK]` token-heads (q and k stay
-in their HQK heads: GVA never expands them). The session-3 kernel had a warp per row with 4 two-byte loads
-per lane; the bytes in flight per SM were too few to reach HBM bandwidth.
+in their HQK heads: GVA never expands them). Why half-warps and vectors: a warp per row with 4 two-byte loads per
+lane keeps too few bytes in flight per SM to reach HBM bandwidth.
 Arithmetic (bitwise that of `cute_utils.l2norm_scale`, which the backward's l2norm_bwd.py recomputes r with):
 there a lane sums the squares of 4 channels in order, then a 5-level butterfly adds lanes l ^ 1, ^ 2, .. ^ 16.
 Here a lane holds two such quads: it sums each quad in order and adds the two (level 1 of that butterfly, as
@@ -14,7 +14,6 @@ lane ends with the same sum, rsqrt(sum + eps), scale, round to bf16, 16-byte sto
 Rows past the end: loads are skipped (zeros) and stores predicated; the shuffles run on every lane (the two
 rows of a warp may straddle the end), so no lane leaves the warp-synchronous butterfly.
 Assumes contiguous rows of K and 16-byte aligned bases (torch allocations).
-Measured on the H100 (session 5): 0.182 ms for q at B = 2, T = 8192, HQK = 64 (was 0.192; FLA 0.183).
 """
 
 from __future__ import annotations
