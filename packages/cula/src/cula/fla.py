@@ -87,25 +87,19 @@ PRIORITY = 2
 @dataclass(frozen=True)
 class PreferenceRow:
     """From ``tokens`` tokens in the call (B * T) up to the next row's, `winner` ("cula" or "flash_kda") runs a
-    chunk_kda call that both serve; `measured` is the measurement the row rests on."""
+    chunk_kda call that both serve; `evidence` names the benchmark document the row rests on."""
 
     tokens: int
     winner: str
-    measured: str
+    evidence: str
 
 
 #: Which of cula and FlashKDA runs a chunk_kda call both serve (FlashKDA serves inference only: bf16,
 #: K = V = 128, HV == HQK, the safe gate in kernel, V-first states). The last row whose `tokens` the call reaches
-#: decides. Source: the H100 measurement of issue 18 (``cula.kda_prefill`` against ``flash_kda.fwd`` on the same
-#: bf16 inputs, safe gate, lower_bound = -5); docs/benchmarks/prefill.md's ``vs FlashKDA`` column replaces it
-#: once issue 18's benchmark lands, and docs/using_cula_from_fla_vllm_sglang.md quotes the rows.
+#: decides. Chosen by measurement (``cula.kda_prefill`` against ``flash_kda.fwd`` on the same bf16 inputs, safe
+#: gate); docs/using_cula_from_fla_vllm_sglang.md quotes the rows and their numbers.
 PREFERENCE_VS_FLASH_KDA: tuple[PreferenceRow, ...] = (
-    PreferenceRow(
-        0, "flash_kda",
-        "issue 18, H100: cula 0.15x-0.91x FlashKDA on B = 1, 2, T = 100-8192, H = 64 and varlen 20 x 8192 tokens; "
-        "its one faster row (1.81x, one 65536-token sequence, H = 16) used intra-card CP, which chunk_kda "
-        "does not run",
-    ),
+    PreferenceRow(0, "flash_kda", "docs/benchmarks/prefill.md"),
 )
 
 

@@ -7,8 +7,8 @@ import torch
 
 MODE_FINAL, MODE_STATES, MODE_KVBUFFER = "final", "states", "kvbuffer"
 
-#: head dims served, K == V: those checked against the reference on the H100 (K = V = 64 by
-#: test_kernels_at_head_dim_64: every mode and the flush). The tiling needs K % 32 == 0 and V % BV == 0.
+#: head dims served, K == V: those the GPU tests check against the reference (K = V = 64:
+#: test_kernels_at_head_dim_64, every mode and the flush). The tiling needs K % 32 == 0 and V % BV == 0.
 HEAD_DIMS = (64, 128)
 #: tokens per request: the T per-token vectors of a head live in shared memory (4 T K floats) and the
 #: token loop is unrolled
@@ -24,7 +24,7 @@ V_FIRST_POOLS = True
 NULL_SLOT = True
 
 
-#: tilings of the recurrent kernel that the benchmark compares (every one tested against the reference on the H100):
+#: tilings of the recurrent kernel that the benchmark compares (the GPU tests check every one against the reference):
 #: (BV columns per CTA, lanes along V, warps, warp-local prologue: 1 = each warp prepares the per-token vectors
 #: itself, no CTA barrier)
 TILINGS = ((32, 4, 4, 0), (64, 4, 4, 0), (16, 4, 4, 0), (32, 4, 2, 0), (16, 4, 2, 0), (32, 2, 4, 0), (64, 2, 4, 0),
@@ -34,8 +34,8 @@ TILING_OVERRIDE: tuple[int, int, int, int] | None = None
 
 
 def recurrent_tiling(N: int, T: int, HV: int) -> tuple[int, int, int, int]:
-    """(BV, lanes along V, warps, warp-local) of the recurrent kernel for a batch; the table (and the
-    measurements it comes from) is in launch.py's docstring."""
+    """(BV, lanes along V, warps, warp-local) of the recurrent kernel for a batch, by T and heads = N * HV (the
+    table was chosen by measurement: docs/benchmarks/mtp_decode.md)."""
     if TILING_OVERRIDE is not None:
         return TILING_OVERRIDE
     heads = N * HV
@@ -59,7 +59,8 @@ VERIFY_OVERRIDE: str | None = None
 
 
 def verify_variant(N: int, T: int, HV: int) -> str:
-    """Which verify kernel serves a batch; the table is in launch.py's docstring."""
+    """Which verify kernel serves a batch, by T and heads = N * HV (chosen by measurement:
+    docs/benchmarks/mtp_decode.md)."""
     if VERIFY_OVERRIDE is not None:
         return VERIFY_OVERRIDE
     if N * HV <= 32:

@@ -301,9 +301,9 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     if has_h0:
         starts[tables["firsts"]] = initial_state
     else:
-        # index_fill_ takes the zero as a kernel argument; `starts[i] = 0.0` copied it from pageable host
-        # memory, and that copy synchronised the stream: the GPU then idled while the host launched the rest
-        # (~1 ms per call on the H100, docs/benchmarks/intracard_cp.md, host profile)
+        # index_fill_ takes the zero as a kernel argument; `starts[i] = 0.0` copies it from pageable host
+        # memory, and that copy synchronises the stream: the GPU would idle while the host launches the rest
+        # (docs/benchmarks/intracard_cp.md, host profile)
         starts.index_fill_(0, tables["firsts"], 0.0)
     # composed maps in fp64 (products of up to max-pieces decays; immune to a global TF32 setting)
     composed = maps.double()
