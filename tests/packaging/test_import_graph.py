@@ -1,11 +1,14 @@
-"""cula_core's modules import each other without a circle.
+"""The packages' modules import each other without a circle, and in layers: cula_core imports no other cula
+package, and an arch package (cula_sm89, cula_sm90, cula_sm100) imports no other arch package (anywhere, functions
+included).
 
-The graph is read from the source with `ast` (nothing is imported): an edge A -> B for each import of a cula_core
-module B that runs when A is imported (module level, inside `if` / `try` / `with` / class bodies; not inside
+The graph is read from the source with `ast` (nothing is imported): an edge A -> B for each import of a module B of
+the same package that runs when A is imported (module level, inside `if` / `try` / `with` / class bodies; not inside
 functions, not under `if TYPE_CHECKING:`). Importing ``a.b.c`` also runs the package ``a.b``'s ``__init__``, so
-that is an edge too; the root package ``cula_core`` itself is left out of those implicit edges (every module would
+that is an edge too; the root package (``cula_core``) itself is left out of those implicit edges (every module would
 have one, and the root only re-exports), and so are the packages enclosing the importing module (their inits ran
-before it); an explicit ``from cula_core import name`` of a non-module name is an edge to the root.
+before it); an explicit ``from cula_core import name`` of a non-module name is an edge to the root. Imports across
+packages cannot close a circle while the layering holds, so each package's graph is checked alone.
 """
 
 from __future__ import annotations
@@ -13,10 +16,16 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
 from pkgtest import REPO_ROOT
 
-ROOT = "cula_core"
-SOURCE = REPO_ROOT / "packages" / "cula-core" / "src"
+PACKAGES = {"cula_core": "cula-core", "cula_sm89": "cula-sm89", "cula_sm90": "cula-sm90", "cula_sm100": "cula-sm100",
+            "cula": "cula"}
+ARCH_PACKAGES = ("cula_sm89", "cula_sm90", "cula_sm100")
+
+
+def source_of(root: str) -> Path:
+    return REPO_ROOT / "packages" / PACKAGES[root] / "src"
 
 
 def module_files(source: Path, root: str) -> dict[str, Path]:
@@ -105,11 +114,38 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_cula_core_imports_form_no_cycle():
-    graph = import_graph(SOURCE, ROOT)
-    assert "cula_core.reference_backend" in graph["cula_core.dispatch"], "the graph misses dispatch's imports"
+@pytest.mark.parametrize("root", sorted(PACKAGES))
+def test_package_imports_form_no_cycle(root):
+    graph = import_graph(source_of(root), root)
+    assert len(graph) > 1 or root == "cula", f"no modules found for {root}"
     cycle = find_cycle(graph)
-    assert cycle is None, "import cycle in cula_core: " + " -> ".join(cycle)
+    assert cycle is None, f"import cycle in {root}: " + " -> ".join(cycle)
+
+
+def test_dispatch_imports_the_reference_backend_at_import_time():
+    """The edge that used to be a lazy import inside a method, hiding a circle through cula_core.ops."""
+    assert "cula_core.reference_backend" in import_graph(source_of("cula_core"), "cula_core")["cula_core.dispatch"]
+
+
+def imported_packages(root: str) -> dict[str, set[str]]:
+    """For each module of `root`, the top-level cula packages it imports anywhere (module level or in functions)."""
+    found = {}
+    for name, path in module_files(source_of(root), root).items():
+        tops = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                tops.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                tops.add(node.module.split(".")[0])
+        found[name] = {t for t in tops if t in PACKAGES and t != root}
+    return found
+
+
+@pytest.mark.parametrize("root", ["cula_core", *ARCH_PACKAGES])
+def test_packages_import_in_layers(root):
+    allowed = set() if root == "cula_core" else {"cula_core"}
+    wrong = {name: sorted(tops - allowed) for name, tops in imported_packages(root).items() if tops - allowed}
+    assert not wrong, f"{root} may import only {sorted(allowed) or 'no other cula package'}: {wrong}"
 
 
 def test_the_graph_sees_a_cycle_through_a_package_init(tmp_path):
