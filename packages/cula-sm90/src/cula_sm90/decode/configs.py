@@ -18,10 +18,14 @@ MAX_LAYERS = 128
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: state pool dtypes: the kernels hold the state in fp32 registers and load / store the pool's dtype
 POOL_DTYPES = (torch.float32, torch.bfloat16)
-#: whether the kernels index V-first pools [P, HV, V, K] (state_v_first=True)
-V_FIRST_POOLS = True
-#: whether the kernels take a null slot (a slot index that pads like a negative one)
-NULL_SLOT = True
+#: (pool dtype, V-first, null slot) of the pools the dispatch sends to the kernels. The kernels also index bf16
+#: pools, V-first pools [P, HV, V, K] and a null slot (every such configuration compiles for sm_90a:
+#: tests/sm90/test_decode_compile.py), but their GPU checks against the reference (test_decode_gpu.py::
+#: test_serving_pools and the memcheck case's "pools" part, which widen this set for their own calls) have not run
+#: yet; until they pass, those calls are declined and the reference serves them (correct, slower).
+GPU_CHECKED_POOLS = frozenset({(torch.float32, False, False)})
+#: every pool variant the kernels index
+ALL_POOLS = frozenset((d, v_first, null) for d in POOL_DTYPES for v_first in (False, True) for null in (False, True))
 
 
 #: tilings of the recurrent kernel that the benchmark compares (the GPU tests check every one against the reference):
@@ -97,10 +101,10 @@ def unsupported_reason(call) -> str | None:
     state_dtype = call.options.get("state_dtype", torch.float32)
     if state_dtype not in POOL_DTYPES:
         return f"sm90 decode serves fp32 and bf16 state pools, got {str(state_dtype).replace('torch.', '')}"
-    if call.options.get("state_v_first") and not V_FIRST_POOLS:
-        return "sm90 decode serves [P, HV, K, V] pools only (state_v_first=False)"
-    if call.options.get("null_slot") and not NULL_SLOT:
-        return "sm90 decode pads with negative indices only (null_slot=None)"
+    variant = (state_dtype, bool(call.options.get("state_v_first")), bool(call.options.get("null_slot")))
+    if variant not in GPU_CHECKED_POOLS:
+        return ("sm90 decode kernels for bf16, V-first and null-slot pools are not yet checked on a GPU "
+                "(tests/sm90/test_decode_gpu.py::test_serving_pools)")
     if call.op in ("kda_flush_kvbuffer", "kda_flush_kvbuffer_all_layers"):
         if call.dtype != torch.float32:
             return f"sm90 flush serves fp32 KVBuffers, got {call.dtype}"
