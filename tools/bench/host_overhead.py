@@ -3,8 +3,9 @@ minus the GPU time of the same calls (replayed from a CUDA graph), per call, in 
 
     python -m tools.bench.host_overhead [--calls 1000]
 
-Rows: the decode kernels launched directly through cula_core.cute_runtime (the TVM-FFI function with integer
-addresses and the raw stream: what every launch in cula-sm90 costs on the host), and the public ops (validation,
+Rows: one decode kernel launched through cula-sm90's launch layer (`launch.run_recurrent`: the configuration's
+TVM-FFI function from cula_core.cute_runtime, called with integer addresses and the raw stream: what every launch in
+cula-sm90 costs on the host), and the public ops (validation,
 dispatch, the torch custom op and the launches). Tiny shapes keep the GPU idle most of the time, so that wall minus
 GPU is the host's share.
 """
@@ -53,7 +54,6 @@ def main(argv=None) -> int:
     import torch
 
     import cula
-    from cula_core import cute_runtime as rt
     from cula_sm90.decode import configs, launch
 
     dev, bf, H, K, N = "cuda", torch.bfloat16, 4, 128, 1
@@ -62,23 +62,19 @@ def main(argv=None) -> int:
     pool = torch.zeros(4, H, K, K, device=dev)
     idx = torch.arange(N, dtype=torch.int32, device=dev)
     A_log, dt_bias = torch.zeros(H, device=dev), torch.zeros(H * K, device=dev)
-    o = torch.empty_like(v)
     gate = dict(A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True)
-    cfg = launch.recurrent_config(configs.MODE_FINAL, 1, K, K, bf, bf, bf, True, True, False, True,
-                                  configs.recurrent_tiling(N, 1, H))
-    fn = rt.get(launch.RECURRENT, cfg)
 
-    def kernel_launch():  # the whole launch path of one kernel: addresses, sizes, stream, the TVM-FFI call
-        fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), A_log.data_ptr(),
-           dt_bias.data_ptr(), pool.data_ptr(), idx.data_ptr(), o.data_ptr(), pool.data_ptr(), N, H, H, 4,
-           K ** -0.5, 0.0, rt.current_stream(q.device))
+    def kernel_launch():  # one decode kernel through launch.run_recurrent: configuration lookup, addresses, sizes,
+        # stream and the TVM-FFI call (what a decode op adds on top is the next row)
+        launch.run_recurrent(configs.MODE_FINAL, q, k, v, g, beta, pool, idx, A_log, dt_bias, scale=K ** -0.5,
+                             lower_bound=None, use_qk_l2norm_in_kernel=True)
 
     qm, km, vm, gm = (torch.randn(N, 4, H, K, device=dev, dtype=bf) * 0.1 for _ in range(4))
     bm = torch.rand(N, 4, H, device=dev, dtype=bf)
     qp, kp, vp, gp = (torch.randn(1, 64, H, K, device=dev, dtype=bf) * 0.1 for _ in range(4))
     bp = torch.rand(1, 64, H, device=dev, dtype=bf)
     rows = {
-        "kernel launch: sm90.decode.recurrent (cute_runtime TVM-FFI)": kernel_launch,
+        "kernel launch: sm90 decode recurrent (launch.run_recurrent, TVM-FFI)": kernel_launch,
         "op: kda_decode (N=1, H=4)": lambda: cula.kda_decode(q, k, v, g, beta, pool, idx, **gate),
         "op: kda_decode_mtp_kvbuffer (N=1, T=4)": lambda: cula.kda_decode_mtp_kvbuffer(qm, km, vm, gm, bm, pool, idx,
                                                                                        **gate),
