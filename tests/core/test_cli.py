@@ -27,6 +27,8 @@ def test_info():
     # The arch packages of this checkout are installed (tools/_venv.sh) and report whether they loaded.
     for name in ("sm89", "sm90", "sm100"):
         assert re.search(rf"^  {name}\s+(loaded|FAILED)", out, re.M), out
+    # what the CuTe runtime ships and caches, and that anything else compiles just in time
+    assert re.search(r"^  \d+ shipped in the wheels.*, \d+ in the disk cache .*just in time", out, re.M), out
     if not torch.cuda.is_available():
         assert "no CUDA device visible" in out
         assert "kda_prefill                    reference (inputs are on cpu; cula kernels run on CUDA devices)" in out

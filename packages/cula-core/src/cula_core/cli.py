@@ -85,7 +85,25 @@ def info(out=sys.stdout) -> int:
                 continue
             where = sel.backend.name if sel.fallback_reason is None else f"reference ({sel.fallback_reason})"
             p(f"    {op:<30} {where}")
+    p("CuTe DSL kernels (cula_core.cute_runtime):")
+    p(f"  {kernel_artifacts_line()}")
     return 0
+
+
+def kernel_artifacts_line() -> str:
+    """How many compiled CuTe DSL kernels the installed wheels ship and the disk cache holds, and what happens to
+    a configuration with neither (it compiles on its first call, once)."""
+    from cula_core import cute_runtime
+
+    try:
+        artifacts = cute_runtime.listing()
+    except metadata.PackageNotFoundError:
+        return "CuTe DSL (nvidia-cutlass-dsl) is not installed: no kernel can compile or load"
+    count = {origin: sum(a.origin == origin for a in artifacts) for origin in ("shipped", "stale", "cached")}
+    stale = f" ({count['stale']} more built for another DSL or package version, unused)" if count["stale"] else ""
+    return (f"{count['shipped']} shipped in the wheels{stale}, {count['cached']} in the disk cache "
+            f"{cute_runtime.cache_dir()}; any other configuration compiles just in time on its first call "
+            "(once: then it is cached)")
 
 
 def _time(fn, device: torch.device) -> tuple[object, float]:
