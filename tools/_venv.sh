@@ -26,7 +26,10 @@ step "installing build tools (hatchling, editables, pybind11) and pytest"
 step "installing cula-core and cula (editable)"
 "$PY" -m pip install -q --no-build-isolation --no-deps -e packages/cula-core -e packages/cula
 for pkg in packages/cula-sm89 packages/cula-sm90 packages/cula-sm100; do
-    step "installing ${pkg#packages/} (editable; cula-sm89 compiles CUDA code when nvcc is present)"
+    case "$pkg" in
+        */cula-sm89) step "installing cula-sm89 (editable; compiles its CUDA code when nvcc is present: a few minutes)" ;;
+        *) step "installing ${pkg#packages/} (editable)" ;;
+    esac
     if ! "$PY" -m pip install -q --no-build-isolation --no-deps -e "$pkg"; then
         echo "warning: editable install of $pkg failed; its tests will report why" >&2
     fi
