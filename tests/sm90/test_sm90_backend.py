@@ -16,7 +16,8 @@ H100 = DeviceInfo(type="cuda", index=0, capability=(9, 0), name="H100")
 
 def test_ops_are_the_union_of_the_families():
     assert set(backend.ops) == {"kda_prefill", "chunk_kda", "kda_decode", "kda_decode_mtp",
-                                "kda_decode_mtp_kvbuffer", "kda_flush_kvbuffer", "kda_flush_kvbuffer_all_layers"}
+                                "kda_decode_mtp_kvbuffer", "kda_flush_kvbuffer", "kda_flush_kvbuffer_all_layers",
+                                "fused_recurrent_kda"}
     call = CallConfig(op="chunk_kda_backward", device=H100, dtype=torch.bfloat16, K=128, V=128, HQK=4, HV=4)
     assert backend.unsupported_reason(call) == "sm90 does not implement chunk_kda_backward"
 

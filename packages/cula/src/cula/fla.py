@@ -379,7 +379,10 @@ def _recurrent_call(q, v, beta, initial_state, cu_seqlens, ssm_state_indices, nu
                  "output_final_state": bool(output_final_state) and not pool, "state_v_first": bool(state_v_first),
                  "state_dtype": initial_state.dtype if initial_state is not None else None, "pool": pool,
                  "per_token_slots": pool and ssm_state_indices.dim() == 2,
-                 "num_accepted_tokens": num_accepted_tokens is not None},
+                 "num_accepted_tokens": num_accepted_tokens is not None, "lower_bound": lower_bound,
+                 # FLA passes no host copy of cu_seqlens: its sequences' lengths are unknown here
+                 "seq_len": None if cu_seqlens is not None else T,
+                 "state_contiguous": initial_state is None or not pool or initial_state.is_contiguous()},
     )
 
 

@@ -29,7 +29,7 @@ _KWARGS = ("ssm_state_indices", "num_accepted_tokens", "cu_seqlens_cpu")
 
 
 def _call(q, v, beta, state, cu_seqlens, ssm_state_indices, num_accepted_tokens, *, gate, use_qk_l2norm_in_kernel,
-          beta_activation, output_final_state, state_v_first):
+          beta_activation, output_final_state, state_v_first, lower_bound, seq_len):
     _B, T, HQK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     return make_call(
@@ -39,8 +39,19 @@ def _call(q, v, beta, state, cu_seqlens, ssm_state_indices, num_accepted_tokens,
         output_final_state=output_final_state, state_v_first=state_v_first,
         state_dtype=state.dtype if state is not None else None, pool=ssm_state_indices is not None,
         per_token_slots=ssm_state_indices is not None and ssm_state_indices.dim() == 2,
-        num_accepted_tokens=num_accepted_tokens is not None,
+        num_accepted_tokens=num_accepted_tokens is not None, lower_bound=lower_bound, seq_len=seq_len,
+        state_contiguous=state is None or state.is_contiguous(),
     )
+
+
+def common_seq_len(T: int, varlen: bool, seq_lens: tuple[int, ...] | None) -> int | None:
+    """The `seq_len` option of a call: the token count of every sequence when they all have the same one and the
+    host knows it (T without cu_seqlens; with cu_seqlens, the host lengths validation read), else None."""
+    if not varlen:
+        return T
+    if not seq_lens or any(n != seq_lens[0] for n in seq_lens):
+        return None
+    return seq_lens[0]
 
 
 def _sizes(q, k, v, g, beta, state, final_numel: int) -> dict:
@@ -54,10 +65,12 @@ def _fused_recurrent_kda(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tensor | None, dt_bias: Tensor | None,
     initial_state: Tensor | None, cu_seqlens: Tensor | None, scale: float, output_final_state: bool,
     use_qk_l2norm_in_kernel: bool, gate: str, lower_bound: float | None, beta_activation: str, state_v_first: bool,
+    seq_len: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     call = _call(q, v, beta, initial_state, cu_seqlens, None, None, gate=gate,
                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, beta_activation=beta_activation,
-                 output_final_state=output_final_state, state_v_first=state_v_first)
+                 output_final_state=output_final_state, state_v_first=state_v_first, lower_bound=lower_bound,
+                 seq_len=seq_len)
     N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     final_numel = N * v.shape[2] * q.shape[3] * v.shape[3] if output_final_state else 0
     backend = select(call, _sizes(q, k, v, g, beta, initial_state, final_numel))
@@ -78,7 +91,7 @@ _fused_recurrent_kda_op = torch.library.custom_op("cula::fused_recurrent_kda", _
 
 @_fused_recurrent_kda_op.register_fake
 def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, output_final_state,
-      use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, state_v_first):
+      use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, state_v_first, seq_len=None):
     return fake_forward_outputs(q, v, cu_seqlens, output_final_state, state_v_first)
 
 
@@ -86,11 +99,11 @@ def _fused_recurrent_kda_pool(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Tensor | None, dt_bias: Tensor | None,
     state_pool: Tensor, ssm_state_indices: Tensor, num_accepted_tokens: Tensor | None, cu_seqlens: Tensor | None,
     scale: float, use_qk_l2norm_in_kernel: bool, gate: str, lower_bound: float | None, beta_activation: str,
-    state_v_first: bool,
+    state_v_first: bool, seq_len: int | None = None,
 ) -> Tensor:
     call = _call(q, v, beta, state_pool, cu_seqlens, ssm_state_indices, num_accepted_tokens, gate=gate,
                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, beta_activation=beta_activation,
-                 output_final_state=False, state_v_first=state_v_first)
+                 output_final_state=False, state_v_first=state_v_first, lower_bound=lower_bound, seq_len=seq_len)
     backend = select(call, _sizes(q, k, v, g, beta, state_pool, 0))
     native = native_v_first(backend, call)
     # A kernel that indexes only [P, HV, K, V] pools gets a K-first copy of a V-first pool, copied back after.
@@ -111,7 +124,7 @@ _fused_recurrent_kda_pool_op = torch.library.custom_op("cula::fused_recurrent_kd
 
 @_fused_recurrent_kda_pool_op.register_fake
 def _(q, k, v, g, beta, A_log, dt_bias, state_pool, ssm_state_indices, num_accepted_tokens, cu_seqlens, scale,
-      use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, state_v_first):
+      use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, state_v_first, seq_len=None):
     return torch.empty_like(v)
 
 
@@ -197,17 +210,19 @@ def fused_recurrent_kda(
     )
     scale = float(shapes.sizes.K ** -0.5 if scale is None else scale)
     lb = None if lower_bound is None else float(lower_bound)
+    seq_len = common_seq_len(shapes.sizes.T, cu_seqlens is not None, shapes.sizes.seq_lens)
     q, k, v, g, beta, A_log, dt_bias = (t.contiguous() if t is not None else None
                                         for t in (q, k, v, g, beta, A_log, dt_bias))
     with torch.no_grad():
         if shapes.pool:
             o = call_op(torch.ops.cula.fused_recurrent_kda_pool, _fused_recurrent_kda_pool, q, k, v, g, beta, A_log,
                         dt_bias, initial_state, ssm_state_indices, num_accepted_tokens, cu_seqlens, scale,
-                        bool(use_qk_l2norm_in_kernel), shapes.sizes.gate, lb, activation, state_v_first,
+                        bool(use_qk_l2norm_in_kernel), shapes.sizes.gate, lb, activation, state_v_first, seq_len,
                         mutated=(initial_state,))
             return o, initial_state
         state = initial_state.contiguous() if initial_state is not None else None
         o, final_state = call_op(torch.ops.cula.fused_recurrent_kda, _fused_recurrent_kda, q, k, v, g, beta, A_log,
                                  dt_bias, state, cu_seqlens, scale, bool(output_final_state),
-                                 bool(use_qk_l2norm_in_kernel), shapes.sizes.gate, lb, activation, state_v_first)
+                                 bool(use_qk_l2norm_in_kernel), shapes.sizes.gate, lb, activation, state_v_first,
+                                 seq_len)
     return o, (final_state if output_final_state else None)

@@ -93,18 +93,31 @@ def dispatched_tilings() -> tuple[tuple[int, int, int, int], ...]:
     return tuple(dict.fromkeys(t for T in (1, 2) for t in recurrent_tilings_for(T)))
 
 
-def unsupported_reason(call) -> str | None:
-    """None if the decode kernels serve `call` (a cula_core CallConfig), else a short reason."""
+def _head_dim_reason(call) -> str | None:
     if call.K != call.V or call.K not in HEAD_DIMS:
         served = " or ".join(map(str, HEAD_DIMS))
         return f"sm90 decode serves K = V = {served}, got K={call.K}, V={call.V}"
-    state_dtype = call.options.get("state_dtype", torch.float32)
+    return None
+
+
+def _pool_reason(state_dtype: torch.dtype, v_first: bool, null_slot: bool) -> str | None:
     if state_dtype not in POOL_DTYPES:
         return f"sm90 decode serves fp32 and bf16 state pools, got {str(state_dtype).replace('torch.', '')}"
-    variant = (state_dtype, bool(call.options.get("state_v_first")), bool(call.options.get("null_slot")))
-    if variant not in GPU_CHECKED_POOLS:
+    if (state_dtype, v_first, null_slot) not in GPU_CHECKED_POOLS:
         return ("sm90 decode kernels for bf16, V-first and null-slot pools are not yet checked on a GPU "
                 "(tests/sm90/test_decode_gpu.py::test_serving_pools)")
+    return None
+
+
+def unsupported_reason(call) -> str | None:
+    """None if the decode kernels serve `call` (a cula_core CallConfig), else a short reason."""
+    if call.op == "fused_recurrent_kda":
+        return fused_recurrent_reason(call)
+    reason = _head_dim_reason(call) or _pool_reason(call.options.get("state_dtype", torch.float32),
+                                                    bool(call.options.get("state_v_first")),
+                                                    bool(call.options.get("null_slot")))
+    if reason:
+        return reason
     if call.op in ("kda_flush_kvbuffer", "kda_flush_kvbuffer_all_layers"):
         if call.dtype != torch.float32:
             return f"sm90 flush serves fp32 KVBuffers, got {call.dtype}"
@@ -119,3 +132,69 @@ def unsupported_reason(call) -> str | None:
     if call.T > MAX_T:
         return f"sm90 decode serves T <= {MAX_T} tokens per request, got T={call.T}"
     return None
+
+
+# ---------------------------------------------------------------- fused_recurrent_kda (FLA's recurrent entry)
+# How its calls map onto the recurrent kernel (N sequences of T tokens each, as N requests of T tokens; ops.py):
+#   pool (ssm_state_indices [N], or [N, T_idx] at T = 1 without accepted counts: one slot per sequence, read and
+#     written): MODE_FINAL on the pool in place, cache_idx = the slots;
+#   a new final state at T = 1: MODE_STATES reading initial_state (or one zero state) as a pool, never written;
+#     its per-token states [N, 1, ...] are the final states (FLA's traffic: read a state, write one);
+#   outputs only (output_final_state=False): MODE_KVBUFFER reading initial_state (or one zero state) as a pool:
+#     no state is written, only the small KVBuffer the call drops.
+# A new final state after T > 1 tokens would need a copy of the initial state that the in-place mode then updates:
+# twice FLA's state traffic, so those calls are declined.
+
+#: what the recurrent kernel computes from g: FLA's gates with the gate in kernel (use_gate_in_kernel=True)
+FUSED_RECURRENT_GATES = ("softplus", "safe")
+
+
+def fused_recurrent_reason(call) -> str | None:
+    """None if the decode kernels serve the fused_recurrent_kda `call`, else why not. Its options: those
+    cula_core.ops.fused_recurrent puts in the call (docs/backends.md); a missing `seq_len` or `state_contiguous`
+    counts as unknown, so the call is declined."""
+    opts = call.options
+    if call.gate not in FUSED_RECURRENT_GATES:
+        return ("sm90 decode computes the gate in kernel from raw g (use_gate_in_kernel=True); it does not take a "
+                "precomputed log decay")
+    activation = opts.get("beta_activation", "none")
+    if activation != "none":
+        return ("sm90 decode takes beta after its sigmoid (use_beta_sigmoid_in_kernel=False), got "
+                f"beta_activation={activation!r}")
+    if opts.get("beta_per_channel"):
+        return "sm90 decode takes one beta per token and value head, got beta [B, T, HV, V]"
+    T = opts.get("seq_len", None if call.varlen else call.T)
+    if T is None:
+        return ("sm90 decode serves cu_seqlens only when every sequence has the same length and the host knows it "
+                "(pass cu_seqlens_cpu), got unequal or unknown lengths")
+    if not 1 <= T <= MAX_T:
+        return f"sm90 decode serves 1 <= T <= {MAX_T} tokens per sequence, got T={T}"
+    reason = _head_dim_reason(call)
+    if reason:
+        return reason
+    if call.dtype not in INPUT_DTYPES:
+        return f"sm90 decode serves bf16/fp16/fp32 q/k/v, got {call.dtype}"
+    if opts.get("pool"):
+        if opts.get("num_accepted_tokens"):
+            return ("sm90 decode reads and writes one slot per sequence: num_accepted_tokens (read slot "
+                    "ssm_state_indices[n, a - 1]) would need the states copied between slots")
+        if opts.get("per_token_slots") and T > 1:
+            return ("sm90 decode writes one slot per sequence: ssm_state_indices [N, T] with T > 1 tokens (a slot "
+                    "per token) would need its per-token states copied into the pool")
+        if opts.get("state_contiguous") is not True:
+            return "sm90 decode indexes contiguous state pools (slot stride HV * K * V), got a pool with wider slots"
+        state_dtype = opts.get("state_dtype")
+    else:
+        state_dtype = opts.get("state_dtype") if opts.get("initial_state") else torch.float32
+        if opts.get("output_final_state"):
+            if T > 1:
+                return (f"sm90 decode writes a new final state only for T = 1 token per sequence, got T={T} (it "
+                        "would copy the initial state first: twice FLA's state traffic)")
+            if state_dtype != torch.float32:
+                return ("sm90 decode writes the new final state in the initial state's dtype: it serves an fp32 "
+                        f"initial_state, got {str(state_dtype).replace('torch.', '')}")
+        elif (opts.get("lower_bound") or 0.0) > 0.0:
+            # outputs only run on the verify kernels, whose chunk form assumes decays <= 1
+            return (f"sm90 decode serves outputs-only calls (output_final_state=False) with lower_bound <= 0, got "
+                    f"{opts['lower_bound']}")
+    return _pool_reason(state_dtype, bool(opts.get("state_v_first")), False)

@@ -62,10 +62,60 @@ def kda_flush_kvbuffer(state_pool, cache_idx, kvbuffer, accept_len, accept_len_a
     kda_flush_kvbuffer_all_layers([state_pool], cache_idx, [kvbuffer], accept_len, accept_len_all, **pool)
 
 
+def _slot_indices(slots: torch.Tensor, P: int) -> torch.Tensor:
+    """Pool slots as the kernel reads them (contiguous int32). int64 slots are clamped to [-1, P] first: one beyond
+    the int32 range stays out of range (skipped, as the calling convention wants) instead of wrapping onto a slot."""
+    if slots.dtype == torch.int32:
+        return slots.contiguous()
+    return slots.clamp(-1, P).to(torch.int32)
+
+
+def fused_recurrent_kda(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, ssm_state_indices,
+                        num_accepted_tokens, *, scale, output_final_state, use_qk_l2norm_in_kernel, gate, lower_bound,
+                        beta_activation, state_v_first=False):
+    """FLA's fused_recurrent_kda on the recurrent kernel, for the calls configs.fused_recurrent_reason accepts: the
+    gate in kernel (`gate` "softplus", or "safe" with `lower_bound`), beta as given, N sequences of 1 <= T <= 16
+    tokens each (with cu_seqlens: all of the same length), run as N requests of T tokens (views of the inputs).
+    The three mappings (no pass over the pool or the states besides the kernel's own):
+      * pool (ssm_state_indices [N], or column 0 of [N, T_idx] at T = 1): MODE_FINAL in place; returns (o, None);
+      * new final state (T = 1, fp32 initial_state or None): MODE_STATES reading initial_state as a pool of N slots
+        (None: one zero slot that every request reads); its per-token states are the final states;
+      * outputs only: MODE_KVBUFFER on the same pool (reads states, writes none); the KVBuffer is dropped."""
+    if ssm_state_indices is not None and not _kernel_can_take(initial_state):
+        return reference_backend.fused_recurrent_kda(
+            q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, ssm_state_indices, num_accepted_tokens,
+            scale=scale, output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            gate=gate, lower_bound=lower_bound, beta_activation=beta_activation, state_v_first=state_v_first)
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    v_shape = v.shape
+    if cu_seqlens is not None:  # one row of N sequences of T tokens each: N requests of T tokens
+        T = q.shape[1] // N
+        q, k, v, g, beta = (t.reshape(N, T, *t.shape[2:]) for t in (q, k, v, g, beta))
+    flags = dict(scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                 **({"state_v_first": True} if state_v_first else {}))
+    if ssm_state_indices is not None:
+        slots = ssm_state_indices if ssm_state_indices.dim() == 1 else ssm_state_indices[:, 0]
+        o, _ = launch.run_recurrent(configs.MODE_FINAL, q, k, v, g, beta, initial_state,
+                                    _slot_indices(slots, initial_state.shape[0]), A_log, dt_bias, **flags)
+        return o.reshape(v_shape), None
+    if initial_state is None:
+        K, V = q.shape[3], v.shape[3]
+        pool = torch.zeros((1, v.shape[2], *((V, K) if state_v_first else (K, V))), device=q.device,
+                           dtype=torch.float32)
+        cache_idx = torch.zeros(N, device=q.device, dtype=torch.int32)
+    else:
+        pool = launch._aligned(initial_state)
+        cache_idx = torch.arange(N, device=q.device, dtype=torch.int32)
+    mode = configs.MODE_STATES if output_final_state else configs.MODE_KVBUFFER
+    o, out = launch.run_recurrent(mode, q, k, v, g, beta, pool, cache_idx, A_log, dt_bias, **flags)
+    return o.reshape(v_shape), out.reshape(N, *pool.shape[1:]) if output_final_state else None
+
+
 KERNELS = {
     "kda_decode": kda_decode,
     "kda_decode_mtp": kda_decode_mtp,
     "kda_decode_mtp_kvbuffer": kda_decode_mtp_kvbuffer,
     "kda_flush_kvbuffer": kda_flush_kvbuffer,
     "kda_flush_kvbuffer_all_layers": kda_flush_kvbuffer_all_layers,
+    "fused_recurrent_kda": fused_recurrent_kda,
 }
