@@ -1,7 +1,7 @@
 """Helpers of the cula-sm100 backward tests: fp64 autograd oracles built from small reference pieces, the
 reference's intermediates in the backward's layout, and the kernel compile list.
 
-    CUTE_DSL_ARCH=sm_100a python tests/sm100/backward_cases.py     # compiles the backward kernels, one line each
+    python tests/sm100/backward_cases.py sm_100a     # compiles the backward kernels for sm_100a, one line each
 """
 
 from __future__ import annotations
@@ -244,7 +244,9 @@ if __name__ == "__main__":
     if _sys.argv[1:] == ["memcheck"]:
         _memcheck()
         raise SystemExit(0)
-    for name, build in kernels().items():
+    from cula_sm100 import runtime
+
+    for name, kernel in kernels().items():
         t = time.perf_counter()
-        build()
+        runtime.compile_kernel(kernel(), _sys.argv[1])
         print(f"compiled {name} in {time.perf_counter() - t:.1f} s", flush=True)

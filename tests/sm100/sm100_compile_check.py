@@ -1,6 +1,7 @@
-"""Compile every cula-sm100 forward kernel with fake pointers, for the arch in CUTE_DSL_ARCH (no GPU needed).
+"""Compile every cula-sm100 forward kernel with fake pointers through cula_core.cute_runtime, for the arch
+given (no GPU needed).
 
-    CUTE_DSL_ARCH=sm_100a python tests/sm100/sm100_compile_check.py      # prints one line per kernel
+    python tests/sm100/sm100_compile_check.py sm_100a      # prints one line per kernel
 """
 
 from __future__ import annotations
@@ -35,7 +36,11 @@ KERNELS = {
 }
 
 if __name__ == "__main__":
-    for name, build in KERNELS.items():
+    import sys
+
+    from cula_sm100 import runtime
+
+    for name, kernel in KERNELS.items():
         t = time.perf_counter()
-        build()
+        runtime.compile_kernel(kernel(), sys.argv[1])
         print(f"compiled {name} in {time.perf_counter() - t:.1f} s", flush=True)

@@ -1,14 +1,13 @@
 """CPU: chunk_bwd_intra_tc (the tensor-core intra-chunk backward, cula_sm100.backward.chunk_bwd_intra_tc) compiles
-for sm_90a and sm_100a with fake pointers in two configurations that cover its compile-time paths (2 CTAs per
-SM with bf16-pair B operands; 1 CTA per SM with the prefetch and single-bf16 B; the two archs side by side), its
-shared-memory plan keeps 2 CTAs per SM, launch.chunk_bwd_intra picks it (or the CUDA-core kernel) and passes the
-arguments in the compiled order (nothing runs), and the fp64 oracle of its GPU tests agrees with torch_stages.intra (the CUDA-core kernel's
-oracle) on the CPU."""
+for sm_90a and sm_100a with fake pointers (through cula_core.cute_runtime) in two configurations that cover its
+compile-time paths (2 CTAs per SM with bf16-pair B operands; 1 CTA per SM with the prefetch and single-bf16 B; the
+two archs side by side), its shared-memory plan keeps 2 CTAs per SM, launch.chunk_bwd_intra picks it (or the
+CUDA-core kernel) and passes the arguments in the compiled order (nothing runs), and the fp64 oracle of its GPU
+tests agrees with torch_stages.intra (the CUDA-core kernel's oracle) on the CPU."""
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 
@@ -17,9 +16,11 @@ import torch
 
 ARCHS = ("sm_90a", "sm_100a")
 CONFIGS = ((2, True), (1, False))  # every code path: both launch bounds (prefetch off / on), both B precisions
-COMPILE = ("from cula_sm100.backward.launch import intra_tc_kernel\n"
+COMPILE = ("import sys\n"
+           "from cula_sm100.backward.launch import intra_tc_kernel\n"
+           "from cula_sm100.runtime import compile_kernel\n"
            f"for mc, split in {CONFIGS!r}:\n"
-           "    intra_tc_kernel(mc, split)\n"
+           "    compile_kernel(intra_tc_kernel(mc, split), sys.argv[1])\n"
            "    print('compiled', mc, split, flush=True)\n")
 
 needs_dsl = pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed")
@@ -28,8 +29,8 @@ needs_dsl = pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reas
 @pytest.fixture(scope="module")
 def compiled_by_arch():
     """One process per arch, started together (the time of one arch's compiles): arch -> (returncode, output)."""
-    procs = {arch: subprocess.Popen([sys.executable, "-c", COMPILE], env=dict(os.environ, CUTE_DSL_ARCH=arch),
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for arch in ARCHS}
+    procs = {arch: subprocess.Popen([sys.executable, "-c", COMPILE, arch], stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True) for arch in ARCHS}
     outs = {arch: p.communicate(timeout=900)[0] for arch, p in procs.items()}  # drains the pipes as they fill
     return {arch: (procs[arch].returncode, out) for arch, out in outs.items()}
 

@@ -1,6 +1,7 @@
 """CPU: the fused chunk_intra + recompute_w_u kernel (chunk_intra_wu.py) and its raw-gate variant
 (chunk_intra_wu_gate.py: gate + cumsum in the same CTA) compile for sm_90a and sm_100a with fake pointers through
-launch.intra_wu_kernel / launch.intra_wu_gate_kernel (two processes started together: the time of one arch), the
+cula_core.cute_runtime, at the configurations of launch.intra_wu_kernel / launch.intra_wu_gate_kernel (two processes
+started together: the time of one arch), the
 gate variant for every value of every compile key it adds (gate mode, g dtype, A_log / dt_bias present or not,
 beta dtype and activation); the shared-memory plan keeps 2 CTAs per SM; launch.chunk_intra_wu and
 launch.chunk_intra_wu_gate allocate and launch as the stages they replace do, and forward takes the fused gate
@@ -10,7 +11,6 @@ qg_out (qg = bf16(q e^G) and G's last rows out; its host side: test_fused_qg_cpu
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -29,28 +29,31 @@ GATE_KEYS = (("softplus", "f32", "f32", "f32", True, True, None, "bf16", "none")
              ("precomputed", "bf16", "f32", "f32", False, False, None, "f32", "none"))
 # compiled with qg_out as well (the forward's main key with qg_out: sm100_compile_check.py)
 QG_KEYS = (GATE_KEYS[3], GATE_KEYS[5])
-COMPILE = ("import torch\n"
+COMPILE = ("import sys, torch\n"
+           "from cula_sm100.runtime import compile_kernel\n"
+           "arch = sys.argv[1]\n"
            "from cula_sm100.forward.launch import intra_wu_kernel\n"
            "for beta_dtype, act in ((torch.bfloat16, 'sigmoid'), (torch.float32, 'none')):\n"
-           "    intra_wu_kernel(beta_dtype, act)\n"
+           "    compile_kernel(intra_wu_kernel(beta_dtype, act), arch)\n"
            "    print('compiled', beta_dtype, act, flush=True)\n"
            "from cula_sm100.forward.launch import intra_wu_gate_kernel\n"
            f"for key in {GATE_KEYS!r}:\n"
            "    gate, g, a, b, has_a, has_b, lb, beta, act = key\n"
            "    dt = {'f32': torch.float32, 'bf16': torch.bfloat16, 'f16': torch.float16}\n"
-           "    intra_wu_gate_kernel(gate, dt[g], dt[a], dt[b], has_a, has_b, lb, dt[beta], act)\n"
+           "    kernel = intra_wu_gate_kernel(gate, dt[g], dt[a], dt[b], has_a, has_b, lb, dt[beta], act)\n"
+           "    compile_kernel(kernel, arch)\n"
            "    print('compiled', key, flush=True)\n"
            f"for key in {QG_KEYS!r}:\n"
            "    gate, g, a, b, has_a, has_b, lb, beta, act = key\n"
-           "    intra_wu_gate_kernel(gate, dt[g], dt[a], dt[b], has_a, has_b, lb, dt[beta], act, True)\n"
+           "    kernel = intra_wu_gate_kernel(gate, dt[g], dt[a], dt[b], has_a, has_b, lb, dt[beta], act, True)\n"
+           "    compile_kernel(kernel, arch)\n"
            "    print('compiled qg_out', key, flush=True)\n")
 
 needs_dsl = pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed")
 
 
 def _compile(arch):
-    return subprocess.run([sys.executable, "-c", COMPILE], env=dict(os.environ, CUTE_DSL_ARCH=arch),
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-c", COMPILE, arch], capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +90,8 @@ def test_shared_memory_plan():
 
 
 def _stub_launches(monkeypatch, launch, kernel_cache: str):
-    """launch's kernel cache `kernel_cache` returns ("kernel", *key) and launch_kernel records its calls (returned)."""
+    """launch's kernel function `kernel_cache` returns ("kernel", *key) and launch_kernel records its calls
+    (returned)."""
     calls = []
     monkeypatch.setattr(launch, kernel_cache, lambda *key: ("kernel", *key))
     monkeypatch.setattr(launch, "launch_kernel", lambda kern, dtypes, tensors, scalars: calls.append(

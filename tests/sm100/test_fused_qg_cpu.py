@@ -4,7 +4,7 @@ launches stubbed (nothing runs): the wrappers' buffers, arguments and compile ke
 (qg path exactly with intermediates=False; Intermediates.g_cumsum None and .qg set there),
 and chunk_kda asking for no intermediates. Both kernels compile for sm_90a / sm_100a in test_sm100_compile.py
 (sm100_compile_check.py's "chunk_intra_wu_gate[softplus, qg_out]" and "fwd_o[qg_in]"), two more gate keys with
-qg_out in test_chunk_intra_wu_cpu.py, their launch cells in test_fast_launch_cpu.py. On the GPU:
+qg_out in test_chunk_intra_wu_cpu.py, their launches' binding in test_runtime_cpu.py. On the GPU:
 test_fused_qg_gpu.py."""
 
 from __future__ import annotations

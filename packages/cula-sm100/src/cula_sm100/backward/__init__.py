@@ -10,10 +10,11 @@
   chunk_bwd_intra.py the same stage on CUDA cores in fp32: the oracle of chunk_bwd_intra_tc's tests
   gate_bwd.py       CuTe DSL kernel: the gate / beta backward (dg of raw g, dA_log, ddt_bias, dbeta)
   l2norm_bwd.py     CuTe DSL kernel: the q/k L2-norm backward
-  launch.py         compiled-kernel cache, one function per stage; chunk_kda_backward recomputes the forward with
-                    cula_sm100.forward's kernels, then runs the stages in order (docs/sm100_backward.md)
+  launch.py         kernel registration (cula_core.cute_runtime), one function per stage; chunk_kda_backward
+                    recomputes the forward with cula_sm100.forward's kernels, then runs the stages in order
+                    (docs/sm100_backward.md)
 The PyTorch forms of the stages (the kernels' oracles) live with the tests (tests/sm100/torch_stages.py).
-This module imports no CuTe DSL: kernels compile on first use.
+This module imports no CuTe DSL: a kernel is loaded (shipped, cached, or compiled then) on its first launch.
 """
 
 from __future__ import annotations

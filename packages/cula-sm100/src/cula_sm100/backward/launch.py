@@ -1,5 +1,5 @@
-"""Thin launch code of the sm100 chunk_kda backward: the compiled-kernel cache, one function per stage, and
-`chunk_kda_backward`, the stages in order.
+"""Thin launch code of the sm100 chunk_kda backward: the kernels' registration with cula_core.cute_runtime, one
+function per stage, and `chunk_kda_backward`, the stages in order.
 
 `chunk_kda_backward(...)` follows the kernel calling convention of docs/backends.md. Like FLA 0.6.0's
 `chunk_kda_bwd`, it takes Aqk and Akk from the forward (core's residuals, docs/backends.md) and recomputes the
@@ -14,18 +14,30 @@ stages, each one CuTe DSL kernel launch (or two):
      step 3's outputs, then the reverse chunk-local cumsum of dG
   5. gate / beta / L2-norm backward (dg, dA_log, ddt_bias, dbeta)         gate_bwd.py, l2norm_bwd.py
 
-Every launch goes through `cula_sm100.fast_launch` (pre-packed C arguments, see there), with each kernel's pointer
-dtypes listed once here (`*_DTYPES`) for its compilation and its launcher alike.
+Kernels (registered here for every arch of cula_sm100.runtime.ARCHS, launched through forward.launch.launch_kernel)
+and their compile-time configurations (sizes and the scale are runtime arguments):
+
+    name (sm100.backward. + the kernel's module)  configuration
+    chunk_bwd_dav, chunk_wy_dqkg                  ()
+    chunk_bwd_dhu                                 (dht given, dh0 wanted, V slice width)
+    chunk_bwd_intra_tc                            (CTAs per SM, B split)
+    chunk_bwd_intra                               ()    (the tensor-core kernel's fp32 oracle)
+    gate_bwd                                      (gate, has A_log, has dt_bias, lower_bound, beta activation,
+                                                  g dtype, beta dtype)
+    l2norm_bwd                                    (q / k dtype,)
+
+Each kernel's pointer dtypes are listed once here (`*_DTYPES`, `*_dtypes`) for its compilation and its launch's
+dtype check alike.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 
 import torch
 
 from cula_core import reference as ref
+from cula_sm100 import runtime
 from cula_sm100.forward import launch as fwd
 
 
@@ -50,20 +62,19 @@ def l2norm_bwd_dtypes(x_dtype):
     return (x_dtype, _F32, x_dtype)
 
 
-@functools.cache
-def wy_dqkg_kernel():
-    """The compiled chunk_wy_dqkg (one compilation serves every size)."""
-    from cula_sm100.backward.chunk_wy_dqkg import ChunkWyDqkg
-
-    return fwd._compile(ChunkWyDqkg(), WY_DTYPES, 1, 1, 1, 1, 1.0)
+WY_DQKG, DAV, DHU = "sm100.backward.chunk_wy_dqkg", "sm100.backward.chunk_bwd_dav", "sm100.backward.chunk_bwd_dhu"
+INTRA, INTRA_TC = "sm100.backward.chunk_bwd_intra", "sm100.backward.chunk_bwd_intra_tc"
+GATE_BWD, L2NORM_BWD = "sm100.backward.gate_bwd", "sm100.backward.l2norm_bwd"
 
 
-@functools.cache
-def dav_kernel():
-    """The compiled chunk_bwd_dav (one compilation serves every size)."""
-    from cula_sm100.backward.chunk_bwd_dav import ChunkBwdDav
+def wy_dqkg_kernel() -> runtime.Kernel:
+    """chunk_wy_dqkg (one configuration serves every size)."""
+    return WY_DQKG, ()
 
-    return fwd._compile(ChunkBwdDav(), DAV_DTYPES, 1, 1, 1)
+
+def dav_kernel() -> runtime.Kernel:
+    """chunk_bwd_dav (one configuration serves every size)."""
+    return DAV, ()
 
 
 def chunk_bwd_dav(do, v_new, Aqk, ctab):
@@ -79,12 +90,9 @@ def chunk_bwd_dav(do, v_new, Aqk, ctab):
     return dA, dv
 
 
-@functools.cache
-def intra_kernel():
-    """The compiled chunk_bwd_intra (one compilation serves every size)."""
-    from cula_sm100.backward.chunk_bwd_intra import ChunkBwdIntra
-
-    return fwd._compile(ChunkBwdIntra(), INTRA_DTYPES, 1, 1, 1, 1, 1.0)
+def intra_kernel() -> runtime.Kernel:
+    """The CUDA-core chunk_bwd_intra (one configuration serves every size)."""
+    return INTRA, ()
 
 
 # The intra-chunk backward runs on tensor cores (chunk_bwd_intra_tc.py: mma.sync through 16-row reference blocks,
@@ -94,12 +102,9 @@ def intra_kernel():
 INTRA_TC_CONFIG = (1, True)
 
 
-@functools.cache
-def intra_tc_kernel(min_ctas: int, split_b: bool):
-    """The compiled chunk_bwd_intra_tc per configuration (one compilation serves every size)."""
-    from cula_sm100.backward.chunk_bwd_intra_tc import ChunkBwdIntraTC
-
-    return fwd._compile(ChunkBwdIntraTC(min_ctas, split_b), INTRA_DTYPES, 1, 1, 1, 1, 1.0)
+def intra_tc_kernel(min_ctas: int, split_b: bool) -> runtime.Kernel:
+    """chunk_bwd_intra_tc per (CTAs per SM, B split) (one configuration serves every size)."""
+    return INTRA_TC, (int(min_ctas), bool(split_b))
 
 
 def chunk_bwd_intra(q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab, *, scale, tc=True, config=None):
@@ -118,12 +123,9 @@ def chunk_bwd_intra(q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab, *, scale, 
                           (TT, NC, HQK, HV, float(scale)))
 
 
-@functools.cache
-def dhu_kernel(has_dht: bool, want_dh0: bool, bv: int = 64):
-    """The compiled chunk_bwd_dhu, per (dht given, dh0 wanted, V slice width)."""
-    from cula_sm100.backward.chunk_bwd_dhu import ChunkBwdDhu
-
-    return fwd._compile(ChunkBwdDhu(has_dht, want_dh0, bv), DHU_DTYPES, 1, 1, 1, 1, 1, 1.0)
+def dhu_kernel(has_dht: bool, want_dh0: bool, bv: int = 64) -> runtime.Kernel:
+    """chunk_bwd_dhu per (dht given, dh0 wanted, V slice width)."""
+    return DHU, (bool(has_dht), bool(want_dh0), int(bv))
 
 
 # chunk_bwd_dhu's V slice: 32 columns (4 CTAs per (sequence, head)) up to this many busy (sequence, head) chains,
@@ -198,22 +200,69 @@ def chunk_wy_dqkg(q, k, v, v_new, G, beta, Akk, h, do, dh, dv, ctab, *, scale):
     return dq, dk, dv2, db, dg, dA
 
 
-@functools.cache
 def gate_bwd_kernel(gate: str, has_A_log: bool, has_dt_bias: bool, lower_bound, beta_activation: str, g_dtype,
-                    beta_dtype):
-    """The compiled gate_bwd per (gate mode, parameters present, lower bound, beta activation, g / beta dtypes)."""
+                    beta_dtype) -> runtime.Kernel:
+    """gate_bwd per (gate mode, parameters present, lower bound, beta activation, g / beta dtypes)."""
+    return GATE_BWD, (gate, bool(has_A_log), bool(has_dt_bias), lower_bound, beta_activation, g_dtype, beta_dtype)
+
+
+def l2norm_bwd_kernel(x_dtype) -> runtime.Kernel:
+    """l2norm_bwd per dtype of q / k."""
+    return L2NORM_BWD, (x_dtype,)
+
+
+def _build_wy_dqkg(config):
+    from cula_sm100.backward.chunk_wy_dqkg import ChunkWyDqkg
+
+    return ChunkWyDqkg(), runtime.fake_args(WY_DTYPES, 1, 1, 1, 1, 1.0)
+
+
+def _build_dav(config):
+    from cula_sm100.backward.chunk_bwd_dav import ChunkBwdDav
+
+    return ChunkBwdDav(), runtime.fake_args(DAV_DTYPES, 1, 1, 1)
+
+
+def _build_intra(config):
+    from cula_sm100.backward.chunk_bwd_intra import ChunkBwdIntra
+
+    return ChunkBwdIntra(), runtime.fake_args(INTRA_DTYPES, 1, 1, 1, 1, 1.0)
+
+
+def _build_intra_tc(config):
+    from cula_sm100.backward.chunk_bwd_intra_tc import ChunkBwdIntraTC
+
+    return ChunkBwdIntraTC(*config), runtime.fake_args(INTRA_DTYPES, 1, 1, 1, 1, 1.0)
+
+
+def _build_dhu(config):
+    from cula_sm100.backward.chunk_bwd_dhu import ChunkBwdDhu
+
+    return ChunkBwdDhu(*config), runtime.fake_args(DHU_DTYPES, 1, 1, 1, 1, 1, 1.0)
+
+
+def _build_gate_bwd(config):
     from cula_sm100.backward.gate_bwd import GateBwd
 
-    op = GateBwd(gate, has_A_log, has_dt_bias, lower_bound, beta_activation)
-    return fwd._compile(op, gate_bwd_dtypes(g_dtype, beta_dtype), 1, 1, 1)
+    gate, has_A_log, has_dt_bias, lower_bound, beta_activation, g_dtype, beta_dtype = config
+    return (GateBwd(gate, has_A_log, has_dt_bias, lower_bound, beta_activation),
+            runtime.fake_args(gate_bwd_dtypes(g_dtype, beta_dtype), 1, 1, 1))
 
 
-@functools.cache
-def l2norm_bwd_kernel(x_dtype):
-    """The compiled l2norm_bwd per dtype of q / k."""
+def _build_l2norm_bwd(config):
     from cula_sm100.backward.l2norm_bwd import L2NormBwd
 
-    return fwd._compile(L2NormBwd(), l2norm_bwd_dtypes(x_dtype), 1)
+    (x_dtype,) = config
+    return L2NormBwd(), runtime.fake_args(l2norm_bwd_dtypes(x_dtype), 1)
+
+
+for _name, _build, _module in ((WY_DQKG, _build_wy_dqkg, "chunk_wy_dqkg"), (DAV, _build_dav, "chunk_bwd_dav"),
+                               (INTRA, _build_intra, "chunk_bwd_intra"),
+                               (INTRA_TC, _build_intra_tc, "chunk_bwd_intra_tc"), (DHU, _build_dhu, "chunk_bwd_dhu"),
+                               (GATE_BWD, _build_gate_bwd, "gate_bwd"), (L2NORM_BWD, _build_l2norm_bwd, "l2norm_bwd")):
+    # the kernel's module, the shared helpers (with the L2-norm epsilon they read from core) and this module
+    runtime.register(_name, _build, (f"cula_sm100.backward.{_module}", "cula_sm100.forward.cute_utils",
+                                     "cula_core.reference.gates", "cula_sm100.backward.launch"))
 
 
 def finish(dq, dk, dv, dbeta, dG, dh0, q, k, g, beta, A_log, dt_bias, initial_state, ctab, *, v_dtype,

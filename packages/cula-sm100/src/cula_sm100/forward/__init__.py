@@ -1,6 +1,6 @@
 """cula_sm100.forward: the chunk_kda training forward (bf16, K = V = 128, native GVA) in CuTe DSL.
 
-Kernels, one per file, launched in this order by `launch.forward` (`launch.py`: tables, buffers, cache):
+Kernels, one per file, launched in this order by `launch.forward` (`launch.py`: tables, buffers, registration):
   l2norm.py              q/k L2 normalisation (use_qk_l2norm_in_kernel)
   chunk_intra_wu_gate.py the gate (precomputed / softplus / safe) and its chunk-local cumsum G, then Aqk,
                          Akk = (I + L)^-1, w, u and kg per chunk of 64; through chunk_kda's call (the qg path) also
@@ -17,7 +17,7 @@ All multiply with warp-level mma.sync (bf16 -> fp32, `cute_utils.mma_atom`), so 
 When gradients are wanted the forward hands Aqk and Akk to the backward as core's
 residuals (docs/backends.md, "Residuals"); cula_sm100.backward recomputes the rest with `launch`'s stage
 functions.
-This module imports no CuTe DSL: the kernels are compiled on first use.
+This module imports no CuTe DSL: a kernel is loaded (shipped, cached, or compiled then) on its first launch.
 """
 
 from __future__ import annotations

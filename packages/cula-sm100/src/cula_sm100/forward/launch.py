@@ -1,4 +1,5 @@
-"""Thin launch code of the sm100 chunk_kda forward: chunk/sequence tables, buffers, the compiled-kernel cache.
+"""Thin launch code of the sm100 chunk_kda forward: chunk/sequence tables, buffers, the kernels' registration
+with cula_core.cute_runtime.
 
 `chunk_kda(...)` follows the kernel calling convention of docs/backends.md (validated, contiguous inputs).
 A batch of B fixed-length rows is laid out exactly like a packed varlen batch of B sequences of T tokens
@@ -6,94 +7,57 @@ A batch of B fixed-length rows is laid out exactly like a packed varlen batch of
 and two small int32 tables,
   * chunks    `[NC, 2]`: first token and length (1..64) of every chunk, sequence-major (FLA's order);
   * sequences `[N, 3]`:  first token, end, and index of the sequence's first chunk.
-They are built on the host (from `cu_seqlens_cpu` when given; otherwise one device-to-host copy of
-`cu_seqlens`, as FLA's `prepare_chunk_indices`) and cached. Kernels are compiled once per key (gate mode,
-beta activation, dtypes, state flags) for dynamic sizes, so one compilation serves every B, T and head count.
-Every launch goes through `cula_sm100.fast_launch` (pre-packed C arguments; `fast_launch.ENABLED = False` for the
-DSL's own call path): each kernel's pointer dtypes are listed once here (`*_DTYPES`), for its compilation and its
-launcher alike.
+They are built on the host (cula_core.cute_runtime's chunk_table / sequence_table, from `cu_seqlens_cpu` when
+given; otherwise one device-to-host copy of `cu_seqlens`, as FLA's `prepare_chunk_indices`) and cached.
+
+Kernels (registered here for every arch of cula_sm100.runtime.ARCHS) and their compile-time configurations; the
+sizes (tokens, chunks, sequences, head counts) and the scale are runtime arguments, so one artifact serves every
+B, T and head count:
+
+    name (sm100.forward. + the kernel's module)   configuration
+    l2norm                                        (dtype,)
+    gate_cumsum                                   gate key: (gate, g, A_log, dt_bias dtypes, has A_log,
+                                                  has dt_bias, lower_bound)
+    chunk_intra, recompute_w_u, chunk_intra_wu    (beta dtype, beta activation)
+    chunk_intra_wu_gate                           (*gate key, beta dtype, beta activation, qg_out)
+    chunk_delta_h                                 (has initial state, outputs final state, cluster)
+    fwd_o                                         (qg_in,)
+
+`*_kernel(...)` gives a kernel's `(name, config)`; `launch_kernel` launches it through cula_sm100.runtime with
+the pointer dtypes listed once here per kernel (`*_dtypes`, `*_DTYPES`: its compile-time pointers and the launch's
+dtype check alike).
 """
 
 from __future__ import annotations
 
-import functools
-import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from cula_sm100 import fast_launch
+from cula_core import cute_runtime as rt
+from cula_sm100 import runtime
 
 BT = 64
 _BF, _F32, _I32 = torch.bfloat16, torch.float32, torch.int32
 
-_TORCH_TO_CUTLASS = {}
 
-
-def _cutlass_dtype(dtype: torch.dtype):
-    import cutlass
-
-    if not _TORCH_TO_CUTLASS:
-        _TORCH_TO_CUTLASS.update({torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
-                                  torch.float32: cutlass.Float32, torch.int32: cutlass.Int32})
-    return _TORCH_TO_CUTLASS[dtype]
-
-
-def kernel_pointer(t: torch.Tensor | None, dtype: torch.dtype | None = None):
-    """A CuTe global pointer to t's data (a dummy, never dereferenced, for an absent optional tensor)."""
-    from cutlass.base_dsl.enums import AddressSpace
-    from cutlass.cute.runtime import make_ptr
-
-    if t is None:
-        return make_ptr(_cutlass_dtype(dtype), 16, AddressSpace.gmem, assumed_align=16)
-    return make_ptr(_cutlass_dtype(t.dtype), t.data_ptr(), AddressSpace.gmem, assumed_align=16)
+def launch_kernel(kernel: runtime.Kernel, dtypes: Sequence[torch.dtype], tensors, scalars) -> None:
+    """Launch `kernel` ((name, config)) on the current stream: `tensors` as its pointers (dtypes `dtypes`; None:
+    absent), `scalars` (int: Int32, float: Float32). See cula_sm100.runtime.launch."""
+    runtime.launch(kernel, dtypes, tensors, scalars)
 
 
 def aligned(*tensors):
     """The tensors, each copied if its data is not 16-byte aligned (None passes): every kernel here loads 16-byte
-    vectors and its pointers are declared 16-byte aligned. Tensors that own their storage always are; a view at an
-    odd offset into a larger buffer may not be."""
-    return tuple(t if t is None or t.data_ptr() % 16 == 0 else t.clone() for t in tensors)
+    vectors and its pointers are declared 16-byte aligned."""
+    return tuple(rt.aligned16(t) for t in tensors)
 
 
-def _fake_ptr(dtype: torch.dtype):
-    return kernel_pointer(None, dtype)
+# ------------------------------------------------------------------ kernels: pointer dtypes, configurations, builds
 
 
-_CUSTREAM = None
-# the current stream's raw handle without building a torch.cuda.Stream object (~2 us of Python saved per launch;
-# CUDA builds of torch have it, as Triton's launcher uses it); None: through torch.cuda.current_stream()
-_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def launch_stream():
-    """The current CUDA stream as the kernels take it (a CUstream)."""
-    global _CUSTREAM
-    if _CUSTREAM is None:
-        import cuda.bindings.driver as cuda
-
-        _CUSTREAM = cuda.CUstream
-    if _RAW_STREAM is not None:
-        return _CUSTREAM(_RAW_STREAM(torch.cuda.current_device()))
-    return _CUSTREAM(torch.cuda.current_stream().cuda_stream)
-
-
-def launch_kernel(kern, dtypes, tensors, scalars):
-    """Launch a compiled kernel of this package on the current stream (fast_launch: pre-packed arguments)."""
-    fast_launch.launch(kern, dtypes, tensors, scalars, launch_stream())
-
-
-def _compile_stream():
-    """The stream argument at compile time: only its type matters (compiles on a machine with no GPU)."""
-    import cuda.bindings.driver as cuda
-
-    return cuda.CUstream(0)
-
-
-# ------------------------------------------------------------------ compiled kernels, one per key
-
-
-# pointer dtypes of each kernel, in its argument order (those that depend on the compile key are functions of it)
+# pointer dtypes of each kernel, in its argument order (those that depend on the configuration are functions of it)
 
 def l2norm_dtypes(dtype):  # x, y
     return (dtype, dtype)
@@ -124,87 +88,133 @@ DELTA_H_DTYPES = (_BF, _BF, _BF, _F32, _F32, _BF, _BF, _F32, _I32)  # w, u, kg, 
 # q (qg_in: qg), G (qg_in: not read), h, Aqk, v_new, o, chunk table
 FWD_O_DTYPES = (_BF, _F32, _BF, _BF, _BF, _BF, _I32)
 
+L2NORM, GATE, INTRA, WU = ("sm100.forward.l2norm", "sm100.forward.gate_cumsum", "sm100.forward.chunk_intra",
+                           "sm100.forward.recompute_w_u")
+INTRA_WU, INTRA_WU_GATE = "sm100.forward.chunk_intra_wu", "sm100.forward.chunk_intra_wu_gate"
+DELTA_H, FWD_O = "sm100.forward.chunk_delta_h", "sm100.forward.fwd_o"
 
-def _compile(op, dtypes, *scalars):
-    import cutlass.cute as cute
 
-    return cute.compile(op, *map(_fake_ptr, dtypes), *scalars, _compile_stream())
+def l2norm_kernel(dtype: torch.dtype) -> runtime.Kernel:
+    return L2NORM, (dtype,)
 
 
-@functools.cache
-def l2norm_kernel(dtype: torch.dtype):
+def gate_kernel(gate: str, g_dtype, a_dtype, b_dtype, has_A_log: bool, has_dt_bias: bool,
+                lower_bound) -> runtime.Kernel:
+    return GATE, (gate, g_dtype, a_dtype, b_dtype, bool(has_A_log), bool(has_dt_bias), lower_bound)
+
+
+def intra_kernel(beta_dtype: torch.dtype, beta_activation: str) -> runtime.Kernel:
+    return INTRA, (beta_dtype, beta_activation)
+
+
+def wu_kernel(beta_dtype: torch.dtype, beta_activation: str) -> runtime.Kernel:
+    return WU, (beta_dtype, beta_activation)
+
+
+def intra_wu_kernel(beta_dtype: torch.dtype, beta_activation: str) -> runtime.Kernel:
+    return INTRA_WU, (beta_dtype, beta_activation)
+
+
+def intra_wu_gate_kernel(gate: str, g_dtype, a_dtype, b_dtype, has_A_log: bool, has_dt_bias: bool, lower_bound,
+                         beta_dtype: torch.dtype, beta_activation: str, qg_out: bool = False) -> runtime.Kernel:
+    return INTRA_WU_GATE, (gate, g_dtype, a_dtype, b_dtype, bool(has_A_log), bool(has_dt_bias), lower_bound,
+                           beta_dtype, beta_activation, bool(qg_out))
+
+
+def delta_h_kernel(has_initial_state: bool, output_final_state: bool, cluster: bool = True) -> runtime.Kernel:
+    return DELTA_H, (bool(has_initial_state), bool(output_final_state), bool(cluster))
+
+
+def fwd_o_kernel(qg_in: bool = False) -> runtime.Kernel:
+    return FWD_O, (bool(qg_in),)
+
+
+def _build_l2norm(config):
     from cula_sm100.forward.l2norm import L2Norm
 
-    return _compile(L2Norm(), l2norm_dtypes(dtype), 1)
+    (dtype,) = config
+    return L2Norm(), runtime.fake_args(l2norm_dtypes(dtype), 1)
 
 
-@functools.cache
-def gate_kernel(gate: str, g_dtype, a_dtype, b_dtype, has_A_log: bool, has_dt_bias: bool, lower_bound):
+def _build_gate(config):
     from cula_sm100.forward.gate_cumsum import GateCumsum
 
-    return _compile(GateCumsum(gate, has_A_log, has_dt_bias, lower_bound), gate_dtypes(g_dtype, a_dtype, b_dtype),
-                    1, 1, 1)
+    gate, g_dtype, a_dtype, b_dtype, has_A_log, has_dt_bias, lower_bound = config
+    return (GateCumsum(gate, has_A_log, has_dt_bias, lower_bound),
+            runtime.fake_args(gate_dtypes(g_dtype, a_dtype, b_dtype), 1, 1, 1))
 
 
-@functools.cache
-def intra_kernel(beta_dtype: torch.dtype, beta_activation: str):
+def _build_intra(config):
     from cula_sm100.forward.chunk_intra import ChunkIntra
 
-    return _compile(ChunkIntra(beta_activation), intra_dtypes(beta_dtype), 1, 1, 1, 1, 1.0)
+    beta_dtype, beta_activation = config
+    return ChunkIntra(beta_activation), runtime.fake_args(intra_dtypes(beta_dtype), 1, 1, 1, 1, 1.0)
 
 
-@functools.cache
-def wu_kernel(beta_dtype: torch.dtype, beta_activation: str):
+def _build_wu(config):
     from cula_sm100.forward.recompute_w_u import RecomputeWU
 
-    return _compile(RecomputeWU(beta_activation), wu_dtypes(beta_dtype), 1, 1, 1, 1)
+    beta_dtype, beta_activation = config
+    return RecomputeWU(beta_activation), runtime.fake_args(wu_dtypes(beta_dtype), 1, 1, 1, 1)
 
 
-@functools.cache
-def intra_wu_kernel(beta_dtype: torch.dtype, beta_activation: str):
+def _build_intra_wu(config):
     from cula_sm100.forward.chunk_intra_wu import ChunkIntraWU
 
-    return _compile(ChunkIntraWU(beta_activation), intra_wu_dtypes(beta_dtype), 1, 1, 1, 1, 1.0)
+    beta_dtype, beta_activation = config
+    return ChunkIntraWU(beta_activation), runtime.fake_args(intra_wu_dtypes(beta_dtype), 1, 1, 1, 1, 1.0)
 
 
-@functools.cache
-def intra_wu_gate_kernel(gate: str, g_dtype, a_dtype, b_dtype, has_A_log: bool, has_dt_bias: bool, lower_bound,
-                         beta_dtype: torch.dtype, beta_activation: str, qg_out: bool = False):
+def _build_intra_wu_gate(config):
     from cula_sm100.forward.chunk_intra_wu_gate import ChunkIntraWUGate
 
-    return _compile(ChunkIntraWUGate(beta_activation, gate, has_A_log, has_dt_bias, lower_bound, qg_out),
-                    intra_wu_gate_dtypes(g_dtype, a_dtype, b_dtype, beta_dtype), 1, 1, 1, 1, 1.0)
+    gate, g_dtype, a_dtype, b_dtype, has_A_log, has_dt_bias, lower_bound, beta_dtype, beta_activation, qg_out = config
+    return (ChunkIntraWUGate(beta_activation, gate, has_A_log, has_dt_bias, lower_bound, qg_out),
+            runtime.fake_args(intra_wu_gate_dtypes(g_dtype, a_dtype, b_dtype, beta_dtype), 1, 1, 1, 1, 1.0))
 
 
-@functools.cache
-def delta_h_kernel(has_initial_state: bool, output_final_state: bool, cluster: bool = True):
+def _build_delta_h(config):
     from cula_sm100.forward.chunk_delta_h import ChunkDeltaH
 
-    return _compile(ChunkDeltaH(has_initial_state, output_final_state, cluster), DELTA_H_DTYPES, 1, 1, 1, 1)
+    return ChunkDeltaH(*config), runtime.fake_args(DELTA_H_DTYPES, 1, 1, 1, 1)
 
 
-@functools.cache
-def fwd_o_kernel(qg_in: bool = False):
+def _build_fwd_o(config):
     from cula_sm100.forward.fwd_o import FwdO
 
-    return _compile(FwdO(qg_in), FWD_O_DTYPES, 1, 1, 1, 1, 1.0)
+    (qg_in,) = config
+    return FwdO(qg_in), runtime.fake_args(FWD_O_DTYPES, 1, 1, 1, 1, 1.0)
+
+
+def _sources(*modules: str) -> tuple[str, ...]:
+    """A forward kernel's source modules: its own (and the kernels it builds on), the shared helpers (with the
+    L2-norm epsilon they read from core) and this module (its build)."""
+    return (*(f"cula_sm100.forward.{m}" for m in modules), "cula_sm100.forward.cute_utils", "cula_core.reference.gates",
+            "cula_sm100.forward.launch")
+
+
+for _name, _build, _modules in (
+        (L2NORM, _build_l2norm, ("l2norm",)),
+        (GATE, _build_gate, ("gate_cumsum",)),
+        (INTRA, _build_intra, ("chunk_intra",)),
+        (WU, _build_wu, ("recompute_w_u",)),
+        (INTRA_WU, _build_intra_wu, ("chunk_intra_wu", "chunk_intra")),
+        (INTRA_WU_GATE, _build_intra_wu_gate, ("chunk_intra_wu_gate", "chunk_intra_wu", "chunk_intra", "gate_cumsum")),
+        (DELTA_H, _build_delta_h, ("chunk_delta_h",)),
+        (FWD_O, _build_fwd_o, ("fwd_o",))):
+    runtime.register(_name, _build, _sources(*_modules))
 
 
 # ------------------------------------------------------------------ tables
 
 
-@functools.lru_cache(maxsize=64)
 def host_tables(bounds: tuple[int, ...]):
     """(chunk table [NC, 2] of (first token, length), sequence table [N, 3] of (start, end, first chunk)), int32 on
     the host, for the sequences between consecutive `bounds` (sequence_bounds); chunks of BT tokens, a sequence's
     last one shorter, an empty sequence owning none."""
-    chunks, seqs = [], []
-    for b0, b1 in itertools.pairwise(bounds):
-        seqs.append((b0, b1, len(chunks)))
-        chunks.extend((t, min(BT, b1 - t)) for t in range(b0, b1, BT))
-    c = torch.tensor(chunks, dtype=torch.int32).reshape(-1, 2)
-    s = torch.tensor(seqs, dtype=torch.int32).reshape(-1, 3)
-    return c, s
+    chunks = torch.tensor(rt.chunk_table(bounds, BT), dtype=torch.int32).reshape(-1, 2)
+    seqs = torch.tensor(rt.sequence_table(bounds, BT), dtype=torch.int32).reshape(-1, 3)
+    return chunks, seqs
 
 
 _device_tables: dict = {}
@@ -213,10 +223,10 @@ _device_tables: dict = {}
 def sequence_bounds(B: int, T: int, cu_seqlens, cu_seqlens_cpu) -> tuple[int, ...]:
     """The N + 1 token offsets of a call's sequences: B rows of T tokens, or cu_seqlens (read from cu_seqlens_cpu
     when given; otherwise one device-to-host copy, as FLA's prepare_chunk_indices)."""
-    if cu_seqlens is None:
-        return tuple(b * T for b in range(B + 1))
-    src = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.cpu()
-    return tuple(int(x) for x in src.tolist())
+    bounds = rt.sequence_bounds(B, T, cu_seqlens, cu_seqlens_cpu)
+    if bounds is None:
+        bounds = rt.sequence_bounds(B, T, cu_seqlens, cu_seqlens.cpu())
+    return bounds
 
 
 def tables(B: int, T: int, cu_seqlens, cu_seqlens_cpu, device):
