@@ -1,22 +1,22 @@
-"""Host cost of cula-sm100's kernel launches: the pre-packed launches of cula_sm100.fast_launch against the DSL's own
-call path (`fast_launch.ENABLED = False`: fresh make_ptr pointers, the compiled function's `__call__`), both in one
-run on the same inputs.
+"""Host cost of cula-sm100's kernel launches through cula_core.cute_runtime (TVM-FFI functions called with integer
+addresses, the scalars and the raw stream handle).
 
     python -m tools.bench.sm100_launch [--out docs/benchmarks/sm100_launch.md]
 
 Rows: chunk_wy_dqkg alone at B=1 T=256 HV=64 and B=2 T=256 HV=32 (H = 32 q/k heads; issue 8's host-bound rows), the
 forward (`forward.launch.forward`: l2norm of q and of k, chunk_intra_wu_gate, chunk_delta_h, fwd_o) and the backward
 (`backward.launch.chunk_kda_backward` with the forward's residuals) at B=1 T=1024 H=32 HV=32 (softplus gate in the
-kernel, L2 norm). Per switch setting, per call (microseconds):
-  * host: time.perf_counter over a row's calls (200 chunk_wy_dqkg, 40 forwards, 16 backwards: few enough that
-    their launches stay under the CUDA launch queue's depth, so the host never waits for a free slot) queued behind
-    a `torch.cuda._sleep` long enough to cover them, so the GPU is busy and the figure is the host's own time to
-    issue a call (kernel launches and the torch ops between them), not the GPU's;
+kernel, L2 norm), and the launch's own host cost per kernel (`runtime.launch` of chunk_wy_dqkg: 18 pointers, 5
+scalars, the stream). Per call (microseconds):
+  * host: time.perf_counter over a row's calls (200 launches or chunk_wy_dqkg calls, 40 forwards, 16 backwards: few
+    enough that their launches stay under the CUDA launch queue's depth, so the host never waits for a free slot)
+    queued behind a `torch.cuda._sleep` long enough to cover them, so the GPU is busy and the figure is the host's
+    own time to issue a call (kernel launches and the torch ops between them), not the GPU's;
   * GPU: CUDA events around the same calls queued behind the sleep (the host ran ahead, so the GPU runs them back
     to back: the device time per call);
   * wall: the same number of calls then one synchronize, nothing queued before (what a training loop sees: about
     the larger of host and GPU time per call).
-Median over 5 repeats after 2 warm-ups. Speed-up = DSL path / fast path.
+Median over 5 repeats after 2 warm-ups.
 """
 
 from __future__ import annotations
@@ -77,8 +77,30 @@ def backward_case(shape):
     return call
 
 
+def launch_case(shape):
+    """chunk_wy_dqkg's launch alone (runtime.launch: the kernel resolved for the device's arch, the addresses
+    checked, the TVM-FFI call), without the stage function's output allocations."""
+    from cula_sm100 import runtime
+    from cula_sm100.backward import launch
+
+    x, ctab, _ = kernel_inputs(shape)
+    TT, HQK, HV = x["q"].shape[0], x["q"].shape[1], x["v"].shape[1]
+    dq, dk = (torch.empty(TT, HQK, K, device="cuda") for _ in range(2))
+    outs = (dq, dk, torch.empty_like(x["v"]), torch.empty(TT, HV, K, device="cuda"), torch.empty(TT, HV, device="cuda"),
+            torch.empty(TT, HV, 64, device="cuda"))
+    tensors = (x["q"], x["k"], x["v"], x["v_new"], x["G"], x["beta"], x["A"], x["h"], x["do"], x["dh"], x["dv"], *outs,
+               ctab)
+    scalars = (TT, ctab.shape[0], HQK, HV, K ** -0.5)
+    kernel = launch.wy_dqkg_kernel()
+
+    def call():
+        runtime.launch(kernel, launch.WY_DTYPES, tensors, scalars)
+    return call
+
+
 # (call, shape, inputs and callable, calls per timed loop)
-ROWS = [("chunk_wy_dqkg", dict(B=1, T=256, HV=64), wy_case, 200),
+ROWS = [("launch (chunk_wy_dqkg)", dict(B=1, T=256, HV=64), launch_case, 200),
+        ("chunk_wy_dqkg", dict(B=1, T=256, HV=64), wy_case, 200),
         ("chunk_wy_dqkg", dict(B=2, T=256, HV=32), wy_case, 200),
         ("forward", dict(B=1, T=1024, HV=32), forward_case, 40),
         ("backward", dict(B=1, T=1024, HV=32), backward_case, 16)]
@@ -126,7 +148,6 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None, help="write the markdown table here")
     a = ap.parse_args(argv)
-    from cula_sm100 import fast_launch
 
     env = environment("cuda")
     lines = [f"Device: {env.get('gpu', '?')} (torch {env['torch']}, cula-sm100 {env.get('cula-sm100', '?')}).",
@@ -134,26 +155,18 @@ def main(argv=None) -> int:
              "", "Microseconds per call. host: perf_counter over calls queued behind a GPU sleep (the host's own "
              "time); GPU: CUDA events over the same calls (device time); wall: a loop of calls and one synchronize. "
              "Median of 5.", "",
-             "| call | shape | host DSL | host fast | host x | GPU DSL | GPU fast | wall DSL | wall fast | wall x |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| call | shape | host | GPU | wall |",
+             "| --- | --- | ---: | ---: | ---: |"]
     print("\n".join(lines), flush=True)
     for name, shape, make, calls in ROWS:
         call = make(shape)
-        res = {}
-        for on in (False, True):
-            fast_launch.ENABLED = on
-            call()  # first call of each kernel on this path (the fast path checks it here)
-            res[on] = measure(call, calls)
-        fast_launch.ENABLED = True
-        (hs, gs, ws), (hf, gf, wf) = res[False], res[True]
-        label = f"B={shape['B']} T={shape['T']} H=32 HV={shape['HV']}"
-        row = (f"| {name} | {label} | {hs:.1f} | {hf:.1f} | {hs / hf:.2f}x | {gs:.1f} | {gf:.1f} | {ws:.1f} | "
-               f"{wf:.1f} | {ws / wf:.2f}x |")
+        call()  # loads (or compiles) the kernels outside the timed loops
+        host, gpu, wall = measure(call, calls)
+        row = f"| {name} | B={shape['B']} T={shape['T']} H=32 HV={shape['HV']} | {host:.1f} | {gpu:.1f} | {wall:.1f} |"
         lines.append(row)
         print(row, flush=True)
     if a.out is not None:
-        a.out.write_text("# sm100 kernel launches: pre-packed (fast_launch) vs the DSL call path\n\n"
-                         + "\n".join(lines) + "\n")
+        a.out.write_text("# sm100 kernel launches through cula_core.cute_runtime\n\n" + "\n".join(lines) + "\n")
     return 0
 
 
