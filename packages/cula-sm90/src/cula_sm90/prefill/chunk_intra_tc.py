@@ -5,10 +5,13 @@ fp32 for stage 2). It serves the safe gate with lower_bound >= forward.TC_LOWER_
 log decay lies in (lower_bound, 0), so a 16-token block spans at most 8 |lower_bound| (<= 64) on either side of
 its middle token. The other gates (softplus, precomputed: unbounded decays) stay on `chunk_intra.py`.
 
-One CTA (128 threads, 4 warps) per (chunk of 64 tokens, q/k head); it loops over the G = HV / HQK value heads of
-the group (q and k read, L2-normalised in place as bf16, as FLA's l2norm output, once per group). Per value head:
+One CTA (256 threads, 8 warps) per (chunk of 64 tokens, value head): grid x = NC * G chunk-major, so the G value
+heads of a q/k head's group run in adjacent CTAs and re-read q, k from L2 (q, k are L2-normalised in place as bf16,
+as FLA's l2norm output). One head per CTA keeps the kernel loop-free: a loop over the group would hold every
+swizzled shared-memory address live across it. Per CTA:
 
-    G      chunk-local cumulative log gate in fp32 (thread d scans column d)
+    G      chunk-local cumulative log gate in fp32 (threads d and 128 + d scan rows 0-31 and 32-63 of column d;
+           the second half then adds the first half's total)
     scores per row block p (16 rows), reference r = 16 p + 8 (the block's middle token):
            Aqk[i, j] = scale (q_i e^(G_i - G_r)) . (k_j e^(G_r - G_j))     (j <= i)
            L[i, j]   = beta_i (k_i e^(G_i - G_r)) . (k_j e^(G_r - G_j))    (j < i)
@@ -16,16 +19,17 @@ the group (q and k read, L2-normalised in place as bf16, as FLA's l2norm output,
            at most e^(8 |lower_bound|) (no overflow), each product keeps bf16's relative precision (the
            factorisation is exact per term: no cancellation), masked entries are selected away, never multiplied.
            Decays are differences of cumulative log gates; nothing divides by a decay.
-    Akk    (I + L)^-1 in fp32 FFMA, blocked by 16 and in place of L: the four diagonal blocks by substitution (one
-           warp each), then row block by row block X_bc = -X_bb sum_m L_bm X_mc (warp c: column block c)
+           warp (which, c) = (warp // 4, warp % 4) computes column block c <= p of Aqk (which 0) or L (which 1)
+    Akk    (I + L)^-1 in fp32 FFMA, blocked by 16 and in place of L: the four diagonal blocks by substitution (warps
+           0-3, one each), then row block by row block X_bc = -X_bb sum_m L_bm X_mc (warps c and c + 4: 8 rows each)
     w, u   (Akk diag(beta)) @ [k e^G | v] on tensor cores (Akk diag(beta) in bf16, as FLA's solve_tril output;
-           4 warps along M, one accumulator at a time)
+           8 warps, 4 along M x 2 along N, one accumulator at a time)
     qg = scale q e^G, kg = k e^(G_last - G), gl = G_last
 
 Pipeline and memory: q, k (and a bf16 g) by 16-byte cp.async in one round trip, v by cp.async while the inverse
 runs; qg, kg, w, u out with 16-byte stores (w, u staged through shared memory), Aqk from the accumulators.
-Shared memory 104.5 KiB, 164 registers (two CTAs per SM): q, k bf16 tiles (32 KiB), G fp32 (32 KiB; then the w /
-u staging), a 24 KiB region R (g; the score operands; v and Akk), the L tile (fp32, 16.25 KiB; the inverse in
+Shared memory 104.5 KiB: q, k bf16 tiles (32 KiB), G fp32 (32 KiB; then the w / u
+staging), a 24 KiB region R (g; the score operands; v and Akk), the L tile (fp32, 16.25 KiB; the inverse in
 place, then k e^G). Assumes contiguous, 16-byte aligned q/k/v/g (forward.py copies a misaligned view), K = V =
 128, chunks starting at every sequence start (varlen through cu_seqlens and the chunk offsets: a binary search,
 no host synchronisation); a chunk index past the last chunk exits.
@@ -44,6 +48,9 @@ BT = 64
 DK = 128
 BC = 16
 LPAD = BT + 1  # fp32 row stride of L: the inverse reads one L element per row across a warp's rows
+THREADS = 256
+SCAN_ROWS = BT // (THREADS // DK)  # rows of G's column each scanning thread sums
+INV_ROWS = BC // 4  # rows of an off-diagonal inverse block per thread (2 warps x 2 half-warps per block)
 
 
 def vec_copy(dtype, threads: int, cols: int):
@@ -59,7 +66,8 @@ class ChunkIntraTCKernel(common.Stage1Launch):
     """Compile-time configuration (common.Stage1Launch): beta activation, L2 norm, which gate parameters exist;
     the gate is `safe`."""
 
-    threads = 128
+    threads = THREADS
+    cta_per_value_head = True
     g_smem = True  # g is bf16: loaded by cp.async (forward.py sets it from g's dtype)
 
     @cute.kernel
@@ -68,14 +76,16 @@ class ChunkIntraTCKernel(common.Stage1Launch):
                u: cute.Tensor, qg: cute.Tensor, kg: cute.Tensor, aqk: cute.Tensor, gl: cute.Tensor,
                N: Int32, search_steps: Int32, G: Int32, scale: Float32, lower_bound: Float32):
         tid, _, _ = cute.arch.thread_idx()
-        chunk, h, _ = cute.arch.block_idx()
+        chunk_j, h, _ = cute.arch.block_idx()
+        chunk = chunk_j // G
+        hv = h * G + (chunk_j - chunk * G)
 
         smem = cutlass.memory.SmemAllocator()
         sQ = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK), 128)
         sK = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK), 128)
         sG = smem.allocate_tensor(Float32, cute.make_layout((BT, DK), stride=(DK, 1)), 128)
-        # the 24 KiB region R, in turn: the score operands (96 rows: q_r, k_r, then the column operand); v (first
-        # 16 KiB, cp.async during the inverse) and Akk diag(beta) (bf16, last 8 KiB)
+        # the 24 KiB region R, in turn: g (bf16); the score operands (96 rows: q_r, k_r, then the column operand);
+        # v (first 16 KiB, cp.async during the inverse) and Akk diag(beta) (bf16, last 8 KiB)
         r_raw = smem.allocate(6 * BC * DK * 2, 128)
         r_bf = cute.recast_ptr(r_raw, dtype=BFloat16)
         sOp = cute.make_tensor(r_bf, tc.bf16_tile(6 * BC, DK))
@@ -92,17 +102,16 @@ class ChunkIntraTCKernel(common.Stage1Launch):
             cp = tc.g2s_copy(DK, self.threads)
             tc.copy_rows(cp, tc.rows_at(q, t0, h, 0, BT, DK), sQ, L, tid)
             tc.copy_rows(cp, tc.rows_at(k, t0, h, 0, BT, DK), sK, L, tid)
-            if const_expr(self.g_smem):  # the first head's g in the same round trip
-                tc.copy_rows(cp, tc.rows_at(g, t0, h * G, 0, BT, DK), sV, L, tid)
+            if const_expr(self.g_smem):  # g in the same round trip
+                tc.copy_rows(cp, tc.rows_at(g, t0, hv, 0, BT, DK), sV, L, tid)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
             if const_expr(self.l2norm):
                 self.l2norm_rows(sQ, tid)
                 self.l2norm_rows(sK, tid)
-            for j in cutlass.range(G, unroll=1):
-                self.head(h * G + j, j, chunk, t0, L, sQ, sK, sG, sOp, sV, sAk, sL, sKe, sB, v, g, beta,
-                          alog, dtb, w, u, qg, kg, aqk, gl, scale, lower_bound, tid)
+            self.head(hv, chunk, t0, L, sQ, sK, sG, sOp, sV, sAk, sL, sKe, sB, v, g, beta, alog, dtb, w, u, qg,
+                      kg, aqk, gl, scale, lower_bound, tid)
 
     @cute.jit
     def l2norm_rows(self, s: cute.Tensor, tid):
@@ -127,20 +136,14 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         cute.arch.sync_threads()
 
     @cute.jit
-    def head(self, hv: Int32, j: Int32, chunk: Int32, t0: Int32, L: Int32, sQ, sK, sG, sOp, sV, sAk, sL, sKe, sB, v, g, beta, alog, dtb, w, u, qg, kg, aqk, gl, scale: Float32, lower_bound: Float32, tid):
+    def head(self, hv: Int32, chunk: Int32, t0: Int32, L: Int32, sQ, sK, sG, sOp, sV, sAk, sL, sKe, sB, v, g, beta, alog, dtb, w, u, qg, kg, aqk, gl, scale: Float32, lower_bound: Float32, tid):
         warp = tid // 32
         lane = tid % 32
-        cute.arch.sync_threads()  # the previous head is done with every buffer
-        # ---- the log gate and its chunk-local cumulative sum: thread d owns column d; rows past the end add
-        # nothing (identity transitions). bf16 g comes by cp.async into R (the first head's with q and k), fp32 g
-        # by loads coalesced across the warp, 16 in flight
-        if const_expr(self.g_smem):
-            if j > 0:
-                tc.copy_rows(tc.g2s_copy(DK, self.threads), tc.rows_at(g, t0, hv, 0, BT, DK), sV, L, tid)
-                cute.arch.cp_async_commit_group()
-                cute.arch.cp_async_wait_group(0)
-                cute.arch.sync_threads()
-        d = tid
+        # ---- the log gate and its chunk-local cumulative sum: thread (half, d) scans rows [32 half, 32 half + 32)
+        # of column d, the second half then adds the first half's total; rows past the end add nothing (identity
+        # transitions). bf16 g came by cp.async into R with q and k, fp32 g by loads coalesced across the warp
+        d = tid % DK
+        half = tid // DK
         a_rate = Float32(1.0)
         if const_expr(self.has_a_log):
             a_rate = cute.math.exp(alog[hv].to(Float32), fastmath=True)
@@ -148,28 +151,39 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         if const_expr(self.has_dt_bias):
             bias = dtb[hv, d].to(Float32)
         acc = Float32(0.0)
-        for mb in cutlass.range(BT // 16, unroll=1):
+        part = cute.make_rmem_tensor(cute.make_layout(SCAN_ROWS), Float32)
+        for mb in cutlass.range_constexpr(SCAN_ROWS // 16):
             gv = cute.make_rmem_tensor(cute.make_layout(16), Float32)
             for mm in cutlass.range_constexpr(16):
+                row = half * SCAN_ROWS + mb * 16 + mm
                 x = Float32(0.0)
                 if const_expr(self.g_smem):
-                    x = sV[mb * 16 + mm, d].to(Float32)  # zero-filled past the end
-                elif mb * 16 + mm < L:
-                    x = g[t0 + mb * 16 + mm, hv, d].to(Float32)
+                    x = sV[row, d].to(Float32)  # zero-filled past the end
+                elif row < L:
+                    x = g[t0 + row, hv, d].to(Float32)
                 gv[mm] = x
             for mm in cutlass.range_constexpr(16):
-                if mb * 16 + mm < L:
+                if half * SCAN_ROWS + mb * 16 + mm < L:
                     y = a_rate * (gv[mm] + bias)
                     acc += lower_bound / (1.0 + cute.math.exp(-y, fastmath=True))
-                sG[mb * 16 + mm, d] = acc
+                part[mb * 16 + mm] = acc
+        if half == 0:
+            for mm in cutlass.range_constexpr(SCAN_ROWS):
+                sG[mm, d] = part[mm]
         if tid < BT:
             b = Float32(0.0)
             if tid < L:
                 b = common.activate_beta(beta[t0 + tid, hv].to(Float32), self.beta_activation)
             sB[tid] = b
         cute.arch.sync_threads()
+        if half == 1:
+            base = sG[SCAN_ROWS - 1, d]
+            for mm in cutlass.range_constexpr(SCAN_ROWS):
+                sG[SCAN_ROWS + mm, d] = base + part[mm]
+        cute.arch.sync_threads()
 
-        # ---- scores, one 16-row block p at a time (operands built by all threads, GEMMs by warps w <= p)
+        # ---- scores, one 16-row block p at a time: operands built by all threads; then warp (which, c), c = warp
+        # % 4, which = warp // 4, computes column block c <= p of Aqk (which 0) or of L (which 1)
         vb = vec_copy(BFloat16, self.threads, DK)
         vf = vec_copy(Float32, self.threads, DK)
         tb = vb.get_slice(tid)
@@ -187,50 +201,56 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         mma1 = tc.tiled_mma_m(1)
         thr1 = mma1.get_slice(lane)
         cC = thr1.partition_C(cute.make_identity_tensor((BC, BC)))
+        which = warp // 4
+        cb = warp % 4
+        ppb = BC // (self.threads // (DK // 8))  # vector passes per 16-row block
         for p in cutlass.range_constexpr(BT // BC):
             rref = p * BC + 8
             for e in cutlass.range_constexpr(8):
                 gr[e] = sG[rref, c0 + e]
-            # operand rows (8 per pass): 0-15 q e^(G - G_r) of block p, 16-31 k e^(G - G_r), then k_j e^(G_r - G_j)
-            for m in cutlass.range_constexpr(2 * (p + 3)):
+            # operand row blocks: 0 q e^(G - G_r) of block p, 1 k e^(G - G_r) of block p, 2 + c k_j e^(G_r - G_j)
+            # of block c <= p
+            for m in cutlass.range_constexpr((p + 3) * ppb):
+                blk = m // ppb
                 src = pQ
-                sm = 2 * p + m
-                if const_expr(m >= 2):
+                sm = p * ppb + m % ppb
+                if const_expr(blk >= 1):
                     src = pK
-                if const_expr(m >= 2 and m < 4):
-                    sm = 2 * p + m - 2
-                if const_expr(m >= 4):
-                    sm = m - 4
+                if const_expr(blk >= 2):
+                    sm = (blk - 2) * ppb + m % ppb
                 cute.copy(vb, src[None, sm, None], fx)
                 cute.copy(vf, pG[None, sm, None], fg)
                 for e in cutlass.range_constexpr(8):
                     ex = fg[e] - gr[e]
-                    if const_expr(m >= 4):
+                    if const_expr(blk >= 2):
                         ex = gr[e] - fg[e]
                     fo[e] = (fx[e].to(Float32) * cute.math.exp(ex, fastmath=True)).to(BFloat16)
                 cute.copy(vb, fo, pOp[None, m, None])
             cute.arch.sync_threads()
-            acc_a = cute.make_rmem_tensor(thr1.partition_shape_C((BC, BC)), Float32)
-            acc_l = cute.make_rmem_tensor(thr1.partition_shape_C((BC, BC)), Float32)
-            acc_a.fill(0.0)
-            acc_l.fill(0.0)
-            if warp <= p:
-                sKc = cute.local_tile(sOp, (BC, DK), (2 + warp, 0))
-                tc.gemm(mma1, acc_a, cute.local_tile(sOp, (BC, DK), (0, 0)), sKc, lane, False, False)
-                tc.gemm(mma1, acc_l, cute.local_tile(sOp, (BC, DK), (1, 0)), sKc, lane, False, False)
-            for e in cutlass.range_constexpr(cute.size(acc_a)):
-                i, jj = cC[e]
-                row = p * BC + i
-                col = warp * BC + jj
-                a = Float32(0.0)
-                if col <= row:
-                    a = acc_a[e] * scale
-                lv = Float32(0.0)
-                if col < row:
-                    lv = acc_l[e] * sB[row]
-                sL[row, col] = lv
-                if row < L:
-                    aqk[t0 + row, hv, col] = a.to(aqk.element_type)
+            acc_s = cute.make_rmem_tensor(thr1.partition_shape_C((BC, BC)), Float32)
+            acc_s.fill(0.0)
+            if cb <= p:
+                tc.gemm(mma1, acc_s, cute.local_tile(sOp, (BC, DK), (which, 0)),
+                        cute.local_tile(sOp, (BC, DK), (2 + cb, 0)), lane, False, False)
+            if which == 0:
+                for e in cutlass.range_constexpr(cute.size(acc_s)):
+                    i, jj = cC[e]
+                    row = p * BC + i
+                    col = cb * BC + jj
+                    a = Float32(0.0)
+                    if col <= row:
+                        a = acc_s[e] * scale
+                    if row < L:
+                        aqk[t0 + row, hv, col] = a.to(aqk.element_type)
+            else:
+                for e in cutlass.range_constexpr(cute.size(acc_s)):
+                    i, jj = cC[e]
+                    row = p * BC + i
+                    col = cb * BC + jj
+                    lv = Float32(0.0)
+                    if col < row:
+                        lv = acc_s[e] * sB[row]
+                    sL[row, col] = lv
             cute.arch.sync_threads()  # the operands are read: the next block may overwrite them
 
         # ---- v in flight (cp.async into R: the operands are dead) while the inverse runs
@@ -269,29 +289,30 @@ class ChunkIntraTCKernel(common.Stage1Launch):
                 fo[e] = (fk[e].to(Float32) * cute.math.exp(glast[e] - fg[e], fastmath=True)).to(BFloat16)
             if row < L:
                 cute.copy(vb, fo, gk[None, m, None])
-        gl[chunk, hv, tid] = sG[BT - 1, tid]
+        if tid < DK:
+            gl[chunk, hv, tid] = sG[BT - 1, tid]
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
 
-        # ---- w = Akk diag(beta) @ (k e^G), u = Akk diag(beta) @ v (4 warps along M), one accumulator in turn,
-        # staged as bf16 in G's space (G is dead), then out in 16-byte vectors
-        mma4 = tc.tiled_mma_m(4)
-        thr4 = mma4.get_slice(tid)
+        # ---- w = Akk diag(beta) @ (k e^G), u = Akk diag(beta) @ v (8 warps: 4 along M x 2 along N), one
+        # accumulator in turn, staged as bf16 in G's space (G is dead), then out in 16-byte vectors
+        mma8 = tc.tiled_mma_mn(4, 2)
+        thr8 = mma8.get_slice(tid)
         g_bf = cute.recast_ptr(sG.iterator, dtype=BFloat16)
         sWo = cute.make_tensor(g_bf, tc.bf16_tile(BT, DK))
         sUo = cute.make_tensor(g_bf + BT * DK, tc.bf16_tile(BT, DK))
-        acc = cute.make_rmem_tensor(thr4.partition_shape_C((BT, DK)), Float32)
-        for which in cutlass.range_constexpr(2):
+        acc_o = cute.make_rmem_tensor(thr8.partition_shape_C((BT, DK)), Float32)
+        for out in cutlass.range_constexpr(2):
             rhs = sKe
             dst = sWo
-            if const_expr(which == 1):
+            if const_expr(out == 1):
                 rhs = sV
                 dst = sUo
-            acc.fill(0.0)
-            tc.gemm(mma4, acc, sAk, tc.t_view(rhs, BT, DK), tid, False, True)
-            pd = thr4.partition_C(dst)
-            for e in cutlass.range_constexpr(cute.size(acc)):
-                pd[e] = acc[e].to(BFloat16)
+            acc_o.fill(0.0)
+            tc.gemm(mma8, acc_o, sAk, tc.t_view(rhs, BT, DK), tid, False, True)
+            pd = thr8.partition_C(dst)
+            for e in cutlass.range_constexpr(cute.size(acc_o)):
+                pd[e] = acc_o[e].to(BFloat16)
         cute.arch.sync_threads()
         pw_s = tb.partition_S(sWo)
         pu_s = tb.partition_S(sUo)
@@ -307,50 +328,56 @@ class ChunkIntraTCKernel(common.Stage1Launch):
     @cute.jit
     def inverse(self, sL, warp, lane):
         """X = (I + L)^-1 in place of L (L strictly lower, fp32; its upper blocks are already 0), blocked by 16.
-        Warp b inverts the diagonal block b by substitution (lane j: column j). Then, row block by row block
-        (b = 1..3), warp c < b computes X_bc = -X_bb T, T = sum_{c <= m < b} L_bm X_mc: T in registers, a barrier
-        (every warp has read L's row block b), T staged in X_bc's place, the product with X_bb, X_bc written."""
-        b0 = warp * BC
+        Warp b < 4 inverts the diagonal block b by substitution (lane j: column j). Then, row block by row block
+        (b = 1..3), warps c and c + 4 (c < b) compute X_bc = -X_bb T, T = sum_{c <= m < b} L_bm X_mc, each for 8
+        of its rows (lane: 4 rows of column j): T in registers, a barrier (every warp has read L's row block b),
+        T staged in X_bc's place, a barrier, the product with X_bb, a barrier (T is read), X_bc written, a barrier
+        (the next row block reads it)."""
+        b0 = (warp % 4) * BC
         j = lane % BC
-        x = cute.make_rmem_tensor(cute.make_layout(BC), Float32)
-        for i in cutlass.range_constexpr(BC):
-            acc = Float32(0.0)
-            for m in cutlass.range_constexpr(i):
-                acc += sL[b0 + i, b0 + m] * x[m]
-            xi = -acc
-            if i == j:
-                xi = Float32(1.0)
-            if i < j:
-                xi = Float32(0.0)
-            x[i] = xi
-            cute.arch.sync_warp()  # every lane has read row i of L before it becomes row i of X
-            if lane < BC:
-                sL[b0 + i, b0 + j] = xi
+        if warp < 4:
+            x = cute.make_rmem_tensor(cute.make_layout(BC), Float32)
+            for i in cutlass.range_constexpr(BC):
+                acc = Float32(0.0)
+                for m in cutlass.range_constexpr(i):
+                    acc += sL[b0 + i, b0 + m] * x[m]
+                xi = -acc
+                if i == j:
+                    xi = Float32(1.0)
+                if i < j:
+                    xi = Float32(0.0)
+                x[i] = xi
+                cute.arch.sync_warp()  # every lane has read row i of L before it becomes row i of X
+                if lane < BC:
+                    sL[b0 + i, b0 + j] = xi
         cute.arch.sync_threads()
-        half = lane // BC
+        rsub = (warp // 4) * 8 + (lane // BC) * INV_ROWS
         col = b0 + j
-        t = cute.make_rmem_tensor(cute.make_layout(8), Float32)
+        t = cute.make_rmem_tensor(cute.make_layout(INV_ROWS), Float32)
         for bb in cutlass.range_constexpr(1, BT // BC):
-            r0 = bb * BC + half * 8
-            for r in cutlass.range_constexpr(8):
+            r0 = bb * BC + rsub
+            active = b0 < bb * BC
+            for r in cutlass.range_constexpr(INV_ROWS):
                 t[r] = Float32(0.0)
-            if warp < bb:
+            if active:
                 for m in cutlass.range(b0, bb * BC, unroll=4):
                     xm = sL[m, col]
-                    for r in cutlass.range_constexpr(8):
+                    for r in cutlass.range_constexpr(INV_ROWS):
                         t[r] += sL[r0 + r, m] * xm
             cute.arch.sync_threads()
-            if warp < bb:
-                for r in cutlass.range_constexpr(8):
+            if active:
+                for r in cutlass.range_constexpr(INV_ROWS):
                     sL[r0 + r, col] = t[r]
-                cute.arch.sync_warp()
-                for r in cutlass.range_constexpr(8):
+            cute.arch.sync_threads()
+            if active:
+                for r in cutlass.range_constexpr(INV_ROWS):
                     t[r] = Float32(0.0)
                 for m in cutlass.range_constexpr(BC):
                     tm = sL[bb * BC + m, col]
-                    for r in cutlass.range_constexpr(8):
+                    for r in cutlass.range_constexpr(INV_ROWS):
                         t[r] += sL[r0 + r, bb * BC + m] * tm
-                cute.arch.sync_warp()
-                for r in cutlass.range_constexpr(8):
+            cute.arch.sync_threads()
+            if active:
+                for r in cutlass.range_constexpr(INV_ROWS):
                     sL[r0 + r, col] = -t[r]
-        cute.arch.sync_threads()
+            cute.arch.sync_threads()

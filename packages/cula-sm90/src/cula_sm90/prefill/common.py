@@ -14,9 +14,11 @@ class Stage1Launch:
     """The host entry both stage-1 kernels share (chunk_intra.py, chunk_intra_tc.py): the tensors from pointers
     (q, k [TT, HQK, K]; v, g and the outputs w, u, qg, kg [TT, HV, K]; beta [TT, HV]; A_log [HV]; dt_bias
     [HV, K]; cu_seqlens and chunk offsets [N + 1]; Aqk [TT, HV, BT]; gl [NC, HV, K]) and one CTA of
-    `self.threads` per (chunk, q/k head)."""
+    `self.threads` per (chunk, q/k head), or, with `cta_per_value_head`, per (chunk, value head): grid x = NC * G,
+    chunk-major, so the G CTAs of one chunk and q/k head are adjacent (and read q, k while they are in L2)."""
 
     threads = 128
+    cta_per_value_head = False
 
     def __init__(self, gate: str, beta_activation: str, l2norm: bool, has_a_log: bool, has_dt_bias: bool):
         self.gate = gate
@@ -33,6 +35,9 @@ class Stage1Launch:
                  TT: Int32, N: Int32, NC: Int32, search_steps: Int32, HQK: Int32, G: Int32,
                  scale: Float32, lower_bound: Float32, stream):
         HV = HQK * G
+        ctas_x = NC
+        if const_expr(self.cta_per_value_head):
+            ctas_x = NC * G
         qk = cute.make_layout((TT, HQK, DK), stride=(HQK * DK, DK, 1))
         tok = cute.make_layout((TT, HV, DK), stride=(HV * DK, DK, 1))
         self.kernel(cute.make_tensor(q_ptr, qk), cute.make_tensor(k_ptr, qk), cute.make_tensor(v_ptr, tok),
@@ -44,8 +49,9 @@ class Stage1Launch:
                     cute.make_tensor(kg_ptr, tok),
                     cute.make_tensor(aqk_ptr, cute.make_layout((TT, HV, BT), stride=(HV * BT, BT, 1))),
                     cute.make_tensor(gl_ptr, cute.make_layout((NC, HV, DK), stride=(HV * DK, DK, 1))),
-                    N, search_steps, G, scale, lower_bound).launch(grid=[NC, HQK, 1], block=[self.threads, 1, 1],
-                                                                   stream=stream)
+                    N, search_steps, G, scale, lower_bound).launch(
+                        grid=[ctas_x, HQK, 1],
+                        block=[self.threads, 1, 1], stream=stream)
 
 
 @cute.jit
