@@ -18,7 +18,7 @@ import threading
 import warnings
 from dataclasses import dataclass
 
-from cula_core import registry
+from cula_core import plans, registry
 from cula_core.backend import Backend, CallConfig, DeviceInfo
 from cula_core.reference_backend import REFERENCE, REFERENCE_BACKEND
 
@@ -137,9 +137,11 @@ def select(call: CallConfig) -> Backend:
 
 
 def reset_fallback_warnings() -> None:
-    """Forget which fallback warnings were issued, so each is issued again once."""
+    """Forget which fallback warnings were issued, so each is issued again once (and the plans of the calls that
+    issued them: cula_core.plans)."""
     with _warned_lock:
         _warned.clear()
+    plans.forget()
 
 
 def kernel_backend_for(call: CallConfig) -> tuple[Backend | None, str | None]:

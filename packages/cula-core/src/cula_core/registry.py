@@ -13,6 +13,7 @@ import traceback
 from dataclasses import dataclass
 from importlib import metadata
 
+from cula_core import plans
 from cula_core.backend import Backend
 
 ENTRY_POINT_GROUP = "cula.backends"
@@ -101,7 +102,8 @@ def failed() -> list[BackendEntry]:
 
 def reload() -> None:
     """Forget what was discovered: the next use scans the entry points again (after installing or
-    removing an arch package in a running process, and in tests)."""
+    removing an arch package in a running process, and in tests), and the plans made with the old backends."""
     global _entries
     with _lock:
         _entries = None
+    plans.forget()

@@ -12,10 +12,13 @@ gate when ``lower_bound`` is set). Carried by the torch custom ops ``cula::kda_d
 from __future__ import annotations
 
 
+import functools
+
 import torch
 from torch import Tensor
 
-from cula_core.ops._common import absent_like, call_op, make_call, run
+from cula_core import plans
+from cula_core.ops._common import absent_like, call_op, make_call, run, select
 from cula_core.validation import validate_decode
 
 
@@ -49,6 +52,33 @@ def decode_call_sizes(q: Tensor, v: Tensor, state_pool: Tensor, state_v_first: b
     """make_call's sizes and pool options (`pool_options`) for the decode family."""
     return dict(dtype=q.dtype, K=q.shape[3], V=v.shape[3], HQK=q.shape[2], HV=v.shape[2], T=q.shape[1],
                 **pool_options(state_pool, state_v_first, null_slot))
+
+
+def decode_plan(op: str, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale, lower_bound,
+                use_qk_l2norm_in_kernel, state_v_first, null_slot, **options):
+    """The plan (cula_core.plans) of a decode-family call on contiguous CUDA tensors: validate, choose the backend
+    and bind its kernel to the call's flags. The plan takes (q, k, v, g, beta, state_pool, cache_idx, A_log,
+    dt_bias) and returns what the kernel returns."""
+    _shapes, _tensors, _params, scale = validate_decode_call(
+        q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale, lower_bound,
+        single_token=op == "kda_decode", state_v_first=state_v_first, null_slot=null_slot)
+    lower_bound = None if lower_bound is None else float(lower_bound)
+    l2norm = bool(use_qk_l2norm_in_kernel)
+    call = make_call(op, q.device, gate="safe" if lower_bound is not None else "softplus", lower_bound=lower_bound,
+                     use_qk_l2norm_in_kernel=l2norm, **options,
+                     **decode_call_sizes(q, v, state_pool, state_v_first, null_slot))
+    kernel = select(call, {"state_pool": state_pool, "v": v}).kernel(op)
+    return functools.partial(kernel, scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=l2norm,
+                             **options, **pool_kwargs(state_v_first, null_slot))
+
+
+def planned_decode(op: str, tensors: tuple, flags: tuple, **options):
+    """The plan of a decode-family call (`tensors` in the plan's argument order, `flags` = (scale, lower_bound,
+    use_qk_l2norm_in_kernel, state_v_first, null_slot)), or None when the call takes the full path."""
+    key = plans.signature(op, tensors, flags + tuple(options.values()))
+    if key is None:
+        return None
+    return plans.lookup(key) or plans.remember(key, decode_plan(op, *tensors, *flags, **options))
 
 
 def _kda_decode(
@@ -144,6 +174,13 @@ def kda_decode(
     Returns:
         o: ``[N, 1, HV, V]`` in v's dtype.
     """
+    tensors = (q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias)
+    plan = planned_decode("kda_decode", tensors, (scale, lower_bound, use_qk_l2norm_in_kernel, state_v_first,
+                                                  null_slot))
+    if plan is not None:
+        o = plan(*tensors)
+        torch.autograd.graph.increment_version(state_pool)
+        return o
     _shapes, tensors, params, scale = validate_decode_call(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
                                                           scale, lower_bound, single_token=True,
                                                           state_v_first=state_v_first, null_slot=null_slot)
@@ -184,6 +221,13 @@ def kda_decode_mtp(
         ``(o, per_token_states)``: o ``[N, T, HV, V]`` in v's dtype; per_token_states as above or None.
         Padded slots give zero outputs and zero states.
     """
+    tensors = (q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias)
+    plan = planned_decode("kda_decode_mtp", tensors, (scale, lower_bound, use_qk_l2norm_in_kernel, state_v_first,
+                                                      null_slot), output_per_token_states=bool(output_per_token_states))
+    if plan is not None:
+        o, states = plan(*tensors)
+        torch.autograd.graph.increment_version(state_pool)
+        return o, (states if output_per_token_states else None)
     _shapes, tensors, params, scale = validate_decode_call(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
                                                           scale, lower_bound, state_v_first=state_v_first,
                                                           null_slot=null_slot)

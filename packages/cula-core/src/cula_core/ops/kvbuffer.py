@@ -18,11 +18,14 @@ rounds the rebuilt state to the pool's dtype once.
 from __future__ import annotations
 
 
+import functools
+
 import torch
 from torch import Tensor
 
-from cula_core.ops._common import call_op, make_call, run
-from cula_core.ops.decode import decode_call_sizes, pool_kwargs, pool_options, validate_decode_call
+from cula_core import plans
+from cula_core.ops._common import call_op, make_call, run, select
+from cula_core.ops.decode import decode_call_sizes, planned_decode, pool_kwargs, pool_options, validate_decode_call
 from cula_core.validation import kvbuffer_dtype, kvbuffer_shape, require_disjoint, validate_kvbuffer
 
 
@@ -127,6 +130,11 @@ def kda_decode_mtp_kvbuffer(
         ``(o, kvbuffer)``: o ``[N, T, HV, V]`` in v's dtype; kvbuffer ``[N, T, HV, 2K + V]`` fp32 (fp64 beside an
         fp64 reference pool) in the layout of this module's docstring (zeros for padded slots).
     """
+    tensors = (q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias)
+    plan = planned_decode("kda_decode_mtp_kvbuffer", tensors, (scale, lower_bound, use_qk_l2norm_in_kernel,
+                                                               state_v_first, null_slot))
+    if plan is not None:
+        return plan(*tensors)
     _shapes, tensors, params, scale = validate_decode_call(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
                                                           scale, lower_bound, state_v_first=state_v_first,
                                                           null_slot=null_slot)
@@ -137,6 +145,22 @@ def kda_decode_mtp_kvbuffer(
 
 def _split_accept_len(accept_len) -> tuple[Tensor | None, int]:
     return (None, int(accept_len)) if isinstance(accept_len, int) else (accept_len, 0)
+
+
+def flush_plan(state_pool, cache_idx, kvbuffer, accept_len, accept_len_all, state_v_first, null_slot):
+    """The plan (cula_core.plans) of a `kda_flush_kvbuffer` call (accept_len: the [N] tensor or None, with
+    accept_len_all the int for every request): the backend's flush bound to the pool's layout. Takes
+    (state_pool, cache_idx, kvbuffer, accept_len)."""
+    validate_kvbuffer("kvbuffer", kvbuffer, state_pool, cache_idx,
+                      accept_len_all if accept_len is None else accept_len, state_v_first=state_v_first,
+                      null_slot=null_slot)
+    call = _flush_call("kda_flush_kvbuffer", state_pool, kvbuffer, state_v_first, null_slot)
+    kernel = select(call, {"state_pool": state_pool, "kvbuffer": kvbuffer}).kernel("kda_flush_kvbuffer")
+    return functools.partial(_run_flush, kernel, accept_len_all, pool_kwargs(state_v_first, null_slot))
+
+
+def _run_flush(kernel, accept_len_all, pool, state_pool, cache_idx, kvbuffer, accept_len):
+    kernel(state_pool, cache_idx, kvbuffer, accept_len, accept_len_all, **pool)
 
 
 def kda_flush_kvbuffer(state_pool: Tensor, cache_idx: Tensor, kvbuffer: Tensor, accept_len: Tensor | int, *,
@@ -154,6 +178,17 @@ def kda_flush_kvbuffer(state_pool: Tensor, cache_idx: Tensor, kvbuffer: Tensor, 
             run time: one compiled kernel serves every accept length).
         state_v_first, null_slot: keyword only, as in `kda_decode` (the verify step's).
     """
+    key = None
+    if isinstance(accept_len, (int, Tensor)) and not isinstance(accept_len, bool):
+        accept_tensor, accept_all = _split_accept_len(accept_len)
+        key = plans.signature("kda_flush_kvbuffer", (state_pool, cache_idx, kvbuffer, accept_tensor),
+                              (accept_all, state_v_first, null_slot))
+    if key is not None:
+        plan = plans.lookup(key) or plans.remember(key, flush_plan(state_pool, cache_idx, kvbuffer, accept_tensor,
+                                                                   accept_all, state_v_first, null_slot))
+        plan(state_pool, cache_idx, kvbuffer, accept_tensor)
+        torch.autograd.graph.increment_version(state_pool)
+        return
     validate_kvbuffer("kvbuffer", kvbuffer, state_pool, cache_idx, accept_len, state_v_first=state_v_first,
                       null_slot=null_slot)
     call_op(torch.ops.cula.kda_flush_kvbuffer, _kda_flush_kvbuffer, state_pool, cache_idx, kvbuffer.contiguous(),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from cula_core import plans
 from cula_core.fla_args import ChunkCall, resolve_chunk_call
 from cula_core.ops._common import (
     absent_like,
@@ -22,7 +23,7 @@ from cula_core.ops._common import (
     swap_state_layout,
     unaliased,
 )
-from cula_core.validation import forward_indexed_sizes
+from cula_core.validation import forward_indexed_sizes, validate_cu_seqlens
 
 
 def _prefill_call(op, q, v, cu_seqlens, *, gate, use_qk_l2norm_in_kernel, beta_activation, initial_state,
@@ -123,6 +124,38 @@ def chunk_states(call: ChunkCall, *, output_final_state: bool, use_qk_l2norm_in_
     return o, (final_state if output_final_state else None), h
 
 
+def prefill_plan(call: ChunkCall, output_final_state: bool, use_qk_l2norm_in_kernel: bool, intracard_cp: str):
+    """The plan (cula_core.plans) of a `kda_prefill` call resolved into `call`: its backend's kernel bound to the
+    flags, with the state layout handled as `_run_forward` does. The plan takes (q, k, v, g, beta, A_log, dt_bias,
+    initial_state, cu_seqlens, cu_seqlens_cpu), A_log / dt_bias 1-D, and returns (o, final_state or None)."""
+    q, k, v, g, beta, A_log, dt_bias, initial_state = call.tensors
+    flags = dict(scale=call.scale, output_final_state=output_final_state,
+                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=call.gate, lower_bound=call.lower_bound,
+                 beta_activation=call.beta_activation, intracard_cp=intracard_cp)
+    config = _prefill_call("kda_prefill", q, v, call.cu_seqlens, gate=call.gate,
+                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, beta_activation=call.beta_activation,
+                           initial_state=initial_state, output_final_state=output_final_state,
+                           state_v_first=call.state_v_first, intracard_cp=intracard_cp)
+    backend = select(config, forward_indexed_sizes(q, k, v, g, beta, initial_state, call.cu_seqlens,
+                                                   output_final_state))
+    native = native_v_first(backend, config)
+    copy_layout = call.state_v_first and not native
+    kernel = backend.kernel("kda_prefill")
+    layout = layout_kwargs(native)
+
+    def run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu):
+        with torch.no_grad():  # an inference op: no graph, whichever backend runs it
+            o, final_state = kernel(q, k, v, g, beta, A_log, dt_bias,
+                                    swap_state_layout(initial_state) if copy_layout else initial_state, cu_seqlens,
+                                    cu_seqlens_cpu, **flags, **layout)
+            if final_state is not None:
+                final_state = swap_state_layout(final_state) if copy_layout else unaliased(final_state,
+                                                                                           initial_state)
+        return o, final_state
+
+    return run
+
+
 def kda_prefill(
     q: Tensor,
     k: Tensor,
@@ -168,6 +201,25 @@ def kda_prefill(
         ``(o, final_state)``: o ``[B, T, HV, V]`` in v's dtype; final_state fp32 ``[N, HV, K, V]`` (``[N, HV, V,
         K]`` with ``state_v_first``), or None. With ``return_intermediate_states=True``: ``(o, final_state, h)``.
     """
+    key = None
+    if not (kwargs or return_intermediate_states or cp_context is not None):
+        tensors = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
+        key = plans.signature("kda_prefill", tensors, (
+            scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+            allow_neg_eigval, safe_gate, lower_bound, disable_recompute, state_v_first, cu_seqlens_cpu is None,
+            use_graph, max_num_seqs, intracard_cp))
+    if key is not None:
+        plan = plans.lookup(key)
+        if plan is not None:
+            if cu_seqlens_cpu is not None:  # host values: checked on every call
+                validate_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q.shape[0], q.shape[1])
+            if not use_gate_in_kernel:
+                A_log = dt_bias = None
+            else:  # FLA's any-shape gate parameters, as flatten_gate_params reads them
+                A_log = A_log if A_log is None or A_log.dim() == 1 else A_log.reshape(-1)
+                dt_bias = dt_bias if dt_bias is None or dt_bias.dim() == 1 else dt_bias.reshape(-1)
+            o, final_state = plan(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu)
+            return o, (final_state if output_final_state else None)
     call = resolve_chunk_call(
         "kda_prefill", q, k, v, g, beta, scale=scale, initial_state=initial_state,
         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
@@ -187,6 +239,10 @@ def kda_prefill(
     if return_intermediate_states:
         return chunk_states(call, output_final_state=bool(output_final_state),
                             use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel))
+    if key is not None:
+        plan = plans.remember(key, prefill_plan(call, bool(output_final_state), bool(use_qk_l2norm_in_kernel), cp))
+        o, final_state = plan(*call.tensors, call.cu_seqlens, call.cu_seqlens_cpu)
+        return o, (final_state if output_final_state else None)
     with torch.no_grad():
         o, final_state = torch.ops.cula.kda_prefill(
             *call.tensors, call.cu_seqlens, call.cu_seqlens_cpu, call.scale, bool(output_final_state),

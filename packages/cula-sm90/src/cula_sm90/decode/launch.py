@@ -166,8 +166,22 @@ def gate_read_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in NATIVE_GATE_DTYPES else torch.float32
 
 
-def _gate_dtype(t: torch.Tensor) -> torch.Tensor:
-    return t.to(gate_read_dtype(t.dtype))
+_recurrent_fns: dict[tuple, object] = {}
+
+
+def recurrent_function(mode, N, T, K, V, HV, qkv, gdt, bdt, has_A_log, has_dt_bias, safe, l2norm, pool, v_first):
+    """The loaded kernel that runs a batch (memoised by every argument and the dispatch hooks of configs; on a
+    family's first batch, the whole family is loaded: `_prepare_family`)."""
+    key = (mode, N, T, K, V, HV, qkv, gdt, bdt, has_A_log, has_dt_bias, safe, l2norm, pool, v_first,
+           configs.TILING_OVERRIDE, configs.VERIFY_OVERRIDE)
+    fn = _recurrent_fns.get(key)
+    if fn is None:
+        family = (mode, T, K, V, qkv, gdt, bdt, has_A_log, has_dt_bias, safe, l2norm, pool, v_first)
+        _prepare_family(family)
+        variant = configs.verify_variant(N, T, HV) if mode == configs.MODE_KVBUFFER else configs.VERIFY_RECURRENT
+        fn = _recurrent_fns[key] = rt.get(*variant_kernel(mode, variant, configs.recurrent_tiling(N, T, HV),
+                                                          *family[1:]))
+    return fn
 
 
 def run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, *, scale, lower_bound,
@@ -175,41 +189,43 @@ def run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
     """Launch the recurrent or verify kernel `mode` (configs.MODE_*) picks for this batch: (o, out) with o like v
     and out the per-token states [N, T, *pool slot] in the pool's dtype (MODE_STATES), the KVBuffer
     [N, T, HV, 2K + V] fp32 (MODE_KVBUFFER) or None (MODE_FINAL, which updates the pool in place). Arguments in
-    the decode calling convention of docs/backends.md, already validated; the pool 16-byte aligned (q, k, v and g
-    are copied where they are not)."""
+    the decode calling convention of docs/backends.md, already validated and contiguous; the pool 16-byte aligned
+    (q, k, v, g and dt_bias are copied where they are not)."""
     N, T, HQK, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    P = state_pool.shape[0]
-    dev = q.device
+    _, _, HV, V = v.shape
     o = torch.empty_like(v)
     if mode == configs.MODE_STATES:  # per-token states in the pool's layout and dtype
-        out = torch.empty((N, T, *state_pool.shape[1:]), device=dev, dtype=state_pool.dtype)
+        out = state_pool.new_empty((N, T, *state_pool.shape[1:]))
     elif mode == configs.MODE_KVBUFFER:
-        out = torch.empty((N, T, HV, 2 * K + V), device=dev, dtype=torch.float32)
+        out = v.new_empty((N, T, HV, 2 * K + V), dtype=_F32)
     else:
         out = None
     if N == 0:
         return o, out
-    q, k, v = (rt.aligned16(t) for t in (q, k, v))
-    g = rt.aligned16(_gate_dtype(g))
-    beta = _gate_dtype(beta)
-    A_log = A_log.float().contiguous() if A_log is not None else None
-    dt_bias = rt.aligned16(dt_bias.float().contiguous()) if dt_bias is not None else None
+    if q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16:
+        q, k, v = (rt.aligned16(t) for t in (q, k, v))
+    if g.dtype not in NATIVE_GATE_DTYPES:
+        g = g.float()
+    if g.data_ptr() % 16:
+        g = g.clone()
+    if beta.dtype not in NATIVE_GATE_DTYPES:
+        beta = beta.float()
+    if A_log is not None and A_log.dtype != _F32:
+        A_log = A_log.float()
+    if dt_bias is not None and (dt_bias.dtype != _F32 or dt_bias.data_ptr() % 16):
+        dt_bias = rt.aligned16(dt_bias.float())
     safe = lower_bound is not None
-    l2norm = bool(use_qk_l2norm_in_kernel)
-    family = (mode, T, K, V, q.dtype, g.dtype, beta.dtype, A_log is not None, dt_bias is not None, safe, l2norm,
-              state_pool.dtype, bool(state_v_first))
-    _prepare_family(family)
-    variant = configs.verify_variant(N, T, HV) if mode == configs.MODE_KVBUFFER else configs.VERIFY_RECURRENT
-    fn = rt.get(*variant_kernel(mode, variant, configs.recurrent_tiling(N, T, HV), *family[1:]))
+    fn = recurrent_function(mode, N, T, K, V, HV, q.dtype, g.dtype, beta.dtype, A_log is not None,
+                            dt_bias is not None, safe, bool(use_qk_l2norm_in_kernel), state_pool.dtype,
+                            bool(state_v_first))
     pool_addr = state_pool.data_ptr()
     fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
        A_log.data_ptr() if A_log is not None else pool_addr,        # never read without A_log
        dt_bias.data_ptr() if dt_bias is not None else pool_addr,    # never read without dt_bias
        pool_addr, cache_idx.data_ptr(), o.data_ptr(),
        out.data_ptr() if out is not None else pool_addr,            # never written in MODE_FINAL
-       N, HQK, HV, P, float(scale), float(lower_bound) if safe else 0.0, -1 if null_slot is None else int(null_slot),
-       rt.current_stream(dev))
+       N, HQK, HV, state_pool.shape[0], float(scale), float(lower_bound) if safe else 0.0,
+       -1 if null_slot is None else int(null_slot), rt.current_stream(o.device.index))
     return o, out
 
 

@@ -1,0 +1,90 @@
+"""Plans: what core decided for one call signature, kept for the eager calls that repeat it.
+
+A public op's host path validates its arguments, builds a `CallConfig`, asks the dispatch for a backend and binds
+the backend's kernel to the call's flags. For tensors on a CUDA device all of that is a function of the arguments'
+metadata (types, shapes, dtypes, devices, contiguity), of the scalar arguments and of the environment variables the
+dispatch reads, and of nothing else: tensor *values* are read only from host data or with
+``CULA_CHECK_DEVICE_VALUES=1`` (cula_core.validation), and such calls never use a plan. So an op does that work once
+per signature and keeps the result, a *plan* (a callable that takes the call's tensors and runs the kernel); a later
+call with the same signature runs the plan directly. Serving loops (decode steps at a fixed batch size, prefill
+chunks of a fixed token budget) and benchmarks repeat signatures; a new signature costs one full path.
+
+A call has a signature only when it is plainly eager: no torch.compile tracing, no dispatch mode (fake or
+functional tensors, make_fx), every tensor a plain `torch.Tensor` (or `Parameter`), contiguous, on a CUDA device,
+every scalar an int, float, bool, str or None. Anything else takes the op's full path every time, with its errors.
+A call whose validation raises leaves no plan behind, so a bad call raises every time it is made.
+
+What a plan depends on besides the signature is forgotten with it: `forget()` runs when the backends are reloaded
+(`cula_core.registry.reload`) and when the fallback warnings are reset (`cula_core.dispatch.reset_fallback_warnings`:
+a plan that runs the reference was made by a call that warned).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+_Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
+_SCALAR_TYPES = frozenset((int, float, bool, str, type(None)))
+#: environment variables whose values change what a call runs (cula_core.dispatch)
+DISPATCH_ENVIRONMENT = ("CULA_BACKEND", "CULA_STRICT")
+#: plans kept at most; past it the oldest half is dropped (a process that never repeats a signature)
+MAX_PLANS = 4096
+
+_plans: dict[tuple, Callable] = {}
+_lock = threading.Lock()
+
+
+def signature(op: str, tensors: tuple, scalars: tuple) -> tuple | None:
+    """The plan key of a call of `op`, or None when the call must take the full path (see the module docstring).
+
+    `tensors`: every tensor argument (None for an absent optional one); `scalars`: every other argument that
+    changes what the call does. Scalars enter the key with their types (``1``, ``1.0`` and ``True`` differ)."""
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return None
+    env = os.environ
+    if env.get("CULA_CHECK_DEVICE_VALUES", "") not in ("", "0"):
+        return None
+    for s in scalars:
+        if type(s) not in _SCALAR_TYPES:
+            return None
+    parts = [op, env.get("CULA_BACKEND"), env.get("CULA_STRICT"), scalars, tuple(map(type, scalars))]
+    for t in tensors:
+        if t is None:
+            parts.append(None)
+            continue
+        cls = type(t)
+        if (cls is not _Tensor and cls is not _Parameter) or not t.is_cuda or not t.is_contiguous():
+            return None
+        parts.append((t.shape, t.dtype, t.get_device()))
+    return tuple(parts)
+
+
+def lookup(key: tuple) -> Callable | None:
+    """The plan made for `key`, or None."""
+    return _plans.get(key)
+
+
+def remember(key: tuple, plan: Callable) -> Callable:
+    """Keep `plan` for `key` and return it."""
+    with _lock:
+        if len(_plans) >= MAX_PLANS:
+            for old in list(_plans)[: MAX_PLANS // 2]:
+                del _plans[old]
+        _plans[key] = plan
+    return plan
+
+
+def forget() -> None:
+    """Drop every plan: the next call of each signature takes the full path again."""
+    with _lock:
+        _plans.clear()
+
+
+def count() -> int:
+    """Plans held now."""
+    return len(_plans)

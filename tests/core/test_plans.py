@@ -1,0 +1,81 @@
+"""cula_core.plans on the CPU: which calls get a signature (none of these do: plans are for eager CUDA calls),
+how keys tell scalar types apart, and that reloading the backends or resetting the fallback warnings forgets
+every plan. The plans' use by the ops is checked on a GPU (test_plans_gpu.py)."""
+
+import pytest
+import torch
+
+from cula_core import dispatch, plans, registry
+
+
+def _tensors():
+    return (torch.zeros(2, 3), None, torch.ones(4, dtype=torch.int32))
+
+
+def test_no_signature_for_host_tensors():
+    assert plans.signature("kda_decode", _tensors(), (None, 1.0)) is None
+
+
+def test_no_signature_for_subclasses_and_unhashable_scalars(monkeypatch):
+    class Sub(torch.Tensor):
+        pass
+
+    sub = torch.zeros(2).as_subclass(Sub)
+    assert plans.signature("op", (sub,), ()) is None
+    # a list (or any other type) among the scalars is not keyed: the call takes the full path and its checks
+    assert plans.signature("op", (), ([1, 2],)) is None
+    assert plans.signature("op", (), (torch.tensor(1.0),)) is None
+
+
+def test_value_checks_on_the_device_disable_plans(monkeypatch):
+    monkeypatch.setenv("CULA_CHECK_DEVICE_VALUES", "1")
+    assert plans.signature("op", (), (1.0,)) is None
+    monkeypatch.setenv("CULA_CHECK_DEVICE_VALUES", "0")
+    assert plans.signature("op", (), (1.0,)) is not None
+
+
+def test_keys_tell_types_and_environment_apart(monkeypatch):
+    monkeypatch.delenv("CULA_BACKEND", raising=False)
+    monkeypatch.delenv("CULA_STRICT", raising=False)
+    one_int, one_float, true = (plans.signature("op", (), (s,)) for s in (1, 1.0, True))
+    assert len({one_int, one_float, true}) == 3  # 1 == 1.0 == True, but a bool scale must still be rejected
+    monkeypatch.setenv("CULA_BACKEND", "reference")
+    assert plans.signature("op", (), (1,)) != one_int
+    monkeypatch.delenv("CULA_BACKEND")
+    monkeypatch.setenv("CULA_STRICT", "1")
+    assert plans.signature("op", (), (1,)) != one_int
+
+
+def test_reload_and_warning_reset_forget_plans():
+    plans.remember(("test", 1), lambda: None)
+    assert plans.lookup(("test", 1)) is not None
+    registry.reload()
+    assert plans.lookup(("test", 1)) is None and plans.count() == 0
+    plans.remember(("test", 2), lambda: None)
+    dispatch.reset_fallback_warnings()
+    assert plans.lookup(("test", 2)) is None
+
+
+def test_plans_are_bounded(monkeypatch):
+    monkeypatch.setattr(plans, "MAX_PLANS", 8)
+    plans.forget()
+    for i in range(20):
+        plans.remember(("bounded", i), lambda: None)
+    assert plans.count() <= 8
+    assert plans.lookup(("bounded", 19)) is not None  # the newest survive
+    plans.forget()
+
+
+@pytest.mark.parametrize("op", ["kda_decode", "kda_prefill"])
+def test_cpu_calls_make_no_plan(op):
+    import cula
+
+    plans.forget()
+    q = torch.randn(1, 1, 2, 8)
+    if op == "kda_decode":
+        pool = torch.zeros(2, 2, 8, 8)
+        cula.kda_decode(q, q.clone(), q.clone(), q.clone(), torch.rand(1, 1, 2), pool,
+                        torch.zeros(1, dtype=torch.int32), A_log=torch.zeros(2))
+    else:
+        cula.kda_prefill(q, q.clone(), q.clone(), -torch.rand(1, 1, 2, 8), torch.rand(1, 1, 2))
+    assert plans.count() == 0

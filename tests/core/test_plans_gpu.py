@@ -1,0 +1,130 @@
+"""Plans (cula_core.plans) on a GPU: a repeated eager call runs its plan and gives bitwise the results of the full
+path (forced here by a non-contiguous view, which never gets a signature), bumps the pool's version counter, keeps
+rejecting bad scalars and bad host values, and follows CULA_BACKEND."""
+
+import pytest
+import torch
+
+import cula
+from cula_core import plans
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+K = 128
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a non-contiguous view (the last dim strided by 2): the call takes the full path."""
+    wide = torch.empty(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
+    wide[..., ::2] = t
+    return wide[..., ::2]
+
+
+def _decode_inputs(N=3, H=4, P=8):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def r(*s):
+        return torch.randn(*s, device="cuda", generator=gen)
+
+    x = dict(q=r(N, 1, H, K).bfloat16(), k=r(N, 1, H, K).bfloat16(), v=r(N, 1, H, K).bfloat16(),
+             g=r(N, 1, H, K).bfloat16(), beta=torch.rand(N, 1, H, device="cuda", generator=gen).bfloat16())
+    pool = 0.1 * r(P, H, K, K)
+    idx = torch.tensor([5, -1, 2][:N], dtype=torch.int32, device="cuda")
+    return x, pool, idx, dict(A_log=r(H), dt_bias=r(H * K), lower_bound=-5.0, use_qk_l2norm_in_kernel=True)
+
+
+def _decode(x, pool, idx, kw, q=None):
+    return cula.kda_decode(x["q"] if q is None else q, x["k"], x["v"], x["g"], x["beta"], pool, idx, **kw)
+
+
+def test_decode_plan_matches_the_full_path_bitwise():
+    plans.forget()
+    x, pool0, idx, kw = _decode_inputs()
+    pool_a, pool_b, pool_c = pool0.clone(), pool0.clone(), pool0.clone()
+    o_first = _decode(x, pool_a, idx, kw)  # makes the plan
+    made = plans.count()
+    assert made == 1
+    o_full = _decode(x, pool_b, idx, kw, q=_strided(x["q"]))  # full path: no signature
+    o_plan = _decode(x, pool_c, idx, kw)  # runs the plan
+    assert plans.count() == made
+    torch.cuda.synchronize()
+    assert torch.equal(o_first, o_full) and torch.equal(o_plan, o_full)
+    assert torch.equal(pool_a, pool_b) and torch.equal(pool_c, pool_b)
+
+
+def test_decode_plan_bumps_the_pool_version():
+    x, pool, idx, kw = _decode_inputs()
+    _decode(x, pool, idx, kw)
+    before = pool._version
+    _decode(x, pool, idx, kw)
+    assert pool._version > before
+
+
+def test_bad_scalars_raise_after_a_plan_exists():
+    x, pool, idx, kw = _decode_inputs()
+    _decode(x, pool, idx, dict(kw, scale=1.0))
+    with pytest.raises(TypeError, match="scale must be a float"):
+        _decode(x, pool, idx, dict(kw, scale=True))
+    with pytest.raises(TypeError, match="lower_bound must be a float"):
+        _decode(x, pool, idx, dict(kw, lower_bound="-5"))
+
+
+def test_backend_environment_is_honoured_after_a_plan(monkeypatch):
+    plans.forget()
+    x, pool0, idx, kw = _decode_inputs()
+    pool_a, pool_b = pool0.clone(), pool0.clone()
+    o_default = _decode(x, pool_a, idx, kw)
+    monkeypatch.setenv("CULA_BACKEND", "reference")
+    o_ref = _decode(x, pool_b, idx, kw)
+    assert plans.count() == 2  # a second plan, for the forced backend
+    assert (o_default.float() - o_ref.float()).abs().max().item() <= 2e-2
+    assert (pool_a - pool_b).abs().max().item() <= 1e-4 * max(1.0, pool_b.abs().max().item())
+
+
+def _prefill_inputs(lengths=(100, 37, 200), H=4):
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    T = sum(lengths)
+
+    def r(*s):
+        return torch.randn(*s, device="cuda", generator=gen)
+
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    x = dict(q=r(1, T, H, K).bfloat16(), k=r(1, T, H, K).bfloat16(), v=r(1, T, H, K).bfloat16(),
+             g=r(1, T, H, K).bfloat16(), beta=r(1, T, H).bfloat16())
+    kw = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              A_log=torch.log(torch.empty(H, device="cuda").uniform_(1, 16, generator=gen)), dt_bias=0.1 * r(H * K),
+              safe_gate=True, lower_bound=-5.0, output_final_state=True, cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu,
+              initial_state=0.1 * r(len(lengths), H, K, K), state_v_first=True)
+    return x, kw
+
+
+def _prefill(x, kw, q=None):
+    return cula.kda_prefill(x["q"] if q is None else q, x["k"], x["v"], x["g"], x["beta"], **kw)
+
+
+def test_prefill_plan_matches_the_full_path_bitwise():
+    plans.forget()
+    x, kw = _prefill_inputs()
+    o_first, s_first = _prefill(x, kw)
+    assert plans.count() == 1
+    o_full, s_full = _prefill(x, kw, q=_strided(x["q"]))
+    o_plan, s_plan = _prefill(x, kw)
+    assert plans.count() == 1
+    assert torch.equal(o_plan, o_full) and torch.equal(s_plan, s_full)
+    assert torch.equal(o_first, o_full) and torch.equal(s_first, s_full)
+    assert s_plan.data_ptr() != kw["initial_state"].data_ptr()  # a new state, never the caller's
+
+
+def test_prefill_plan_checks_host_lengths_every_call():
+    x, kw = _prefill_inputs()
+    _prefill(x, kw)
+    bad = kw["cu_seqlens_cpu"].clone()
+    bad[1], bad[2] = bad[2], bad[1]  # not monotone; the device copy is not read (no synchronisation)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        _prefill(x, dict(kw, cu_seqlens_cpu=bad))
+    short = kw["cu_seqlens_cpu"].clone()
+    short[-1] -= 1
+    with pytest.raises(ValueError, match="must end at T"):
+        _prefill(x, dict(kw, cu_seqlens_cpu=short))
