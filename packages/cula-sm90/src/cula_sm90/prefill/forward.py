@@ -245,10 +245,9 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     NC = max(tables["NC"], 1)
 
     mid = torch.bfloat16
-    w = torch.empty(TT, HV, K, dtype=mid, device=device)
-    u = torch.empty(TT, HV, K, dtype=mid, device=device)
-    qg = torch.empty(TT, HV, K, dtype=mid, device=device)
-    kg = torch.empty(TT, HV, K, dtype=mid, device=device)
+    # stage 1's outputs: w, u, qg, kg in one allocation (fewer host calls per launch), Aqk, and gl (whose address
+    # also stands for every absent optional tensor: a kernel never reads one)
+    w, u, qg, kg = torch.empty(4, TT, HV, K, dtype=mid, device=device).unbind(0)
     aqk = torch.empty(TT, HV, BT, dtype=mid, device=device)
     gl = torch.empty(NC, HV, K, dtype=torch.float32, device=device)
     o = torch.empty_like(v)
@@ -259,11 +258,13 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
         return o, final
 
     # g and beta are read in their own dtype when it is bf16 or fp32 (one compiled variant each), else as fp32
-    g = g if g.dtype in (torch.bfloat16, torch.float32) else g.float()
-    beta = beta if beta.dtype in (torch.bfloat16, torch.float32) else beta.float()
-    dummy = torch.empty(1, dtype=torch.float32, device=device)
-    a_log = A_log.float() if A_log is not None else dummy
-    dtb = dt_bias.float() if dt_bias is not None else dummy
+    if g.dtype not in (torch.bfloat16, torch.float32):
+        g = g.float()
+    if beta.dtype not in (torch.bfloat16, torch.float32):
+        beta = beta.float()
+    dummy = gl
+    a_log = dummy if A_log is None else A_log if A_log.dtype == torch.float32 else A_log.float()
+    dtb = dummy if dt_bias is None else dt_bias if dt_bias.dtype == torch.float32 else dt_bias.float()
     stream = launch_stream()
     lb = -5.0 if lower_bound is None else float(lower_bound)
     kind = intra_kind(gate, lb)
@@ -271,7 +272,8 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
                           dt_bias is not None, q.dtype, g.dtype, beta.dtype, kind)
     io = None
     if kind == "tc":  # 16-byte vector copies: q, k, v 16-byte aligned (views at odd offsets are copied)
-        q, k, v, g = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (q, k, v, g))
+        if q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16 or g.data_ptr() % 16:
+            q, k, v, g = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (q, k, v, g))
         io = 16
     g_io = io if g.dtype == torch.bfloat16 else None
     intra(address(q, io), address(k, io), address(v, io), address(g, g_io), address(beta), address(a_log),
