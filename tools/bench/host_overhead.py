@@ -6,8 +6,9 @@ minus the GPU time of the same calls (replayed from a CUDA graph), per call, in 
 Rows: one decode kernel launched through cula-sm90's launch layer (`launch.run_recurrent`: the configuration's
 TVM-FFI function from cula_core.cute_runtime, called with integer addresses and the raw stream: what every launch in
 cula-sm90 costs on the host), and the public ops (validation,
-dispatch, the torch custom op and the launches). Tiny shapes keep the GPU idle most of the time, so that wall minus
-GPU is the host's share.
+dispatch (a repeated call runs its plan: cula_core.plans), the launches). Tiny shapes keep the GPU idle most of the
+time, so that wall minus GPU is the host's share; the enqueue column times the calls alone without waiting for the
+GPU.
 """
 
 from __future__ import annotations
@@ -17,12 +18,19 @@ import sys
 import time
 
 
-def _per_call(fn, calls: int) -> tuple[float, float]:
-    """(wall us, GPU us) per call of fn."""
+def _per_call(fn, calls: int) -> tuple[float, float, float]:
+    """(wall us, GPU us, enqueue us) per call of fn. Enqueue: the host time of 200 calls issued on an idle GPU, without
+    waiting for them (the launch queue does not fill up at a few launches per call), i.e. the host's time alone even
+    where the GPU part is the longer one and wall - GPU reads ~0."""
     import torch
 
     for _ in range(20):
         fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(200):
+        fn()
+    enqueue = (time.perf_counter() - t0) / 200 * 1e6
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(calls):
@@ -44,7 +52,7 @@ def _per_call(fn, calls: int) -> tuple[float, float]:
     end.record()
     torch.cuda.synchronize()
     gpu = start.elapsed_time(end) * 1e3 / (calls // 100 * 100)
-    return wall, gpu
+    return wall, gpu, enqueue
 
 
 def main(argv=None) -> int:
@@ -76,19 +84,20 @@ def main(argv=None) -> int:
     rows = {
         "kernel launch: sm90 decode recurrent (launch.run_recurrent, TVM-FFI)": kernel_launch,
         "op: kda_decode (N=1, H=4)": lambda: cula.kda_decode(q, k, v, g, beta, pool, idx, **gate),
+        "op: kda_decode_mtp (N=1, T=4)": lambda: cula.kda_decode_mtp(qm, km, vm, gm, bm, pool, idx, **gate),
         "op: kda_decode_mtp_kvbuffer (N=1, T=4)": lambda: cula.kda_decode_mtp_kvbuffer(qm, km, vm, gm, bm, pool, idx,
                                                                                        **gate),
         "op: kda_prefill (T=64, 2 kernels)": lambda: cula.kda_prefill(qp, kp, vp, gp, bp, use_gate_in_kernel=True,
                                                                       **gate),
     }
     print(f"Card: {torch.cuda.get_device_name(0)}; {args.calls} back-to-back calls each\n")
-    print("| call | wall us | GPU us | host overhead us |\n| --- | --- | --- | --- |")
+    print("| call | wall us | GPU us | host overhead us (wall - GPU) | enqueue us |\n| --- | --- | --- | --- | --- |")
     for name, f in rows.items():
         try:
-            wall, gpu = _per_call(f, args.calls)
-            print(f"| {name} | {wall:.1f} | {gpu:.1f} | {max(wall - gpu, 0.0):.1f} |", flush=True)
+            wall, gpu, enqueue = _per_call(f, args.calls)
+            print(f"| {name} | {wall:.1f} | {gpu:.1f} | {max(wall - gpu, 0.0):.1f} | {enqueue:.1f} |", flush=True)
         except Exception as e:  # report the row and go on: the others still measure
-            print(f"| {name} | error: {type(e).__name__}: {e} | | |", flush=True)
+            print(f"| {name} | error: {type(e).__name__}: {e} | | | |", flush=True)
     return 0
 
 
