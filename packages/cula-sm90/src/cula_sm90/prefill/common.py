@@ -19,9 +19,6 @@ class Stage1Launch:
 
     threads = 128
     cta_per_value_head = False
-    # > 0: CTAs per SM the kernel is compiled for (ptxas caps the registers to fit them; the launch asks for the
-    # largest shared-memory carveout)
-    min_ctas_per_sm = 0
 
     def __init__(self, gate: str, beta_activation: str, l2norm: bool, has_a_log: bool, has_dt_bias: bool):
         self.gate = gate
@@ -39,9 +36,6 @@ class Stage1Launch:
                  scale: Float32, lower_bound: Float32, stream):
         HV = HQK * G
         ctas_x = NC
-        launch_hints = {}
-        if const_expr(self.min_ctas_per_sm > 0):
-            launch_hints = {"min_blocks_per_mp": self.min_ctas_per_sm, "preferred_smem_carveout": 100}
         if const_expr(self.cta_per_value_head):
             ctas_x = NC * G
         qk = cute.make_layout((TT, HQK, DK), stride=(HQK * DK, DK, 1))
@@ -57,7 +51,7 @@ class Stage1Launch:
                     cute.make_tensor(gl_ptr, cute.make_layout((NC, HV, DK), stride=(HV * DK, DK, 1))),
                     N, search_steps, G, scale, lower_bound).launch(
                         grid=[ctas_x, HQK, 1],
-                        block=[self.threads, 1, 1], stream=stream, **launch_hints)
+                        block=[self.threads, 1, 1], stream=stream)
 
 
 @cute.jit
