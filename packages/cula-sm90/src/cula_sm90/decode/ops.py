@@ -32,9 +32,13 @@ def kda_decode_mtp(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, *, s
 
 def kda_decode(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, *, scale, lower_bound,
                use_qk_l2norm_in_kernel, **pool):
-    o, _ = kda_decode_mtp(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale=scale,
-                          lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                          output_per_token_states=False, **pool)
+    if not _kernel_can_take(state_pool):
+        return reference_backend.kda_decode(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale=scale,
+                                            lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                            **pool)
+    o, _ = launch.run_recurrent(configs.MODE_FINAL, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
+                                scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                **pool)
     return o
 
 
