@@ -77,6 +77,20 @@ def run(cmd: list, *, timeout: float = 600, check: bool = True, **kw) -> subproc
     return proc
 
 
+def build_hooks(package, *, by_default: bool) -> list[str]:
+    """Names of the package's hatch build hooks that a default build runs (by_default True), or that run only when
+    switched on (by_default False: `enable-by-default = false`, e.g. the ahead-of-time kernel hooks of cula-sm90
+    and cula-sm100, switched on with HATCH_BUILD_HOOK_ENABLE_CUSTOM=true by their cibuildwheel settings)."""
+    hatch_build = package.pyproject.get("tool", {}).get("hatch", {}).get("build", {})
+    hooks = {**hatch_build.get("hooks", {}), **hatch_build.get("targets", {}).get("wheel", {}).get("hooks", {})}
+    return sorted(name for name, conf in hooks.items() if conf.get("enable-by-default", True) == by_default)
+
+
+def builds_pure_by_default(package) -> bool:
+    """Whether its default build (`python -m build`, no hook switched on) makes a py3-none-any wheel."""
+    return not build_hooks(package, by_default=True)
+
+
 # ---------------------------------------------------------------- building
 
 

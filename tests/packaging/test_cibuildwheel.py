@@ -1,14 +1,18 @@
 """cibuildwheel settings: each package with native code (a [tool.cibuildwheel] table) selects the intended
 builds (tools/packages.toml [wheels]: CPython 3.10-3.13, manylinux, x86_64 and optionally aarch64) and does
 what the release issue asks of it; a package without one has no native code (it builds py3-none-any).
+The packages whose native part is an opt-in build hook (cula-sm90 and cula-sm100: CuTe DSL kernels compiled
+ahead of time) switch it on in their cibuildwheel settings, build it once per arch job and test that the built
+wheel ships every configuration of their set.
 """
 
 from __future__ import annotations
 
 import re
+import shlex
 
 import pytest
-from pkgtest import PACKAGES, REPO_ROOT, clean_env, release, run, tool
+from pkgtest import PACKAGES, REPO_ROOT, build_hooks, clean_env, release, run, tool
 
 try:
     import tomllib
@@ -19,6 +23,8 @@ with open(REPO_ROOT / "tools" / "packages.toml", "rb") as _f:
     POLICY = tomllib.load(_f)["wheels"]
 NATIVE = [p for p in PACKAGES if p.native]
 PURE = [p for p in PACKAGES if not p.native]
+#: native packages whose native part is an opt-in hook (the ahead-of-time CuTe DSL kernels)
+AOT = [p for p in NATIVE if build_hooks(p, by_default=False)]
 NATIVE_SOURCES = ("*.cu", "*.cuh", "*.cpp", "*.cc", "*.c", "*.h", "*.hpp", "*.pyx", "CMakeLists.txt")
 IDENT = re.compile(r"^cp3(?P<minor>\d+)-manylinux_(?P<arch>[a-z0-9_]+)$")
 
@@ -44,11 +50,15 @@ def native_sources(package) -> list[str]:
 
 
 def has_build_hook(package) -> bool:
-    """Whether a default build runs a build hook. An opt-in hook (`enable-by-default = false`: cula-sm90's
-    ahead-of-time kernel build, switched on with HATCH_BUILD_HOOK_ENABLE_CUSTOM=true) leaves the default wheel pure."""
-    hatch_build = package.pyproject.get("tool", {}).get("hatch", {}).get("build", {})
-    hooks = {**hatch_build.get("hooks", {}), **hatch_build.get("targets", {}).get("wheel", {}).get("hooks", {})}
-    return any(conf.get("enable-by-default", True) for conf in hooks.values())
+    """Whether a build hook can run: one that is on by default, or an opt-in one (a release switches it on)."""
+    return bool(build_hooks(package, by_default=True) or build_hooks(package, by_default=False))
+
+
+def pinned(requirement_name: str) -> str:
+    """The `name==version` pin of tools/requirements-test.txt (the versions the CPU tests run)."""
+    text = (REPO_ROOT / "tools" / "requirements-test.txt").read_text()
+    (line,) = [ln.strip() for ln in text.splitlines() if ln.strip().startswith(f"{requirement_name}==")]
+    return line
 
 
 @pytest.mark.parametrize("package", PURE, ids=[p.name for p in PURE])
@@ -106,3 +116,76 @@ def test_cibuildwheel_reads_the_settings(tmp_path):
     assert set(idents) == {"cp311-manylinux_x86_64", "cp312-manylinux_x86_64",
                            "cp311-musllinux_x86_64", "cp312-musllinux_x86_64"}
     assert not all(IDENT.match(i) for i in idents)
+
+
+def test_aot_packages_are_the_cute_dsl_ones():
+    assert sorted(p.name for p in AOT) == ["cula-sm100", "cula-sm90"]
+
+
+@pytest.mark.parametrize("package", AOT, ids=[p.name for p in AOT])
+def test_aot_release_build_switches_the_hook_on(package):
+    """The release build runs the opt-in hook (hatch's HATCH_BUILD_HOOK_ENABLE_<HOOK>) without build isolation,
+    in a build environment holding what the hook imports, at the versions the CPU tests use."""
+    (hook,) = build_hooks(package, by_default=False)
+    env = cibw_linux_option(package, "environment")
+    assert env[f"HATCH_BUILD_HOOK_ENABLE_{hook.upper()}"] == "true", env
+    assert {"CULA_AOT_JOBS", "CULA_AOT_LIMIT"} <= set(cibw_linux_option(package, "environment-pass"))
+    frontend = cibw_linux_option(package, "build-frontend")
+    assert frontend["name"] == "build" and "--no-isolation" in frontend["args"], frontend
+    before = cibw_linux_option(package, "before-build")
+    words = [w for cmd in ([before] if isinstance(before, str) else before) for w in shlex.split(cmd)]
+    for pin in (pinned("nvidia-cutlass-dsl"), pinned("apache-tvm-ffi")):
+        assert pin in words, f"before-build does not install {pin}: {before}"
+    assert "torch" in words and "hatchling" in words and "{package}/../cula-core" in words
+
+
+@pytest.mark.parametrize("package", AOT, ids=[p.name for p in AOT])
+def test_aot_wheel_is_built_once_and_tested_per_python(package):
+    """The hook tags its wheel py3-none-<platform> (cula_core.cute_runtime.aot.wheel_tag); after auditwheel it is
+    manylinux, and cibuildwheel reuses it for every later identifier (it compiles the kernels once per job)."""
+    from cibuildwheel.util.packaging import find_compatible_wheel
+    from packaging.utils import parse_wheel_filename
+
+    from cula_core.cute_runtime import aot
+
+    tag = aot.wheel_tag()
+    assert tag.startswith("py3-none-linux_")
+    repaired = tag.replace("-linux_", "-manylinux_2_28_")
+    wheel = type("Wheel", (), {"name": f"{package.import_name}-{package.version}-{repaired}.whl"})()
+    assert {str(t) for t in parse_wheel_filename(wheel.name)[3]} == {repaired}
+    idents = build_identifiers(package.path, CIBW_ARCHS_LINUX=tag.split("-linux_")[1])
+    assert len(idents) == len(POLICY["python"])
+    assert all(find_compatible_wheel([wheel], i) is wheel for i in idents[1:]), idents
+    # a per-interpreter tag would not be reused: the check above can fail
+    cp310 = type("Wheel", (), {"name": wheel.name.replace("py3-none", "cp310-cp310")})()
+    assert find_compatible_wheel([cp310], idents[-1]) is None
+
+
+@pytest.mark.parametrize("package", AOT, ids=[p.name for p in AOT])
+def test_aot_wheel_test_checks_every_configuration_is_shipped(package):
+    """test-command: in the installed wheel's venv, every configuration of the package's set (cut as the build
+    was: CULA_AOT_LIMIT) resolves to a shipped artifact (cula_core.cute_runtime.aot.unshipped is empty); the
+    repair keeps the libraries the kernels link against (the installed CuTe DSL's and TVM-FFI's) out."""
+    test_command = cibw_linux_option(package, "test-command")
+    assert f"from {package.import_name}.kernels import aot_configurations" in test_command
+    assert "aot.unshipped(items)" in test_command and "assert not missing" in test_command
+    assert "aot.limit_from_env()" in test_command
+    repair = cibw_linux_option(package, "repair-wheel-command")
+    assert "--exclude libcute_dsl_runtime.so" in repair and "--exclude libtvm_ffi.so" in repair
+    before_test = " ".join(cibw_linux_option(package, "before-test"))
+    assert "{package}/../cula-core" in before_test  # the checkout's core, which the wheel may need
+
+
+def test_sm100_release_builds_every_served_arch():
+    """cula-sm100's release wheel carries the kernels of every arch its backend serves (CULA_SM100_AOT_ARCHS),
+    and its test-command checks the same list."""
+    pytest.importorskip("cula_sm100")
+    from cula_sm100 import runtime
+
+    from cula_core.cute_runtime import aot
+
+    (package,) = [p for p in AOT if p.name == "cula-sm100"]
+    env = cibw_linux_option(package, "environment")
+    assert aot.archs_from_env("CULA_SM100_AOT_ARCHS", runtime.ARCHS, env) == runtime.ARCHS
+    assert set(env["CULA_SM100_AOT_ARCHS"].split(",")) == set(runtime.ARCHS)
+    assert "aot.archs_from_env('CULA_SM100_AOT_ARCHS', runtime.ARCHS)" in cibw_linux_option(package, "test-command")

@@ -34,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -293,51 +292,108 @@ def link_library(objects: Iterable[Path | str], out: Path | str) -> None:
     os.replace(tmp, out)
 
 
-def export_jobs(jobs: list[tuple[str, str, tuple, str]]) -> None:
-    """Compile and export each (registering module, name, config, out dir) to `<out dir>/<artifact id>.o`."""
-    for module, name, config, out_dir in jobs:
-        importlib.import_module(module)  # registers the kernel in this process
-        _export_object(name, config, Path(out_dir) / (artifact_id(name, config) + ".o"))
+def export_one(module: str, name: str, config: tuple, out_dir: Path | str) -> Path:
+    """Import `module` (which registers kernel `name` in this process), then compile and export (name, config) to
+    `<out_dir>/<artifact id>.o`. Returns that path."""
+    importlib.import_module(module)
+    path = Path(out_dir) / (artifact_id(name, config) + ".o")
+    _export_object(name, config, path)
+    return path
 
 
 def build_objects(items: list[tuple[str, tuple]], out_dir: Path | str, *, jobs: int = 1,
                   progress: Callable[[int, int], None] | None = None) -> list[Path]:
-    """Compile and export every (name, config) of `items` to `<out_dir>/<artifact id>.o`, split over `jobs`
-    worker interpreters (`python -m cula_core.cute_runtime.aot_worker`; each compiles on one core, with this
-    process's sys.path; `jobs` 1: in this process). Returns the object paths in the order of `items`."""
+    """Compile and export every (name, config) of `items` to `<out_dir>/<artifact id>.o`; returns the object paths
+    in the order of `items`.
+
+    jobs 1: in this process (kernels registered only here, e.g. by a test, are found). jobs > 1: that many worker
+    interpreters (`python -m cula_core.cute_runtime.aot_worker`, this process's sys.path), each compiling one
+    configuration at a time on one core and handed the next one as soon as it is done, so a slow configuration
+    never holds up a fixed share of the others; peak memory is `jobs` compiler processes. The first failure stops
+    the other workers and raises RuntimeError with the failing configuration and the worker's error output.
+    `progress(done, total)` is called after each configuration."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     work = [(kernel_def(n).build.__module__, n, c, str(out_dir)) for n, c in items]
     paths = [out_dir / (artifact_id(n, c) + ".o") for n, c in items]
     jobs = max(1, min(jobs, len(work)))
-    if jobs == 1:  # in this process (kernels registered here only, e.g. by a test, are found)
-        export_jobs(work)
-        if progress:
-            progress(len(paths), len(paths))
+    if jobs == 1:
+        for done, job in enumerate(work, 1):
+            export_one(*job)
+            if progress:
+                progress(done, len(work))
         return paths
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    procs = []
     with tempfile.TemporaryDirectory() as tmp:
-        for w in range(jobs):
-            job_file = Path(tmp) / f"jobs{w}.pickle"
-            job_file.write_bytes(pickle.dumps(work[w::jobs]))
-            procs.append(subprocess.Popen([sys.executable, "-m", "cula_core.cute_runtime.aot_worker", str(job_file)],
-                                          env=env, stderr=subprocess.PIPE, text=True))
-        reported = -1
-        while any(p.poll() is None for p in procs):
-            done = sum(p.is_file() for p in paths)
-            if progress and done != reported:
-                progress(done, len(paths))
-                reported = done
-            time.sleep(1.0)
-        errors = [p.stderr.read() for p in procs if p.returncode != 0]
-        for p in procs:
-            p.stderr.close()
-    if errors:
-        raise RuntimeError("compiling CuTe DSL kernels failed:\n" + "\n".join(e[-4000:] for e in errors))
-    if progress:
-        progress(len(paths), len(paths))
+        _run_workers(work, jobs, Path(tmp), progress)
     return paths
+
+
+def _run_workers(work: list[tuple], jobs: int, tmp: Path, progress: Callable[[int, int], None] | None) -> None:
+    """Hand the indices of `work` to `jobs` aot_worker processes one at a time (a line on a worker's stdin; the
+    worker answers with the same line on its stdout when the object is written, and exits at end of input)."""
+    import selectors
+
+    job_file = tmp / "jobs.pickle"
+    job_file.write_bytes(pickle.dumps(work))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    pending = iter(range(len(work)))
+    workers, running, logs = [], {}, []
+    sel = selectors.DefaultSelector()
+
+    def hand_next(proc) -> None:
+        index = next(pending, None)
+        if index is None:
+            proc.stdin.close()
+        else:
+            running[proc.pid] = index
+            proc.stdin.write(f"{index}\n")
+            proc.stdin.flush()
+
+    try:
+        for w in range(jobs):
+            log = open(tmp / f"worker{w}.log", "w+")  # a file, so a chatty compiler never blocks on a full pipe
+            logs.append(log)
+            proc = subprocess.Popen([sys.executable, "-m", "cula_core.cute_runtime.aot_worker", str(job_file)],
+                                    env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                                    bufsize=1)
+            workers.append(proc)
+            sel.register(proc.stdout, selectors.EVENT_READ, (proc, log))
+            hand_next(proc)
+        done = 0
+        while sel.get_map():
+            for key, _ in sel.select():
+                proc, log = key.data
+                line = proc.stdout.readline()
+                if line:
+                    running.pop(proc.pid, None)
+                    done += 1
+                    if progress:
+                        progress(done, len(work))
+                    hand_next(proc)
+                    continue
+                sel.unregister(proc.stdout)
+                if proc.wait() != 0 or proc.pid in running:
+                    log.seek(0)
+                    index = running.get(proc.pid)
+                    what = (f" {work[index][1]} {config_text(work[index][2])}" if index is not None else "")
+                    raise RuntimeError(f"compiling CuTe DSL kernel{what} failed (worker exit status "
+                                       f"{proc.returncode}):\n{log.read()[-6000:]}")
+        if done != len(work):
+            raise RuntimeError(f"CuTe DSL workers ended after {done} of {len(work)} configurations")
+    finally:
+        sel.close()
+        for proc in workers:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            for stream in (proc.stdin, proc.stdout):
+                if stream and not stream.closed:
+                    try:
+                        stream.close()
+                    except BrokenPipeError:
+                        pass
+        for log in logs:
+            log.close()
 
 
 def write_manifest(out_dir: Path | str, distribution: str, version: str, arch: str,
