@@ -93,6 +93,7 @@ def _worker(rank, world, port, lengths, layout, HQK, HV, K, V, check_no_grad, re
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         _check_rank(rank, world, lengths, layout, HQK, HV, K, V, check_no_grad)
+        dist.barrier()  # no rank tears down its connections while a peer still uses them
     finally:
         dist.destroy_process_group()
     open(os.path.join(result_dir, f"rank{rank}.ok"), "w").close()

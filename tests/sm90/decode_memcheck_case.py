@@ -77,9 +77,7 @@ def main(parts=("all", "tilings", "verify", "pools")):
                         n += 1
             finally:
                 configs.VERIFY_OVERRIDE = None
-        # serving pools: bf16 and V-first, padded through a null slot (every kernel, public ops; the dispatch sends
-        # them to the kernels only once this and test_serving_pools have passed, so this case sends all)
-        configs.GPU_CHECKED_POOLS = configs.ALL_POOLS
+        # serving pools: bf16 and V-first, padded through a null slot (every kernel, public ops)
         for dtype, v_first in ((torch.bfloat16, False), (torch.float32, True), (torch.bfloat16, True)):
             for N, T in ((1, 1), (5, 3), (5, 9)) if "pools" in parts else ():
                 kw = make_case(N, T, 1, 2, extra_slots=2, seed=110 + T)

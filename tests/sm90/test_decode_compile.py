@@ -48,14 +48,12 @@ def test_declines_with_reasons():
         "sm90 decode serves fp32 and bf16 state pools, got float64"
     assert backend.unsupported_reason(call(state_dtype=torch.float16)) == \
         "sm90 decode serves fp32 and bf16 state pools, got float16"
-    for pool in (dict(state_dtype=torch.float32), dict(state_dtype=torch.float32, state_v_first=False)):
-        assert backend.unsupported_reason(call(**pool)) is None
-        assert backend.unsupported_reason(call("kda_flush_kvbuffer", dtype=torch.float32, **pool)) is None
-    # the kernels compile (the family and flush compile tests below) but are declined until their GPU test has run
-    for pool in (dict(state_dtype=torch.bfloat16), dict(state_dtype=torch.float32, state_v_first=True),
-                 dict(state_dtype=torch.float32, null_slot=True)):
+    # every pool variant the kernels index is served: fp32 / bf16, K-first / V-first, with or without a null slot
+    for pool in (dict(state_dtype=torch.float32), dict(state_dtype=torch.float32, state_v_first=False),
+                 dict(state_dtype=torch.bfloat16), dict(state_dtype=torch.float32, state_v_first=True),
+                 dict(state_dtype=torch.bfloat16, state_v_first=True, null_slot=True)):
         for op, dtype in (("kda_decode_mtp", torch.bfloat16), ("kda_flush_kvbuffer", torch.float32)):
-            assert "not yet checked on a GPU" in backend.unsupported_reason(call(op, dtype=dtype, **pool))
+            assert backend.unsupported_reason(call(op, dtype=dtype, **pool)) is None
     assert backend.unsupported_reason(call(gate="safe", lower_bound=-8.0)) is None
     assert backend.unsupported_reason(call(gate="safe", lower_bound=0.5)) == \
         "sm90 decode serves the safe gate with lower_bound <= 0, got 0.5"

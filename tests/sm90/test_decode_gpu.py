@@ -292,13 +292,9 @@ REL_TOL_BF16_STATE = 2.0 ** -8
 @pytest.mark.parametrize("T", [1, 3, 9])
 @pytest.mark.parametrize(("dtype", "v_first", "null"), [(torch.bfloat16, False, False), (torch.float32, True, False),
                                                          (torch.bfloat16, True, True), (torch.float32, False, True)])
-def test_serving_pools(T, dtype, v_first, null, monkeypatch):
+def test_serving_pools(T, dtype, v_first, null):
     """bf16 and V-first pools and a null slot, every mode and the flush, against the reference on the same pool
-    (fp32 math, the pool's dtype and layout): final state, per-token states, verify + flush. The dispatch sends
-    these pools to the kernels only once this test has passed (configs.GPU_CHECKED_POOLS): here it sends all."""
-    from cula_sm90.decode import configs
-
-    monkeypatch.setattr(configs, "GPU_CHECKED_POOLS", configs.ALL_POOLS)
+    (fp32 math, the pool's dtype and layout): final state, per-token states, verify + flush."""
     state_tol = REL_TOL_BF16_STATE if dtype == torch.bfloat16 else REL_TOL
     for i, N in enumerate((3, 64)):
         kw = make_case(N, T, HQK, 2 * HQK, safe=bool(i), extra_slots=2, seed=500 + 10 * T + i)

@@ -211,14 +211,8 @@ def test_pools_and_shapes_the_kernels_do_not_serve():
     slots = torch.tensor([0, 1], dtype=torch.int32)
     assert reason_for(captured(**x, initial_state=pool.half(), ssm_state_indices=slots)) == \
         "sm90 decode serves fp32 and bf16 state pools, got float16"
-    unchecked = ("sm90 decode kernels for bf16, V-first and null-slot pools are not yet checked on a GPU "
-                 "(tests/sm90/test_decode_gpu.py::test_serving_pools)")
     for pool_kw in ({"initial_state": pool.bfloat16()}, {"initial_state": pool, "state_v_first": True}):
-        call = captured(**x, **pool_kw, ssm_state_indices=slots)
-        if (call.options["state_dtype"], call.options["state_v_first"], False) in configs.GPU_CHECKED_POOLS:
-            assert served(call)
-        else:
-            assert reason_for(call) == unchecked
+        assert served(captured(**x, **pool_kw, ssm_state_indices=slots))
     small, small_pool = make(N=2)
     small = {n: (t[..., :32] if n in ("q", "k", "g") else t) for n, t in small.items()}
     small["dt_bias"] = small["dt_bias"][:4 * 32]
@@ -333,8 +327,7 @@ def test_outputs_only_run_the_verify_mode(kernel_runs, layout):
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
-def test_v_first_and_bf16_pools_reach_the_kernel_as_they_are(kernel_runs, monkeypatch, pool_dtype):
-    monkeypatch.setattr(configs, "GPU_CHECKED_POOLS", configs.ALL_POOLS)
+def test_v_first_and_bf16_pools_reach_the_kernel_as_they_are(kernel_runs, pool_dtype):
     x, pool = make(N=3, T=2, P=5, seed=2)
     pool = pool.transpose(-1, -2).contiguous().to(pool_dtype)  # [P, HV, V, K]
     slots = torch.tensor([1, 4, -1], dtype=torch.int32)

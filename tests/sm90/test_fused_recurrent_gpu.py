@@ -5,7 +5,7 @@ its own kernel even where cula.fla is registered).
 
 Pool mode (vLLM / SGLang decode): one token per sequence as q [N, 1] or as one row [1, N] with cu_seqlens, and
 T = 3 tokens per sequence; padded (-1) and out-of-range (= P) slots; slots no sequence owns stay bitwise equal;
-bf16 and V-first pools (the dispatch widened to them here, as test_decode_gpu.py::test_serving_pools does). New
+bf16 and V-first pools. New
 state: T = 1 with an fp32 initial state or none; outputs only at T = 1, 4, 9. A CUDA-graph capture of pool decode.
 
 FLA is compared where its semantics are cula's: without padded slots (FLA 0.6.0 reads and writes pool[-1], outside
@@ -185,13 +185,9 @@ def test_slot_column_and_int64_slots():
 
 @pytest.mark.parametrize(("pool_dtype", "v_first"), [(torch.bfloat16, False), (torch.float32, True),
                                                       (torch.bfloat16, True)])
-def test_serving_pools(pool_dtype, v_first, monkeypatch):
+def test_serving_pools(pool_dtype, v_first):
     """bf16 and V-first pools, against the reference on the same pool (fp32 math, the pool's dtype and layout)
-    and against FLA. The dispatch sends these pools to the kernels only once the decode family's pool checks
-    have passed (configs.GPU_CHECKED_POOLS): here it sends all."""
-    from cula_sm90.decode import configs
-
-    monkeypatch.setattr(configs, "GPU_CHECKED_POOLS", configs.ALL_POOLS)
+    and against FLA."""
     for T, N in ((1, 64), (3, 5)):
         kw, pool = make(N, T, seed=60 + T)
         pool = (pool.transpose(-1, -2).contiguous() if v_first else pool).to(pool_dtype)

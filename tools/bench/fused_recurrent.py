@@ -26,8 +26,7 @@ the first call on the same inputs.
 
 FLA runs its own Triton kernels (FLA_FLASH_KDA=0, FLA_CULA=0), retuned in this process on each shape
 (tools/bench/fla_tuning.py). cula runs with CULA_BACKEND=sm90 (a declined call fails instead of timing the
-reference). Pools the sm90 dispatch does not send to the kernels yet (`cula_sm90.decode.configs.GPU_CHECKED_POOLS`:
-bf16 until its GPU checks pass) are sent here anyway, and their rows say so. The section for this run's card replaces
+reference). The section for this run's card replaces
 that card's section of `--out` (one `## <card>` section per card). `--quick`: N in (1, 16, 128), new-state rows at
 H = 64 only; about two minutes on an H100, compilation included.
 """
@@ -117,12 +116,12 @@ def _bandwidth(row: dict, state_bytes: int, peak: float) -> None:
         row[f"{side}_gbs"], row[f"{side}_hbm_pct"] = gbs, gbs / peak * 100
 
 
-def pool_row(N: int, H: int, pool_dtype, timing: Timing, eager: bool, peak: float, widened: bool) -> dict:
+def pool_row(N: int, H: int, pool_dtype, timing: Timing, eager: bool, peak: float) -> dict:
     x = make_inputs(N, H, pool_dtype=pool_dtype, seed=N + H)
     ours, theirs = x["pool"].clone(), x["pool"].clone()
     fla_tuning.retune()  # FLA's first call on this shape tunes on it
     o_err = errors(cula_pool(x, ours).float(), fla_pool(x, theirs).float())[1]
-    row = dict(table="pool", H=H, N=N, pool=str(pool_dtype).replace("torch.", ""), widened=widened,
+    row = dict(table="pool", H=H, N=N, pool=str(pool_dtype).replace("torch.", ""),
                err=max(o_err, errors(ours.float(), theirs.float())[1]),
                cula_ms=graph_ms(cula_pool, (x, ours), timing), fla_ms=graph_ms(fla_pool, (x, theirs), timing))
     if eager:
@@ -171,7 +170,7 @@ def render(rows: list[dict], env: dict, command: str) -> str:
              "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     pools = [r for r in rows if r["table"] == "pool"]
     for r in pools:
-        pool = r["pool"] + (" (dispatch widened)" if r["widened"] else "")
+        pool = r["pool"]
         lines.append(f"| {r['H']} | {r['N']} | {pool} | {r['fla_ms']:.4f} | {r['cula_ms']:.4f} "
                      f"| {_x(r['fla_ms'], r['cula_ms'])} | {r['cula_gbs']:.0f} | {r['cula_hbm_pct']:.0f}% "
                      f"| {r['fla_hbm_pct']:.0f}% | {_eager(r)} {r['err']:.1e} |")
@@ -210,7 +209,6 @@ def main(argv=None) -> int:
     fla_tuning.prepare()  # before FLA is imported
     os.environ["FLA_CULA"] = "0"  # FLA's own kernel, even where cula.fla is registered
     os.environ["CULA_BACKEND"] = "sm90"  # fail loudly rather than time the reference
-    from cula_sm90.decode import configs
 
     timing = Timing(warmup=args.warmup, repeats=args.rep, method="do_bench")
     peak = peak_hbm_gbs()
@@ -224,17 +222,10 @@ def main(argv=None) -> int:
 
     with torch.no_grad():
         for pool_dtype in POOL_DTYPES:
-            variant = (pool_dtype, False, False)
-            widened = variant not in configs.GPU_CHECKED_POOLS
-            checked = configs.GPU_CHECKED_POOLS
-            configs.GPU_CHECKED_POOLS = checked | {variant}
-            try:
-                for H in HS:
-                    for N in ns:
-                        keep(pool_row(N, H, pool_dtype, timing, not args.quick, peak, widened))
-                        torch.cuda.empty_cache()
-            finally:
-                configs.GPU_CHECKED_POOLS = checked
+            for H in HS:
+                for N in ns:
+                    keep(pool_row(N, H, pool_dtype, timing, not args.quick, peak))
+                    torch.cuda.empty_cache()
         for H in (64,) if args.quick else HS:
             for N in ns:
                 for T, final in ((1, True), (1, False), (4, False)):

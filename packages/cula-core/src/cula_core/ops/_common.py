@@ -53,6 +53,13 @@ def _plain_tensors(args) -> bool:
     return True
 
 
+def eager(args) -> bool:
+    """Whether a call on `args` is plainly eager: nothing traces (torch.compile, make_fx, functionalization, a
+    dispatch mode) and every tensor is a plain torch.Tensor or Parameter. Such a call may run an op's implementation
+    directly (`call_op`); anything else goes through the torch custom op, which tracers see as one node."""
+    return not (torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None or not _plain_tensors(args))
+
+
 def call_op(op, impl, *args, mutated: tuple = ()):
     """Run the custom op `op` (`torch.ops.cula.*`) on `args`, or, in plain eager mode, its implementation
     `impl` directly.
@@ -63,7 +70,7 @@ def call_op(op, impl, *args, mutated: tuple = ()):
     the mutated tensors' version counters are bumped as the op would. Whenever anything may be tracing
     (torch.compile, make_fx, functionalization, fake or other tensor subclasses, a dispatch mode), the call
     goes through the op, so graphs see one opaque node with its fake implementation."""
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None or not _plain_tensors(args):
+    if not eager(args):
         return op(*args)
     out = impl(*args)
     for arg in mutated:

@@ -17,6 +17,8 @@ from cula_core import dispatch
 from cula_core.backend import CHUNK_KDA_RESIDUALS, RESIDUAL_CHUNK
 from cula_core.fla_args import resolve_chunk_call
 from cula_core.ops._common import (
+    call_op,
+    eager,
     absent_like,
     fake_forward_outputs,
     layout_kwargs,
@@ -49,8 +51,7 @@ def _residual_source(backend, call) -> str:
     return backend.name if call.requires_grad and backend.saves_residuals(call) else ""
 
 
-@torch.library.custom_op("cula::chunk_kda", mutates_args=())
-def _chunk_kda_op(
+def _chunk_kda(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     A_log: Tensor | None, dt_bias: Tensor | None, initial_state: Tensor | None,
     cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None,
@@ -89,6 +90,9 @@ def _chunk_kda_op(
     return (o, final_state if final_state is not None else absent_like(q, torch.float32), *residuals)
 
 
+_chunk_kda_op = torch.library.custom_op("cula::chunk_kda", _chunk_kda, mutates_args=())
+
+
 @_chunk_kda_op.register_fake
 def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale, output_final_state,
       use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, requires_grad, state_v_first=False):
@@ -104,8 +108,7 @@ def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cp
     return o, final_state, absent_like(q), absent_like(q)
 
 
-@torch.library.custom_op("cula::chunk_kda_backward", mutates_args=())
-def _chunk_kda_backward_op(
+def _chunk_kda_backward(
     do: Tensor, dht: Tensor | None, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     A_log: Tensor | None, dt_bias: Tensor | None, initial_state: Tensor | None,
     cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None,
@@ -140,6 +143,9 @@ def _chunk_kda_backward_op(
                  for gr, x in zip(grads, inputs, strict=True))
 
 
+_chunk_kda_backward_op = torch.library.custom_op("cula::chunk_kda_backward", _chunk_kda_backward, mutates_args=())
+
+
 @_chunk_kda_backward_op.register_fake
 def _(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale,
       use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, Aqk, Akk, residual_source, state_v_first=False):
@@ -170,7 +176,8 @@ def _backward(ctx, do, dht, _dAqk, _dAkk):
     q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, Aqk, Akk = ctx.saved_tensors
     scale, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation = ctx.flags
     dht = present(dht)
-    grads = torch.ops.cula.chunk_kda_backward(
+    grads = call_op(
+        torch.ops.cula.chunk_kda_backward, _chunk_kda_backward,
         do.contiguous(), dht.contiguous() if dht is not None else None, q, k, v, g, beta, A_log, dt_bias,
         initial_state, cu_seqlens, ctx.cu_seqlens_cpu, scale, use_qk_l2norm_in_kernel, gate, lower_bound,
         beta_activation, Aqk, Akk, ctx.residual_source, ctx.state_v_first,
@@ -181,6 +188,22 @@ def _backward(ctx, do, dht, _dAqk, _dAkk):
 
 
 torch.library.register_autograd("cula::chunk_kda", _backward, setup_context=_setup_context)
+
+
+class _EagerChunkKda(torch.autograd.Function):
+    """The custom op `cula::chunk_kda` and its autograd formula for plain eager calls: the same forward, context
+    and backward, without the dispatcher's round trip (whose first use also imports torch._dynamo: seconds of a
+    process's first training step). Tracing goes through the op (`chunk_kda`, `eager`)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _chunk_kda(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _backward(ctx, *grads)
 
 
 def chunk_kda(
@@ -292,9 +315,11 @@ def chunk_kda(
                              "grad")
         return chunk_states(call, output_final_state=bool(output_final_state),
                             use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel))
-    o, final_state, _Aqk, _Akk = torch.ops.cula.chunk_kda(
-        *tensors, call.cu_seqlens, call.cu_seqlens_cpu, call.scale, bool(output_final_state),
-        bool(use_qk_l2norm_in_kernel), call.gate, call.lower_bound, call.beta_activation, requires_grad,
-        call.state_v_first,
-    )
+    args = (*tensors, call.cu_seqlens, call.cu_seqlens_cpu, call.scale, bool(output_final_state),
+            bool(use_qk_l2norm_in_kernel), call.gate, call.lower_bound, call.beta_activation, requires_grad,
+            call.state_v_first)
+    if eager(args):
+        o, final_state, _Aqk, _Akk = _EagerChunkKda.apply(*args)
+    else:
+        o, final_state, _Aqk, _Akk = torch.ops.cula.chunk_kda(*args)
     return o, (final_state if output_final_state else None)

@@ -18,14 +18,6 @@ MAX_LAYERS = 128
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: state pool dtypes: the kernels hold the state in fp32 registers and load / store the pool's dtype
 POOL_DTYPES = (torch.float32, torch.bfloat16)
-#: (pool dtype, V-first, null slot) of the pools the dispatch sends to the kernels. The kernels also index bf16
-#: pools, V-first pools [P, HV, V, K] and a null slot (every such configuration compiles for sm_90a:
-#: tests/sm90/test_decode_compile.py), but their GPU checks against the reference (test_decode_gpu.py::
-#: test_serving_pools and the memcheck case's "pools" part, which widen this set for their own calls) have not run
-#: yet; until they pass, those calls are declined and the reference serves them (correct, slower).
-GPU_CHECKED_POOLS = frozenset({(torch.float32, False, False)})
-#: every pool variant the kernels index
-ALL_POOLS = frozenset((d, v_first, null) for d in POOL_DTYPES for v_first in (False, True) for null in (False, True))
 
 
 #: tilings of the recurrent kernel that the benchmark compares (the GPU tests check every one against the reference):
@@ -103,9 +95,6 @@ def _head_dim_reason(call) -> str | None:
 def _pool_reason(state_dtype: torch.dtype, v_first: bool, null_slot: bool) -> str | None:
     if state_dtype not in POOL_DTYPES:
         return f"sm90 decode serves fp32 and bf16 state pools, got {str(state_dtype).replace('torch.', '')}"
-    if (state_dtype, v_first, null_slot) not in GPU_CHECKED_POOLS:
-        return ("sm90 decode kernels for bf16, V-first and null-slot pools are not yet checked on a GPU "
-                "(tests/sm90/test_decode_gpu.py::test_serving_pools)")
     return None
 
 
