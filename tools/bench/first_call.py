@@ -84,10 +84,15 @@ def main(argv=None) -> int:
             res = run_op(op, cache)
             rows.append((rnd + 1, op, res))
             print(rnd + 1, op, res, flush=True)
+    from cula_core import cute_runtime
+
+    shipped = sum(a.origin == "shipped" for a in cute_runtime.listing())
+    source = (f"the installed wheels ship {shipped} ahead-of-time kernels, so round 1 loads them (a kernel outside "
+              "that set compiles just in time)" if shipped else
+              "the installed wheels ship no ahead-of-time kernels, so round 1 is the JIT cost")
     lines = ["# First call of each public op in a fresh process", "",
              f"Card: {card}. `python -m tools.bench.first_call` (docstring: what is timed). Round 1 starts from an "
-             "empty kernel cache (without the wheel's ahead-of-time artifacts: the JIT cost), round 2 reuses it "
-             "(the load cost, what shipped artifacts give).", "",
+             f"empty kernel cache: {source}; round 2 reuses that cache (the load cost).", "",
              "| round | op | import cula (s) | first call (s) | total (s) |", "| --- | --- | --- | --- | --- |"]
     for rnd, op, res in rows:
         if "error" in res:
