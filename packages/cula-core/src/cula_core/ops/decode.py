@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from cula_core import plans
-from cula_core.ops._common import absent_like, call_op, make_call, run, select
+from cula_core.ops._common import absent_like, call_op, make_call, select
 from cula_core.validation import validate_decode
 
 
@@ -54,14 +54,12 @@ def decode_call_sizes(q: Tensor, v: Tensor, state_pool: Tensor, state_v_first: b
                 **pool_options(state_pool, state_v_first, null_slot))
 
 
-def decode_plan(op: str, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale, lower_bound,
-                use_qk_l2norm_in_kernel, state_v_first, null_slot, **options):
-    """The plan (cula_core.plans) of a decode-family call on contiguous CUDA tensors: validate, choose the backend
-    and bind its kernel to the call's flags. The plan takes (q, k, v, g, beta, state_pool, cache_idx, A_log,
-    dt_bias) and returns what the kernel returns."""
-    _shapes, _tensors, _params, scale = validate_decode_call(
-        q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale, lower_bound,
-        single_token=op == "kda_decode", state_v_first=state_v_first, null_slot=null_slot)
+def decode_kernel(op: str, q: Tensor, v: Tensor, state_pool: Tensor, scale: float, lower_bound: float | None,
+                  use_qk_l2norm_in_kernel: bool, state_v_first: bool, null_slot: int | None, **options):
+    """The kernel of decode-family op `op` for a validated call: the backend chosen for its CallConfig (and its
+    indexing limit applied), bound to the call's flags. It takes (q, k, v, g, beta, state_pool, cache_idx, A_log,
+    dt_bias) and returns what the backend's kernel returns. `options`: the op's own flags
+    (`output_per_token_states`), passed to the CallConfig and the kernel alike."""
     lower_bound = None if lower_bound is None else float(lower_bound)
     l2norm = bool(use_qk_l2norm_in_kernel)
     call = make_call(op, q.device, gate="safe" if lower_bound is not None else "softplus", lower_bound=lower_bound,
@@ -70,6 +68,17 @@ def decode_plan(op: str, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias
     kernel = select(call, {"state_pool": state_pool, "v": v}).kernel(op)
     return functools.partial(kernel, scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=l2norm,
                              **options, **pool_kwargs(state_v_first, null_slot))
+
+
+def decode_plan(op: str, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale, lower_bound,
+                use_qk_l2norm_in_kernel, state_v_first, null_slot, **options):
+    """The plan (cula_core.plans) of a decode-family call on contiguous CUDA tensors: validate, then
+    `decode_kernel`."""
+    _shapes, _tensors, _params, scale = validate_decode_call(
+        q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale, lower_bound,
+        single_token=op == "kda_decode", state_v_first=state_v_first, null_slot=null_slot)
+    return decode_kernel(op, q, v, state_pool, scale, lower_bound, use_qk_l2norm_in_kernel, state_v_first,
+                         null_slot, **options)
 
 
 def planned_decode(op: str, tensors: tuple, flags: tuple, **options):
@@ -87,12 +96,9 @@ def _kda_decode(
     use_qk_l2norm_in_kernel: bool, state_v_first: bool = False,
     null_slot: int | None = None,
 ) -> Tensor:
-    call = make_call("kda_decode", q.device, gate="safe" if lower_bound is not None else "softplus",
-                     lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                     **decode_call_sizes(q, v, state_pool, state_v_first, null_slot))
-    return run(call, {"state_pool": state_pool, "v": v}, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
-               scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-               **pool_kwargs(state_v_first, null_slot))
+    kernel = decode_kernel("kda_decode", q, v, state_pool, scale, lower_bound, use_qk_l2norm_in_kernel,
+                           state_v_first, null_slot)
+    return kernel(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias)
 
 
 _kda_decode_op = torch.library.custom_op("cula::kda_decode", _kda_decode, mutates_args=("state_pool",))
@@ -110,13 +116,9 @@ def _kda_decode_mtp(
     use_qk_l2norm_in_kernel: bool, output_per_token_states: bool, state_v_first: bool = False,
     null_slot: int | None = None,
 ) -> tuple[Tensor, Tensor]:
-    call = make_call("kda_decode_mtp", q.device, gate="safe" if lower_bound is not None else "softplus",
-                     lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                     output_per_token_states=output_per_token_states,
-                     **decode_call_sizes(q, v, state_pool, state_v_first, null_slot))
-    o, states = run(call, {"state_pool": state_pool, "v": v}, q, k, v, g, beta, state_pool, cache_idx, A_log,
-                    dt_bias, scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                    output_per_token_states=output_per_token_states, **pool_kwargs(state_v_first, null_slot))
+    kernel = decode_kernel("kda_decode_mtp", q, v, state_pool, scale, lower_bound, use_qk_l2norm_in_kernel,
+                           state_v_first, null_slot, output_per_token_states=output_per_token_states)
+    o, states = kernel(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias)
     return o, states if states is not None else absent_like(state_pool)
 
 

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from cula_core import plans
 from cula_core.ops._common import call_op, make_call, run, select
-from cula_core.ops.decode import decode_call_sizes, planned_decode, pool_kwargs, pool_options, validate_decode_call
+from cula_core.ops.decode import decode_kernel, planned_decode, pool_kwargs, pool_options, validate_decode_call
 from cula_core.validation import kvbuffer_dtype, kvbuffer_shape, require_disjoint, validate_kvbuffer
 
 
@@ -35,12 +35,9 @@ def _kda_decode_mtp_kvbuffer(
     use_qk_l2norm_in_kernel: bool, state_v_first: bool = False,
     null_slot: int | None = None,
 ) -> tuple[Tensor, Tensor]:
-    call = make_call("kda_decode_mtp_kvbuffer", q.device, gate="safe" if lower_bound is not None else "softplus",
-                     lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                     **decode_call_sizes(q, v, state_pool, state_v_first, null_slot))
-    return run(call, {"state_pool": state_pool, "v": v}, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
-               scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-               **pool_kwargs(state_v_first, null_slot))
+    kernel = decode_kernel("kda_decode_mtp_kvbuffer", q, v, state_pool, scale, lower_bound, use_qk_l2norm_in_kernel,
+                           state_v_first, null_slot)
+    return kernel(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias)
 
 
 _kda_decode_mtp_kvbuffer_op = torch.library.custom_op("cula::kda_decode_mtp_kvbuffer", _kda_decode_mtp_kvbuffer,
@@ -68,9 +65,8 @@ def _kda_flush_kvbuffer(
     state_pool: Tensor, cache_idx: Tensor, kvbuffer: Tensor, accept_len: Tensor | None, accept_len_all: int,
     state_v_first: bool = False, null_slot: int | None = None,
 ) -> None:
-    call = _flush_call("kda_flush_kvbuffer", state_pool, kvbuffer, state_v_first, null_slot)
-    run(call, {"state_pool": state_pool, "kvbuffer": kvbuffer}, state_pool, cache_idx, kvbuffer, accept_len,
-        accept_len_all, **pool_kwargs(state_v_first, null_slot))
+    flush_kernel(state_pool, kvbuffer, state_v_first, null_slot)(state_pool, cache_idx, kvbuffer, accept_len,
+                                                                 accept_len_all)
 
 
 _kda_flush_kvbuffer_op = torch.library.custom_op("cula::kda_flush_kvbuffer", _kda_flush_kvbuffer,
@@ -147,20 +143,27 @@ def _split_accept_len(accept_len) -> tuple[Tensor | None, int]:
     return (None, int(accept_len)) if isinstance(accept_len, int) else (accept_len, 0)
 
 
+def flush_kernel(state_pool: Tensor, kvbuffer: Tensor, state_v_first: bool, null_slot: int | None):
+    """The backend's `kda_flush_kvbuffer` for a validated call (its indexing limit applied), bound to the pool's
+    layout: it takes (state_pool, cache_idx, kvbuffer, accept_len or None, accept_len_all)."""
+    call = _flush_call("kda_flush_kvbuffer", state_pool, kvbuffer, state_v_first, null_slot)
+    kernel = select(call, {"state_pool": state_pool, "kvbuffer": kvbuffer}).kernel("kda_flush_kvbuffer")
+    return functools.partial(kernel, **pool_kwargs(state_v_first, null_slot))
+
+
 def flush_plan(state_pool, cache_idx, kvbuffer, accept_len, accept_len_all, state_v_first, null_slot):
     """The plan (cula_core.plans) of a `kda_flush_kvbuffer` call (accept_len: the [N] tensor or None, with
-    accept_len_all the int for every request): the backend's flush bound to the pool's layout. Takes
-    (state_pool, cache_idx, kvbuffer, accept_len)."""
+    accept_len_all the int for every request): validate, then `flush_kernel`. Takes (state_pool, cache_idx,
+    kvbuffer, accept_len)."""
     validate_kvbuffer("kvbuffer", kvbuffer, state_pool, cache_idx,
                       accept_len_all if accept_len is None else accept_len, state_v_first=state_v_first,
                       null_slot=null_slot)
-    call = _flush_call("kda_flush_kvbuffer", state_pool, kvbuffer, state_v_first, null_slot)
-    kernel = select(call, {"state_pool": state_pool, "kvbuffer": kvbuffer}).kernel("kda_flush_kvbuffer")
-    return functools.partial(_run_flush, kernel, accept_len_all, pool_kwargs(state_v_first, null_slot))
+    return functools.partial(_run_flush, flush_kernel(state_pool, kvbuffer, state_v_first, null_slot),
+                             accept_len_all)
 
 
-def _run_flush(kernel, accept_len_all, pool, state_pool, cache_idx, kvbuffer, accept_len):
-    kernel(state_pool, cache_idx, kvbuffer, accept_len, accept_len_all, **pool)
+def _run_flush(kernel, accept_len_all, state_pool, cache_idx, kvbuffer, accept_len):
+    kernel(state_pool, cache_idx, kvbuffer, accept_len, accept_len_all)
 
 
 def kda_flush_kvbuffer(state_pool: Tensor, cache_idx: Tensor, kvbuffer: Tensor, accept_len: Tensor | int, *,

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from cula_core import plans
-from cula_core.fla_args import ChunkCall, resolve_chunk_call
+from cula_core.fla_args import ChunkCall, flatten_gate_params, resolve_chunk_call
 from cula_core.ops._common import (
     absent_like,
     fake_forward_outputs,
@@ -36,20 +36,33 @@ def _prefill_call(op, q, v, cu_seqlens, *, gate, use_qk_l2norm_in_kernel, beta_a
                      output_final_state=output_final_state, state_v_first=state_v_first, **options)
 
 
-def _run_forward(call, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, **flags):
-    """Select the backend of `call`, run its kernel with the states in the layout it indexes, and return its
-    outputs with every state back in the caller's layout (new tensors, never the input state)."""
-    output_final_state = flags["output_final_state"]
-    backend = select(call, forward_indexed_sizes(q, k, v, g, beta, initial_state, cu_seqlens, output_final_state))
+def forward_kernel(call, sizes: dict, **flags):
+    """The backend's kernel for forward `call` (chosen with its indexing limit applied to `sizes`), bound to the
+    call's flags: it takes (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu), hands
+    the kernel the states in the layout it indexes, and returns its outputs as a list with every state back in the
+    caller's layout (new tensors, never the input state)."""
+    backend = select(call, sizes)
     native = native_v_first(backend, call)
     copy_layout = bool(call.options.get("state_v_first")) and not native
-    out = list(backend.kernel(call.op)(
-        q, k, v, g, beta, A_log, dt_bias, swap_state_layout(initial_state) if copy_layout else initial_state,
-        cu_seqlens, cu_seqlens_cpu, **flags, **layout_kwargs(native),
-    ))
-    for i in range(1, len(out)):  # final_state, and the chunk states of kda_prefill_chunk_states
-        out[i] = swap_state_layout(out[i]) if copy_layout else unaliased(out[i], initial_state)
-    return out
+    kernel = backend.kernel(call.op)
+    layout = layout_kwargs(native)
+
+    def run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu):
+        out = list(kernel(q, k, v, g, beta, A_log, dt_bias,
+                          swap_state_layout(initial_state) if copy_layout else initial_state, cu_seqlens,
+                          cu_seqlens_cpu, **flags, **layout))
+        for i in range(1, len(out)):  # final_state, and the chunk states of kda_prefill_chunk_states
+            out[i] = swap_state_layout(out[i]) if copy_layout else unaliased(out[i], initial_state)
+        return out
+
+    return run
+
+
+def _run_forward(call, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, **flags):
+    """`forward_kernel` for `call`, run once on these tensors."""
+    sizes = forward_indexed_sizes(q, k, v, g, beta, initial_state, cu_seqlens, flags["output_final_state"])
+    return forward_kernel(call, sizes, **flags)(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+                                                cu_seqlens_cpu)
 
 
 @torch.library.custom_op("cula::kda_prefill", mutates_args=())
@@ -125,33 +138,22 @@ def chunk_states(call: ChunkCall, *, output_final_state: bool, use_qk_l2norm_in_
 
 
 def prefill_plan(call: ChunkCall, output_final_state: bool, use_qk_l2norm_in_kernel: bool, intracard_cp: str):
-    """The plan (cula_core.plans) of a `kda_prefill` call resolved into `call`: its backend's kernel bound to the
-    flags, with the state layout handled as `_run_forward` does. The plan takes (q, k, v, g, beta, A_log, dt_bias,
-    initial_state, cu_seqlens, cu_seqlens_cpu), A_log / dt_bias 1-D, and returns (o, final_state or None)."""
+    """The plan (cula_core.plans) of a `kda_prefill` call resolved into `call`: its `forward_kernel`, run without
+    an autograd graph. The plan takes (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+    cu_seqlens_cpu), A_log / dt_bias 1-D, and returns [o, final_state or None]."""
     q, k, v, g, beta, A_log, dt_bias, initial_state = call.tensors
-    flags = dict(scale=call.scale, output_final_state=output_final_state,
-                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=call.gate, lower_bound=call.lower_bound,
-                 beta_activation=call.beta_activation, intracard_cp=intracard_cp)
     config = _prefill_call("kda_prefill", q, v, call.cu_seqlens, gate=call.gate,
                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, beta_activation=call.beta_activation,
                            initial_state=initial_state, output_final_state=output_final_state,
                            state_v_first=call.state_v_first, intracard_cp=intracard_cp)
-    backend = select(config, forward_indexed_sizes(q, k, v, g, beta, initial_state, call.cu_seqlens,
-                                                   output_final_state))
-    native = native_v_first(backend, config)
-    copy_layout = call.state_v_first and not native
-    kernel = backend.kernel("kda_prefill")
-    layout = layout_kwargs(native)
+    kernel = forward_kernel(
+        config, forward_indexed_sizes(q, k, v, g, beta, initial_state, call.cu_seqlens, output_final_state),
+        scale=call.scale, output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        gate=call.gate, lower_bound=call.lower_bound, beta_activation=call.beta_activation, intracard_cp=intracard_cp)
 
-    def run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu):
+    def run(*tensors):
         with torch.no_grad():  # an inference op: no graph, whichever backend runs it
-            o, final_state = kernel(q, k, v, g, beta, A_log, dt_bias,
-                                    swap_state_layout(initial_state) if copy_layout else initial_state, cu_seqlens,
-                                    cu_seqlens_cpu, **flags, **layout)
-            if final_state is not None:
-                final_state = swap_state_layout(final_state) if copy_layout else unaliased(final_state,
-                                                                                           initial_state)
-        return o, final_state
+            return kernel(*tensors)
 
     return run
 
@@ -215,9 +217,8 @@ def kda_prefill(
                 validate_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q.shape[0], q.shape[1])
             if not use_gate_in_kernel:
                 A_log = dt_bias = None
-            else:  # FLA's any-shape gate parameters, as flatten_gate_params reads them
-                A_log = A_log if A_log is None or A_log.dim() == 1 else A_log.reshape(-1)
-                dt_bias = dt_bias if dt_bias is None or dt_bias.dim() == 1 else dt_bias.reshape(-1)
+            else:  # FLA's any-shape gate parameters, 1-D as resolve_chunk_call makes them
+                A_log, dt_bias = flatten_gate_params(A_log, dt_bias, v.shape[2], q.shape[3])
             o, final_state = plan(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu)
             return o, (final_state if output_final_state else None)
     call = resolve_chunk_call(
