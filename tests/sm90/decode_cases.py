@@ -110,14 +110,17 @@ def live_rows(kw) -> torch.Tensor:
 
 
 def kernel_call(op: str, kw, **flags):
-    """Run the sm90 kernel of `op` directly (the calling convention of docs/backends.md, no validation, no
-    dispatch): for configurations the backend does not serve yet (K = V = 64)."""
+    """Run the sm90 kernel of `op` directly (the calling convention of docs/backends.md, no validation, no backend
+    selection): for configurations the backend does not serve yet (K = V = 64), and to name the kernel that runs
+    (`flags` tiling= / verify_variant=, the keywords of cula_sm90.decode.ops; otherwise the dispatch table picks).
+    The pool keywords of `kw` (state_v_first, null_slot) go with the call."""
     from cula_sm90.decode.ops import KERNELS
 
     args = (kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], kw["state_pool"], kw["cache_idx"], kw["A_log"],
             kw["dt_bias"])
+    pool_kw = {name: kw[name] for name in ("state_v_first", "null_slot") if name in kw}
     return KERNELS[op](*args, scale=kw["q"].shape[-1] ** -0.5, lower_bound=kw["lower_bound"],
-                       use_qk_l2norm_in_kernel=kw["use_qk_l2norm_in_kernel"], **flags)
+                       use_qk_l2norm_in_kernel=kw["use_qk_l2norm_in_kernel"], **pool_kw, **flags)
 
 
 def serving_pool(kw, dtype=torch.float32, v_first=False, null_slot=None):

@@ -1,8 +1,8 @@
 """Run under compute-sanitizer by test_decode_gpu.py::test_memcheck_clean_on_odd_batches: every decode kernel
 (final state, per-token states, verify, flush with a per-request and a broadcast m, all-layers flush) on odd
 batches N in {1, 5} with padded slots (-1) and an out-of-range slot (= P), T in {1, 3}, K = V in {64, 128}, GVA 2;
-every tiling the dispatch can pick; the chunk-form verify (every chunk variant, T in {1, 3, 9})
-(K = V = 64 through the kernels directly: the backend does not serve it yet).
+every tiling the dispatch can pick and the chunk-form verify (every chunk variant, T in {1, 3, 9}), each named
+through the sm90 kernels' `tiling` / `verify_variant` keywords (K = V = 64 through the kernels directly as well).
 Prints "cases ok" at the end; memcheck reports any out-of-bounds or misaligned access."""
 
 import sys
@@ -53,30 +53,19 @@ def main(parts=("all", "tilings", "verify", "pools")):
                     n += 1
         # every tiling the dispatch can pick (the loop above ran the one for these sizes), on an odd batch
         for tiling in (configs.dispatched_tilings() if "tilings" in parts else ()):
-            configs.TILING_OVERRIDE = tiling
-            try:
-                for T in (1, 3):
-                    kw = make_case(5, T, 1, 2, out_of_range=True, extra_slots=1, seed=70 + T)
-                    cula_core.kda_decode_mtp(**kw)
-                    cula_core.kda_decode_mtp(**kw, output_per_token_states=True)
-                    cula_core.kda_decode_mtp_kvbuffer(**kw)
-                    n += 1
-            finally:
-                configs.TILING_OVERRIDE = None
-        # the chunk-form verify, every chunk variant, K = V = 128 (public op) and 64 (kernel directly)
+            for T in (1, 3):
+                kw = make_case(5, T, 1, 2, out_of_range=True, extra_slots=1, seed=70 + T)
+                kernel_call("kda_decode_mtp", kw, output_per_token_states=False, tiling=tiling)
+                kernel_call("kda_decode_mtp", kw, output_per_token_states=True, tiling=tiling)
+                kernel_call("kda_decode_mtp_kvbuffer", kw, tiling=tiling)
+                n += 1
+        # the chunk-form verify, every chunk variant, K = V = 128 and 64
         for name in (configs.VERIFY_VARIANTS[1:] if "verify" in parts else ()):
-            configs.VERIFY_OVERRIDE = name
-            try:
-                for K in (64, 128):
-                    for N, T in ((1, 1), (5, 3), (5, 9)):
-                        kw = make_case(N, T, 1, 2, K=K, V=K, out_of_range=True, extra_slots=1, seed=90 + T)
-                        if K == 128:
-                            cula_core.kda_decode_mtp_kvbuffer(**kw)
-                        else:
-                            kernel_call("kda_decode_mtp_kvbuffer", kw)
-                        n += 1
-            finally:
-                configs.VERIFY_OVERRIDE = None
+            for K in (64, 128):
+                for N, T in ((1, 1), (5, 3), (5, 9)):
+                    kw = make_case(N, T, 1, 2, K=K, V=K, out_of_range=True, extra_slots=1, seed=90 + T)
+                    kernel_call("kda_decode_mtp_kvbuffer", kw, verify_variant=name)
+                    n += 1
         # serving pools: bf16 and V-first, padded through a null slot (every kernel, public ops)
         for dtype, v_first in ((torch.bfloat16, False), (torch.float32, True), (torch.bfloat16, True)):
             for N, T in ((1, 1), (5, 3), (5, 9)) if "pools" in parts else ():

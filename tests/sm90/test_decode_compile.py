@@ -174,15 +174,101 @@ def test_chunk_verify_compiles_for_sm90a(sm90a, tc, T, K, safe):
         fn(1, 2)
 
 
-def test_verify_override(monkeypatch):
-    """The override (a benchmarking / testing hook) pins every verify call to one variant; without it the table
-    picks by shape."""
-    from cula_sm90.decode import configs
+def _refuse_loads(monkeypatch):
+    from cula_core import cute_runtime
 
-    assert configs.verify_variant(300, 4, 8) == configs.VERIFY_CHUNK_SIMT
-    monkeypatch.setattr(configs, "VERIFY_OVERRIDE", configs.VERIFY_CHUNK_TC)
-    assert configs.verify_variant(300, 4, 8) == configs.VERIFY_CHUNK_TC
-    assert configs.verify_variants_for(4) == (configs.VERIFY_CHUNK_TC,)
+    def get(name, config):
+        raise AssertionError(f"a kernel was loaded: {name} {config}")
+
+    monkeypatch.setattr(cute_runtime, "get", get)
+
+
+@pytest.mark.parametrize(("mode", "named", "message"), [
+    ("final", dict(tiling=(8, 4, 4, 0)),
+     r"tiling must be None or one of cula_sm90\.decode\.configs\.TILINGS .*got \(8, 4, 4, 0\)"),
+    ("states", dict(tiling=[32, 4, 4, 0]), r"tiling must be None or one of .*got \[32, 4, 4, 0\]"),
+    ("kvbuffer", dict(tiling="32x4x4"), r"tiling must be None or one of .*got '32x4x4'"),
+    ("kvbuffer", dict(verify_variant="tc"), r"verify_variant must be None or one of \('recurrent', 'chunk_simt', "
+                                            r"'chunk_tc'\), got 'tc'"),
+    ("final", dict(verify_variant="recurrent"), r"verify_variant chooses the verify kernel \(mode 'kvbuffer'\), got "
+                                                r"verify_variant='recurrent' with mode 'final'"),
+    ("kvbuffer", dict(tiling=(32, 4, 4, 0), verify_variant="chunk_tc"),
+     r"the chunk-form verify has none, got tiling=\(32, 4, 4, 0\) with verify_variant='chunk_tc'"),
+])
+def test_named_kernel_arguments_are_checked_before_anything_runs(monkeypatch, mode, named, message):
+    """run_recurrent's tiling / verify_variant: a value outside configs.TILINGS / VERIFY_VARIANTS, a verify variant
+    outside the verify, a tiling with a chunk-form verify: ValueError naming the argument, before any kernel loads."""
+    from cula_sm90.decode import launch
+
+    _refuse_loads(monkeypatch)
+    inputs = _decode_inputs(mode, 2, 64, torch.bfloat16, torch.float32, torch.bfloat16, True, True)
+    pool_before = inputs[5].clone()
+    with pytest.raises(ValueError, match=message):
+        launch.run_recurrent(mode, *inputs, scale=0.125, lower_bound=None, use_qk_l2norm_in_kernel=True, **named)
+    with pytest.raises(ValueError, match=message):
+        launch.recurrent_function(mode, 2, 2, 64, 64, 4, torch.bfloat16, torch.float32, torch.bfloat16, True, True,
+                                  False, True, torch.float32, False, **named)
+    assert torch.equal(inputs[5], pool_before)
+
+
+@pytest.mark.parametrize("named", [dict(tiling=(32, 4, 4, 0)), dict(verify_variant="chunk_simt")])
+def test_named_kernel_never_falls_back_to_the_reference(monkeypatch, named):
+    """A pool the kernels cannot take (fp16 here) runs the reference when the dispatch picks; when the caller names
+    a kernel it is a ValueError instead (a test that names a kernel must not pass on the reference)."""
+    from cula_sm90.decode.ops import KERNELS
+
+    _refuse_loads(monkeypatch)
+    q, k, v, g, beta, _, cache_idx, A_log, dt_bias = _decode_inputs("kvbuffer", 2, 64, torch.float32, torch.float32,
+                                                                    torch.float32, True, True)
+    pool = torch.zeros(3, 4, 64, 64, dtype=torch.float16)
+    flags = dict(scale=0.125, lower_bound=None, use_qk_l2norm_in_kernel=True)
+    o, buf = KERNELS["kda_decode_mtp_kvbuffer"](q, k, v, g, beta, pool, cache_idx, A_log, dt_bias, **flags)
+    assert o.shape == v.shape and buf.shape == (2, 2, 4, 3 * 64)
+    with pytest.raises(ValueError, match=r"name a kernel, but the kernels take fp32 or bf16 state pools .* got "
+                                         r"state_pool of dtype torch.float16"):
+        KERNELS["kda_decode_mtp_kvbuffer"](q, k, v, g, beta, pool, cache_idx, A_log, dt_bias, **flags, **named)
+    if "tiling" in named:
+        with pytest.raises(ValueError, match="name a kernel"):
+            KERNELS["kda_decode_mtp"](q, k, v, g, beta, pool, cache_idx, A_log, dt_bias, **flags,
+                                      output_per_token_states=True, **named)
+
+
+def test_named_kernel_loads_only_that_kernel(monkeypatch):
+    """A named tiling / verify variant loads that one kernel (memoised by the names); the dispatch's pick loads the
+    whole family. Kernel loads are recorded, not compiled."""
+    from cula_core import cute_runtime
+    from cula_sm90.decode import configs, launch
+
+    loads = []
+
+    def get(name, config):
+        loads.append((name, config))
+        return (name, config)
+
+    monkeypatch.setattr(cute_runtime, "get", get)
+    # a family no other test uses (memoised kernels would not load again): T = 13, fp16 q/k/v, V-first bf16 pool
+    N, T, HV = 300, 13, 8
+    family = (T, 64, 64, torch.float16, torch.float32, torch.float32, True, False, True, False, torch.bfloat16, True)
+    kv = configs.MODE_KVBUFFER
+
+    def function(mode, **named):
+        loads.clear()
+        return launch.recurrent_function(mode, N, T, 64, 64, HV, *family[3:], **named)
+
+    tiling = (16, 4, 2, 0)
+    recurrent = launch.variant_kernel(kv, configs.VERIFY_RECURRENT, tiling, *family)
+    assert function(kv, tiling=tiling) == recurrent and loads == [recurrent]
+    assert function(kv, tiling=tiling) == recurrent and loads == []  # memoised
+    assert function(kv, verify_variant="recurrent", tiling=tiling) == recurrent and loads == [recurrent]
+    tc = (launch.VERIFY, launch.verify_config(*family[:10], True, *family[10:]))
+    assert function(kv, verify_variant="chunk_tc") == tc and loads == [tc]
+    picked_tiling = launch.variant_kernel(kv, configs.VERIFY_RECURRENT, configs.recurrent_tiling(N, T, HV), *family)
+    assert function(kv, verify_variant="recurrent") == picked_tiling and loads == [picked_tiling]
+    final = launch.variant_kernel(configs.MODE_FINAL, configs.VERIFY_RECURRENT, tiling, *family)
+    assert function(configs.MODE_FINAL, tiling=tiling) == final and loads == [final]
+    # the dispatch's pick: the whole family first, then the picked kernel (chunk form with tensor cores here)
+    assert configs.verify_variant(N, T, HV) == configs.VERIFY_CHUNK_TC
+    assert function(kv) == tc and set(loads) == set(launch.family_kernels(kv, *family)) and loads[-1] == tc
 
 
 def test_dispatch_stays_within_what_a_family_prepares():

@@ -163,24 +163,27 @@ def test_flush_broadcast_int_and_all_layers():
 
 
 def test_every_tiling_of_the_recurrent_kernel():
-    """Each tiling the dispatch may pick (cula_sm90.decode.configs.TILINGS), per-token-states and verify modes
-    (the final-state store is the per-token store's pattern), against the reference: the dispatch table can
-    change without leaving a tiling untested."""
+    """Each tiling the dispatch may pick (cula_sm90.decode.configs.TILINGS), named through the kernels' `tiling`
+    keyword, in per-token-states and verify modes (the final-state store is the per-token store's pattern), against
+    the reference: the dispatch table can change without leaving a tiling untested. The tiling the dispatch picks
+    for this batch gives bitwise what the public op gives."""
     from cula_sm90.decode import configs
 
     kw = make_case(5, 3, 2, 4, out_of_range=True, seed=800)
     o_ref, st_ref = reference_mtp(kw)
     _, buf_ref = reference_kvbuffer(kw)
+    with backend():
+        public = (*cula_core.kda_decode_mtp(**kw, output_per_token_states=True),
+                  *cula_core.kda_decode_mtp_kvbuffer(**kw))
+    picked = configs.recurrent_tiling(5, 3, 4)
+    assert configs.verify_variant(5, 3, 4) == configs.VERIFY_RECURRENT  # the public verify ran the recurrent kernel
     for tiling in configs.TILINGS:
-        configs.TILING_OVERRIDE = tiling
-        try:
-            with backend():
-                o, states = cula_core.kda_decode_mtp(**kw, output_per_token_states=True)
-                o2, buf = cula_core.kda_decode_mtp_kvbuffer(**kw)
-        finally:
-            configs.TILING_OVERRIDE = None
+        o, states = kernel_call("kda_decode_mtp", kw, output_per_token_states=True, tiling=tiling)
+        o2, buf = kernel_call("kda_decode_mtp_kvbuffer", kw, tiling=tiling)
         errs = (rel_err(o, o_ref), rel_err(states, st_ref), rel_err(o2, o_ref), rel_err(buf, buf_ref))
         assert max(errs) < REL_TOL, (tiling, errs)
+        if tiling == picked:
+            assert all(torch.equal(a, b) for a, b in zip((o, states, o2, buf), public, strict=True)), tiling
 
 
 def test_kernels_at_head_dim_64():

@@ -1,12 +1,11 @@
 """GPU tests of the chunk-form KVBuffer verify (cula_sm90/decode/kvbuffer_verify.py), both product variants
-(3xTF32 tensor cores and SIMT), forced through `configs.VERIFY_OVERRIDE` so the public op runs them whatever the
-dispatch table picks: outputs and the KVBuffer against the fp64 reference at the recurrent kernel's fp32 tolerance,
-the pool untouched, padded / out-of-range requests zero, the flush from their buffer equal to the reference state
-after m tokens, K = V = 64, bitwise determinism."""
+(3xTF32 tensor cores and SIMT), named through the `verify_variant` keyword of the sm90 kernel
+(cula_sm90.decode.ops.kda_decode_mtp_kvbuffer) so that they run whatever the dispatch table picks: outputs and the
+KVBuffer against the fp64 reference at the recurrent kernel's fp32 tolerance, the pool untouched, padded /
+out-of-range requests zero, the flush from their buffer equal to the reference state after m tokens, K = V = 64,
+bitwise determinism."""
 
 from __future__ import annotations
-
-import contextlib
 
 import pytest
 import torch
@@ -26,15 +25,9 @@ def _sm90():
     require_sm90()
 
 
-@contextlib.contextmanager
-def variant(name):
-    from cula_sm90.decode import configs
-
-    configs.VERIFY_OVERRIDE = name
-    try:
-        yield
-    finally:
-        configs.VERIFY_OVERRIDE = None
+def verify(kw, name):
+    """(o, KVBuffer) of the verify kernel `name` (configs.VERIFY_VARIANTS) on the case `kw`."""
+    return kernel_call("kda_decode_mtp_kvbuffer", kw, verify_variant=name)
 
 
 @pytest.mark.parametrize("T", TS)
@@ -47,8 +40,7 @@ def test_chunk_verify_then_flush(name, T):
         pool_before = kw["state_pool"].clone()
         o_ref, buf_ref = reference_kvbuffer(kw)
         _, st_ref = reference_mtp(kw)
-        with backend(), variant(name):
-            o, buf = cula_core.kda_decode_mtp_kvbuffer(**kw)
+        o, buf = verify(kw, name)
         assert rel_err(o, o_ref) < REL_TOL, (N, rel_err(o, o_ref))
         assert rel_err(buf, buf_ref) < REL_TOL, (N, rel_err(buf, buf_ref))
         live = torch.zeros(N, dtype=torch.bool, device="cuda")
@@ -65,27 +57,23 @@ def test_chunk_verify_then_flush(name, T):
 
 @pytest.mark.parametrize("name", VARIANTS)
 def test_chunk_verify_head_dim_64_and_bf16(name):
-    """K = V = 64 through the kernel directly, and bf16 inputs through the public op."""
+    """K = V = 64, and bf16 inputs."""
     kw = make_case(7, 3, 2, 4, K=64, V=64, out_of_range=True, seed=901)
     o_ref, buf_ref = reference_kvbuffer(kw)
-    with variant(name):
-        o, buf = kernel_call("kda_decode_mtp_kvbuffer", kw)
+    o, buf = verify(kw, name)
     assert rel_err(o, o_ref) < REL_TOL and rel_err(buf, buf_ref) < REL_TOL
     kw = make_case(9, 4, 2, 4, dtype=torch.bfloat16, seed=902)
     o_ref, buf_ref = reference_kvbuffer(kw)
-    with backend(), variant(name):
-        o, buf = cula_core.kda_decode_mtp_kvbuffer(**kw)
+    o, buf = verify(kw, name)
     assert rel_err(o, o_ref) < 8e-3 and rel_err(buf, buf_ref) < REL_TOL
 
 
 @pytest.mark.parametrize("name", VARIANTS)
 def test_chunk_verify_deterministic_and_close_to_recurrent(name):
     kw = make_case(64, 6, 2, 4, seed=903)
-    with backend():
-        o_rec, buf_rec = cula_core.kda_decode_mtp_kvbuffer(**kw)
-        with variant(name):
-            a = cula_core.kda_decode_mtp_kvbuffer(**kw)
-            b = cula_core.kda_decode_mtp_kvbuffer(**kw)
+    o_rec, buf_rec = verify(kw, "recurrent")
+    a = verify(kw, name)
+    b = verify(kw, name)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert rel_err(a[0], o_rec) < REL_TOL and rel_err(a[1], buf_rec) < REL_TOL
 
@@ -133,9 +121,8 @@ def test_chunk_every_padding(name, T):
     kw = make_case(6, T, 2, 4, safe=bool(T % 2), out_of_range=True, seed=950 + T)
     pool_before = kw["state_pool"].clone()
     o_ref, buf_ref = reference_kvbuffer(kw)
-    with backend(), variant(name):
-        a = cula_core.kda_decode_mtp_kvbuffer(**kw)
-        b = cula_core.kda_decode_mtp_kvbuffer(**kw)
+    a = verify(kw, name)
+    b = verify(kw, name)
     assert rel_err(a[0], o_ref) < REL_TOL and rel_err(a[1], buf_ref) < REL_TOL, (rel_err(a[0], o_ref),
                                                                                    rel_err(a[1], buf_ref))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

@@ -11,8 +11,9 @@ with A_log and dt_bias), fp32 state pool [P, HV, K, V] (`--pool-dtype bf16`: a b
 
 Tables:
   1. the speculative-decoding chain "verify T draft tokens + commit the state after m = T of them":
-     cula = `kda_decode_mtp_kvbuffer` + `kda_flush_kvbuffer` (public ops: validation, dispatch and the torch
-     custom ops included); FLA = `fused_recurrent_kda_fwd` writing the T per-token states into pool slots
+     cula = `kda_decode_mtp_kvbuffer` + `kda_flush_kvbuffer`, the verify run once per variant (the sm90 kernel
+     `cula_sm90.decode.ops.kda_decode_mtp_kvbuffer` with `verify_variant` named), the flush a public op;
+     FLA = `fused_recurrent_kda_fwd` writing the T per-token states into pool slots
      (`ssm_state_indices [N, T]`, slot 0 of each request its live state, as serving engines call it) + the
      index-copy commit of the accepted one. N in (1, 2, 4, 8, 16, 32, 64, 128), T in (2, 3, 4, 6).
      Also: cula's verify kernel alone, the per-token-states recurrent kernel (the drop-in of FLA's path), and
@@ -24,8 +25,11 @@ Tables:
      back-to-back calls at N = 1, T = 1: the host is the bottleneck there).
 Timing: device time per call, from 20 calls captured in one CUDA graph and replayed under `triton.testing.do_bench`
 (median after warm-up, L2 flushed between replays); the eager columns time Python calls through the harness
-(tools/bench/harness.py; host cost included).
-`--tilings` adds the sweep over the recurrent kernel's tilings that the dispatch table in launch.py comes from.
+(tools/bench/harness.py; host cost included; cula's: the public ops, with the dispatch's pick).
+`--tilings` / `--only-tilings` add / run only the sweep over the recurrent kernel's tilings that the dispatch table
+(cula_sm90.decode.configs.recurrent_tiling) comes from: T = 1 decode and the T = 4 verify on the recurrent kernel,
+each tiling named through the `tiling` keyword of the sm90 kernels (cula_sm90.decode.ops), on the pools that
+`--pool-dtype` / `--v-first` set.
 Table 1 times every verify variant (recurrent, chunk SIMT, chunk tensor cores); `cula ms` is the best of them.
 `--dispatch` times only what the dispatch tables pick, graph-timed: the verify alone per variant (growth in T,
 beside FLA's chain and ours), T = 1 decode, the chain grid (in that order, the JSON written after every row).
@@ -91,13 +95,6 @@ def cula_chain(x, m):
     return o
 
 
-def cula_verify(x):
-    import cula_core
-
-    return cula_core.kda_decode_mtp_kvbuffer(*_op_args(x), A_log=x["A_log"], dt_bias=x["dt_bias"],
-                                             use_qk_l2norm_in_kernel=True, **_layout())[0]
-
-
 def cula_states(x):
     import cula_core
 
@@ -115,17 +112,43 @@ def cula_decode(x):
 VERIFY_VARIANTS = ("recurrent", "chunk_simt", "chunk_tc")  # the ones the dispatch tables pick from
 
 
-def with_variant(fn, name):
-    """fn with every verify call forced to one variant (at capture time too: the graph keeps that kernel)."""
-    def call(*args):
-        from cula_sm90.decode import configs
+def _kernel_flags():
+    """The flags of the sm90 kernels (the calling convention of docs/backends.md) for make_inputs' rows."""
+    return dict(scale=K ** -0.5, lower_bound=None, use_qk_l2norm_in_kernel=True, **_layout())
 
-        configs.VERIFY_OVERRIDE = name
-        try:
-            return fn(*args)
-        finally:
-            configs.VERIFY_OVERRIDE = None
-    return call
+
+def named_verify(x, variant=None, tiling=None):
+    """(o, KVBuffer) of the verify kernel named by `variant` / `tiling` (cula_sm90.decode.ops' keywords; None: the
+    dispatch's pick): the sm90 kernel called directly, without core's validation and backend selection."""
+    from cula_sm90.decode.ops import kda_decode_mtp_kvbuffer
+
+    return kda_decode_mtp_kvbuffer(*_op_args(x), x["A_log"], x["dt_bias"], tiling=tiling, verify_variant=variant,
+                                   **_kernel_flags())
+
+
+def verify_variant_o(x, variant):
+    return named_verify(x, variant)[0]
+
+
+def chain_variant(x, m, variant):
+    """cula's chain with the verify kernel `variant` and the public flush."""
+    import cula_core
+
+    o, buf = named_verify(x, variant)
+    cula_core.kda_flush_kvbuffer(x["state_pool"], x["cache_idx"], buf, m, **_layout())
+    return o
+
+
+def decode_at_tiling(x, tiling):
+    """T = 1 decode on the recurrent kernel at `tiling` (the sm90 kernel with its `tiling` keyword)."""
+    from cula_sm90.decode.ops import kda_decode
+
+    return kda_decode(*_op_args(x), x["A_log"], x["dt_bias"], tiling=tiling, **_kernel_flags())
+
+
+def verify_at_tiling(x, tiling):
+    """The verify on the recurrent kernel at `tiling` (a tiling names the recurrent verify, whatever N)."""
+    return named_verify(x, tiling=tiling)[0]
 
 
 def fla_setup(x, T):
@@ -209,8 +232,7 @@ def host_overhead(reps=2000):
     from cula_sm90.decode.ops import kda_decode
 
     def direct():
-        kda_decode(*_op_args(x), x["A_log"], x["dt_bias"], scale=K ** -0.5, lower_bound=None,
-                   use_qk_l2norm_in_kernel=True)
+        kda_decode(*_op_args(x), x["A_log"], x["dt_bias"], **_kernel_flags())
 
     def wall(fn):
         for _ in range(50):
@@ -228,8 +250,9 @@ def host_overhead(reps=2000):
     return out
 
 
-def tiling_sweep(timing, hs, ns=(1, 16, 128), cases=((1, cula_decode), (4, cula_verify)), tilings=None):
-    """Device ms of the recurrent kernel per tiling: plain decode (T = 1) and verify (T = 4)."""
+def tiling_sweep(timing, hs, ns=(1, 16, 128), cases=((1, decode_at_tiling), (4, verify_at_tiling)), tilings=None):
+    """Device ms of the recurrent kernel per tiling: plain decode (T = 1) and verify (T = 4); `cases`: (T, fn(x,
+    tiling)); `tilings`: a subset of configs.TILINGS (default all)."""
     from cula_sm90.decode import configs
 
     timing = Timing(warmup=10, repeats=40, method=timing.method)  # many cells: shorter runs than the tables'
@@ -242,11 +265,7 @@ def tiling_sweep(timing, hs, ns=(1, 16, 128), cases=((1, cula_decode), (4, cula_
                     x = make_inputs(N, T, H, seed=N)
                     row = dict(H=H, N=N, T=T)
                     for tiling in tilings or configs.TILINGS:
-                        configs.TILING_OVERRIDE = tiling
-                        try:
-                            row[tiling] = graph_ms(fn, (x,), timing)
-                        finally:
-                            configs.TILING_OVERRIDE = None
+                        row[tiling] = graph_ms(fn, (x, tiling), timing)
                     out.append(row)
                     print(row, flush=True)
                     del x
@@ -255,7 +274,7 @@ def tiling_sweep(timing, hs, ns=(1, 16, 128), cases=((1, cula_decode), (4, cula_
 
 def first_call_report(H: int = 32) -> str:
     """Wall time of the first call of each decode family in this process (compiling and loading every kernel
-    the dispatch can pick for it: launch._prepare_family), then of the second call, synchronised. Must run
+    the dispatch can pick for it: launch.family_kernels), then of the second call, synchronised. Must run
     before any other cula call in the process; CuTe DSL keeps no compiled kernel across processes."""
     import cula_core
 
@@ -382,7 +401,7 @@ def main(argv=None) -> int:
 
     def sweep():
         quick = ((32, 4, 4, 0), (32, 2, 4, 0), (32, 2, 4, 1))
-        rows = (tiling_sweep(timing, (64,), (1, 128), ((1, cula_decode),), quick) if args.quick
+        rows = (tiling_sweep(timing, (64,), (1, 128), ((1, decode_at_tiling),), quick) if args.quick
                 else tiling_sweep(timing, hs))
         raw["tilings"] = [{("x".join(map(str, k)) if isinstance(k, tuple) else k): v for k, v in r.items()}
                           for r in rows]
@@ -406,20 +425,19 @@ def main(argv=None) -> int:
             for T in ts:
                 for N in ns:
                     x, xf, pool, idx, ref = chain_case(N, T, H)
-                    err = max(errors(with_variant(cula_chain, v)(dict(x, state_pool=x["state_pool"].clone()), T)
-                                     .float(), ref.float())[1] for v in VERIFY_VARIANTS)
+                    err = max(errors(chain_variant(dict(x, state_pool=x["state_pool"].clone()), T, v).float(),
+                                     ref.float())[1] for v in VERIFY_VARIANTS)
                     row = dict(N=N, T=T, H=H, err=err)
                     row["fla"] = graph_ms(fla_chain, (xf, pool, idx, T), timing)
                     # every verify variant: the chain with it and the verify alone; cula = the best chain
-                    row["chain_v"] = {v: graph_ms(with_variant(cula_chain, v), (x, T), timing) for v in VERIFY_VARIANTS}
-                    row["verify_v"] = {v: graph_ms(with_variant(cula_verify, v), (x,), timing) for v in VERIFY_VARIANTS}
+                    row["chain_v"] = {v: graph_ms(chain_variant, (x, T, v), timing) for v in VERIFY_VARIANTS}
+                    row["verify_v"] = {v: graph_ms(verify_variant_o, (x, v), timing) for v in VERIFY_VARIANTS}
                     row["best"] = min(VERIFY_VARIANTS, key=lambda v: row["chain_v"][v])
                     row["cula"] = row["chain_v"][row["best"]]
                     row["verify"] = row["verify_v"][row["best"]]
                     row["states"] = graph_ms(cula_states, (x,), timing)
-                    if not args.quick:
-                        best_chain = with_variant(cula_chain, row["best"])
-                        row["cula_eager"] = measure(best_chain, [(x, T)], timing).median_ms
+                    if not args.quick:  # eager: what a caller of the public ops gets (the dispatch's pick)
+                        row["cula_eager"] = measure(cula_chain, [(x, T)], timing).median_ms
                         row["fla_eager"] = measure(fla_chain, [(xf, pool, idx, T)], timing).median_ms
                     row["buf_ratio"] = (K * V) / (2 * K + V)  # per token and head: T K V vs T (2K + V) floats
                     rows.append(row)
@@ -497,8 +515,7 @@ def dispatch_run(timing, hs=HS, ns=NS, ts=TS, growth_ts=(2, 3, 4, 6, 8), growth_
         for T in (growth_ts if "growth" in sections else ()):
             for N in growth_ns:
                 x, xf, pool, idx, ref = chain_case(N, T, 64)
-                row = dict(H=64, T=T, N=N, **{v: graph_ms(with_variant(cula_verify, v), (x,), timing)
-                                              for v in VERIFY_VARIANTS})
+                row = dict(H=64, T=T, N=N, **{v: graph_ms(verify_variant_o, (x, v), timing) for v in VERIFY_VARIANTS})
                 row["fla_chain"] = graph_ms(fla_chain, (xf, pool, idx, T), timing)
                 row["chain"] = graph_ms(cula_chain, (x, T), timing)
                 keep("growth", row)
@@ -559,7 +576,9 @@ def render_dispatch(d, env) -> str:
 
 def render_tilings(rows) -> str:
     keys = [k for k in rows[0] if "x" in k]
-    lines = ["", "## Recurrent kernel per tiling (device ms; tiling = BV x lanes along V x warps)", "",
+    pool = f"{str(POOL['dtype']).replace('torch.', '')} {'V-first' if POOL['v_first'] else 'K-first'} pools"
+    lines = ["", f"## Recurrent kernel per tiling ({pool}; device ms; tiling = BV x lanes along V x warps x "
+             "warp-local)", "",
              "| H | N | T | " + " | ".join(keys) + " | best |", "|" + "---:|" * (len(keys) + 4)]
     for r in rows:
         best = min(keys, key=lambda k: r[k])
@@ -589,8 +608,8 @@ def render(raw, env, peak) -> str:
         "Device time per chain, each captured 20 times in one CUDA graph and replayed (as serving engines run "
         "decode). `speed-up` = FLA chain ms / cula chain ms. `verify` = cula's verify alone; `per-token states` = "
         "cula's recurrent kernel writing the T states (FLA's output, without its commit). `eager` columns: the "
-        "same chains called from Python, host overhead included (cula: through the public ops, validation and "
-        "torch custom-op dispatch included). Buffer: the KVBuffer holds "
+        "chains called from Python, host overhead included (cula: through the public ops with the dispatch's "
+        "verify, validation and torch custom-op dispatch included). Buffer: the KVBuffer holds "
         f"{(2 * K + V)} floats per token and head against {K * V} for a state: "
         f"{K * V / (2 * K + V):.0f}x fewer bytes.",
         "",

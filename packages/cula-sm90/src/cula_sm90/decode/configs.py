@@ -20,20 +20,17 @@ INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 POOL_DTYPES = (torch.float32, torch.bfloat16)
 
 
-#: tilings of the recurrent kernel that the benchmark compares (the GPU tests check every one against the reference):
+#: tilings of the recurrent kernel that the benchmark compares (the GPU tests check every one against the reference,
+#: forcing it through the `tiling` argument of launch.run_recurrent and the decode ops):
 #: (BV columns per CTA, lanes along V, warps, warp-local prologue: 1 = each warp prepares the per-token vectors
 #: itself, no CTA barrier)
 TILINGS = ((32, 4, 4, 0), (64, 4, 4, 0), (16, 4, 4, 0), (32, 4, 2, 0), (16, 4, 2, 0), (32, 2, 4, 0), (64, 2, 4, 0),
            (32, 4, 4, 1), (32, 2, 4, 1), (64, 2, 4, 1), (32, 2, 2, 1))
-#: a benchmarking hook (tools/bench/mtp_decode.py): when set, every recurrent launch uses this tiling
-TILING_OVERRIDE: tuple[int, int, int, int] | None = None
 
 
 def recurrent_tiling(N: int, T: int, HV: int) -> tuple[int, int, int, int]:
     """(BV, lanes along V, warps, warp-local) of the recurrent kernel for a batch, by T and heads = N * HV (the
     table was chosen by measurement: docs/benchmarks/mtp_decode.md)."""
-    if TILING_OVERRIDE is not None:
-        return TILING_OVERRIDE
     heads = N * HV
     if T == 1:
         return (64, 4, 4, 0)
@@ -50,15 +47,11 @@ VERIFY_RECURRENT, VERIFY_CHUNK_SIMT, VERIFY_CHUNK_TC = "recurrent", "chunk_simt"
 VERIFY_VARIANTS = (VERIFY_RECURRENT, VERIFY_CHUNK_SIMT, VERIFY_CHUNK_TC)
 #: the chunk form uses SIMT products up to this many tokens (one m-tile of 8 padded rows), tensor cores beyond
 CHUNK_SIMT_MAX_T = 8
-#: a benchmarking / testing hook: when set, every verify call uses this variant
-VERIFY_OVERRIDE: str | None = None
 
 
 def verify_variant(N: int, T: int, HV: int) -> str:
     """Which verify kernel serves a batch, by T and heads = N * HV (chosen by measurement:
     docs/benchmarks/mtp_decode.md)."""
-    if VERIFY_OVERRIDE is not None:
-        return VERIFY_OVERRIDE
     if N * HV <= 32:
         return VERIFY_RECURRENT
     return VERIFY_CHUNK_TC if T > CHUNK_SIMT_MAX_T else VERIFY_CHUNK_SIMT
@@ -68,15 +61,11 @@ def recurrent_tilings_for(T: int) -> tuple[tuple[int, int, int, int], ...]:
     """Every tiling recurrent_tiling can return for T, whatever N and HV (launch.py prepares them all on a
     family's first call, so that a later batch size never compiles or loads a kernel, e.g. inside a CUDA-graph
     capture)."""
-    if TILING_OVERRIDE is not None:
-        return (TILING_OVERRIDE,)
     return ((64, 4, 4, 0),) if T == 1 else ((32, 4, 4, 0), (64, 4, 4, 0), (32, 2, 2, 1))
 
 
 def verify_variants_for(T: int) -> tuple[str, ...]:
     """Every variant verify_variant can return for T, whatever N and HV."""
-    if VERIFY_OVERRIDE is not None:
-        return (VERIFY_OVERRIDE,)
     return (VERIFY_RECURRENT, VERIFY_CHUNK_TC if T > CHUNK_SIMT_MAX_T else VERIFY_CHUNK_SIMT)
 
 

@@ -24,7 +24,8 @@ Dispatch: `configs.recurrent_tiling` (the recurrent kernel's tiling) and `config
 or chunk form for the verify) pick by T and heads = N * HV; the measurements behind the tables are in
 docs/benchmarks/mtp_decode.md. On a family's first call (mode, T, head dims, dtypes, gate) every kernel the tables
 can pick for it at any N is loaded, so that a later batch size never compiles or loads one (a CUDA-graph capture
-at a new N).
+at a new N). A caller may name the kernel instead (`run_recurrent`'s `tiling` and `verify_variant`, for the tests
+that check every tiling and verify variant and the benchmark that times them): then only that kernel is loaded.
 
 No host synchronisation: nothing here reads a device tensor; accept lengths are read by the flush kernel.
 """
@@ -148,14 +149,33 @@ _families: set[tuple] = set()
 
 
 def _prepare_family(family: tuple) -> None:
-    """Load every kernel of a family once (see the module docstring); the benchmarks' dispatch hooks change what a
-    family holds."""
-    key = (*family, configs.TILING_OVERRIDE, configs.VERIFY_OVERRIDE)
-    if key in _families:
+    """Load every kernel of a family once (see the module docstring)."""
+    if family in _families:
         return
     for name, config in family_kernels(*family):
         rt.get(name, config)
-    _families.add(key)
+    _families.add(family)
+
+
+def checked_choice(mode: str, tiling, verify_variant) -> None:
+    """Check `run_recurrent`'s tiling and verify_variant: ValueError naming the argument unless tiling is None or
+    one of configs.TILINGS (a tuple) and verify_variant is None or one of configs.VERIFY_VARIANTS, given only in
+    MODE_KVBUFFER (the other modes have one kernel, the recurrent one); a tiling is the recurrent kernel's, so it
+    does not go with a chunk-form verify_variant."""
+    if tiling is not None:
+        if not isinstance(tiling, tuple) or tiling not in configs.TILINGS:
+            raise ValueError(f"tiling must be None or one of cula_sm90.decode.configs.TILINGS {configs.TILINGS}, "
+                             f"got {tiling!r}")
+    if verify_variant is not None:
+        if verify_variant not in configs.VERIFY_VARIANTS:
+            raise ValueError(f"verify_variant must be None or one of {configs.VERIFY_VARIANTS}, got "
+                             f"{verify_variant!r}")
+        if mode != configs.MODE_KVBUFFER:
+            raise ValueError(f"verify_variant chooses the verify kernel (mode {configs.MODE_KVBUFFER!r}), got "
+                             f"verify_variant={verify_variant!r} with mode {mode!r}")
+        if tiling is not None and verify_variant != configs.VERIFY_RECURRENT:
+            raise ValueError(f"tiling chooses the recurrent kernel's tiling; the chunk-form verify has none, got "
+                             f"tiling={tiling!r} with verify_variant={verify_variant!r}")
 
 
 # ---------------------------------------------------------------- recurrent kernel (decode, MTP, verify)
@@ -169,28 +189,46 @@ def gate_read_dtype(dtype: torch.dtype) -> torch.dtype:
 _recurrent_fns: dict[tuple, object] = {}
 
 
-def recurrent_function(mode, N, T, K, V, HV, qkv, gdt, bdt, has_A_log, has_dt_bias, safe, l2norm, pool, v_first):
-    """The loaded kernel that runs a batch (memoised by every argument and the dispatch hooks of configs; on a
-    family's first batch, the whole family is loaded: `_prepare_family`)."""
-    key = (mode, N, T, K, V, HV, qkv, gdt, bdt, has_A_log, has_dt_bias, safe, l2norm, pool, v_first,
-           configs.TILING_OVERRIDE, configs.VERIFY_OVERRIDE)
+def recurrent_function(mode, N, T, K, V, HV, qkv, gdt, bdt, has_A_log, has_dt_bias, safe, l2norm, pool, v_first,
+                       tiling=None, verify_variant=None):
+    """The loaded kernel that runs a batch, memoised by every argument. With tiling and verify_variant None (the
+    dispatch's pick), the family's first batch loads the whole family (`_prepare_family`); a tiling or a
+    verify_variant (as `run_recurrent` takes them, checked by `checked_choice`) loads only the kernel it names: a
+    tiling alone names the recurrent kernel (in MODE_KVBUFFER too), a verify_variant alone takes the dispatch's
+    tiling when it is the recurrent one."""
+    checked_choice(mode, tiling, verify_variant)
+    key = (mode, N, T, K, V, HV, qkv, gdt, bdt, has_A_log, has_dt_bias, safe, l2norm, pool, v_first, tiling,
+           verify_variant)
     fn = _recurrent_fns.get(key)
     if fn is None:
         family = (mode, T, K, V, qkv, gdt, bdt, has_A_log, has_dt_bias, safe, l2norm, pool, v_first)
-        _prepare_family(family)
-        variant = configs.verify_variant(N, T, HV) if mode == configs.MODE_KVBUFFER else configs.VERIFY_RECURRENT
-        fn = _recurrent_fns[key] = rt.get(*variant_kernel(mode, variant, configs.recurrent_tiling(N, T, HV),
-                                                          *family[1:]))
+        if tiling is None and verify_variant is None:
+            _prepare_family(family)
+            variant = configs.verify_variant(N, T, HV) if mode == configs.MODE_KVBUFFER else configs.VERIFY_RECURRENT
+        else:
+            variant = verify_variant or configs.VERIFY_RECURRENT
+        fn = rt.get(*variant_kernel(mode, variant, tiling or configs.recurrent_tiling(N, T, HV), *family[1:]))
+        _recurrent_fns[key] = fn
     return fn
 
 
 def run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, *, scale, lower_bound,
-                  use_qk_l2norm_in_kernel, state_v_first=False, null_slot=None):
-    """Launch the recurrent or verify kernel `mode` (configs.MODE_*) picks for this batch: (o, out) with o like v
+                  use_qk_l2norm_in_kernel, state_v_first=False, null_slot=None, tiling=None, verify_variant=None):
+    """Launch the recurrent or verify kernel of `mode` (configs.MODE_*) for this batch: (o, out) with o like v
     and out the per-token states [N, T, *pool slot] in the pool's dtype (MODE_STATES), the KVBuffer
     [N, T, HV, 2K + V] fp32 (MODE_KVBUFFER) or None (MODE_FINAL, which updates the pool in place). Arguments in
     the decode calling convention of docs/backends.md, already validated and contiguous; the pool 16-byte aligned
-    (q, k, v, g and dt_bias are copied where they are not)."""
+    (q, k, v, g and dt_bias are copied where they are not).
+
+    Which kernel runs:
+      tiling: None = the dispatch table's pick (configs.recurrent_tiling); else one of configs.TILINGS: the
+        recurrent kernel at that tiling (in MODE_KVBUFFER too: a tiling alone selects the recurrent verify).
+      verify_variant: MODE_KVBUFFER only. None = the dispatch table's pick (configs.verify_variant); else one of
+        configs.VERIFY_VARIANTS (a chunk-form variant takes no tiling).
+    Any other value is a ValueError naming the argument, raised before anything is allocated or launched. A named
+    kernel is loaded alone on its first call (the dispatch's pick loads its whole family, so that later batch
+    sizes only launch)."""
+    checked_choice(mode, tiling, verify_variant)
     N, T, HQK, K = q.shape
     _, _, HV, V = v.shape
     o = torch.empty_like(v)
@@ -217,7 +255,7 @@ def run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
     safe = lower_bound is not None
     fn = recurrent_function(mode, N, T, K, V, HV, q.dtype, g.dtype, beta.dtype, A_log is not None,
                             dt_bias is not None, safe, bool(use_qk_l2norm_in_kernel), state_pool.dtype,
-                            bool(state_v_first))
+                            bool(state_v_first), tiling, verify_variant)
     pool_addr = state_pool.data_ptr()
     fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
        A_log.data_ptr() if A_log is not None else pool_addr,        # never read without A_log

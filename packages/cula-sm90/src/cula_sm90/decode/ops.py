@@ -4,7 +4,13 @@ the executable specification): each prepares nothing core has not, and launches 
 Pools of another dtype than fp32 / bf16 are declined through the CallConfig (its `state_dtype` option); one that
 is not 16-byte aligned, which the CallConfig cannot tell, runs the reference implementation here instead of a
 kernel. `state_v_first` and `null_slot` (keywords of the calling convention, given only when set) go to the
-kernels: the layout as a compile-time key, the null slot as a runtime argument."""
+kernels: the layout as a compile-time key, the null slot as a runtime argument.
+
+kda_decode, kda_decode_mtp and kda_decode_mtp_kvbuffer also take `tiling` (and the verify `verify_variant`):
+keywords that cula_core never passes, with launch.run_recurrent's contract (None = the dispatch table's pick; a
+value names the kernel that runs). They are the seam through which the tests run every tiling and verify variant
+against the reference and the benchmark times them. A named kernel never falls back to the reference: a pool the
+kernels cannot take is then a ValueError."""
 
 from __future__ import annotations
 
@@ -14,43 +20,52 @@ from cula_core import reference_backend
 from cula_sm90.decode import configs, launch
 
 
-def _kernel_can_take(state_pool: torch.Tensor) -> bool:
-    return state_pool.dtype in configs.POOL_DTYPES and state_pool.data_ptr() % 16 == 0
+def _kernel_can_take(state_pool: torch.Tensor, tiling=None, verify_variant=None) -> bool:
+    """Whether the kernels take `state_pool` (else the reference runs); ValueError instead of False when the caller
+    named a kernel (tiling / verify_variant): a run that names one must not pass on the reference."""
+    if state_pool.dtype in configs.POOL_DTYPES and state_pool.data_ptr() % 16 == 0:
+        return True
+    if tiling is not None or verify_variant is not None:
+        raise ValueError(f"tiling={tiling!r}, verify_variant={verify_variant!r} name a kernel, but the kernels take "
+                         "fp32 or bf16 state pools at 16-byte aligned addresses, got state_pool of dtype "
+                         f"{state_pool.dtype} at an address of {state_pool.data_ptr() % 16} mod 16")
+    return False
 
 
 def kda_decode_mtp(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, *, scale, lower_bound,
-                   use_qk_l2norm_in_kernel, output_per_token_states, **pool):
-    if not _kernel_can_take(state_pool):
+                   use_qk_l2norm_in_kernel, output_per_token_states, tiling=None, **pool):
+    if not _kernel_can_take(state_pool, tiling):
         return reference_backend.kda_decode_mtp(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale=scale,
                                                 lower_bound=lower_bound,
                                                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                                                 output_per_token_states=output_per_token_states, **pool)
     mode = configs.MODE_STATES if output_per_token_states else configs.MODE_FINAL
     return launch.run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale=scale,
-                                lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **pool)
+                                lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                tiling=tiling, **pool)
 
 
 def kda_decode(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, *, scale, lower_bound,
-               use_qk_l2norm_in_kernel, **pool):
-    if not _kernel_can_take(state_pool):
+               use_qk_l2norm_in_kernel, tiling=None, **pool):
+    if not _kernel_can_take(state_pool, tiling):
         return reference_backend.kda_decode(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale=scale,
                                             lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                                             **pool)
     o, _ = launch.run_recurrent(configs.MODE_FINAL, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
                                 scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                                **pool)
+                                tiling=tiling, **pool)
     return o
 
 
 def kda_decode_mtp_kvbuffer(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, *, scale, lower_bound,
-                            use_qk_l2norm_in_kernel, **pool):
-    if not _kernel_can_take(state_pool):
+                            use_qk_l2norm_in_kernel, tiling=None, verify_variant=None, **pool):
+    if not _kernel_can_take(state_pool, tiling, verify_variant):
         return reference_backend.kda_decode_mtp_kvbuffer(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
                                                          scale=scale, lower_bound=lower_bound,
                                                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **pool)
     return launch.run_recurrent(configs.MODE_KVBUFFER, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
-                                scale=scale, lower_bound=lower_bound,
-                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **pool)
+                                scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                tiling=tiling, verify_variant=verify_variant, **pool)
 
 
 def kda_flush_kvbuffer_all_layers(state_pools, cache_idx, kvbuffers, accept_len, accept_len_all, **pool):
