@@ -9,6 +9,9 @@ kernels (which chunk, which state row, which piece starts where), not the kernel
 
 from __future__ import annotations
 
+import ctypes
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,13 +20,31 @@ from cula_core import reference_backend as R
 from cula_core.reference import chunk_kda_reference
 
 BT, K = 64, 128
+bf16, f32, i32 = torch.bfloat16, torch.float32, torch.int32
 
 
-def _intra_emulator(gate, beta_activation, l2norm, has_a_log, has_dt_bias, *_dtypes):
+def _at(address: int, dtype: torch.dtype, *shape: int) -> torch.Tensor:
+    """The host memory a kernel argument points at, as a tensor (the kernels take addresses; on the CPU an
+    emulator reads and writes through them)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype=dtype).view(shape)
+
+
+def _intra_emulator(gate, beta_activation, l2norm, has_a_log, has_dt_bias, qkv_dtype, g_dtype, beta_dtype, _kind):
     def run(q, k, v, g, beta, a_log, dtb, cu, co, w, u, qg, kg, aqk, gl, TT, N, NC, steps, HQK, G, scale, lb, _s):
-        flat = [t.reshape(1, TT, *t.shape[2:]) for t in (q, k, v, g, beta)]
-        qp, kp, gp, bp = R.prepare_inputs(flat[0], flat[1], flat[3], flat[4], a_log if has_a_log else None,
-                                          dtb if has_dt_bias else None, dtype=torch.float64,
+        HV = HQK * G
+        q, k = (_at(a, qkv_dtype, 1, TT, HQK, K) for a in (q, k))
+        v, g, beta = _at(v, qkv_dtype, 1, TT, HV, K), _at(g, g_dtype, 1, TT, HV, K), _at(beta, beta_dtype, 1, TT, HV)
+        # an absent A_log / dt_bias comes as some valid address: never read (as in the kernel)
+        a_log = _at(a_log, f32, HV) if has_a_log else None
+        dtb = _at(dtb, f32, HV * K) if has_dt_bias else None
+        cu = _at(cu, i32, N + 1)
+        w, u, qg, kg = (_at(a, bf16, TT, HV, K) for a in (w, u, qg, kg))
+        aqk, gl = _at(aqk, bf16, TT, HV, BT), _at(gl, f32, NC, HV, K)
+        flat = [q, k, v, g, beta]
+        qp, kp, gp, bp = R.prepare_inputs(flat[0], flat[1], flat[3], flat[4], a_log, dtb, dtype=torch.float64,
                                           use_qk_l2norm_in_kernel=l2norm, gate=gate, lower_bound=lb,
                                           beta_activation=beta_activation)
         _, _, x = chunk_kda_reference(qp, kp, flat[2].double(), gp, bp, scale=scale, cu_seqlens=cu.long(),
@@ -38,17 +59,24 @@ def _intra_emulator(gate, beta_activation, l2norm, has_a_log, has_dt_bias, *_dty
     return run
 
 
-def _state_emulator(affine, _o_dtype):
+def _state_emulator(affine, o_dtype):
     def run(w, u, qg, kg, aqk, gl, seg, h0, ht, o, TT, NC, S, HV, NH0, NHT, _s):
         d = torch.float64
-        o = o.view(TT, HV, K)  # [B, T, HV, V] as the kernel indexes it
+        w, u, qg, kg = (_at(a, bf16, TT, HV, K) for a in (w, u, qg, kg))
+        aqk, gl, seg = _at(aqk, bf16, TT, HV, BT), _at(gl, f32, NC, HV, K), _at(seg, i32, S, 5)
+        # affine mode writes each row's map [HV, K, 2K] where the normal mode writes final states; h0 / ht are
+        # some valid address when no segment reads / writes them (as in the kernel): viewed only when used
+        h0_at, ht_at = h0, ht
+        h0 = lambda: _at(h0_at, f32, NH0, HV, K, K)  # noqa: E731
+        ht = lambda: _at(ht_at, f32, NHT, HV, K, 2 * K if affine else K)  # noqa: E731
+        o = _at(o, o_dtype, TT, HV, K)  # [B, T, HV, V] as the kernel indexes it
         for s_ in range(S):
             start, end, chunk0, h0_idx, ht_idx = (int(x) for x in seg[s_])
             for hv in range(HV):
                 if affine:
                     h = torch.cat([torch.eye(K, dtype=d), torch.zeros(K, K, dtype=d)], 1)
                 else:
-                    h = h0[h0_idx, hv].double() if h0_idx >= 0 else torch.zeros(K, K, dtype=d)
+                    h = h0()[h0_idx, hv].double() if h0_idx >= 0 else torch.zeros(K, K, dtype=d)
                 for ci, t0 in enumerate(range(start, end, BT)):
                     t1 = min(t0 + BT, end)
                     uu = u[t0:t1, hv].double()
@@ -60,7 +88,7 @@ def _state_emulator(affine, _o_dtype):
                         o[t0:t1, hv] = (qg[t0:t1, hv].double() @ h + A @ vn).to(o.dtype)
                     h = torch.exp(gl[chunk0 + ci, hv].double())[:, None] * h + kg[t0:t1, hv].double().T @ vn
                 if ht_idx >= 0:
-                    ht[ht_idx, hv] = h.float()
+                    ht()[ht_idx, hv] = h.float()
     return run
 
 
@@ -70,10 +98,10 @@ def fwd(monkeypatch):
 
     monkeypatch.setattr(forward, "compile_intra", _intra_emulator)
     monkeypatch.setattr(forward, "compile_state", _state_emulator)
-    monkeypatch.setattr(forward, "address", lambda t, align=None: t)
     monkeypatch.setattr(forward, "launch_stream", lambda: None)
     monkeypatch.setattr(forward, "sm_count", lambda index: 132)
     forward.planned_device_tables.cache_clear()
+    forward.uniform_device_tables.cache_clear()
     return forward
 
 

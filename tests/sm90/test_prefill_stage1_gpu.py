@@ -33,13 +33,11 @@ def stage1(kind, q, k, v, g, beta, A_log, dt_bias, lens, lower_bound, beta_act="
     out["aqk"] = torch.zeros(TT, HV, 64, dtype=mid, device="cuda")
     out["gl"] = torch.zeros(NC, HV, K, dtype=torch.float32, device="cuda")
     fn = F.compile_intra("safe", beta_act, True, True, True, q.dtype, g.dtype, beta.dtype, kind)
-    io = 16 if kind == "tc" else None
     N = len(lens)
-    g_io = io if g.dtype == torch.bfloat16 else None
-    mids = (F.address(out[n], io) for n in ("w", "u", "qg", "kg", "aqk"))
-    fn(F.address(q, io), F.address(k, io), F.address(v, io), F.address(g, g_io), F.address(beta), F.address(A_log),
-       F.address(dt_bias), F.address(cu), F.address(co), *mids, F.address(out["gl"]),
-       TT, N, NC, max(N, 1).bit_length() + 1, HQK, HV // HQK, K ** -0.5, float(lower_bound), F.launch_stream())
+    mids = (out[n].data_ptr() for n in ("w", "u", "qg", "kg", "aqk"))
+    fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), A_log.data_ptr(), dt_bias.data_ptr(),
+       cu.data_ptr(), co.data_ptr(), *mids, out["gl"].data_ptr(), TT, N, NC, max(N, 1).bit_length() + 1, HQK,
+       HV // HQK, K ** -0.5, float(lower_bound), F.launch_stream())
     torch.cuda.synchronize()
     return out
 

@@ -49,18 +49,21 @@ def signature(op: str, tensors: tuple, scalars: tuple) -> tuple | None:
     env = os.environ
     if env.get("CULA_CHECK_DEVICE_VALUES", "") not in ("", "0"):
         return None
-    for s in scalars:
-        if type(s) not in _SCALAR_TYPES:
-            return None
-    parts = [op, env.get("CULA_BACKEND"), env.get("CULA_STRICT"), scalars, tuple(map(type, scalars))]
+    types = tuple(map(type, scalars))
+    if not _SCALAR_TYPES.issuperset(types):
+        return None
+    parts = [op, env.get("CULA_BACKEND"), env.get("CULA_STRICT"), scalars, types]
     for t in tensors:
         if t is None:
             parts.append(None)
             continue
         cls = type(t)
-        if (cls is not _Tensor and cls is not _Parameter) or not t.is_cuda or not t.is_contiguous():
+        if cls is not _Tensor and cls is not _Parameter:
             return None
-        parts.append((t.shape, t.dtype, t.get_device()))
+        device = t.get_device()  # -1 on the host
+        if device < 0 or not t.is_contiguous():
+            return None
+        parts.append((t.shape, t.dtype, device))
     return tuple(parts)
 
 

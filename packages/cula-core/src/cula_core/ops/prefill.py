@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from cula_core import plans
-from cula_core.fla_args import ChunkCall, flatten_gate_params, resolve_chunk_call
+from cula_core.fla_args import ChunkCall, resolve_chunk_call
 from cula_core.ops._common import (
     absent_like,
     fake_forward_outputs,
@@ -47,12 +47,15 @@ def forward_kernel(call, sizes: dict, **flags):
     kernel = backend.kernel(call.op)
     layout = layout_kwargs(native)
 
+    kwargs = {**flags, **layout}
+
     def run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu):
         out = list(kernel(q, k, v, g, beta, A_log, dt_bias,
                           swap_state_layout(initial_state) if copy_layout else initial_state, cu_seqlens,
-                          cu_seqlens_cpu, **flags, **layout))
-        for i in range(1, len(out)):  # final_state, and the chunk states of kda_prefill_chunk_states
-            out[i] = swap_state_layout(out[i]) if copy_layout else unaliased(out[i], initial_state)
+                          cu_seqlens_cpu, **kwargs))
+        if copy_layout or initial_state is not None:
+            for i in range(1, len(out)):  # final_state, and the chunk states of kda_prefill_chunk_states
+                out[i] = swap_state_layout(out[i]) if copy_layout else unaliased(out[i], initial_state)
         return out
 
     return run
@@ -152,6 +155,8 @@ def prefill_plan(call: ChunkCall, output_final_state: bool, use_qk_l2norm_in_ker
         gate=call.gate, lower_bound=call.lower_bound, beta_activation=call.beta_activation, intracard_cp=intracard_cp)
 
     def run(*tensors):
+        if not torch.is_grad_enabled():
+            return kernel(*tensors)
         with torch.no_grad():  # an inference op: no graph, whichever backend runs it
             return kernel(*tensors)
 
@@ -217,8 +222,11 @@ def kda_prefill(
                 validate_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q.shape[0], q.shape[1])
             if not use_gate_in_kernel:
                 A_log = dt_bias = None
-            else:  # FLA's any-shape gate parameters, 1-D as resolve_chunk_call makes them
-                A_log, dt_bias = flatten_gate_params(A_log, dt_bias, v.shape[2], q.shape[3])
+            else:  # FLA's any-shape gate parameters (their sizes were checked with the plan), 1-D
+                if A_log is not None and A_log.dim() != 1:
+                    A_log = A_log.reshape(-1)
+                if dt_bias is not None and dt_bias.dim() != 1:
+                    dt_bias = dt_bias.reshape(-1)
             o, final_state = plan(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu)
             return o, (final_state if output_final_state else None)
     call = resolve_chunk_call(

@@ -37,14 +37,8 @@ TC_LOWER_BOUND_MIN = -8.0
 INTRA, STATE = "sm90.prefill.intra", "sm90.prefill.state"
 
 
-def address(t: torch.Tensor, align: int | None = None) -> int:
-    """The address a kernel takes for t (`align`: the compiled pointer's assumption, which the caller ensures).
-    Every kernel argument goes through here and `launch_stream`: the seam a host-path test replaces."""
-    return t.data_ptr()
-
-
 def launch_stream() -> int:
-    """The current CUDA stream's handle, as the kernels take it."""
+    """The current CUDA stream's handle, as the kernels take it (the seam a host-path test replaces)."""
     return rt.current_stream()
 
 
@@ -211,6 +205,23 @@ def planned_device_tables(lengths, num_heads, num_sms, mode, device, has_h0, wan
     return tables
 
 
+@functools.lru_cache(maxsize=64)
+def uniform_device_tables(B, T, num_heads, device, mode, has_h0, want_ht, cp_pieces):
+    """planned_device_tables for B sequences of T tokens (no cu_seqlens): keyed by the shape alone."""
+    return planned_device_tables((T,) * B, num_heads, sm_count(device.index or 0), mode, device, has_h0, want_ht,
+                                 tuple(sorted(planner_kwargs(cp_pieces).items())))
+
+
+def scratch_layout(TT: int, HV: int, NC: int) -> tuple[int, tuple[int, ...]]:
+    """Stage 1's outputs in one scratch allocation: (bytes, byte offsets of w, u, qg, kg [TT, HV, K] bf16,
+    Aqk [TT, HV, BT] bf16 and gl [NC, HV, K] fp32). Every size is a multiple of 128 bytes, so every offset keeps
+    the allocation's alignment (the kernels' 16-byte vector accesses)."""
+    mid = TT * HV * DK * 2
+    aqk = TT * HV * BT * 2
+    offsets = (0, mid, 2 * mid, 3 * mid, 4 * mid, 4 * mid + aqk)
+    return offsets[-1] + NC * HV * DK * 4, offsets
+
+
 def _device_tables(B, T, N, cu_seqlens, device, has_h0, want_ht):
     """Tables from device data only (varlen without cu_seqlens_cpu): no host synchronisation, no CP."""
     cu = cu_seqlens.to(torch.int32)
@@ -236,22 +247,26 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     TT = B * T
     has_h0 = initial_state is not None
-    lengths = _host_lengths(B, T, cu_seqlens, cu_seqlens_cpu)
-    if lengths is not None:
-        tables = planned_device_tables(lengths, HV, sm_count(device.index or 0), intracard_cp, device, has_h0,
-                                       bool(output_final_state), tuple(sorted(planner_kwargs(cp_pieces).items())))
+    want_ht = bool(output_final_state)
+    if cu_seqlens is None:
+        tables = uniform_device_tables(B, T, HV, device, intracard_cp, has_h0, want_ht, cp_pieces)
     else:
-        tables = _device_tables(B, T, N, cu_seqlens, device, has_h0, bool(output_final_state))
+        lengths = _host_lengths(B, T, cu_seqlens, cu_seqlens_cpu)
+        if lengths is not None:
+            tables = planned_device_tables(lengths, HV, sm_count(device.index or 0), intracard_cp, device, has_h0,
+                                           want_ht, tuple(sorted(planner_kwargs(cp_pieces).items())))
+        else:
+            tables = _device_tables(B, T, N, cu_seqlens, device, has_h0, want_ht)
     NC = max(tables["NC"], 1)
 
-    mid = torch.bfloat16
-    # stage 1's outputs: w, u, qg, kg in one allocation (fewer host calls per launch), Aqk, and gl (whose address
-    # also stands for every absent optional tensor: a kernel never reads one)
-    w, u, qg, kg = torch.empty(4, TT, HV, K, dtype=mid, device=device).unbind(0)
-    aqk = torch.empty(TT, HV, BT, dtype=mid, device=device)
-    gl = torch.empty(NC, HV, K, dtype=torch.float32, device=device)
+    # stage 1's outputs live in one scratch allocation, addressed by offset (scratch_layout); its base also
+    # stands for every absent optional tensor (a kernel never reads one)
+    nbytes, offsets = scratch_layout(TT, HV, NC)
+    scratch = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    base = scratch.data_ptr()
+    w, u, qg, kg, aqk, gl = (base + off for off in offsets)
     o = torch.empty_like(v)
-    final = torch.empty(N, HV, K, K, dtype=torch.float32, device=device) if output_final_state else None
+    final = torch.empty(N, HV, K, K, dtype=torch.float32, device=device) if want_ht else None
     if TT == 0 or N == 0:
         if final is not None:
             final.copy_(initial_state) if has_h0 else final.zero_()
@@ -262,43 +277,37 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
         g = g.float()
     if beta.dtype not in (torch.bfloat16, torch.float32):
         beta = beta.float()
-    dummy = gl
-    a_log = dummy if A_log is None else A_log if A_log.dtype == torch.float32 else A_log.float()
-    dtb = dummy if dt_bias is None else dt_bias if dt_bias.dtype == torch.float32 else dt_bias.float()
+    a_log = base if A_log is None else (A_log if A_log.dtype == torch.float32 else A_log.float()).data_ptr()
+    dtb = base if dt_bias is None else (dt_bias if dt_bias.dtype == torch.float32 else dt_bias.float()).data_ptr()
     stream = launch_stream()
     lb = -5.0 if lower_bound is None else float(lower_bound)
     kind = intra_kind(gate, lb)
     intra = compile_intra(gate, beta_activation, bool(use_qk_l2norm_in_kernel), A_log is not None,
                           dt_bias is not None, q.dtype, g.dtype, beta.dtype, kind)
-    io = None
-    if kind == "tc":  # 16-byte vector copies: q, k, v 16-byte aligned (views at odd offsets are copied)
-        if q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16 or g.data_ptr() % 16:
-            q, k, v, g = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (q, k, v, g))
-        io = 16
-    g_io = io if g.dtype == torch.bfloat16 else None
-    intra(address(q, io), address(k, io), address(v, io), address(g, g_io), address(beta), address(a_log),
-          address(dtb), address(tables["cu"]), address(tables["co"]), address(w, io), address(u, io), address(qg, io),
-          address(kg, io), address(aqk, io), address(gl), TT, N, NC,
+    # the TC stage 1 loads q, k, v (and a bf16 g) in 16-byte vectors: views at odd offsets are copied
+    if kind == "tc" and (q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16 or g.data_ptr() % 16):
+        q, k, v, g = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (q, k, v, g))
+    intra(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), a_log, dtb,
+          tables["cu"].data_ptr(), tables["co"].data_ptr(), w, u, qg, kg, aqk, gl, TT, N, NC,
           max(N, 1).bit_length() + 1, HQK, HV // HQK, float(scale), lb, stream)
 
     state = compile_state(False, v.dtype)
-    mids = [address(t, 16) for t in (w, u, qg, kg, aqk)]
     plan = tables["plan"]
     seg = tables["seg"]
     S = seg.shape[0]
-    ht = final if final is not None else dummy
+    ht = base if final is None else final.data_ptr()
     if plan is None or not plan.split:
-        h0 = initial_state if has_h0 else dummy
-        state(*mids, address(gl), address(seg), address(h0), address(ht), address(o),
-              TT, NC, S, HV, max(h0.shape[0] if has_h0 else 1, 1), N if final is not None else 1, stream)
+        h0 = initial_state.data_ptr() if has_h0 else base
+        state(w, u, qg, kg, aqk, gl, seg.data_ptr(), h0, ht, o.data_ptr(), TT, NC, S, HV,
+              max(initial_state.shape[0] if has_h0 else 1, 1), N if final is not None else 1, stream)
         return o, final
 
     # ---- context parallel: maps of the pieces, a scan, then every piece at once
     map_seg = tables["map_seg"]
     R = map_seg.shape[0]
     maps = torch.empty(R, HV, K, 2 * K, dtype=torch.float32, device=device)
-    compile_state(True, v.dtype)(*mids, address(gl), address(map_seg),
-                                 address(dummy), address(maps), address(o), TT, NC, R, HV, 1, R, stream)
+    compile_state(True, v.dtype)(w, u, qg, kg, aqk, gl, map_seg.data_ptr(), base, maps.data_ptr(), o.data_ptr(),
+                                 TT, NC, R, HV, 1, R, stream)
     starts = torch.empty(S, HV, K, K, dtype=torch.float32, device=device)
     if has_h0:
         starts[tables["firsts"]] = initial_state
@@ -318,6 +327,6 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     if has_h0:
         reached = composed[..., :K] @ initial_state[tables["scan_seq"]].double() + reached
     starts[tables["scan_dst"]] = reached.float()
-    state(*mids, address(gl), address(seg), address(starts), address(ht), address(o),
+    state(w, u, qg, kg, aqk, gl, seg.data_ptr(), starts.data_ptr(), ht, o.data_ptr(),
           TT, NC, S, HV, S, N if final is not None else 1, stream)
     return o, final
