@@ -7,6 +7,7 @@ at every chunk start; that is the op ``cula::kda_prefill_chunk_states`` (dispatc
 
 from __future__ import annotations
 
+import functools
 
 import torch
 from torch import Tensor
@@ -39,23 +40,24 @@ def _prefill_call(op, q, v, cu_seqlens, *, gate, use_qk_l2norm_in_kernel, beta_a
 def forward_kernel(call, sizes: dict, **flags):
     """The backend's kernel for forward `call` (chosen with its indexing limit applied to `sizes`), bound to the
     call's flags: it takes (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu), hands
-    the kernel the states in the layout it indexes, and returns its outputs as a list with every state back in the
-    caller's layout (new tensors, never the input state)."""
+    the kernel the states in the layout it indexes, and returns its outputs (a sequence) with every state back in
+    the caller's layout (new tensors, never the input state)."""
     backend = select(call, sizes)
     native = native_v_first(backend, call)
     copy_layout = bool(call.options.get("state_v_first")) and not native
     kernel = backend.kernel(call.op)
     layout = layout_kwargs(native)
 
-    kwargs = {**flags, **layout}
+    bound = functools.partial(kernel, **flags, **layout)
 
     def run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu):
-        out = list(kernel(q, k, v, g, beta, A_log, dt_bias,
-                          swap_state_layout(initial_state) if copy_layout else initial_state, cu_seqlens,
-                          cu_seqlens_cpu, **kwargs))
-        if copy_layout or initial_state is not None:
-            for i in range(1, len(out)):  # final_state, and the chunk states of kda_prefill_chunk_states
-                out[i] = swap_state_layout(out[i]) if copy_layout else unaliased(out[i], initial_state)
+        if not copy_layout and initial_state is None:  # new outputs in the caller's layout already
+            return bound(q, k, v, g, beta, A_log, dt_bias, None, cu_seqlens, cu_seqlens_cpu)
+        out = list(bound(q, k, v, g, beta, A_log, dt_bias,
+                         swap_state_layout(initial_state) if copy_layout else initial_state, cu_seqlens,
+                         cu_seqlens_cpu))
+        for i in range(1, len(out)):  # final_state, and the chunk states of kda_prefill_chunk_states
+            out[i] = swap_state_layout(out[i]) if copy_layout else unaliased(out[i], initial_state)
         return out
 
     return run

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -235,6 +237,50 @@ def _device_tables(B, T, N, cu_seqlens, device, has_h0, want_ht):
     return {"cu": cu, "co": co, "seg": seg, "NC": -(-(B * T) // BT) + N, "plan": None}
 
 
+class Launch(NamedTuple):
+    """What the two stages of one call shape take besides the call's own addresses (launch_spec)."""
+
+    intra: Callable           # stage 1
+    state: Callable           # stage 2 (normal mode)
+    tables: dict              # device tables (planned_device_tables / _device_tables), held here
+    nbytes: int               # scratch_layout
+    offsets: tuple[int, ...]
+    intra_sizes: tuple        # TT, N, NC, scan steps, HQK, G, scale, lower bound
+    state_sizes: tuple        # TT, NC, segments, HV, rows of h0, rows of ht
+    final_shape: tuple[int, ...] | None
+    aligned: bool             # stage 1 loads q, k, v (and a bf16 g) in 16-byte vectors
+
+
+def launch_spec(B, T, HQK, HV, N, tables, qkv_dtype, g_dtype, beta_dtype, has_a_log, has_dt_bias, h0_rows, want_ht,
+                scale, l2norm, gate, lower_bound, beta_activation) -> Launch:
+    """The Launch of a call shape with its tables (`h0_rows` 0: no initial state)."""
+    TT = B * T
+    NC = max(tables["NC"], 1)
+    nbytes, offsets = scratch_layout(TT, HV, NC)
+    lb = -5.0 if lower_bound is None else float(lower_bound)
+    kind = intra_kind(gate, lb)
+    intra = compile_intra(gate, beta_activation, bool(l2norm), has_a_log, has_dt_bias, qkv_dtype, g_dtype,
+                          beta_dtype, kind)
+    S = tables["seg"].shape[0]
+    return Launch(intra, compile_state(False, qkv_dtype), tables, nbytes, offsets,
+                  (TT, N, NC, max(N, 1).bit_length() + 1, HQK, HV // HQK, float(scale), lb),
+                  (TT, NC, S, HV, max(h0_rows, 1), N if want_ht else 1),
+                  (N, HV, DK, DK) if want_ht else None, kind == "tc")
+
+
+@functools.lru_cache(maxsize=256)
+def uniform_launch_spec(B, T, HQK, HV, device, intracard_cp, cp_pieces, qkv_dtype, g_dtype, beta_dtype, has_a_log,
+                        has_dt_bias, h0_rows, want_ht, scale, l2norm, gate, lower_bound, beta_activation) -> Launch:
+    """launch_spec of B sequences of T tokens (no cu_seqlens), cached by every argument: a repeated call shape
+    goes straight to its launches."""
+    tables = uniform_device_tables(B, T, HV, device, intracard_cp, h0_rows > 0, want_ht, cp_pieces)
+    return launch_spec(B, T, HQK, HV, B, tables, qkv_dtype, g_dtype, beta_dtype, has_a_log, has_dt_bias, h0_rows,
+                       want_ht, scale, l2norm, gate, lower_bound, beta_activation)
+
+
+_READ_DTYPES = (torch.bfloat16, torch.float32)  # g and beta are read in these dtypes as they are, others as fp32
+
+
 def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *, scale,
             output_final_state, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, intracard_cp="off",
             cp_pieces=None):
@@ -245,11 +291,22 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     HV = v.shape[2]
     device = q.device
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    TT = B * T
     has_h0 = initial_state is not None
     want_ht = bool(output_final_state)
+    if B * T == 0 or N == 0:
+        final = torch.empty(N, HV, K, K, dtype=torch.float32, device=device) if want_ht else None
+        if final is not None:
+            final.copy_(initial_state) if has_h0 else final.zero_()
+        return torch.empty_like(v), final
+    if g.dtype not in _READ_DTYPES:
+        g = g.float()
+    if beta.dtype not in _READ_DTYPES:
+        beta = beta.float()
+    h0_rows = initial_state.shape[0] if has_h0 else 0
     if cu_seqlens is None:
-        tables = uniform_device_tables(B, T, HV, device, intracard_cp, has_h0, want_ht, cp_pieces)
+        spec = uniform_launch_spec(B, T, HQK, HV, device, intracard_cp, cp_pieces, q.dtype, g.dtype, beta.dtype,
+                                   A_log is not None, dt_bias is not None, h0_rows, want_ht, scale,
+                                   use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation)
     else:
         lengths = _host_lengths(B, T, cu_seqlens, cu_seqlens_cpu)
         if lengths is not None:
@@ -257,52 +314,39 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
                                            want_ht, tuple(sorted(planner_kwargs(cp_pieces).items())))
         else:
             tables = _device_tables(B, T, N, cu_seqlens, device, has_h0, want_ht)
-    NC = max(tables["NC"], 1)
+        spec = launch_spec(B, T, HQK, HV, N, tables, q.dtype, g.dtype, beta.dtype, A_log is not None,
+                           dt_bias is not None, h0_rows, want_ht, scale, use_qk_l2norm_in_kernel, gate, lower_bound,
+                           beta_activation)
 
     # stage 1's outputs live in one scratch allocation, addressed by offset (scratch_layout); its base also
     # stands for every absent optional tensor (a kernel never reads one)
-    nbytes, offsets = scratch_layout(TT, HV, NC)
-    scratch = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    scratch = torch.empty(spec.nbytes, dtype=torch.uint8, device=device)
     base = scratch.data_ptr()
-    w, u, qg, kg, aqk, gl = (base + off for off in offsets)
+    w, u, qg, kg, aqk, gl = (base + off for off in spec.offsets)
     o = torch.empty_like(v)
-    final = torch.empty(N, HV, K, K, dtype=torch.float32, device=device) if want_ht else None
-    if TT == 0 or N == 0:
-        if final is not None:
-            final.copy_(initial_state) if has_h0 else final.zero_()
-        return o, final
-
-    # g and beta are read in their own dtype when it is bf16 or fp32 (one compiled variant each), else as fp32
-    if g.dtype not in (torch.bfloat16, torch.float32):
-        g = g.float()
-    if beta.dtype not in (torch.bfloat16, torch.float32):
-        beta = beta.float()
-    a_log = base if A_log is None else (A_log if A_log.dtype == torch.float32 else A_log.float()).data_ptr()
-    dtb = base if dt_bias is None else (dt_bias if dt_bias.dtype == torch.float32 else dt_bias.float()).data_ptr()
-    stream = launch_stream()
-    lb = -5.0 if lower_bound is None else float(lower_bound)
-    kind = intra_kind(gate, lb)
-    intra = compile_intra(gate, beta_activation, bool(use_qk_l2norm_in_kernel), A_log is not None,
-                          dt_bias is not None, q.dtype, g.dtype, beta.dtype, kind)
-    # the TC stage 1 loads q, k, v (and a bf16 g) in 16-byte vectors: views at odd offsets are copied
-    if kind == "tc" and (q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16 or g.data_ptr() % 16):
+    final = None if spec.final_shape is None else torch.empty(spec.final_shape, dtype=torch.float32, device=device)
+    if A_log is not None and A_log.dtype != torch.float32:
+        A_log = A_log.float()
+    if dt_bias is not None and dt_bias.dtype != torch.float32:
+        dt_bias = dt_bias.float()
+    # views at odd offsets are copied where stage 1 loads 16-byte vectors
+    if spec.aligned and (q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16 or g.data_ptr() % 16):
         q, k, v, g = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (q, k, v, g))
-    intra(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), a_log, dtb,
-          tables["cu"].data_ptr(), tables["co"].data_ptr(), w, u, qg, kg, aqk, gl, TT, N, NC,
-          max(N, 1).bit_length() + 1, HQK, HV // HQK, float(scale), lb, stream)
-
-    state = compile_state(False, v.dtype)
-    plan = tables["plan"]
-    seg = tables["seg"]
-    S = seg.shape[0]
+    stream = launch_stream()
+    tables = spec.tables
+    spec.intra(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
+               base if A_log is None else A_log.data_ptr(), base if dt_bias is None else dt_bias.data_ptr(),
+               tables["cu"].data_ptr(), tables["co"].data_ptr(), w, u, qg, kg, aqk, gl, *spec.intra_sizes, stream)
     ht = base if final is None else final.data_ptr()
+    plan = tables["plan"]
     if plan is None or not plan.split:
-        h0 = initial_state.data_ptr() if has_h0 else base
-        state(w, u, qg, kg, aqk, gl, seg.data_ptr(), h0, ht, o.data_ptr(), TT, NC, S, HV,
-              max(initial_state.shape[0] if has_h0 else 1, 1), N if final is not None else 1, stream)
+        spec.state(w, u, qg, kg, aqk, gl, tables["seg"].data_ptr(), initial_state.data_ptr() if has_h0 else base,
+                   ht, o.data_ptr(), *spec.state_sizes, stream)
         return o, final
 
     # ---- context parallel: maps of the pieces, a scan, then every piece at once
+    TT, NC, S = spec.state_sizes[:3]
+    seg = tables["seg"]
     map_seg = tables["map_seg"]
     R = map_seg.shape[0]
     maps = torch.empty(R, HV, K, 2 * K, dtype=torch.float32, device=device)
@@ -327,6 +371,6 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     if has_h0:
         reached = composed[..., :K] @ initial_state[tables["scan_seq"]].double() + reached
     starts[tables["scan_dst"]] = reached.float()
-    state(w, u, qg, kg, aqk, gl, seg.data_ptr(), starts.data_ptr(), ht, o.data_ptr(),
-          TT, NC, S, HV, S, N if final is not None else 1, stream)
+    spec.state(w, u, qg, kg, aqk, gl, seg.data_ptr(), starts.data_ptr(), ht, o.data_ptr(),
+               TT, NC, S, HV, S, N if final is not None else 1, stream)
     return o, final
