@@ -25,7 +25,7 @@ POOL_DTYPES = (torch.float32, torch.bfloat16)
 #: (BV columns per CTA, lanes along V, warps, warp-local prologue: 1 = each warp prepares the per-token vectors
 #: itself, no CTA barrier)
 TILINGS = ((32, 4, 4, 0), (64, 4, 4, 0), (16, 4, 4, 0), (32, 4, 2, 0), (16, 4, 2, 0), (32, 2, 4, 0), (64, 2, 4, 0),
-           (32, 4, 4, 1), (32, 2, 4, 1), (64, 2, 4, 1), (32, 2, 2, 1), (128, 4, 8, 0), (128, 2, 8, 0))
+           (32, 4, 4, 1), (32, 2, 4, 1), (64, 2, 4, 1), (32, 2, 2, 1))
 
 
 def recurrent_tiling(N: int, T: int, HV: int) -> tuple[int, int, int, int]:
