@@ -45,7 +45,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tools.bench import fla_tuning  # noqa: E402
-from tools.bench.harness import Timing, environment, errors, measure  # noqa: E402
+from tools.bench.harness import Timing, add_do_bench_args, errors, measure  # noqa: E402
 from tools.bench.mtp_decode import graph_ms, peak_hbm_gbs  # noqa: E402
 from tools.bench.prefill import publish  # noqa: E402
 
@@ -200,8 +200,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="N in (1, 16, 128), new-state rows at H = 64, no eager")
     ap.add_argument("--out", type=Path, help="markdown file whose section for this card is rewritten")
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
-    ap.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
+    add_do_bench_args(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("fused_recurrent: needs a CUDA device", file=sys.stderr)

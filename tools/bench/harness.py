@@ -445,6 +445,12 @@ def _free_cuda_cache() -> None:
         torch.cuda.empty_cache()
 
 
+def add_do_bench_args(ap: argparse.ArgumentParser, warmup: int = 25, rep: int = 100) -> None:
+    """--warmup / --rep of the scripts that time with triton's do_bench: its warm-up and measuring time, in ms."""
+    ap.add_argument("--warmup", type=int, default=warmup, help="do_bench warm-up, ms")
+    ap.add_argument("--rep", type=int, default=rep, help="do_bench measuring time, ms")
+
+
 def parse_args(description: str = "cula benchmark", argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The options every tools/bench benchmark takes; `.timing` holds the Timing they describe."""
     p = argparse.ArgumentParser(description=description)

@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tools.bench.harness import Timing, environment, errors, measure  # noqa: E402
+from tools.bench.harness import Timing, add_do_bench_args, environment, errors, measure  # noqa: E402
 
 NS = (1, 2, 4, 8, 16, 32, 64, 128)
 TS = (2, 3, 4, 6)
@@ -376,8 +376,7 @@ def main(argv=None) -> int:
     ap.add_argument("--v-first", action="store_true", help="V-first pools [P, HV, V, K] (state_v_first=True)")
     ap.add_argument("--out", type=Path, help="write the markdown report here")
     ap.add_argument("--json", type=Path, help="write the raw numbers here (as it goes)")
-    ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
-    ap.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
+    add_do_bench_args(ap)
     args = ap.parse_args(argv)
     POOL.update(dtype=torch.bfloat16 if args.pool_dtype == "bf16" else torch.float32, v_first=args.v_first)
     if args.static:

@@ -33,7 +33,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tools.bench import fla_tuning  # noqa: E402
-from tools.bench.harness import Timing, environment, measure  # noqa: E402
+from tools.bench.harness import Timing, add_do_bench_args, environment, measure  # noqa: E402
 
 K = 128
 LOWER_BOUND = -5.0
@@ -226,8 +226,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-fla", action="store_true", help="cula and FlashKDA only")
     ap.add_argument("--out", type=Path, help="markdown file whose section for this card is rewritten")
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
-    ap.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
+    add_do_bench_args(ap)
     ap.add_argument("--profile", metavar="B,T,H", help="per-kernel CUDA times of cula at one shape, then exit")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

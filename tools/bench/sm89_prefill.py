@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tools.bench.harness import Timing, environment, measure  # noqa: E402
+from tools.bench.harness import Timing, add_do_bench_args, environment, measure  # noqa: E402
 
 SHAPES = [dict(B=b, T=t, H=h, K=k) for k in (64, 128) for h in (16, 32) for b in (1, 2, 4) for t in (1024, 4096, 16384)]
 SMOKE = [dict(B=1, T=1024, H=16, K=64), dict(B=2, T=4096, H=32, K=128)]
@@ -189,8 +189,7 @@ def main(argv=None) -> int:
                     help="Triton's cache already holds FLA's autotuning results (of an earlier run): keep them")
     ap.add_argument("--out", type=Path, help="write the markdown report here")
     ap.add_argument("--json", type=Path, help="write the raw numbers here")
-    ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
-    ap.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
+    add_do_bench_args(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("sm89_prefill: no CUDA device", file=sys.stderr)

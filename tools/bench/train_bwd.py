@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tools.bench.harness import Timing, environment, measure  # noqa: E402
+from tools.bench.harness import Timing, add_do_bench_args, environment, measure  # noqa: E402
 
 H = 32
 K = V = 128
@@ -300,8 +300,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="a few rows of each table")
     ap.add_argument("--out", type=Path, help="write the markdown report here (rewritten after every row)")
     ap.add_argument("--json", type=Path, help="write the raw numbers here (rewritten after every row)")
-    ap.add_argument("--warmup", type=int, default=10, help="do_bench warm-up, ms")
-    ap.add_argument("--rep", type=int, default=40, help="do_bench measuring time, ms")
+    add_do_bench_args(ap, warmup=10, rep=40)
     ap.add_argument("--no-e2e", action="store_true", help="kernel rows only")
     ap.add_argument("--no-kernels", action="store_true", help="whole-op rows only")
     ap.add_argument("--varlen-only", action="store_true", help="only the varlen rows (of the tables selected)")

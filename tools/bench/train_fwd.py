@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tools.bench.harness import Timing, environment, measure  # noqa: E402
+from tools.bench.harness import Timing, add_do_bench_args, environment, measure  # noqa: E402
 
 K = V = 128
 HQK = 64
@@ -243,8 +243,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="three small shapes only (CI)")
     ap.add_argument("--out", type=Path, help="write the markdown report here")
     ap.add_argument("--json", type=Path, help="write the raw numbers here")
-    ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
-    ap.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
+    add_do_bench_args(ap)
     ap.add_argument("--kernels-only", action="store_true", help="only the per-kernel rows")
     ap.add_argument("--hv", type=str, help="only these HV (comma-separated), e.g. 64,128")
     ap.add_argument("--delta-h-sweep", action="store_true",
