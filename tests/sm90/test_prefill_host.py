@@ -101,7 +101,6 @@ def fwd(monkeypatch):
     monkeypatch.setattr(forward, "launch_stream", lambda: None)
     monkeypatch.setattr(forward, "sm_count", lambda index: 132)
     forward.planned_device_tables.cache_clear()
-    forward.uniform_device_tables.cache_clear()
     forward.uniform_launch_spec.cache_clear()  # holds the (emulated) kernels
     return forward
 

@@ -196,7 +196,8 @@ def recurrent_function(mode, N, T, K, V, HV, qkv, gdt, bdt, has_A_log, has_dt_bi
     verify_variant (as `run_recurrent` takes them, checked by `checked_choice`) loads only the kernel it names: a
     tiling alone names the recurrent kernel (in MODE_KVBUFFER too), a verify_variant alone takes the dispatch's
     tiling when it is the recurrent one."""
-    checked_choice(mode, tiling, verify_variant)
+    if tiling is not None or verify_variant is not None:  # None, None (the dispatch's pick) needs no check
+        checked_choice(mode, tiling, verify_variant)
     key = (mode, N, T, K, V, HV, qkv, gdt, bdt, has_A_log, has_dt_bias, safe, l2norm, pool, v_first, tiling,
            verify_variant)
     fn = _recurrent_fns.get(key)

@@ -207,10 +207,9 @@ def planned_device_tables(lengths, num_heads, num_sms, mode, device, has_h0, wan
     return tables
 
 
-@functools.lru_cache(maxsize=64)
-def uniform_device_tables(B, T, num_heads, device, mode, has_h0, want_ht, cp_pieces):
-    """planned_device_tables for B sequences of T tokens (no cu_seqlens): keyed by the shape alone."""
-    return planned_device_tables((T,) * B, num_heads, sm_count(device.index or 0), mode, device, has_h0, want_ht,
+def host_length_tables(lengths, num_heads, device, mode, has_h0, want_ht, cp_pieces):
+    """planned_device_tables for host-known lengths on `device`, with the planner's arguments of `cp_pieces`."""
+    return planned_device_tables(lengths, num_heads, sm_count(device.index or 0), mode, device, has_h0, want_ht,
                                  tuple(sorted(planner_kwargs(cp_pieces).items())))
 
 
@@ -273,7 +272,7 @@ def uniform_launch_spec(B, T, HQK, HV, device, intracard_cp, cp_pieces, qkv_dtyp
                         has_dt_bias, h0_rows, want_ht, scale, l2norm, gate, lower_bound, beta_activation) -> Launch:
     """launch_spec of B sequences of T tokens (no cu_seqlens), cached by every argument: a repeated call shape
     goes straight to its launches."""
-    tables = uniform_device_tables(B, T, HV, device, intracard_cp, h0_rows > 0, want_ht, cp_pieces)
+    tables = host_length_tables((T,) * B, HV, device, intracard_cp, h0_rows > 0, want_ht, cp_pieces)
     return launch_spec(B, T, HQK, HV, B, tables, qkv_dtype, g_dtype, beta_dtype, has_a_log, has_dt_bias, h0_rows,
                        want_ht, scale, l2norm, gate, lower_bound, beta_activation)
 
@@ -310,8 +309,7 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     else:
         lengths = _host_lengths(B, T, cu_seqlens, cu_seqlens_cpu)
         if lengths is not None:
-            tables = planned_device_tables(lengths, HV, sm_count(device.index or 0), intracard_cp, device, has_h0,
-                                           want_ht, tuple(sorted(planner_kwargs(cp_pieces).items())))
+            tables = host_length_tables(lengths, HV, device, intracard_cp, has_h0, want_ht, cp_pieces)
         else:
             tables = _device_tables(B, T, N, cu_seqlens, device, has_h0, want_ht)
         spec = launch_spec(B, T, HQK, HV, N, tables, q.dtype, g.dtype, beta.dtype, A_log is not None,
