@@ -55,7 +55,9 @@ HS = (32, 64)
 POOL_DTYPES = (torch.float32, torch.bfloat16)
 QUICK_NS = (1, 16, 128)
 HEADER = ("# fused_recurrent_kda on Hopper: cula (sm90 decode kernels) vs FLA 0.6.0\n\n"
-          "One section per card; inputs, timing and columns: `tools/bench/fused_recurrent.py`'s docstring.\n")
+          "One section per card; inputs, timing and columns: `tools/bench/fused_recurrent.py`'s docstring. FLA "
+          "runs its own Triton\nkernel (`FLA_FLASH_KDA=0`, `FLA_CULA=0`), autotuned in the timing process on each "
+          "exact shape (no restored\ntuning); FlashKDA has no decode kernel, so it has no column here.\n")
 
 
 def make_inputs(N: int, H: int, T: int = 1, pool_dtype=torch.float32, seed: int = 0) -> dict:
