@@ -37,12 +37,17 @@ BV = 32
 
 
 class ChunkStateTCKernel:
-    """`bv`: state columns per CTA, 32 (4 warps stacked along M) or 64 (8 warps, 4 along M x 2 along N: each
-    chunk's w, qg, kg, Aqk tiles are loaded once for twice the columns, half the CTAs)."""
+    """`bv`: state columns per CTA, 32 (4 warps stacked along M), 64 (8 warps, 4 along M x 2 along N) or 128
+    (16 warps, 4 x 4: one CTA per (segment, head), each chunk's w, qg, kg, Aqk tiles loaded once for the whole
+    state). `split`: h and v_new enter the products as hi + lo bf16 pairs (else as bf16, like FLA's chunk_fwd_h).
+    `late_kg`: kg and Aqk single-buffered, loaded once the previous chunk's state update has read them and awaited
+    only before this chunk's update (they land while w @ h and qg @ h run); else double-buffered like w, qg, u."""
 
-    def __init__(self, affine: bool, bv: int = BV):
+    def __init__(self, affine: bool, bv: int = BV, split: bool = True, late_kg: bool = False):
         self.affine = affine
         self.bv = bv
+        self.split = split
+        self.late_kg = late_kg
         self.wn = bv // 32  # warps along N
         self.threads = 128 * self.wn
 
@@ -71,8 +76,10 @@ class ChunkStateTCKernel:
             width = 2 * DK
         ht = cute.make_tensor(ht_ptr, cute.make_layout((NHT, HV, DK, width),
                                                        stride=(HV * DK * width, DK * width, width, 1)))
+        # max_number_threads: ptxas fits the registers to this block size (128 per thread at 512 threads)
         self.kernel(w, u, qg, kg, aqk, gl, seg, h0, ht, o).launch(
-            grid=[S, HV, width // self.bv], block=[self.threads, 1, 1], stream=stream)
+            grid=[S, HV, width // self.bv], block=[self.threads, 1, 1], max_number_threads=[self.threads, 1, 1],
+            stream=stream)
 
     @cute.kernel
     def kernel(self, w: cute.Tensor, u: cute.Tensor, qg: cute.Tensor, kg: cute.Tensor, aqk: cute.Tensor,
@@ -80,21 +87,25 @@ class ChunkStateTCKernel:
         tid, _, _ = cute.arch.thread_idx()
         s, hv, vs = cute.arch.block_idx()
         BV = self.bv
+        kg_stages = 1 if const_expr(self.late_kg) else 2
 
         smem = cutlass.memory.SmemAllocator()
-        # two stages of the per-chunk inputs: chunk ci + 1 loads while chunk ci is computed
+        # two stages of w, qg, u: chunk ci + 1 loads while chunk ci is computed; kg, Aqk two stages or late
         sW2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK, 2), 128)
-        sKg2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK, 2), 128)
+        sKg2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK, kg_stages), 128)
         sU2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BV, 2), 128)
         sQg2 = sW2
-        sA2 = sU2
+        sA2 = sKg2
         if const_expr(not self.affine):
             sQg2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK, 2), 128)
-            sA2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BT, 2), 128)
+            sA2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BT, kg_stages), 128)
         sHh = smem.allocate_tensor(BFloat16, tc.bf16_tile(DK, BV), 128)
-        sHl = smem.allocate_tensor(BFloat16, tc.bf16_tile(DK, BV), 128)
         sVh = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BV), 128)
-        sVl = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BV), 128)
+        sHl = sHh
+        sVl = sVh
+        if const_expr(self.split):
+            sHl = smem.allocate_tensor(BFloat16, tc.bf16_tile(DK, BV), 128)
+            sVl = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BV), 128)
         sDecay = smem.allocate_tensor(Float32, cute.make_layout(DK), 16)
 
         start = seg[s, 0]
@@ -136,36 +147,49 @@ class ChunkStateTCKernel:
 
         n_chunks = (end - start + BT - 1) // BT
         if n_chunks > 0:
-            self.load_chunk(w, u, qg, kg, aqk, sW2, sKg2, sQg2, sA2, sU2, start, end, hv, col0, ucol0, is_m, 0, tid)
+            self.load_first(w, u, qg, sW2, sQg2, sU2, start, end, hv, col0, ucol0, is_m, 0, tid)
+            if const_expr(self.late_kg):
+                cute.arch.cp_async_commit_group()
+            self.load_second(kg, aqk, sKg2, sA2, start, end, hv, 0, tid)
         cute.arch.cp_async_commit_group()
         for ci in cutlass.range(n_chunks, unroll=1):
             t0 = start + ci * BT
             n = cutlass.min(end - t0, BT)
             st = ci % 2
+            kst = st
+            if const_expr(self.late_kg):
+                kst = 0
             if ci + 1 < n_chunks:
-                self.load_chunk(w, u, qg, kg, aqk, sW2, sKg2, sQg2, sA2, sU2, t0 + BT, end, hv, col0, ucol0, is_m,
-                                1 - st, tid)
+                self.load_first(w, u, qg, sW2, sQg2, sU2, t0 + BT, end, hv, col0, ucol0, is_m, 1 - st, tid)
+                if const_expr(not self.late_kg):
+                    self.load_second(kg, aqk, sKg2, sA2, t0 + BT, end, hv, 1 - st, tid)
             cute.arch.cp_async_commit_group()  # (possibly empty) group: the counting stays uniform
             if tid < DK:
                 sDecay[tid] = cute.math.exp(gl[chunk0 + ci, hv, tid], fastmath=True)
-            tc.store_split(acc_h, pHh, pHl)
-            cute.arch.cp_async_wait_group(1)  # chunk ci has landed; ci + 1 may still be in flight
+            self.store_operand(acc_h, pHh, pHl)
+            # chunk ci's w, qg, u have landed (late_kg: its kg, Aqk and chunk ci + 1's tiles may be in flight)
+            if const_expr(self.late_kg):
+                cute.arch.cp_async_wait_group(2)
+            else:
+                cute.arch.cp_async_wait_group(1)
             cute.arch.sync_threads()
             sW = sW2[None, None, st]
-            sKg = sKg2[None, None, st]
+            sKg = sKg2[None, None, kst]
             sU = sU2[None, None, st]
             sQg = sQg2[None, None, st]
-            sA = sA2[None, None, st]
+            sA = sA2[None, None, kst]
             pU = thr.partition_C(sU)
 
-            # v_new = u - w @ h and o = qg @ h (both against the split h)
+            # v_new = u - w @ h and o = qg @ h
             acc_v.fill(0.0)
             tc.gemm(mma, acc_v, sW, tc.t_view(sHh, DK, BV), tid, False, True)
-            tc.gemm(mma, acc_v, sW, tc.t_view(sHl, DK, BV), tid, False, True)
+            if const_expr(self.split):
+                tc.gemm(mma, acc_v, sW, tc.t_view(sHl, DK, BV), tid, False, True)
             if const_expr(not self.affine):
                 acc_o.fill(0.0)
                 tc.gemm(mma, acc_o, sQg, tc.t_view(sHh, DK, BV), tid, False, True)
-                tc.gemm(mma, acc_o, sQg, tc.t_view(sHl, DK, BV), tid, False, True)
+                if const_expr(self.split):
+                    tc.gemm(mma, acc_o, sQg, tc.t_view(sHl, DK, BV), tid, False, True)
             for i in cutlass.range_constexpr(cute.size(acc_v)):
                 uval = Float32(0.0)
                 if const_expr(self.affine):
@@ -174,12 +198,15 @@ class ChunkStateTCKernel:
                 else:
                     uval = pU[i].to(Float32)
                 acc_v[i] = uval - acc_v[i]
-            tc.store_split(acc_v, pVh, pVl)  # rows past the end: u = w = 0 there, so v_new = 0
+            self.store_operand(acc_v, pVh, pVl)  # rows past the end: u = w = 0 there, so v_new = 0
+            if const_expr(self.late_kg):
+                cute.arch.cp_async_wait_group(1)  # chunk ci's kg, Aqk
             cute.arch.sync_threads()
 
             if const_expr(not self.affine):
                 tc.gemm(mma, acc_o, sA, tc.t_view(sVh, BT, BV), tid, False, True)
-                tc.gemm(mma, acc_o, sA, tc.t_view(sVl, BT, BV), tid, False, True)
+                if const_expr(self.split):
+                    tc.gemm(mma, acc_o, sA, tc.t_view(sVl, BT, BV), tid, False, True)
                 for i in cutlass.range_constexpr(cute.size(acc_o)):
                     r, c = at_v[i]
                     if r < n:
@@ -189,8 +216,13 @@ class ChunkStateTCKernel:
                 kr, _ = at_h[i]
                 acc_h[i] = acc_h[i] * sDecay[kr]
             tc.gemm(mma, acc_h, tc.t_view(sKg, BT, DK), tc.t_view(sVh, BT, BV), tid, True, True)
-            tc.gemm(mma, acc_h, tc.t_view(sKg, BT, DK), tc.t_view(sVl, BT, BV), tid, True, True)
+            if const_expr(self.split):
+                tc.gemm(mma, acc_h, tc.t_view(sKg, BT, DK), tc.t_view(sVl, BT, BV), tid, True, True)
             cute.arch.sync_threads()  # every reader of this chunk's tiles is done before the next copies
+            if const_expr(self.late_kg):
+                if ci + 1 < n_chunks:
+                    self.load_second(kg, aqk, sKg2, sA2, t0 + BT, end, hv, 0, tid)
+                cute.arch.cp_async_commit_group()
 
         if ht_idx >= 0:
             for i in cutlass.range_constexpr(cute.size(acc_h)):
@@ -198,19 +230,35 @@ class ChunkStateTCKernel:
                 ht[ht_idx, hv, kr, col0 + c] = acc_h[i]
 
     @cute.jit
-    def load_chunk(self, w, u, qg, kg, aqk, sW2, sKg2, sQg2, sA2, sU2, t0, end, hv, col0, ucol0, is_m, st, tid):
-        """cp.async of one chunk's tiles into stage `st` (rows past `end` zero-filled, never read)."""
+    def store_operand(self, acc, p_hi, p_lo):
+        """An fp32 accumulator into its bf16 operand tile(s): hi + lo (split) or plain bf16."""
+        if const_expr(self.split):
+            tc.store_split(acc, p_hi, p_lo)
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                p_hi[i] = acc[i].to(BFloat16)
+
+    @cute.jit
+    def load_first(self, w, u, qg, sW2, sQg2, sU2, t0, end, hv, col0, ucol0, is_m, st, tid):
+        """cp.async of the tiles of one chunk that w @ h and qg @ h read (w, qg, the u slice) into stage `st`
+        (rows past `end` zero-filled, never read)."""
         n = cutlass.min(end - t0, BT)
         BV = self.bv
         cp_k = tc.g2s_copy(DK, self.threads)
         tc.copy_rows(cp_k, tc.rows_at(w, t0, hv, 0, BT, DK), sW2[None, None, st], n, tid)
-        tc.copy_rows(cp_k, tc.rows_at(kg, t0, hv, 0, BT, DK), sKg2[None, None, st], n, tid)
         cp_u = tc.g2s_copy(BV, self.threads)
         if const_expr(not self.affine):
             tc.copy_rows(cp_k, tc.rows_at(qg, t0, hv, 0, BT, DK), sQg2[None, None, st], n, tid)
-            tc.copy_rows(tc.g2s_copy(BT, self.threads), tc.rows_at(aqk, t0, hv, 0, BT, BT), sA2[None, None, st], n,
-                         tid)
             tc.copy_rows(cp_u, tc.rows_at(u, t0, hv, col0, BT, BV), sU2[None, None, st], n, tid)
         else:
             if not is_m:  # the M columns see u = 0 (values [0 | v] of the augmented state)
                 tc.copy_rows(cp_u, tc.rows_at(u, t0, hv, ucol0, BT, BV), sU2[None, None, st], n, tid)
+
+    @cute.jit
+    def load_second(self, kg, aqk, sKg2, sA2, t0, end, hv, st, tid):
+        """cp.async of the tiles the state update and Aqk @ v_new read (kg, Aqk) into stage `st`."""
+        n = cutlass.min(end - t0, BT)
+        tc.copy_rows(tc.g2s_copy(DK, self.threads), tc.rows_at(kg, t0, hv, 0, BT, DK), sKg2[None, None, st], n, tid)
+        if const_expr(not self.affine):
+            tc.copy_rows(tc.g2s_copy(BT, self.threads), tc.rows_at(aqk, t0, hv, 0, BT, BT), sA2[None, None, st], n,
+                         tid)
