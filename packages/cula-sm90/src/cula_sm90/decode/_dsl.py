@@ -1,6 +1,6 @@
 """Device helpers shared by the decode kernels (CuTe DSL): vector loads/stores through raw pointers, lane
-reductions, the in-kernel gates and the L2 norm, the TF32 split and mma.sync of the tensor-core verify. Imported
-only by the kernel modules (never at package import).
+reductions, the in-kernel gates, the beta activation and the L2 norm, the TF32 split and mma.sync of the tensor-core
+verify. Imported only by the kernel modules (never at package import).
 
 Every helper is plain Python run while a kernel is traced (so its loops unroll) and works on Python lists of
 DSL scalars: the sizes are compile-time constants, so a "vector" is a list the compiler keeps in registers.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int64
+from cutlass import Float32, Int32, Int64
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -71,6 +71,28 @@ def log_decay(x: Float32, rate: Float32, lower_bound: Float32, safe: bool) -> Fl
         return lower_bound / (Float32(1.0) + cute.math.exp(-(rate * x)))
     sp = cute.math.log1p(cute.math.exp(cute.math.min(x, Float32(SOFTPLUS_THRESHOLD))))
     return -rate * cutlass.select_(x > Float32(SOFTPLUS_THRESHOLD), x, sp)
+
+
+def gate_from_raw(x, A_log: cute.Pointer, dt_bias: cute.Pointer, hv, e0, K: int, lower_bound: Float32, *,
+                  has_A_log: bool, has_dt_bias: bool, safe: bool):
+    """The in-kernel gate (log_decay) of this lane's len(x) elements e0.. of raw g for value head hv: x +
+    dt_bias[hv * K + e0 ..] when dt_bias is given, rate exp(A_log[hv]) (1 without A_log)."""
+    n = len(x)
+    if has_dt_bias:
+        b = load_vec(dt_bias, Int64(hv) * K + e0, n)
+        x = [x[i] + b[i] for i in range(n)]
+    rate = Float32(1.0)
+    if has_A_log:
+        rate = cute.math.exp(cute.make_tensor(A_log + Int64(hv), cute.make_layout(1)).load().to(Float32)[0])
+    return [log_decay(xi, rate, lower_bound, safe) for xi in x]
+
+
+def activate_beta(b: Float32, beta_sigmoid: Int32) -> Float32:
+    """beta as the update uses it, by the runtime code beta_sigmoid (configs.BETA_SIGMOID): b as given when it is 0,
+    else beta_sigmoid * sigmoid(b) (1: FLA's use_beta_sigmoid_in_kernel; 2: with allow_neg_eigval). fp32 math,
+    full-precision exp; both values are formed and one selected (one scalar per token: no branch needed)."""
+    sig = Float32(1.0) / (Float32(1.0) + cute.math.exp(-b))
+    return cutlass.select_(beta_sigmoid == Int32(0), b, Float32(beta_sigmoid) * sig)
 
 
 # ---------------------------------------------------------------- TF32 tensor-core helpers (3xTF32 products)

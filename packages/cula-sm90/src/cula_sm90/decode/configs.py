@@ -41,6 +41,11 @@ def recurrent_tiling(N: int, T: int, HV: int) -> tuple[int, int, int, int]:
     return (32, 2, 2, 1)
 
 
+#: the recurrent and verify kernels' runtime beta code for the calling convention's beta_activation: the update uses
+#: beta_sigmoid * sigmoid(beta), or beta as given for 0 (FLA's use_beta_sigmoid_in_kernel, with allow_neg_eigval)
+BETA_SIGMOID = {"none": 0, "sigmoid": 1, "2sigmoid": 2}
+
+
 #: the ways to run the verify step (kda_decode_mtp_kvbuffer): the recurrent kernel in KVBuffer mode, the
 #: chunk form with SIMT products (token-parallel) or with 3xTF32 tensor-core products (kvbuffer_verify.py)
 VERIFY_RECURRENT, VERIFY_CHUNK_SIMT, VERIFY_CHUNK_TC = "recurrent", "chunk_simt", "chunk_tc"
@@ -121,10 +126,8 @@ def unsupported_reason(call) -> str | None:
 #   outputs only (output_final_state=False): MODE_KVBUFFER reading initial_state (or one zero state) as a pool:
 #     no state is written, only the small KVBuffer the call drops.
 # A new final state after T > 1 tokens would need a copy of the initial state that the in-place mode then updates:
-# twice FLA's state traffic, so those calls are declined.
-
-#: what the recurrent kernel computes from g: FLA's gates with the gate in kernel (use_gate_in_kernel=True)
-FUSED_RECURRENT_GATES = ("softplus", "safe")
+# twice FLA's state traffic, so those calls are declined. Every gate (precomputed, softplus, safe) and every beta
+# activation is served: the kernels take them as runtime arguments (launch.run_recurrent).
 
 
 def fused_recurrent_reason(call) -> str | None:
@@ -132,13 +135,9 @@ def fused_recurrent_reason(call) -> str | None:
     cula_core.ops.fused_recurrent puts in the call (docs/backends.md); a missing `seq_len` or `state_contiguous`
     counts as unknown, so the call is declined."""
     opts = call.options
-    if call.gate not in FUSED_RECURRENT_GATES:
-        return ("sm90 decode computes the gate in kernel from raw g (use_gate_in_kernel=True); it does not take a "
-                "precomputed log decay")
     activation = opts.get("beta_activation", "none")
-    if activation != "none":
-        return ("sm90 decode takes beta after its sigmoid (use_beta_sigmoid_in_kernel=False), got "
-                f"beta_activation={activation!r}")
+    if activation not in BETA_SIGMOID:
+        return f"sm90 decode serves beta_activation {' / '.join(BETA_SIGMOID)}, got {activation!r}"
     if opts.get("beta_per_channel"):
         return "sm90 decode takes one beta per token and value head, got beta [B, T, HV, V]"
     T = opts.get("seq_len", None if call.varlen else call.T)
@@ -171,7 +170,7 @@ def fused_recurrent_reason(call) -> str | None:
             if state_dtype != torch.float32:
                 return ("sm90 decode writes the new final state in the initial state's dtype: it serves an fp32 "
                         f"initial_state, got {str(state_dtype).replace('torch.', '')}")
-        elif (opts.get("lower_bound") or 0.0) > 0.0:
+        elif call.gate == "safe" and (opts.get("lower_bound") or 0.0) > 0.0:
             # outputs only run on the verify kernels, whose chunk form assumes decays <= 1
             return (f"sm90 decode serves outputs-only calls (output_final_state=False) with lower_bound <= 0, got "
                     f"{opts['lower_bound']}")

@@ -22,17 +22,21 @@ rows (16-byte state loads). Tensor cores: the MMA's 8 B-columns of n-tile j are 
 that a thread's B fragments of the 4 n-tiles are one 16-byte row piece, and its D fragments land as 16-byte
 row pieces in shared memory. SIMT: lane = kr * 8 + vc: 4 columns 4 vc.., K/16 rows per lane, butterfly over kr.
 
-Pipeline. State loads issued first; the per-token vectors (q, k normalised, raw gate -> log gate) into shared
-memory, warp w taking tokens w, w + 4, ... with all its global loads issued before any of the math (barrier);
-G, the Kt / Qt tile and the buffer's k_t, G_t rows, a thread per K row (barrier); the T(T+1)/2 pair sums A, B
-(lane = pair, warp = its K-slice, no shuffles; partial sums per warp) and the products U, W into shared memory
-(barrier); warp 0 solves the 32 columns (a lane per column: the T x T substitution, the warps' partials added in
-warp order) and writes o and delta. Shared-memory rows are padded to K + 4 floats (conflict-free column reads).
+Pipeline. State loads issued first; the per-token vectors (log gate: g itself when precomputed, else the gate from
+raw g; q, k normalised) into shared memory, warp w taking tokens w, w + 4, ... with all its global loads of q, k, g
+issued before any of the math (barrier); G, the Kt / Qt tile and the buffer's k_t, G_t rows, a thread per K row
+(barrier); the T(T+1)/2 pair sums A, B (lane = pair, warp = its K-slice, no shuffles; partial sums per warp) and the
+products U, W into shared memory (barrier); warp 0 solves the 32 columns (a lane per column: the T x T
+substitution, the warps' partials added in warp order) and writes o and delta. Shared-memory rows are padded to
+K + 4 floats (conflict-free column reads).
 
 Assumptions (checked on the host in launch.py): inputs contiguous and 16-byte aligned, K in (64, 128), V % 32 == 0,
-T <= 16; N, HV, HQK, P, scale, lower_bound and null_slot runtime values; cache_idx < 0, >= P or == null_slot: zeros,
-the pool not read. The pool: fp32 or bf16 (the pointer's type), [K, V] or (compile time) V-first [V, K] per state,
-whose 4-column row pieces are then 4 scalar loads.
+T <= 16; N, HV, HQK, P, scale, lower_bound and null_slot runtime values, and so are precomputed_gate and
+beta_sigmoid (the recurrent kernel's: g is the log decay itself; beta activated; the same for the whole grid);
+cache_idx < 0, >= P or == null_slot: zeros, the pool not read. The pool: fp32 or bf16 (the pointer's type), [K, V]
+or (compile time) V-first [V, K] per state, whose 4-column row pieces are then 4 scalar loads. exp(G_t) of the
+cumulative log gate must be finite in fp32 (G_t <= 88): always so for decays <= 1 (the configs.py predicates keep
+the safe gate's lower_bound <= 0; a precomputed g is taken as given).
 """
 
 from __future__ import annotations
@@ -41,8 +45,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from cula_sm90.decode._dsl import (l2_normalize, load_state_row, load_vec, log_decay, mma_tf32, state_piece_offset,
-                                   store_vec, store_zeros, tf32_split, xor_sum)
+from cula_sm90.decode._dsl import (activate_beta, gate_from_raw, l2_normalize, load_state_row, load_vec, mma_tf32,
+                                   state_piece_offset, store_vec, store_zeros, tf32_split, xor_sum)
 
 
 class ChunkVerify:
@@ -81,16 +85,17 @@ class ChunkVerify:
     def __call__(self, q: cute.Pointer, k: cute.Pointer, v: cute.Pointer, g: cute.Pointer, beta: cute.Pointer,
                  A_log: cute.Pointer, dt_bias: cute.Pointer, pool: cute.Pointer, cache_idx: cute.Pointer,
                  o: cute.Pointer, buf: cute.Pointer, N: Int32, HQK: Int32, HV: Int32, P: Int32, scale: Float32,
-                 lower_bound: Float32, null_slot: Int32, stream):
-        self.kernel(q, k, v, g, beta, A_log, dt_bias, pool, cache_idx, o, buf, HQK, HV, P, scale,
-                    lower_bound, null_slot).launch(grid=[N * HV * self.NVB, 1, 1], block=[32 * self.NW, 1, 1],
-                                        smem=self.smem_bytes, stream=stream)
+                 lower_bound: Float32, null_slot: Int32, precomputed_gate: Int32, beta_sigmoid: Int32, stream):
+        self.kernel(q, k, v, g, beta, A_log, dt_bias, pool, cache_idx, o, buf, HQK, HV, P, scale, lower_bound,
+                    null_slot, precomputed_gate, beta_sigmoid).launch(grid=[N * HV * self.NVB, 1, 1],
+                                                                      block=[32 * self.NW, 1, 1],
+                                                                      smem=self.smem_bytes, stream=stream)
 
     @cute.kernel
     def kernel(self, q: cute.Pointer, k: cute.Pointer, v: cute.Pointer, g: cute.Pointer, beta: cute.Pointer,
                A_log: cute.Pointer, dt_bias: cute.Pointer, pool: cute.Pointer, cache_idx: cute.Pointer,
                o: cute.Pointer, buf: cute.Pointer, HQK: Int32, HV: Int32, P: Int32, scale: Float32,
-               lower_bound: Float32, null_slot: Int32):
+               lower_bound: Float32, null_slot: Int32, precomputed_gate: Int32, beta_sigmoid: Int32):
         T, K, V, MP, KP, BV, NW = self.T, self.K, self.V, self.MP, self.KP, self.BV, self.NW
         W = 2 * K + V
         tid, warp, lane, vb, hv, h, col0, kbase, idx, live, tok0 = self._coords(cache_idx, HQK, HV, P, null_slot)
@@ -124,10 +129,20 @@ class ChunkVerify:
             # v and beta for the solve (warp 0 uses them: lane = column; the other warps' copies hit L1)
             vr = [cute.make_tensor(v + (((tok0 + t) * HV + hv) * V + col0 + lane), cute.make_layout(1))
                   .load().to(Float32)[0] for t in range(T)]
-            br = [cute.make_tensor(beta + ((tok0 + t) * HV + hv), cute.make_layout(1)).load().to(Float32)[0]
-                  for t in range(T)]
-            self._token_vectors(sv, TP, q, k, g, A_log, dt_bias, tok0, h, hv, HQK, HV, warp, lane, scale,
-                                lower_bound)
+            br = [activate_beta(cute.make_tensor(beta + ((tok0 + t) * HV + hv), cute.make_layout(1)).load()
+                                .to(Float32)[0], beta_sigmoid) for t in range(T)]
+            # per-token vectors into shared memory [3][TP][KP]: the log gate (row 2), then q and k (rows 0, 1)
+            xs = self._token_loads(q, k, g, tok0, h, hv, HQK, HV, warp, lane)
+            e0 = lane * self.EPL
+            if precomputed_gate != 0:   # g is the log decay: A_log and dt_bias are not read
+                for i in cutlass.range_constexpr(self.TPW):
+                    store_vec(sv, (2 * TP + xs[i][0]) * KP + e0, xs[i][3], self.EPL)
+            else:
+                for i in cutlass.range_constexpr(self.TPW):
+                    store_vec(sv, (2 * TP + xs[i][0]) * KP + e0, gate_from_raw(
+                        xs[i][3], A_log, dt_bias, hv, e0, K, lower_bound, has_A_log=self.has_A_log,
+                        has_dt_bias=self.has_dt_bias, safe=self.safe_gate), self.EPL)
+            self._store_qk(sv, TP, xs, lane, scale)
             cute.arch.sync_threads()   # live is CTA-uniform: every thread reaches the barriers
             # --- G (cumulative log gate), the Kt / Qt tile (zero rows as padding), the buffer's k_t and G_t
             for rr in cutlass.range_constexpr(self.rows_per_thread):
@@ -210,40 +225,31 @@ class ChunkVerify:
                 S.append(load_state_row(pool, off, 4, self.K, self.v_first))
         return S
 
-    def _token_vectors(self, sv, rows: int, q, k, g, A_log, dt_bias, tok0, h, hv, HQK, HV, warp, lane, scale,
-                       lower_bound):
-        """Per-token vectors into shared memory [3][rows][KP]: q (normalised, scaled), k (normalised), log gate
-        from raw g. Warp w takes tokens w, w + NW, ...; every load of the warp is issued before any of the math
-        (no branch between them: a token past T loads token T - 1 again and stores into a scratch row). Returns
-        this lane's normalised k of each of its tokens, [(t, k elements)], for a caller that stores them."""
-        T, K, KP, EPL, NW = self.T, self.K, self.KP, self.EPL, self.NW
+    def _token_loads(self, q, k, g, tok0, h, hv, HQK, HV, warp, lane):
+        """This lane's elements of q, k and raw g of each of the warp's tokens, [(t, q, k, g)]: warp w takes tokens
+        w, w + NW, ...; every load is issued before any of the math (no branch between them: a token past T loads
+        token T - 1 again, and its vectors go to a scratch row t >= T)."""
+        T, K, EPL, NW = self.T, self.K, self.EPL, self.NW
         e0 = lane * EPL
         xs = []
         for i in range(self.TPW):
             tc = cutlass.select_(warp + NW * i < T, warp + NW * i, Int32(T - 1))
-            xs.append((load_vec(q, ((tok0 + tc) * HQK + h) * K + e0, EPL),
+            xs.append((warp + NW * i, load_vec(q, ((tok0 + tc) * HQK + h) * K + e0, EPL),
                        load_vec(k, ((tok0 + tc) * HQK + h) * K + e0, EPL),
                        load_vec(g, ((tok0 + tc) * HV + hv) * K + e0, EPL)))
-        rate = Float32(1.0)
-        if self.has_A_log:
-            rate = cute.math.exp(cute.make_tensor(A_log + Int64(hv), cute.make_layout(1)).load().to(Float32)[0])
-        if self.has_dt_bias:
-            bias = load_vec(dt_bias, Int64(hv) * K + e0, EPL)
-        ks = []
-        for i in range(self.TPW):
-            t = warp + NW * i
-            xq, xk, xg = xs[i]
+        return xs
+
+    def _store_qk(self, sv, rows: int, xs, lane, scale):
+        """Rows 0 and 1 of the per-token vectors [3][rows][KP]: q (normalised, scaled) and k (normalised) of the
+        tokens of `xs` (_token_loads)."""
+        KP, EPL = self.KP, self.EPL
+        e0 = lane * EPL
+        for t, xq, xk, _ in xs:
             if self.l2norm:
                 xq = l2_normalize(xq, EPL)
                 xk = l2_normalize(xk, EPL)
-            if self.has_dt_bias:
-                xg = [xg[j] + bias[j] for j in range(EPL)]
             store_vec(sv, (0 * rows + t) * KP + e0, [x * scale for x in xq], EPL)
             store_vec(sv, (1 * rows + t) * KP + e0, xk, EPL)
-            store_vec(sv, (2 * rows + t) * KP + e0, [log_decay(x, rate, lower_bound, self.safe_gate) for x in xg],
-                      EPL)
-            ks.append((t, xk))
-        return ks
 
     def _pair_sums(self, Gs, vecs, ABp, warp, lane, kbase):
         """Pair sums A_ts (s < t) and B_ts (s <= t): lane = pair, warp = its K-slice (the products' split),

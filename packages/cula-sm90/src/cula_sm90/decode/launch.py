@@ -13,7 +13,9 @@ lower_bound are runtime arguments, so one artifact serves every batch:
                                                                                  flush.FlushKVBuffer
 
 The pool dtype (fp32 or bf16) and layout (v_first: [V, K] per state) are compile-time; null_slot is a runtime
-argument (-1 when the engine has none).
+argument (-1 when the engine has none), and so are the gate's source and the beta activation of the recurrent and
+verify kernels (fused_recurrent_kda's use_gate_in_kernel=False and use_beta_sigmoid_in_kernel / allow_neg_eigval:
+`run_recurrent`'s precomputed_gate and beta_activation): they add no configuration.
 
 Dtypes in the configuration: q/k/v as given (bf16, fp16, fp32); g and beta as given when bf16 or fp32, else
 converted to fp32 on the host; A_log and dt_bias always fp32 (None when absent). The kernels convert every input to
@@ -83,6 +85,12 @@ def _scalars(*kinds: str) -> tuple:
                  for k in kinds)
 
 
+def _gate_scalars() -> tuple:
+    """Compile-time stand-ins of the runtime scalars of the recurrent and verify kernels (same signature): N, HQK,
+    HV, P, scale, lower_bound, null_slot, precomputed_gate, beta_sigmoid."""
+    return _scalars("i", "i", "i", "i", "f", "f", "i", "i", "i")
+
+
 def _build_recurrent(config: tuple):
     from cula_sm90.decode.recurrent import RecurrentDecode
 
@@ -91,8 +99,7 @@ def _build_recurrent(config: tuple):
                            has_dt_bias=ddt is not None, l2norm=l2norm, block_v=bv, lanes_v=vl, num_warps=nw,
                            warp_local=bool(wl), state_v_first=v_first)
     out = pool if mode == configs.MODE_STATES else _F32
-    return kern, (*_gate_args(qkv, gdt, bdt, adt, ddt, pool, out), *_scalars("i", "i", "i", "i", "f", "f", "i"),
-                  rt.fake_stream())
+    return kern, (*_gate_args(qkv, gdt, bdt, adt, ddt, pool, out), *_gate_scalars(), rt.fake_stream())
 
 
 def _build_verify(config: tuple):
@@ -101,8 +108,7 @@ def _build_verify(config: tuple):
     T, K, V, qkv, gdt, bdt, adt, ddt, safe, l2norm, tensor_cores, pool, v_first = config
     kern = ChunkVerify(T=T, K=K, V=V, tensor_cores=tensor_cores, safe_gate=safe, has_A_log=adt is not None,
                        has_dt_bias=ddt is not None, l2norm=l2norm, state_v_first=v_first)
-    return kern, (*_gate_args(qkv, gdt, bdt, adt, ddt, pool, _F32), *_scalars("i", "i", "i", "i", "f", "f", "i"),
-                  rt.fake_stream())
+    return kern, (*_gate_args(qkv, gdt, bdt, adt, ddt, pool, _F32), *_gate_scalars(), rt.fake_stream())
 
 
 def _build_flush(config: tuple):
@@ -214,12 +220,20 @@ def recurrent_function(mode, N, T, K, V, HV, qkv, gdt, bdt, has_A_log, has_dt_bi
 
 
 def run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, *, scale, lower_bound,
-                  use_qk_l2norm_in_kernel, state_v_first=False, null_slot=None, tiling=None, verify_variant=None):
+                  use_qk_l2norm_in_kernel, state_v_first=False, null_slot=None, precomputed_gate=False,
+                  beta_activation="none", tiling=None, verify_variant=None):
     """Launch the recurrent or verify kernel of `mode` (configs.MODE_*) for this batch: (o, out) with o like v
     and out the per-token states [N, T, *pool slot] in the pool's dtype (MODE_STATES), the KVBuffer
     [N, T, HV, 2K + V] fp32 (MODE_KVBUFFER) or None (MODE_FINAL, which updates the pool in place). Arguments in
     the decode calling convention of docs/backends.md, already validated and contiguous; the pool 16-byte aligned
     (q, k, v, g and dt_bias are copied where they are not).
+
+    The gate and beta (runtime arguments of the kernels, so no configuration is added for them):
+      precomputed_gate: False = the gate computed from raw g (softplus, or safe with lower_bound; A_log / dt_bias
+        optional); True = g is the log decay itself (fused_recurrent_kda with use_gate_in_kernel=False): A_log,
+        dt_bias and lower_bound are ignored, and the call runs the softplus configuration with A_log and dt_bias
+        (the one the served setups build ahead of time), whose gate code the kernel then skips.
+      beta_activation: "none" (beta as given), "sigmoid" or "2sigmoid" (configs.BETA_SIGMOID).
 
     Which kernel runs:
       tiling: None = the dispatch table's pick (configs.recurrent_tiling); else one of configs.TILINGS: the
@@ -230,6 +244,8 @@ def run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
     kernel is loaded alone on its first call (the dispatch's pick loads its whole family, so that later batch
     sizes only launch)."""
     checked_choice(mode, tiling, verify_variant)
+    if beta_activation not in configs.BETA_SIGMOID:
+        raise ValueError(f"beta_activation must be one of {tuple(configs.BETA_SIGMOID)}, got {beta_activation!r}")
     N, T, HQK, K = q.shape
     _, _, HV, V = v.shape
     o = torch.empty_like(v)
@@ -249,22 +265,28 @@ def run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
         g = g.clone()
     if beta.dtype not in NATIVE_GATE_DTYPES:
         beta = beta.float()
-    if A_log is not None and A_log.dtype != _F32:
-        A_log = A_log.float()
-    if dt_bias is not None and (dt_bias.dtype != _F32 or dt_bias.data_ptr() % 16):
-        dt_bias = rt.aligned16(dt_bias.float())
+    if precomputed_gate:
+        A_log = dt_bias = lower_bound = None
+        has_A_log = has_dt_bias = True   # the prebuilt configuration; the kernel skips its gate code
+    else:
+        if A_log is not None and A_log.dtype != _F32:
+            A_log = A_log.float()
+        if dt_bias is not None and (dt_bias.dtype != _F32 or dt_bias.data_ptr() % 16):
+            dt_bias = rt.aligned16(dt_bias.float())
+        has_A_log, has_dt_bias = A_log is not None, dt_bias is not None
     safe = lower_bound is not None
-    fn = recurrent_function(mode, N, T, K, V, HV, q.dtype, g.dtype, beta.dtype, A_log is not None,
-                            dt_bias is not None, safe, bool(use_qk_l2norm_in_kernel), state_pool.dtype,
-                            bool(state_v_first), tiling, verify_variant)
+    fn = recurrent_function(mode, N, T, K, V, HV, q.dtype, g.dtype, beta.dtype, has_A_log, has_dt_bias, safe,
+                            bool(use_qk_l2norm_in_kernel), state_pool.dtype, bool(state_v_first), tiling,
+                            verify_variant)
     pool_addr = state_pool.data_ptr()
     fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
-       A_log.data_ptr() if A_log is not None else pool_addr,        # never read without A_log
-       dt_bias.data_ptr() if dt_bias is not None else pool_addr,    # never read without dt_bias
+       A_log.data_ptr() if A_log is not None else pool_addr,        # never read without A_log (or precomputed)
+       dt_bias.data_ptr() if dt_bias is not None else pool_addr,    # never read without dt_bias (or precomputed)
        pool_addr, cache_idx.data_ptr(), o.data_ptr(),
        out.data_ptr() if out is not None else pool_addr,            # never written in MODE_FINAL
        N, HQK, HV, state_pool.shape[0], float(scale), float(lower_bound) if safe else 0.0,
-       -1 if null_slot is None else int(null_slot), rt.current_stream(o.device.index))
+       -1 if null_slot is None else int(null_slot), int(bool(precomputed_gate)),
+       configs.BETA_SIGMOID[beta_activation], rt.current_stream(o.device.index))
     return o, out
 
 

@@ -92,9 +92,10 @@ def _slot_indices(slots: torch.Tensor, P: int) -> torch.Tensor:
 def fused_recurrent_kda(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, ssm_state_indices,
                         num_accepted_tokens, *, scale, output_final_state, use_qk_l2norm_in_kernel, gate, lower_bound,
                         beta_activation, state_v_first=False):
-    """FLA's fused_recurrent_kda on the recurrent kernel, for the calls configs.fused_recurrent_reason accepts: the
-    gate in kernel (`gate` "softplus", or "safe" with `lower_bound`), beta as given, N sequences of 1 <= T <= 16
-    tokens each (with cu_seqlens: all of the same length), run as N requests of T tokens (views of the inputs).
+    """FLA's fused_recurrent_kda on the recurrent kernel, for the calls configs.fused_recurrent_reason accepts: any
+    `gate` ("precomputed": g is the log decay; "softplus", or "safe" with `lower_bound`: the gate in kernel), any
+    `beta_activation` ("none", "sigmoid", "2sigmoid"), N sequences of 1 <= T <= 16 tokens each (with cu_seqlens:
+    all of the same length), run as N requests of T tokens (views of the inputs).
     The three mappings (no pass over the pool or the states besides the kernel's own):
       * pool (ssm_state_indices [N], or column 0 of [N, T_idx] at T = 1): MODE_FINAL in place; returns (o, None);
       * new final state (T = 1, fp32 initial_state or None): MODE_STATES reading initial_state as a pool of N slots
@@ -111,7 +112,9 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seql
         T = q.shape[1] // N
         q, k, v, g, beta = (t.reshape(N, T, *t.shape[2:]) for t in (q, k, v, g, beta))
     flags = dict(scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                 **({"state_v_first": True} if state_v_first else {}))
+                 **({"state_v_first": True} if state_v_first else {}),
+                 **({"precomputed_gate": True} if gate == "precomputed" else {}),
+                 **({"beta_activation": beta_activation} if beta_activation != "none" else {}))
     if ssm_state_indices is not None:
         slots = ssm_state_indices if ssm_state_indices.dim() == 1 else ssm_state_indices[:, 0]
         o, _ = launch.run_recurrent(configs.MODE_FINAL, q, k, v, g, beta, initial_state,

@@ -11,8 +11,9 @@ reductions over K (S^T k, S^T q) are an in-lane sum over RK rows and a butterfly
 warp (log2 KL shuffles per column): warps never talk to each other after the prologue.
 
 Pipeline. Prologue: the lane loads its state piece (the long-latency traffic), its v columns and beta for
-all T tokens, while the warps share out the per-token vectors of the head (q, k L2-normalised and q scaled,
-the gate computed from raw g, its exp) into shared memory; one barrier. Then the T tokens run back to back
+all T tokens (beta activated: runtime `beta_sigmoid`), while the warps share out the per-token vectors of the head
+(q, k L2-normalised and q scaled, the log decay: g itself when the runtime `precomputed_gate` is set, else the gate
+computed from raw g; its exp) into shared memory; one barrier. Then the T tokens run back to back
 on registers and shared memory only: decay, then one pass over the decayed state for both u = (D S)^T k and
 w = (D S)^T q (two independent butterflies), delta = beta (v - u), o = w + delta (k.q), rank-1 update, stores.
 With `warp_local`, each warp prepares all the per-token vectors itself in its own slice of shared memory and syncs
@@ -20,10 +21,13 @@ only itself (no CTA barrier).
 
 Assumptions (checked on the host in launch.py): inputs contiguous, q/k/g/v/o/pool/states/buffer pointers
 16-byte aligned, K % 32 == 0, V % BV == 0; N, HV, HQK, P, scale, lower_bound and null_slot are runtime values
-(one compilation serves every batch); cache_idx < 0, >= P or == null_slot marks a slot that is skipped (outputs
-zero, nothing of the pool read or written). The pool is fp32 or bf16 (the pointer's type; the state stays fp32 in
-registers) in [K, V] or, compile-time `state_v_first`, [V, K] per state (a lane then loads its piece by columns,
-RK consecutive rows each, and transposes it in registers).
+(one compilation serves every batch), and so are precomputed_gate (1: g is the log decay; A_log, dt_bias and
+lower_bound are then never read; 0: the compiled gate code) and beta_sigmoid (configs.BETA_SIGMOID: 0 = beta as
+given, m > 0 = m * sigmoid(beta)): both are the same for every thread of the grid, so their branches never diverge;
+cache_idx < 0, >= P or == null_slot marks a slot that is skipped (outputs zero, nothing of the pool read or
+written). The pool is fp32 or bf16 (the pointer's type; the state stays fp32 in registers) in [K, V] or,
+compile-time `state_v_first`, [V, K] per state (a lane then loads its piece by columns, RK consecutive rows each,
+and transposes it in registers).
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from cula_sm90.decode._dsl import (l2_normalize, load_state_piece, load_vec, log_decay, state_piece_offset,
-                                   store_state_piece, store_vec, store_zeros, xor_sum)
+from cula_sm90.decode._dsl import (activate_beta, gate_from_raw, l2_normalize, load_state_piece, load_vec,
+                                   state_piece_offset, store_state_piece, store_vec, store_zeros, xor_sum)
 
 from cula_sm90.decode.configs import MODE_FINAL, MODE_KVBUFFER, MODE_STATES
 
@@ -43,7 +47,8 @@ class RecurrentDecode:
 
     T: tokens per request; K, V: head dims; mode: MODE_FINAL (state after T tokens into the pool),
     MODE_STATES (the T per-token states into `states`, pool untouched) or MODE_KVBUFFER (the KVBuffer into
-    `kvbuf`, pool untouched); safe_gate / has_A_log / has_dt_bias / l2norm select the gate code;
+    `kvbuf`, pool untouched); safe_gate / has_A_log / has_dt_bias / l2norm select the gate code (the in-kernel gate,
+    skipped at run time for a precomputed log decay);
     block_v (BV), lanes_v (VL), num_warps (NW): the tiling above."""
 
     def __init__(self, *, T: int, K: int, V: int, mode: str, safe_gate: bool, has_A_log: bool, has_dt_bias: bool,
@@ -73,16 +78,25 @@ class RecurrentDecode:
     def __call__(self, q: cute.Pointer, k: cute.Pointer, v: cute.Pointer, g: cute.Pointer, beta: cute.Pointer,
                  A_log: cute.Pointer, dt_bias: cute.Pointer, pool: cute.Pointer, cache_idx: cute.Pointer,
                  o: cute.Pointer, out: cute.Pointer, N: Int32, HQK: Int32, HV: Int32, P: Int32, scale: Float32,
-                 lower_bound: Float32, null_slot: Int32, stream):
-        self.kernel(q, k, v, g, beta, A_log, dt_bias, pool, cache_idx, o, out, HQK, HV, P, scale,
-                    lower_bound, null_slot).launch(grid=[N * HV * self.NVB, 1, 1], block=[32 * self.NW, 1, 1],
-                                        smem=self.smem_bytes, stream=stream)
+                 lower_bound: Float32, null_slot: Int32, precomputed_gate: Int32, beta_sigmoid: Int32, stream):
+        self.kernel(q, k, v, g, beta, A_log, dt_bias, pool, cache_idx, o, out, HQK, HV, P, scale, lower_bound,
+                    null_slot, precomputed_gate, beta_sigmoid).launch(grid=[N * HV * self.NVB, 1, 1],
+                                                                      block=[32 * self.NW, 1, 1],
+                                                                      smem=self.smem_bytes, stream=stream)
+
+    def _store_gate(self, sv, wb, t: int, e0, gl):
+        """Token t's decay exp(gl) (and, for the KVBuffer, the log decay gl) of this lane's elements into shared
+        memory."""
+        T, K, EPL = self.T, self.K, self.EPL
+        store_vec(sv, wb + ((2 * T + t) * K) + e0, [cute.math.exp(x) for x in gl], EPL)
+        if self.mode == MODE_KVBUFFER:
+            store_vec(sv, wb + ((3 * T + t) * K) + e0, gl, EPL)
 
     @cute.kernel
     def kernel(self, q: cute.Pointer, k: cute.Pointer, v: cute.Pointer, g: cute.Pointer, beta: cute.Pointer,
                A_log: cute.Pointer, dt_bias: cute.Pointer, pool: cute.Pointer, cache_idx: cute.Pointer,
                o: cute.Pointer, out: cute.Pointer, HQK: Int32, HV: Int32, P: Int32, scale: Float32,
-               lower_bound: Float32, null_slot: Int32):
+               lower_bound: Float32, null_slot: Int32, precomputed_gate: Int32, beta_sigmoid: Int32):
         T, K, V, RK, CW, EPL = self.T, self.K, self.V, self.RK, self.CW, self.EPL
         tid = cute.arch.thread_idx()[0]
         warp = tid // 32
@@ -114,8 +128,8 @@ class RecurrentDecode:
             sbase = state_piece_offset(Int64(idx) * HV + hv, row0, col0, K, V, self.v_first)
             S = load_state_piece(pool, sbase, RK, CW, K, V, self.v_first)
             vr = [load_vec(v, ((tok0 + t) * HV + hv) * V + col0, CW) for t in range(T)]
-            br = [cute.make_tensor(beta + ((tok0 + t) * HV + hv), cute.make_layout(1)).load().to(Float32)[0]
-                  for t in range(T)]
+            br = [activate_beta(cute.make_tensor(beta + ((tok0 + t) * HV + hv), cute.make_layout(1)).load()
+                                .to(Float32)[0], beta_sigmoid) for t in range(T)]
             e0 = lane * EPL
             for job in cutlass.range_constexpr(3 * T):
                 t, which = job // 3, job % 3
@@ -129,18 +143,13 @@ class RecurrentDecode:
                             x = [xi * scale for xi in x]
                         store_vec(sv, wb + ((which * T + t) * K) + e0, x, EPL)
                     else:
-                        x = load_vec(g, ((tok0 + t) * HV + hv) * K + e0, EPL)
-                        if cutlass.const_expr(self.has_dt_bias):
-                            b = load_vec(dt_bias, Int64(hv) * K + e0, EPL)
-                            x = [x[i] + b[i] for i in range(EPL)]
-                        rate = Float32(1.0)
-                        if cutlass.const_expr(self.has_A_log):
-                            rate = cute.math.exp(cute.make_tensor(A_log + Int64(hv), cute.make_layout(1))
-                                                 .load().to(Float32)[0])
-                        gl = [log_decay(x[i], rate, lower_bound, self.safe_gate) for i in range(EPL)]
-                        store_vec(sv, wb + ((2 * T + t) * K) + e0, [cute.math.exp(x) for x in gl], EPL)
-                        if cutlass.const_expr(self.mode == MODE_KVBUFFER):
-                            store_vec(sv, wb + ((3 * T + t) * K) + e0, gl, EPL)
+                        graw = load_vec(g, ((tok0 + t) * HV + hv) * K + e0, EPL)
+                        if precomputed_gate != 0:   # g is the log decay: A_log and dt_bias are not read
+                            self._store_gate(sv, wb, t, e0, graw)
+                        else:
+                            self._store_gate(sv, wb, t, e0, gate_from_raw(
+                                graw, A_log, dt_bias, hv, e0, K, lower_bound, has_A_log=self.has_A_log,
+                                has_dt_bias=self.has_dt_bias, safe=self.safe_gate))
             # live is the same for the whole CTA: every thread reaches this barrier
             if cutlass.const_expr(self.warp_local):
                 cute.arch.sync_warp()

@@ -40,14 +40,17 @@ class ChunkStateTCKernel:
     """`bv`: state columns per CTA, 32 (4 warps stacked along M), 64 (8 warps, 4 along M x 2 along N) or 128
     (16 warps, 4 x 4: one CTA per (segment, head), each chunk's w, qg, kg, Aqk tiles loaded once for the whole
     state). `split`: h and v_new enter the products as hi + lo bf16 pairs (else as bf16, like FLA's chunk_fwd_h).
-    `late_kg`: kg and Aqk single-buffered, loaded once the previous chunk's state update has read them and awaited
-    only before this chunk's update (they land while w @ h and qg @ h run); else double-buffered like w, qg, u."""
+    `stages` 2: every tile double-buffered, chunk ci + 1's loaded while chunk ci is computed; 1: single-buffered,
+    w, qg, u of chunk ci + 1 issued once chunk ci's v_new is formed (they land during its output and state update),
+    kg and Aqk once its state update is done (they land during the next chunk's w @ h): a smaller CTA, so that
+    `min_ctas` CTAs share an SM and hide each other's latencies."""
 
-    def __init__(self, affine: bool, bv: int = BV, split: bool = True, late_kg: bool = False):
+    def __init__(self, affine: bool, bv: int = BV, split: bool = True, stages: int = 2, min_ctas: int = 1):
         self.affine = affine
         self.bv = bv
         self.split = split
-        self.late_kg = late_kg
+        self.stages = stages
+        self.min_ctas = min_ctas
         self.wn = bv // 32  # warps along N
         self.threads = 128 * self.wn
 
@@ -79,7 +82,7 @@ class ChunkStateTCKernel:
         # max_number_threads: ptxas fits the registers to this block size (128 per thread at 512 threads)
         self.kernel(w, u, qg, kg, aqk, gl, seg, h0, ht, o).launch(
             grid=[S, HV, width // self.bv], block=[self.threads, 1, 1], max_number_threads=[self.threads, 1, 1],
-            stream=stream)
+            min_blocks_per_mp=self.min_ctas, preferred_smem_carveout=100, stream=stream)
 
     @cute.kernel
     def kernel(self, w: cute.Tensor, u: cute.Tensor, qg: cute.Tensor, kg: cute.Tensor, aqk: cute.Tensor,
@@ -87,18 +90,18 @@ class ChunkStateTCKernel:
         tid, _, _ = cute.arch.thread_idx()
         s, hv, vs = cute.arch.block_idx()
         BV = self.bv
-        kg_stages = 1 if const_expr(self.late_kg) else 2
+        NS = self.stages
+        double = const_expr(self.stages == 2)
 
         smem = cutlass.memory.SmemAllocator()
-        # two stages of w, qg, u: chunk ci + 1 loads while chunk ci is computed; kg, Aqk two stages or late
-        sW2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK, 2), 128)
-        sKg2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK, kg_stages), 128)
-        sU2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BV, 2), 128)
+        sW2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK, NS), 128)
+        sKg2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK, NS), 128)
+        sU2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BV, NS), 128)
         sQg2 = sW2
         sA2 = sKg2
         if const_expr(not self.affine):
-            sQg2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK, 2), 128)
-            sA2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BT, kg_stages), 128)
+            sQg2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK, NS), 128)
+            sA2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BT, NS), 128)
         sHh = smem.allocate_tensor(BFloat16, tc.bf16_tile(DK, BV), 128)
         sVh = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BV), 128)
         sHl = sHh
@@ -148,36 +151,31 @@ class ChunkStateTCKernel:
         n_chunks = (end - start + BT - 1) // BT
         if n_chunks > 0:
             self.load_first(w, u, qg, sW2, sQg2, sU2, start, end, hv, col0, ucol0, is_m, 0, tid)
-            if const_expr(self.late_kg):
+            if const_expr(not double):
                 cute.arch.cp_async_commit_group()
             self.load_second(kg, aqk, sKg2, sA2, start, end, hv, 0, tid)
         cute.arch.cp_async_commit_group()
         for ci in cutlass.range(n_chunks, unroll=1):
             t0 = start + ci * BT
             n = cutlass.min(end - t0, BT)
-            st = ci % 2
-            kst = st
-            if const_expr(self.late_kg):
-                kst = 0
-            if ci + 1 < n_chunks:
-                self.load_first(w, u, qg, sW2, sQg2, sU2, t0 + BT, end, hv, col0, ucol0, is_m, 1 - st, tid)
-                if const_expr(not self.late_kg):
+            st = 0
+            if const_expr(double):
+                st = ci % 2
+                if ci + 1 < n_chunks:
+                    self.load_first(w, u, qg, sW2, sQg2, sU2, t0 + BT, end, hv, col0, ucol0, is_m, 1 - st, tid)
                     self.load_second(kg, aqk, sKg2, sA2, t0 + BT, end, hv, 1 - st, tid)
-            cute.arch.cp_async_commit_group()  # (possibly empty) group: the counting stays uniform
+                cute.arch.cp_async_commit_group()  # (possibly empty) group: the counting stays uniform
             if tid < DK:
                 sDecay[tid] = cute.math.exp(gl[chunk0 + ci, hv, tid], fastmath=True)
             self.store_operand(acc_h, pHh, pHl)
-            # chunk ci's w, qg, u have landed (late_kg: its kg, Aqk and chunk ci + 1's tiles may be in flight)
-            if const_expr(self.late_kg):
-                cute.arch.cp_async_wait_group(2)
-            else:
-                cute.arch.cp_async_wait_group(1)
+            # chunk ci's tiles have landed (double: chunk ci + 1's may be in flight; single: its kg, Aqk may)
+            cute.arch.cp_async_wait_group(1)
             cute.arch.sync_threads()
             sW = sW2[None, None, st]
-            sKg = sKg2[None, None, kst]
+            sKg = sKg2[None, None, st]
             sU = sU2[None, None, st]
             sQg = sQg2[None, None, st]
-            sA = sA2[None, None, kst]
+            sA = sA2[None, None, st]
             pU = thr.partition_C(sU)
 
             # v_new = u - w @ h and o = qg @ h
@@ -199,9 +197,13 @@ class ChunkStateTCKernel:
                     uval = pU[i].to(Float32)
                 acc_v[i] = uval - acc_v[i]
             self.store_operand(acc_v, pVh, pVl)  # rows past the end: u = w = 0 there, so v_new = 0
-            if const_expr(self.late_kg):
-                cute.arch.cp_async_wait_group(1)  # chunk ci's kg, Aqk
+            if const_expr(not double):
+                cute.arch.cp_async_wait_group(0)  # chunk ci's kg, Aqk
             cute.arch.sync_threads()
+            if const_expr(not double):
+                if ci + 1 < n_chunks:  # w, qg, u of this chunk are read: the next chunk's may land
+                    self.load_first(w, u, qg, sW2, sQg2, sU2, t0 + BT, end, hv, col0, ucol0, is_m, 0, tid)
+                cute.arch.cp_async_commit_group()
 
             if const_expr(not self.affine):
                 tc.gemm(mma, acc_o, sA, tc.t_view(sVh, BT, BV), tid, False, True)
@@ -219,7 +221,7 @@ class ChunkStateTCKernel:
             if const_expr(self.split):
                 tc.gemm(mma, acc_h, tc.t_view(sKg, BT, DK), tc.t_view(sVl, BT, BV), tid, True, True)
             cute.arch.sync_threads()  # every reader of this chunk's tiles is done before the next copies
-            if const_expr(self.late_kg):
+            if const_expr(not double):
                 if ci + 1 < n_chunks:
                     self.load_second(kg, aqk, sKg2, sA2, t0 + BT, end, hv, 0, tid)
                 cute.arch.cp_async_commit_group()

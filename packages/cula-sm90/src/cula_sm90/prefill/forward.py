@@ -84,10 +84,10 @@ def _build_intra(config: tuple):
                   rt.fake_stream())
 
 
-def state_config(affine: bool, o_dtype: torch.dtype, bv: int = STATE_BV, split: bool = True,
-                 late_kg: bool = False) -> tuple:
+def state_config(affine: bool, o_dtype: torch.dtype, bv: int = STATE_BV, split: bool = True, stages: int = 2,
+                 min_ctas: int = 1) -> tuple:
     """Compile-time configuration of stage 2 (chunk_state_tc, `bv` state columns per CTA)."""
-    return (bool(affine), o_dtype, bv, bool(split), bool(late_kg))
+    return (bool(affine), o_dtype, bv, bool(split), stages, min_ctas)
 
 
 def _build_state(config: tuple):
@@ -95,9 +95,9 @@ def _build_state(config: tuple):
 
     from cula_sm90.prefill.chunk_state_tc import ChunkStateTCKernel
 
-    affine, o_dtype, bv, split, late_kg = config
+    affine, o_dtype, bv, split, stages, min_ctas = config
     p, f32 = rt.fake_ptr, torch.float32
-    return ChunkStateTCKernel(affine, bv, split, late_kg), (
+    return ChunkStateTCKernel(affine, bv, split, stages, min_ctas), (
         *(p(torch.bfloat16, 16) for _ in range(5)), p(f32, None), p(torch.int32, None), p(f32, None), p(f32, None),
         p(o_dtype, None), *(cutlass.Int32(1) for _ in range(6)), rt.fake_stream())
 
