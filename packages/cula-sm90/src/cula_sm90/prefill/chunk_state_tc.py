@@ -37,20 +37,14 @@ BV = 32
 
 
 class ChunkStateTCKernel:
-    """`bv`: state columns per CTA, 32 (4 warps stacked along M), 64 (8 warps, 4 along M x 2 along N) or 128
-    (16 warps, 4 x 4: one CTA per (segment, head), each chunk's w, qg, kg, Aqk tiles loaded once for the whole
-    state). `split`: h and v_new enter the products as hi + lo bf16 pairs (else as bf16, like FLA's chunk_fwd_h).
-    `stages` 2: every tile double-buffered, chunk ci + 1's loaded while chunk ci is computed; 1: single-buffered,
-    w, qg, u of chunk ci + 1 issued once chunk ci's v_new is formed (they land during its output and state update),
-    kg and Aqk once its state update is done (they land during the next chunk's w @ h): a smaller CTA, so that
-    `min_ctas` CTAs share an SM and hide each other's latencies."""
+    """`bv`: state columns per CTA, 32 (4 warps stacked along M) or 64 (8 warps, 4 along M x 2 along N: each
+    chunk's w, qg, kg, Aqk tiles are loaded once for twice the columns, half the CTAs). `split`: h and v_new enter
+    the products as hi + lo bf16 pairs (tc.store_split), else rounded to bf16 (as FLA's chunk_fwd_h does)."""
 
-    def __init__(self, affine: bool, bv: int = BV, split: bool = True, stages: int = 2, min_ctas: int = 1):
+    def __init__(self, affine: bool, bv: int = BV, split: bool = True):
         self.affine = affine
         self.bv = bv
         self.split = split
-        self.stages = stages
-        self.min_ctas = min_ctas
         self.wn = bv // 32  # warps along N
         self.threads = 128 * self.wn
 
@@ -79,10 +73,8 @@ class ChunkStateTCKernel:
             width = 2 * DK
         ht = cute.make_tensor(ht_ptr, cute.make_layout((NHT, HV, DK, width),
                                                        stride=(HV * DK * width, DK * width, width, 1)))
-        # max_number_threads: ptxas fits the registers to this block size (128 per thread at 512 threads)
         self.kernel(w, u, qg, kg, aqk, gl, seg, h0, ht, o).launch(
-            grid=[S, HV, width // self.bv], block=[self.threads, 1, 1], max_number_threads=[self.threads, 1, 1],
-            min_blocks_per_mp=self.min_ctas, preferred_smem_carveout=100, stream=stream)
+            grid=[S, HV, width // self.bv], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, w: cute.Tensor, u: cute.Tensor, qg: cute.Tensor, kg: cute.Tensor, aqk: cute.Tensor,
@@ -90,18 +82,17 @@ class ChunkStateTCKernel:
         tid, _, _ = cute.arch.thread_idx()
         s, hv, vs = cute.arch.block_idx()
         BV = self.bv
-        NS = self.stages
-        double = const_expr(self.stages == 2)
 
         smem = cutlass.memory.SmemAllocator()
-        sW2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK, NS), 128)
-        sKg2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK, NS), 128)
-        sU2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BV, NS), 128)
+        # two stages of the per-chunk inputs: chunk ci + 1 loads while chunk ci is computed
+        sW2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK, 2), 128)
+        sKg2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK, 2), 128)
+        sU2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BV, 2), 128)
         sQg2 = sW2
-        sA2 = sKg2
+        sA2 = sU2
         if const_expr(not self.affine):
-            sQg2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK, NS), 128)
-            sA2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BT, NS), 128)
+            sQg2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK, 2), 128)
+            sA2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BT, 2), 128)
         sHh = smem.allocate_tensor(BFloat16, tc.bf16_tile(DK, BV), 128)
         sVh = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BV), 128)
         sHl = sHh
@@ -150,26 +141,20 @@ class ChunkStateTCKernel:
 
         n_chunks = (end - start + BT - 1) // BT
         if n_chunks > 0:
-            self.load_first(w, u, qg, sW2, sQg2, sU2, start, end, hv, col0, ucol0, is_m, 0, tid)
-            if const_expr(not double):
-                cute.arch.cp_async_commit_group()
-            self.load_second(kg, aqk, sKg2, sA2, start, end, hv, 0, tid)
+            self.load_chunk(w, u, qg, kg, aqk, sW2, sKg2, sQg2, sA2, sU2, start, end, hv, col0, ucol0, is_m, 0, tid)
         cute.arch.cp_async_commit_group()
         for ci in cutlass.range(n_chunks, unroll=1):
             t0 = start + ci * BT
             n = cutlass.min(end - t0, BT)
-            st = 0
-            if const_expr(double):
-                st = ci % 2
-                if ci + 1 < n_chunks:
-                    self.load_first(w, u, qg, sW2, sQg2, sU2, t0 + BT, end, hv, col0, ucol0, is_m, 1 - st, tid)
-                    self.load_second(kg, aqk, sKg2, sA2, t0 + BT, end, hv, 1 - st, tid)
-                cute.arch.cp_async_commit_group()  # (possibly empty) group: the counting stays uniform
+            st = ci % 2
+            if ci + 1 < n_chunks:
+                self.load_chunk(w, u, qg, kg, aqk, sW2, sKg2, sQg2, sA2, sU2, t0 + BT, end, hv, col0, ucol0, is_m,
+                                1 - st, tid)
+            cute.arch.cp_async_commit_group()  # (possibly empty) group: the counting stays uniform
             if tid < DK:
                 sDecay[tid] = cute.math.exp(gl[chunk0 + ci, hv, tid], fastmath=True)
             self.store_operand(acc_h, pHh, pHl)
-            # chunk ci's tiles have landed (double: chunk ci + 1's may be in flight; single: its kg, Aqk may)
-            cute.arch.cp_async_wait_group(1)
+            cute.arch.cp_async_wait_group(1)  # chunk ci has landed; ci + 1 may still be in flight
             cute.arch.sync_threads()
             sW = sW2[None, None, st]
             sKg = sKg2[None, None, st]
@@ -197,13 +182,7 @@ class ChunkStateTCKernel:
                     uval = pU[i].to(Float32)
                 acc_v[i] = uval - acc_v[i]
             self.store_operand(acc_v, pVh, pVl)  # rows past the end: u = w = 0 there, so v_new = 0
-            if const_expr(not double):
-                cute.arch.cp_async_wait_group(0)  # chunk ci's kg, Aqk
             cute.arch.sync_threads()
-            if const_expr(not double):
-                if ci + 1 < n_chunks:  # w, qg, u of this chunk are read: the next chunk's may land
-                    self.load_first(w, u, qg, sW2, sQg2, sU2, t0 + BT, end, hv, col0, ucol0, is_m, 0, tid)
-                cute.arch.cp_async_commit_group()
 
             if const_expr(not self.affine):
                 tc.gemm(mma, acc_o, sA, tc.t_view(sVh, BT, BV), tid, False, True)
@@ -221,10 +200,6 @@ class ChunkStateTCKernel:
             if const_expr(self.split):
                 tc.gemm(mma, acc_h, tc.t_view(sKg, BT, DK), tc.t_view(sVl, BT, BV), tid, True, True)
             cute.arch.sync_threads()  # every reader of this chunk's tiles is done before the next copies
-            if const_expr(not double):
-                if ci + 1 < n_chunks:
-                    self.load_second(kg, aqk, sKg2, sA2, t0 + BT, end, hv, 0, tid)
-                cute.arch.cp_async_commit_group()
 
         if ht_idx >= 0:
             for i in cutlass.range_constexpr(cute.size(acc_h)):
@@ -241,26 +216,19 @@ class ChunkStateTCKernel:
                 p_hi[i] = acc[i].to(BFloat16)
 
     @cute.jit
-    def load_first(self, w, u, qg, sW2, sQg2, sU2, t0, end, hv, col0, ucol0, is_m, st, tid):
-        """cp.async of the tiles of one chunk that w @ h and qg @ h read (w, qg, the u slice) into stage `st`
-        (rows past `end` zero-filled, never read)."""
+    def load_chunk(self, w, u, qg, kg, aqk, sW2, sKg2, sQg2, sA2, sU2, t0, end, hv, col0, ucol0, is_m, st, tid):
+        """cp.async of one chunk's tiles into stage `st` (rows past `end` zero-filled, never read)."""
         n = cutlass.min(end - t0, BT)
         BV = self.bv
         cp_k = tc.g2s_copy(DK, self.threads)
         tc.copy_rows(cp_k, tc.rows_at(w, t0, hv, 0, BT, DK), sW2[None, None, st], n, tid)
+        tc.copy_rows(cp_k, tc.rows_at(kg, t0, hv, 0, BT, DK), sKg2[None, None, st], n, tid)
         cp_u = tc.g2s_copy(BV, self.threads)
         if const_expr(not self.affine):
             tc.copy_rows(cp_k, tc.rows_at(qg, t0, hv, 0, BT, DK), sQg2[None, None, st], n, tid)
+            tc.copy_rows(tc.g2s_copy(BT, self.threads), tc.rows_at(aqk, t0, hv, 0, BT, BT), sA2[None, None, st], n,
+                         tid)
             tc.copy_rows(cp_u, tc.rows_at(u, t0, hv, col0, BT, BV), sU2[None, None, st], n, tid)
         else:
             if not is_m:  # the M columns see u = 0 (values [0 | v] of the augmented state)
                 tc.copy_rows(cp_u, tc.rows_at(u, t0, hv, ucol0, BT, BV), sU2[None, None, st], n, tid)
-
-    @cute.jit
-    def load_second(self, kg, aqk, sKg2, sA2, t0, end, hv, st, tid):
-        """cp.async of the tiles the state update and Aqk @ v_new read (kg, Aqk) into stage `st`."""
-        n = cutlass.min(end - t0, BT)
-        tc.copy_rows(tc.g2s_copy(DK, self.threads), tc.rows_at(kg, t0, hv, 0, BT, DK), sKg2[None, None, st], n, tid)
-        if const_expr(not self.affine):
-            tc.copy_rows(tc.g2s_copy(BT, self.threads), tc.rows_at(aqk, t0, hv, 0, BT, BT), sA2[None, None, st], n,
-                         tid)
