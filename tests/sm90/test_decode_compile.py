@@ -148,6 +148,122 @@ def test_recurrent_family_loads_and_binds(sm90a, monkeypatch, case):
     assert all(rt.resolve(name, config).origin in ("cached", "shipped") for name, config in family)
 
 
+GATE_AND_BETA = [  # (mode, T, K, pool dtype, V-first pool, precomputed gate, beta activation): every kernel of the
+    # family, the chunk-form verifies of MODE_KVBUFFER included (T = 3: SIMT, T = 9: tensor cores)
+    ("final", 1, 64, BF16, True, True, "sigmoid"),
+    ("states", 1, 128, F32, False, True, "2sigmoid"),
+    ("kvbuffer", 3, 64, F32, True, False, "sigmoid"),
+    ("kvbuffer", 9, 64, BF16, False, True, "2sigmoid"),
+]
+
+
+@pytest.mark.parametrize("case", GATE_AND_BETA, ids=lambda c: f"{c[0]}-T{c[1]}-K{c[2]}-{'pre' if c[5] else 'raw'}-"
+                                                            f"{c[6]}")
+def test_precomputed_gate_and_beta_activation_compile_and_bind(sm90a, monkeypatch, case):
+    """fused_recurrent_kda's precomputed log decay and beta logits: the kernels of the call's family compile for
+    sm_90a, and the launch binds the kernels' runtime gate / beta arguments (the signature's count and types). A
+    precomputed gate runs the softplus family with A_log and dt_bias whatever the call passes (the kernel skips its
+    gate code): no configuration of its own."""
+    from cula_sm90.decode import launch
+
+    rt = sm90a
+    mode, T, K, pool_dtype, v_first, precomputed, activation = case
+    q, k, v, g, beta, pool, cache_idx, A_log, dt_bias = _decode_inputs(mode, T, K, BF16, F32, F32, not precomputed,
+                                                                       not precomputed, pool_dtype=pool_dtype)
+    monkeypatch.setattr(rt, "current_stream", lambda device=None: 0)
+
+    def run():
+        launch.run_recurrent(mode, q, k, v, g, beta, pool, cache_idx, A_log, dt_bias, scale=K ** -0.5,
+                             lower_bound=-5.0 if precomputed else None, use_qk_l2norm_in_kernel=True,
+                             state_v_first=v_first, precomputed_gate=precomputed, beta_activation=activation)
+
+    _launch_reaches_the_driver(run)
+    family = launch.family_kernels(mode, T, K, K, BF16, F32, F32, True, True, False, True, pool_dtype, v_first)
+    loaded = set(rt.loaded())
+    assert family and all(kern in loaded for kern in family)
+    assert all(rt.resolve(name, config).origin in ("cached", "shipped") for name, config in family)
+
+
+def _record_launches(monkeypatch):
+    """Replace kernel loading by a recorder: each loaded "kernel" appends (name, configuration, launch arguments)
+    to the returned list when launched. Nothing compiles or runs."""
+    from cula_core import cute_runtime
+
+    launches = []
+
+    def get(name, config):
+        return lambda *args: launches.append((name, config, args))
+
+    monkeypatch.setattr(cute_runtime, "get", get)
+    monkeypatch.setattr(cute_runtime, "current_stream", lambda device=None: 0)
+    return launches
+
+
+@pytest.mark.parametrize("mode", ["final", "states", "kvbuffer"])
+@pytest.mark.parametrize(("precomputed", "activation", "codes", "HV"), [
+    (False, "none", (0, 0), 4), (True, "none", (1, 0), 6), (False, "sigmoid", (0, 1), 8),
+    (True, "2sigmoid", (1, 2), 10)])
+def test_gate_and_beta_are_runtime_arguments(monkeypatch, mode, precomputed, activation, codes, HV):
+    """run_recurrent passes the gate's source and the beta activation as the kernels' last two scalars (1 = g is
+    the log decay; configs.BETA_SIGMOID's code) and keeps the configuration of the in-kernel softplus gate with
+    A_log and dt_bias for a precomputed gate, whose A_log / dt_bias addresses are then stand-ins never read: every
+    configuration it launches is one the wheel builds ahead of time for the served setups (bf16 q/k/v, K = 128,
+    fp32 g / beta / pool, L2 norm in kernel), whichever batch the dispatch sees (N = 2 and N = 300). (launch.py
+    memoises a loaded kernel by the batch's shape: each case has its own HV, so that it sees its own recorder.)"""
+    from cula_sm90 import kernels
+    from cula_sm90.decode import configs, launch
+
+    launches = _record_launches(monkeypatch)
+    aot = set(kernels.aot_configurations())
+    for N in (2, 300):
+        q, k, v, g, beta, pool, cache_idx, A_log, dt_bias = _decode_inputs(mode, 2, 128, BF16, F32, F32, True, True,
+                                                                           N=N, HV=HV)
+        launches.clear()
+        launch.run_recurrent(mode, q, k, v, g, beta, pool, cache_idx, A_log, dt_bias, scale=0.125,
+                             lower_bound=None, use_qk_l2norm_in_kernel=True, precomputed_gate=precomputed,
+                             beta_activation=activation)
+        ((name, config, args),) = launches
+        assert (name, config) in aot
+        assert tuple(args[-3:-1]) == codes and args[-4] == -1  # precomputed_gate, beta_sigmoid; null_slot before
+        if precomputed:
+            assert args[5] == args[6] == pool.data_ptr()  # A_log, dt_bias: the pool's address, never read
+        else:
+            assert (args[5], args[6]) == (A_log.data_ptr(), dt_bias.data_ptr())
+    assert configs.BETA_SIGMOID == {"none": 0, "sigmoid": 1, "2sigmoid": 2}
+
+
+def test_precomputed_gate_ignores_the_gate_parameters(monkeypatch):
+    """A precomputed log decay with A_log, dt_bias and a lower_bound given: the same configuration and arguments as
+    without them (FLA's use_gate_in_kernel=False ignores them too)."""
+    from cula_sm90.decode import launch
+
+    launches = _record_launches(monkeypatch)
+    q, k, v, g, beta, pool, cache_idx, A_log, dt_bias = _decode_inputs("final", 1, 64, BF16, F32, F32, True, True,
+                                                                       HV=14)  # a shape no other test launches
+    for gate in (dict(A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0), dict(A_log=None, dt_bias=None,
+                                                                             lower_bound=None)):
+        launch.run_recurrent("final", q, k, v, g, beta, pool, cache_idx, scale=0.125, use_qk_l2norm_in_kernel=True,
+                             precomputed_gate=True, **gate)
+    (name0, config0, args0), (name1, config1, args1) = launches
+    assert (name0, config0) == (name1, config1)
+    assert config0[7:10] == (torch.float32, torch.float32, False)  # A_log, dt_bias present; softplus
+    # the same arguments but o (argument 9, a new tensor each call); lower_bound (16) unused
+    assert args0[:9] + args0[10:] == args1[:9] + args1[10:] and args0[16] == 0.0
+
+
+def test_unknown_beta_activation_is_refused_before_anything_runs(monkeypatch):
+    from cula_sm90.decode import launch
+
+    _refuse_loads(monkeypatch)
+    inputs = _decode_inputs("final", 1, 64, BF16, F32, F32, True, True)
+    pool_before = inputs[5].clone()
+    with pytest.raises(ValueError, match=r"beta_activation must be one of \('none', 'sigmoid', '2sigmoid'\), got "
+                                         r"'tanh'"):
+        launch.run_recurrent("final", *inputs, scale=0.125, lower_bound=None, use_qk_l2norm_in_kernel=True,
+                             beta_activation="tanh")
+    assert torch.equal(inputs[5], pool_before)
+
+
 def test_gate_dtypes_are_normalised():
     """g / beta in fp16 or fp64 and A_log / dt_bias in any dtype share the configurations of fp32 ones (the kernels
     convert on load): the set built ahead of time stays small."""
@@ -164,13 +280,13 @@ def test_gate_dtypes_are_normalised():
                                                   (False, 6, 128, True)])
 def test_chunk_verify_compiles_for_sm90a(sm90a, tc, T, K, safe):
     """The chunk-form verify, tensor-core (3xTF32 mma.sync through inline PTX: ptxas checks it) and SIMT: its
-    compiled signature is the recurrent kernel's (18 arguments)."""
+    compiled signature is the recurrent kernel's (11 pointers, 9 scalars, the stream)."""
     from cula_sm90.decode import launch
 
     rt = sm90a
     bf = torch.bfloat16
     fn = rt.get(launch.VERIFY, launch.verify_config(T, K, K, bf, torch.float32, bf, True, True, safe, True, tc))
-    with pytest.raises(TypeError, match="Expects 19 parameters"):
+    with pytest.raises(TypeError, match="Expects 21 parameters"):
         fn(1, 2)
 
 

@@ -18,7 +18,9 @@ import torch
 
 import cula_core
 from cula_core import dispatch, reference_backend
+from cula_core import reference as ref
 from cula_core.backend import DeviceInfo
+from cula_core.reference.kvbuffer import mtp_kvbuffer_reference
 from cula_sm90.backend import backend as sm90
 from cula_sm90.decode import configs, launch
 
@@ -98,6 +100,41 @@ def test_pool_calls_are_served(case):
     assert served(call)
 
 
+#: FLA's two beta flags and the calling convention's activation they give (cula_core.fla_args.beta_activation)
+BETA_FLAGS = [({}, "none"), ({"use_beta_sigmoid_in_kernel": True}, "sigmoid"),
+              ({"use_beta_sigmoid_in_kernel": True, "allow_neg_eigval": True}, "2sigmoid")]
+
+
+def precomputed(x: dict) -> dict:
+    """The call `x` with a precomputed log decay (use_gate_in_kernel=False: A_log / dt_bias unused) of its raw g."""
+    return {**x, "use_gate_in_kernel": False, "g": -torch.nn.functional.softplus(x["g"])}
+
+
+@pytest.mark.parametrize("gate", ["precomputed", "softplus", "safe"])
+@pytest.mark.parametrize(("flags", "activation"), BETA_FLAGS, ids=[a for _, a in BETA_FLAGS])
+@pytest.mark.parametrize("mapping", ["pool", "new state", "outputs only"])
+def test_every_gate_and_beta_activation_is_served(gate, flags, activation, mapping):
+    """FLA's use_gate_in_kernel=False (g is the log decay) and beta logits (use_beta_sigmoid_in_kernel, with
+    allow_neg_eigval: 2 sigmoid) are served in each of the three mappings, as the gates computed in kernel are."""
+    x, pool = make(N=3, T=1 if mapping == "new state" else 2)
+    x = precomputed(x) if gate == "precomputed" else x
+    if gate == "safe":
+        x.update(lower_bound=-5.0)
+    states = {"pool": dict(initial_state=pool, ssm_state_indices=torch.tensor([0, 4, -1], dtype=torch.int32)),
+              "new state": dict(output_final_state=True), "outputs only": dict(initial_state=pool[:3])}[mapping]
+    call = captured(**x, **flags, **states)
+    assert call.gate == gate and call.options["beta_activation"] == activation
+    assert served(call)
+
+
+def test_outputs_only_with_a_precomputed_gate_ignore_lower_bound():
+    # without the gate in kernel, lower_bound selects nothing (FLA ignores it there too): no decay > 1 is implied
+    x, _ = make(N=2, T=3)
+    call = captured(**precomputed(x), lower_bound=0.5)
+    assert call.gate == "precomputed" and call.options["lower_bound"] == 0.5
+    assert served(call)
+
+
 @pytest.mark.parametrize("initial", [True, False])
 @pytest.mark.parametrize(("T", "final"), [(1, True), (1, False), (5, False)])
 def test_new_state_calls_are_served(T, final, initial):
@@ -109,24 +146,12 @@ def test_new_state_calls_are_served(T, final, initial):
 # ------------------------------------------------------------------------------------------ declined calls
 
 
-def test_precomputed_gate_is_declined():
-    x, pool = make()
-    x.update(use_gate_in_kernel=False, g=-torch.rand_like(x["g"]))
-    for state in ({"initial_state": pool, "ssm_state_indices": torch.tensor([0, 1, 2], dtype=torch.int32)},
-                  {"output_final_state": True}):
-        assert reason_for(captured(**x, **state)) == (
-            "sm90 decode computes the gate in kernel from raw g (use_gate_in_kernel=True); it does not take a "
-            "precomputed log decay")
-
-
-@pytest.mark.parametrize(("flags", "activation"), [({"use_beta_sigmoid_in_kernel": True}, "sigmoid"),
-                                                   ({"use_beta_sigmoid_in_kernel": True, "allow_neg_eigval": True},
-                                                    "2sigmoid")])
-def test_beta_activation_in_kernel_is_declined(flags, activation):
+def test_unknown_beta_activation_is_declined():
+    # core never builds one (fla_args.beta_activation); a configuration from elsewhere gets a reason, not a kernel
     x, _ = make()
-    assert reason_for(captured(**x, **flags, output_final_state=True)) == (
-        "sm90 decode takes beta after its sigmoid (use_beta_sigmoid_in_kernel=False), got "
-        f"beta_activation={activation!r}")
+    call = captured(**x, output_final_state=True)
+    call = dataclasses.replace(call, options={**call.options, "beta_activation": "tanh"})
+    assert reason_for(call) == "sm90 decode serves beta_activation none / sigmoid / 2sigmoid, got 'tanh'"
 
 
 def test_beta_per_channel_is_declined():
@@ -238,19 +263,29 @@ def kernel_runs(monkeypatch):
         return sm90
 
     def run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, *, scale, lower_bound,
-                      use_qk_l2norm_in_kernel, state_v_first=False, null_slot=None):
+                      use_qk_l2norm_in_kernel, state_v_first=False, null_slot=None, precomputed_gate=False,
+                      beta_activation="none"):
         N, T = q.shape[:2]
         assert cache_idx.dtype == torch.int32 and cache_idx.is_contiguous() and cache_idx.shape == (N,)
         assert all(t.shape[:2] == (N, T) for t in (k, v, g, beta)) and 1 <= T <= configs.MAX_T
-        runs.append((mode, state_pool, cache_idx.clone(), T, dict(state_v_first=state_v_first, null_slot=null_slot)))
+        assert beta_activation in configs.BETA_SIGMOID
+        runs.append((mode, state_pool, cache_idx.clone(), T, dict(state_v_first=state_v_first, null_slot=null_slot,
+                                                                  precomputed_gate=precomputed_gate,
+                                                                  beta_activation=beta_activation)))
         idx = torch.where(cache_idx < state_pool.shape[0], cache_idx, -1)  # the kernel skips slots >= P
-        args = (q, k, v, g, beta, state_pool, idx, A_log, dt_bias)
-        flags = dict(scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                     state_v_first=state_v_first)
+        # the decode math of the kernels (the reference decode ops', with the gate's source and beta activation)
+        gate = "precomputed" if precomputed_gate else "safe" if lower_bound is not None else "softplus"
+        qp, kp, gp, bp = reference_backend.prepare_inputs(
+            q, k, g, beta, A_log, dt_bias, dtype=torch.float32, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            gate=gate, lower_bound=lower_bound, beta_activation=beta_activation)
         if mode == configs.MODE_KVBUFFER:
-            return reference_backend.kda_decode_mtp_kvbuffer(*args, **flags)
-        return reference_backend.kda_decode_mtp(*args, **flags,
-                                                output_per_token_states=mode == configs.MODE_STATES)
+            o, buf = mtp_kvbuffer_reference(qp, kp, v, gp, bp, state_pool, idx, scale, state_v_first=state_v_first)
+            return o.to(v.dtype), buf
+        o, states = ref.decode_mtp_reference(qp, kp, v, gp, bp, state_pool, idx, scale, state_v_first=state_v_first)
+        if mode == configs.MODE_FINAL:
+            ref.commit_accepted_reference(state_pool, idx, states, T)
+            states = None
+        return o.to(v.dtype), states
 
     monkeypatch.setattr(dispatch, "select", select)
     monkeypatch.setattr(launch, "run_recurrent", run_recurrent)
@@ -276,7 +311,8 @@ def test_pool_calls_update_the_pool_in_place(kernel_runs, layout, T):
     o, returned = cula_core.fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=slots)
     ((mode, kernel_pool, cache_idx, kernel_T, flags),) = kernel_runs
     assert mode == configs.MODE_FINAL and kernel_pool is pool and kernel_T == T  # in place: no copy of the pool
-    assert cache_idx.tolist() == slots.tolist() and flags == dict(state_v_first=False, null_slot=None)
+    assert cache_idx.tolist() == slots.tolist() and flags == dict(state_v_first=False, null_slot=None,
+                                                                  precomputed_gate=False, beta_activation="none")
     assert returned is pool
     torch.testing.assert_close(o, o_ref, **TOL)
     assert (o.view(5, T, 4, V)[1] == 0).all() if layout == "batch" else (o[0, T:2 * T] == 0).all()
@@ -338,3 +374,36 @@ def test_v_first_and_bf16_pools_reach_the_kernel_as_they_are(kernel_runs, pool_d
     torch.testing.assert_close(o, o_ref, **TOL)
     tol = TOL if pool_dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(pool.float(), pool_ref.float(), **tol)
+
+
+@pytest.mark.parametrize(("flags", "activation"), BETA_FLAGS, ids=[a for _, a in BETA_FLAGS])
+@pytest.mark.parametrize("gate", ["precomputed", "softplus"])
+@pytest.mark.parametrize("mapping", ["pool", "new state", "outputs only"])
+def test_gate_source_and_beta_activation_reach_the_kernel(kernel_runs, mapping, gate, flags, activation):
+    """A precomputed log decay and beta logits go to the kernel as they are (precomputed_gate, beta_activation),
+    with the inputs untouched: the kernel's decode math on them gives the reference's fused_recurrent_kda, in each
+    mapping (V-first pools and states, bf16 beta logits)."""
+    T = 1 if mapping == "new state" else 3
+    x, pool = make(N=3, T=T, P=6, seed=13)
+    x["beta"] = torch.randn(x["beta"].shape, generator=torch.Generator().manual_seed(5)).bfloat16() * 3
+    x = precomputed(x) if gate == "precomputed" else x
+    pool = pool.transpose(-1, -2).contiguous()  # V-first
+    states = {"pool": dict(initial_state=pool, ssm_state_indices=torch.tensor([5, -1, 2], dtype=torch.int32)),
+              "new state": dict(initial_state=pool[:3].clone(), output_final_state=True),
+              "outputs only": dict(initial_state=pool[:3].clone())}[mapping]
+    kw = dict(**x, **flags, **states, state_v_first=True)
+    o_ref, state_ref = on_reference(**kw)
+    o, state = cula_core.fused_recurrent_kda(**kw)
+    ((mode, kernel_pool, _, _, run_flags),) = kernel_runs
+    assert mode == {"pool": configs.MODE_FINAL, "new state": configs.MODE_STATES,
+                    "outputs only": configs.MODE_KVBUFFER}[mapping]
+    assert run_flags == dict(state_v_first=True, null_slot=None, precomputed_gate=gate == "precomputed",
+                             beta_activation=activation)
+    torch.testing.assert_close(o, o_ref, **TOL)
+    if mapping == "pool":
+        assert kernel_pool is pool
+        torch.testing.assert_close(pool, state_ref, **TOL)
+    elif mapping == "new state":
+        torch.testing.assert_close(state, state_ref, **TOL)
+    else:
+        assert state is None and state_ref is None

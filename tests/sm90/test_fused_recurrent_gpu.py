@@ -7,6 +7,8 @@ Pool mode (vLLM / SGLang decode): one token per sequence as q [N, 1] or as one r
 T = 3 tokens per sequence; padded (-1) and out-of-range (= P) slots; slots no sequence owns stay bitwise equal;
 bf16 and V-first pools. New
 state: T = 1 with an fp32 initial state or none; outputs only at T = 1, 4, 9. A CUDA-graph capture of pool decode.
+Each mapping also with a precomputed log decay (use_gate_in_kernel=False) and beta logits (use_beta_sigmoid_in_kernel,
+with allow_neg_eigval: 2 sigmoid(beta)).
 
 FLA is compared where its semantics are cula's: without padded slots (FLA 0.6.0 reads and writes pool[-1], outside
 the pool) and at T = 1 in pool mode (with [N] indices and T > 1, FLA writes token t's state to slot idx[n + t])."""
@@ -17,9 +19,11 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import cula_core
 from cula_core import reference_backend
+from cula_core.fla_args import beta_activation
 from decode_cases import REL_TOL, REL_TOL_BF16_OUT, backend, rel_err, require_sm90
 
 pytestmark = pytest.mark.gpu
@@ -36,11 +40,19 @@ def _sm90():
     require_sm90()
 
 
-def make(N, T=1, HQK=2, HV=4, *, varlen=False, safe=False, dtype=torch.float32, P=None, seed=0):
+#: FLA's beta flags for each activation of the calling convention
+BETA_FLAGS = {"none": {}, "sigmoid": {"use_beta_sigmoid_in_kernel": True},
+              "2sigmoid": {"use_beta_sigmoid_in_kernel": True, "allow_neg_eigval": True}}
+
+
+def make(N, T=1, HQK=2, HV=4, *, varlen=False, safe=False, dtype=torch.float32, P=None, seed=0, precomputed=False,
+         activation="none"):
     """Inputs of a call (keyword arguments of cula.fused_recurrent_kda): raw g with A_log / dt_bias (softplus
     gate, or the safe gate at lower_bound -5), post-sigmoid beta, unnormalised q / k (L2 norm in kernel); `varlen`:
-    the N sequences of T tokens in one row with cu_seqlens (and its host copy). Returns (kwargs, pool [P, HV, K, V]
-    fp32, P = N + 3 by default)."""
+    the N sequences of T tokens in one row with cu_seqlens (and its host copy). `precomputed`: g is a log decay
+    (-softplus of the raw values, use_gate_in_kernel=False; A_log / dt_bias still passed, and ignored); `activation`
+    other than "none": beta holds logits (N(0, 4)) and FLA's flags ask for that activation. Returns (kwargs, pool
+    [P, HV, K, V] fp32, P = N + 3 by default)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
 
     def r(*s, scale=1.0):
@@ -54,7 +66,12 @@ def make(N, T=1, HQK=2, HV=4, *, varlen=False, safe=False, dtype=torch.float32, 
     if varlen:
         cu = torch.arange(0, N * T + 1, T, dtype=torch.int32)
         kw.update(cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)
-    return kw, r(N + 3 if P is None else P, HV, K, V, scale=0.1)
+    pool = r(N + 3 if P is None else P, HV, K, V, scale=0.1)
+    if precomputed:
+        kw.update(g=-F.softplus(kw["g"].float()).to(dtype), use_gate_in_kernel=False)
+    if activation != "none":
+        kw.update(beta=r(B, L, HV, scale=2.0).to(dtype), **BETA_FLAGS[activation])
+    return kw, pool
 
 
 def slots_for(N, P, *, padded, seed=0):
@@ -77,11 +94,13 @@ def reference(kw, initial_state=None, ssm_state_indices=None, output_final_state
     if idx is not None and state is not None:
         idx = torch.where(idx < state.shape[0], idx, -1)
     lb = kw["lower_bound"]
+    gate = ("safe" if lb is not None else "softplus") if kw["use_gate_in_kernel"] else "precomputed"
+    activation = beta_activation(kw.get("use_beta_sigmoid_in_kernel", False), kw.get("allow_neg_eigval", False))
     o, final = reference_backend.fused_recurrent_kda(
         d(kw["q"]), d(kw["k"]), d(kw["v"]), d(kw["g"]), d(kw["beta"]), d(kw["A_log"]), d(kw["dt_bias"]), state,
         kw.get("cu_seqlens"), idx, None, scale=K ** -0.5, output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=True, gate="safe" if lb is not None else "softplus", lower_bound=lb,
-        beta_activation="none", state_v_first=state_v_first)
+        use_qk_l2norm_in_kernel=True, gate=gate, lower_bound=lb, beta_activation=activation,
+        state_v_first=state_v_first)
     return o, (state if idx is not None else final)
 
 
@@ -92,7 +111,8 @@ def fla_recurrent():
 def fla_call(fn, kw, **extra):
     """FLA's function on the same arguments, on its own kernel (FLA_CULA=0, FLA_FLASH_KDA=0 for this call)."""
     args = {n: kw[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "use_gate_in_kernel",
-                               "use_qk_l2norm_in_kernel", "lower_bound")}
+                               "use_qk_l2norm_in_kernel", "lower_bound", "use_beta_sigmoid_in_kernel",
+                               "allow_neg_eigval") if n in kw}
     if "cu_seqlens" in kw:
         args["cu_seqlens"] = kw["cu_seqlens"]
     saved = {n: os.environ.get(n) for n in ("FLA_CULA", "FLA_FLASH_KDA")}
@@ -183,14 +203,32 @@ def test_slot_column_and_int64_slots():
         assert untouched(work, pool, idx)
 
 
-@pytest.mark.parametrize(("pool_dtype", "v_first"), [(torch.bfloat16, False), (torch.float32, True),
-                                                      (torch.bfloat16, True)])
-def test_serving_pools(pool_dtype, v_first):
-    """bf16 and V-first pools, against the reference on the same pool (fp32 math, the pool's dtype and layout)
-    and against FLA."""
+#: (precomputed log decay, beta activation): the gate in kernel with beta post-sigmoid, and each of the other modes
+#: alone and together
+MODES = [(False, "none"), (True, "none"), (False, "sigmoid"), (True, "sigmoid"), (False, "2sigmoid"),
+         (True, "2sigmoid")]
+
+
+def _mode_id(mode):
+    return f"{'precomputed' if mode[0] else 'raw'}-{mode[1]}"
+
+
+def _as_pool(pool, dtype, v_first):
+    return (pool.transpose(-1, -2).contiguous() if v_first else pool).to(dtype)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+@pytest.mark.parametrize(("pool_dtype", "v_first"), [(torch.float32, False), (torch.float32, True),
+                                                      (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_serving_pools(mode, pool_dtype, v_first):
+    """fp32 / bf16 and K-first / V-first pools, with the gate in kernel or a precomputed log decay and beta
+    post-sigmoid or logits: one token per sequence as vLLM's row with cu_seqlens (N = 64) and T = 3 tokens per
+    sequence (N = 5), padded slots, against the reference on the same pool (fp64 math, the pool's dtype and
+    layout); T = 1 without padding (FLA indexes pool[-1] for a padded sequence) against FLA."""
+    precomputed, activation = mode
     for T, N in ((1, 64), (3, 5)):
-        kw, pool = make(N, T, seed=60 + T)
-        pool = (pool.transpose(-1, -2).contiguous() if v_first else pool).to(pool_dtype)
+        kw, pool = make(N, T, varlen=T == 1, seed=100 + T, precomputed=precomputed, activation=activation)
+        pool = _as_pool(pool, pool_dtype, v_first)
         idx = slots_for(N, pool.shape[0], padded=True, seed=T)
         before = pool.clone()
         o_ref, pool_ref = reference(kw, pool, idx, state_v_first=v_first)
@@ -198,18 +236,19 @@ def test_serving_pools(pool_dtype, v_first):
             o, _ = cula_core.fused_recurrent_kda(**kw, initial_state=pool, ssm_state_indices=idx,
                                                  state_v_first=v_first)
         tol = REL_TOL_BF16_STATE if pool_dtype == torch.bfloat16 else REL_TOL
-        assert rel_err(o, o_ref) < REL_TOL and rel_err(pool, pool_ref.to(pool_dtype)) < tol
+        assert rel_err(o, o_ref) < REL_TOL, (T, rel_err(o, o_ref))
+        assert rel_err(pool, pool_ref.to(pool_dtype)) < tol, (T, rel_err(pool, pool_ref.to(pool_dtype)))
         assert untouched(pool, before, idx)
-    # FLA, on a batch without padded sequences (FLA indexes pool[-1] for one)
     fla = fla_recurrent()
-    kw, pool = make(64, seed=61)
-    pool = (pool.transpose(-1, -2).contiguous() if v_first else pool).to(pool_dtype)
-    live = slots_for(64, pool.shape[0], padded=False, seed=61)
+    kw, pool = make(64, seed=107, precomputed=precomputed, activation=activation)
+    pool = _as_pool(pool, pool_dtype, v_first)
+    live = slots_for(64, pool.shape[0], padded=False, seed=107)
     fla_pool = pool.clone()
-    fla_call(fla.fused_recurrent_kda_fwd, kw, initial_state=fla_pool, inplace_final_state=True,
-             ssm_state_indices=live, state_v_first=v_first)
+    o_fla, _ = fla_call(fla.fused_recurrent_kda_fwd, kw, initial_state=fla_pool, inplace_final_state=True,
+                        ssm_state_indices=live, state_v_first=v_first)
     with backend():
-        cula_core.fused_recurrent_kda(**kw, initial_state=pool, ssm_state_indices=live, state_v_first=v_first)
+        o, _ = cula_core.fused_recurrent_kda(**kw, initial_state=pool, ssm_state_indices=live, state_v_first=v_first)
+    assert rel_err(o, o_fla) < REL_TOL_FLA
     assert rel_err(pool, fla_pool) < (REL_TOL_BF16_STATE if pool_dtype == torch.bfloat16 else REL_TOL_FLA)
 
 
@@ -262,15 +301,78 @@ def test_new_final_state_matches_the_reference_and_fla(N, initial):
     assert rel_err(o, o_fla) < REL_TOL_FLA and rel_err(ht, ht_fla) < REL_TOL_FLA
 
 
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+@pytest.mark.parametrize("v_first", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_new_final_state_in_every_layout_gate_and_beta_activation(mode, v_first, dtype):
+    """FLA's layer decode step (T = 1, output_final_state, V-first states, bf16 inputs, beta logits) and its
+    K-first / fp32 / other gate and beta variants, from an fp32 initial state and from none, against the fp64
+    reference and FLA."""
+    precomputed, activation = mode
+    try:
+        import fla.ops.kda as fla_ops
+    except ImportError:
+        fla_ops = None
+    for initial in (True, False):
+        kw, _ = make(48, dtype=dtype, seed=120 + initial, precomputed=precomputed, activation=activation)
+        h0 = torch.randn(48, 4, K, V, device="cuda") * 0.1 if initial else None
+        h0 = h0.transpose(-1, -2).contiguous() if initial and v_first else h0
+        before = h0.clone() if initial else None
+        o_ref, ht_ref = reference(kw, h0, output_final_state=True, state_v_first=v_first)
+        with backend():
+            o, ht = cula_core.fused_recurrent_kda(**kw, initial_state=h0, output_final_state=True,
+                                                  state_v_first=v_first)
+        o_tol = REL_TOL if dtype == torch.float32 else REL_TOL_BF16_OUT
+        assert ht.dtype == torch.float32 and ht.shape == ((48, 4, V, K) if v_first else (48, 4, K, V))
+        assert rel_err(o, o_ref) < o_tol and rel_err(ht, ht_ref) < REL_TOL, (rel_err(o, o_ref), rel_err(ht, ht_ref))
+        if initial:
+            assert torch.equal(h0, before), "the initial state must not change"
+        if fla_ops is not None:
+            o_fla, ht_fla = fla_call(fla_ops.fused_recurrent_kda, kw, initial_state=h0, output_final_state=True,
+                                     state_v_first=v_first)
+            assert rel_err(o, o_fla) < (REL_TOL_FLA if dtype == torch.float32 else REL_TOL_BF16_OUT)
+            assert rel_err(ht, ht_fla) < REL_TOL_FLA
+    if fla_ops is None:
+        pytest.skip("FLA 0.6.0 not importable: checked against the reference only")
+
+
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
 @pytest.mark.parametrize("T", [1, 4, 9])
 @pytest.mark.parametrize("N", [2, 40])
-def test_outputs_only_match_the_reference_and_fla(N, T):
-    kw, _ = make(N, T, HV=8, safe=T == 4, seed=90 + T)
+def test_outputs_only_match_the_reference_and_fla(mode, N, T):
+    """Outputs only (N = 2: the recurrent kernel's KVBuffer mode; N = 40: the chunk-form verify, SIMT at T = 1, 4
+    and tensor cores at T = 9), V-first states at N = 40, every gate and beta activation (lower_bound -5 at T = 4:
+    the safe gate, or ignored by a precomputed one), against the fp64 reference and FLA."""
+    precomputed, activation = mode
+    v_first = N == 40
+    kw, _ = make(N, T, HV=8, safe=T == 4, seed=140 + T, precomputed=precomputed, activation=activation)
     h0 = torch.randn(N, 8, K, V, device="cuda") * 0.1
-    o_ref, _ = reference(kw, h0)
+    h0 = h0.transpose(-1, -2).contiguous() if v_first else h0
+    o_ref, _ = reference(kw, h0, state_v_first=v_first)
     with backend():
-        o, none = cula_core.fused_recurrent_kda(**kw, initial_state=h0)
-    assert none is None and rel_err(o, o_ref) < REL_TOL
+        o, none = cula_core.fused_recurrent_kda(**kw, initial_state=h0, state_v_first=v_first)
+    assert none is None and rel_err(o, o_ref) < REL_TOL, rel_err(o, o_ref)
     fla_ops = pytest.importorskip("fla.ops.kda", reason="FLA 0.6.0 not importable")
-    o_fla, _ = fla_call(fla_ops.fused_recurrent_kda, kw, initial_state=h0)
+    o_fla, _ = fla_call(fla_ops.fused_recurrent_kda, kw, initial_state=h0, state_v_first=v_first)
     assert rel_err(o, o_fla) < REL_TOL_FLA
+
+
+@pytest.mark.parametrize("mode", [m for m in MODES if m != (False, "none")], ids=_mode_id)
+def test_fla_hands_these_calls_to_cula(mode):
+    """With cula.fla registered, FLA's recurrent launch hands cula the calls with a precomputed log decay or beta
+    logits: its verifier accepts FLA's layer decode step (a new V-first state after one token) and a pool decode
+    with q [N, 1] (FLA passes no host copy of cu_seqlens, so a vLLM row stays on FLA)."""
+    pytest.importorskip("fla.ops.kda", reason="FLA 0.6.0 not importable")
+    import cula.fla
+
+    precomputed, activation = mode
+    kw, pool = make(8, precomputed=precomputed, activation=activation, seed=150)
+    args = {n: kw[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "use_gate_in_kernel",
+                               "use_qk_l2norm_in_kernel", "lower_bound", "use_beta_sigmoid_in_kernel",
+                               "allow_neg_eigval") if n in kw}
+    verify = cula.fla.RecurrentKDABackend().verify
+    h0 = torch.randn(8, 4, V, K, device="cuda") * 0.1
+    assert verify("fused_recurrent_kda_fwd", **args, initial_state=h0, output_final_state=True,
+                  inplace_final_state=False, state_v_first=True) == (True, None)
+    assert verify("fused_recurrent_kda_fwd", **args, initial_state=pool, inplace_final_state=True,
+                  ssm_state_indices=slots_for(8, pool.shape[0], padded=False)) == (True, None)

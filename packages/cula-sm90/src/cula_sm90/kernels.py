@@ -10,7 +10,8 @@ flush, gate options) still runs: compiled on its first call and cached on disk (
 Served setups (a KDA serving / prefill deployment of Kimi Linear's shape):
   q/k/v bf16; head dims K = V = 128; q/k L2-normalised in the kernel;
   g and beta each in bf16 or fp32 (other dtypes are read as fp32, sharing those configurations);
-  gates: softplus or safe with A_log and dt_bias (fp32), or precomputed (prefill);
+  gates: softplus or safe with A_log and dt_bias (fp32), or precomputed (prefill; decode runs a precomputed gate
+  on the softplus configuration, skipping its gate code: a runtime argument, as decode's beta activation is);
   decode / MTP / verify with T = 1 .. DECODE_T_MAX tokens per request; flush of one layer with per-request
   or broadcast accept lengths; prefill with beta given ("none") or as logits ("sigmoid").
 
