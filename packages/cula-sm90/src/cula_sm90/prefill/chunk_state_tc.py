@@ -38,13 +38,13 @@ BV = 32
 
 class ChunkStateTCKernel:
     """`bv`: state columns per CTA, 32 (4 warps stacked along M) or 64 (8 warps, 4 along M x 2 along N: each
-    chunk's w, qg, kg, Aqk tiles are loaded once for twice the columns, half the CTAs). `split`: h and v_new enter
-    the products as hi + lo bf16 pairs (tc.store_split), else rounded to bf16 (as FLA's chunk_fwd_h does)."""
+    chunk's w, qg, kg, Aqk tiles are loaded once for twice the columns, half the CTAs). `split_o`: the output
+    products take the split h and v_new as well (else their hi halves only)."""
 
-    def __init__(self, affine: bool, bv: int = BV, split: bool = True):
+    def __init__(self, affine: bool, bv: int = BV, split_o: bool = False):
         self.affine = affine
         self.bv = bv
-        self.split = split
+        self.split_o = split_o
         self.wn = bv // 32  # warps along N
         self.threads = 128 * self.wn
 
@@ -94,12 +94,9 @@ class ChunkStateTCKernel:
             sQg2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK, 2), 128)
             sA2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BT, 2), 128)
         sHh = smem.allocate_tensor(BFloat16, tc.bf16_tile(DK, BV), 128)
+        sHl = smem.allocate_tensor(BFloat16, tc.bf16_tile(DK, BV), 128)
         sVh = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BV), 128)
-        sHl = sHh
-        sVl = sVh
-        if const_expr(self.split):
-            sHl = smem.allocate_tensor(BFloat16, tc.bf16_tile(DK, BV), 128)
-            sVl = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BV), 128)
+        sVl = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BV), 128)
         sDecay = smem.allocate_tensor(Float32, cute.make_layout(DK), 16)
 
         start = seg[s, 0]
@@ -153,7 +150,7 @@ class ChunkStateTCKernel:
             cute.arch.cp_async_commit_group()  # (possibly empty) group: the counting stays uniform
             if tid < DK:
                 sDecay[tid] = cute.math.exp(gl[chunk0 + ci, hv, tid], fastmath=True)
-            self.store_operand(acc_h, pHh, pHl)
+            tc.store_split(acc_h, pHh, pHl)
             cute.arch.cp_async_wait_group(1)  # chunk ci has landed; ci + 1 may still be in flight
             cute.arch.sync_threads()
             sW = sW2[None, None, st]
@@ -163,16 +160,15 @@ class ChunkStateTCKernel:
             sA = sA2[None, None, st]
             pU = thr.partition_C(sU)
 
-            # v_new = u - w @ h and o = qg @ h
+            # v_new = u - w @ h (split h: v_new feeds the state) and o = qg @ h
             acc_v.fill(0.0)
-            tc.gemm(mma, acc_v, sW, tc.t_view(sHh, DK, BV), tid, False, True)
-            if const_expr(self.split):
-                tc.gemm(mma, acc_v, sW, tc.t_view(sHl, DK, BV), tid, False, True)
+            tc.gemm_split(mma, acc_v, sW, tc.t_view(sHh, DK, BV), tc.t_view(sHl, DK, BV), tid, False, True)
             if const_expr(not self.affine):
                 acc_o.fill(0.0)
-                tc.gemm(mma, acc_o, sQg, tc.t_view(sHh, DK, BV), tid, False, True)
-                if const_expr(self.split):
-                    tc.gemm(mma, acc_o, sQg, tc.t_view(sHl, DK, BV), tid, False, True)
+                if const_expr(self.split_o):
+                    tc.gemm_split(mma, acc_o, sQg, tc.t_view(sHh, DK, BV), tc.t_view(sHl, DK, BV), tid, False, True)
+                else:
+                    tc.gemm(mma, acc_o, sQg, tc.t_view(sHh, DK, BV), tid, False, True)
             for i in cutlass.range_constexpr(cute.size(acc_v)):
                 uval = Float32(0.0)
                 if const_expr(self.affine):
@@ -181,13 +177,14 @@ class ChunkStateTCKernel:
                 else:
                     uval = pU[i].to(Float32)
                 acc_v[i] = uval - acc_v[i]
-            self.store_operand(acc_v, pVh, pVl)  # rows past the end: u = w = 0 there, so v_new = 0
+            tc.store_split(acc_v, pVh, pVl)  # rows past the end: u = w = 0 there, so v_new = 0
             cute.arch.sync_threads()
 
             if const_expr(not self.affine):
-                tc.gemm(mma, acc_o, sA, tc.t_view(sVh, BT, BV), tid, False, True)
-                if const_expr(self.split):
-                    tc.gemm(mma, acc_o, sA, tc.t_view(sVl, BT, BV), tid, False, True)
+                if const_expr(self.split_o):
+                    tc.gemm_split(mma, acc_o, sA, tc.t_view(sVh, BT, BV), tc.t_view(sVl, BT, BV), tid, False, True)
+                else:
+                    tc.gemm(mma, acc_o, sA, tc.t_view(sVh, BT, BV), tid, False, True)
                 for i in cutlass.range_constexpr(cute.size(acc_o)):
                     r, c = at_v[i]
                     if r < n:
@@ -196,24 +193,14 @@ class ChunkStateTCKernel:
             for i in cutlass.range_constexpr(cute.size(acc_h)):
                 kr, _ = at_h[i]
                 acc_h[i] = acc_h[i] * sDecay[kr]
-            tc.gemm(mma, acc_h, tc.t_view(sKg, BT, DK), tc.t_view(sVh, BT, BV), tid, True, True)
-            if const_expr(self.split):
-                tc.gemm(mma, acc_h, tc.t_view(sKg, BT, DK), tc.t_view(sVl, BT, BV), tid, True, True)
+            tc.gemm_split(mma, acc_h, tc.t_view(sKg, BT, DK), tc.t_view(sVh, BT, BV), tc.t_view(sVl, BT, BV), tid,
+                          True, True)
             cute.arch.sync_threads()  # every reader of this chunk's tiles is done before the next copies
 
         if ht_idx >= 0:
             for i in cutlass.range_constexpr(cute.size(acc_h)):
                 kr, c = at_h[i]
                 ht[ht_idx, hv, kr, col0 + c] = acc_h[i]
-
-    @cute.jit
-    def store_operand(self, acc, p_hi, p_lo):
-        """An fp32 accumulator into its bf16 operand tile(s): hi + lo (split) or plain bf16."""
-        if const_expr(self.split):
-            tc.store_split(acc, p_hi, p_lo)
-        else:
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                p_hi[i] = acc[i].to(BFloat16)
 
     @cute.jit
     def load_chunk(self, w, u, qg, kg, aqk, sW2, sKg2, sQg2, sA2, sU2, t0, end, hv, col0, ucol0, is_m, st, tid):

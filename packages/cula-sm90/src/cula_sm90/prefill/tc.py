@@ -108,6 +108,33 @@ def gemm(tmma: cute.TiledMma, acc: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor
 
 
 @cute.jit
+def gemm_split(tmma: cute.TiledMma, acc: cute.Tensor, sA: cute.Tensor, sB_hi: cute.Tensor, sB_lo: cute.Tensor, tid,
+               a_t: cutlass.Constexpr, b_t: cutlass.Constexpr):
+    """acc += sA @ (sB_hi + sB_lo)^T: `gemm` against a split operand (store_split), each k-block of A read once
+    for both halves."""
+    thr = tmma.get_slice(tid)
+    rA = thr.make_fragment_A(thr.partition_A(sA))
+    rH = thr.make_fragment_B(thr.partition_B(sB_hi))
+    rL = thr.make_fragment_B(thr.partition_B(sB_lo))
+    ldA = cute.make_tiled_copy_A(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(a_t, 4), BFloat16), tmma)
+    ldB = cute.make_tiled_copy_B(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(b_t, 4), BFloat16), tmma)
+    tA = ldA.get_slice(tid)
+    tB = ldB.get_slice(tid)
+    srcA = tA.partition_S(sA)
+    srcH = tB.partition_S(sB_hi)
+    srcL = tB.partition_S(sB_lo)
+    dstA = tA.retile(rA)
+    dstH = tB.retile(rH)
+    dstL = tB.retile(rL)
+    for kb in cutlass.range_constexpr(cute.size(rA.shape[2])):
+        cute.copy(ldA, srcA[None, None, kb], dstA[None, None, kb])
+        cute.copy(ldB, srcH[None, None, kb], dstH[None, None, kb])
+        cute.copy(ldB, srcL[None, None, kb], dstL[None, None, kb])
+        cute.gemm(tmma, acc, rA[None, None, kb], rH[None, None, kb], acc)
+        cute.gemm(tmma, acc, rA[None, None, kb], rL[None, None, kb], acc)
+
+
+@cute.jit
 def store_split(acc: cute.Tensor, s_hi: cute.Tensor, s_lo: cute.Tensor):
     """Partitioned fp32 values -> two bf16 tiles, hi = bf16(x) and lo = bf16(x - hi)."""
     for i in cutlass.range_constexpr(cute.size(acc)):
