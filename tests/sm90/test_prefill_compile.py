@@ -82,3 +82,11 @@ def test_serves_and_declines_with_reasons():
     assert "bf16" in prefill.unsupported_reason(_call(dtype=torch.float16))
     assert "does not implement" in prefill.unsupported_reason(_call(op="kda_decode"))
     assert "int32" in prefill.unsupported_reason(_call(T=2**20, HV=16, HQK=16))
+
+
+def test_chunk_search_steps():
+    """Stage 1's chunk search narrows its range 32-fold per step: the host asks for just enough steps."""
+    from cula_sm90.prefill import forward
+
+    assert [forward.search_steps(n) for n in (0, 1, 2, 32, 33, 1024, 1025, 32768, 32769)] == [0, 0, 1, 1, 2, 2, 3, 3,
+                                                                                             4]

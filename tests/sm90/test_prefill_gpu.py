@@ -88,6 +88,8 @@ VARLEN = {
     "1seq": [777],
     "3seq": [1, 130, 64],
     "20seq": [0, 1, 64, 65, 200, 0, 3, 128, 1000, 17, 63, 2, 0, 300, 129, 1, 90, 500, 33, 64],
+    # more than 32 sequences (stage 1's 32-ary chunk search takes two steps), with pairs of empty sequences
+    "70seq": [(37 * n) % 150 if n % 9 > 1 else 0 for n in range(70)],
 }
 
 

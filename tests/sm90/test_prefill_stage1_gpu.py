@@ -36,7 +36,7 @@ def stage1(kind, q, k, v, g, beta, A_log, dt_bias, lens, lower_bound, beta_act="
     N = len(lens)
     mids = (out[n].data_ptr() for n in ("w", "u", "qg", "kg", "aqk"))
     fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), A_log.data_ptr(), dt_bias.data_ptr(),
-       cu.data_ptr(), co.data_ptr(), *mids, out["gl"].data_ptr(), TT, N, NC, max(N, 1).bit_length() + 1, HQK,
+       cu.data_ptr(), co.data_ptr(), *mids, out["gl"].data_ptr(), TT, N, NC, F.search_steps(N), HQK,
        HV // HQK, K ** -0.5, float(lower_bound), F.launch_stream())
     torch.cuda.synchronize()
     return out

@@ -163,9 +163,12 @@ class ChunkIntraTCKernel(common.Stage1Launch):
                     x = g[t0 + row, hv, d].to(Float32)
                 gv[mm] = x
             for mm in cutlass.range_constexpr(16):
+                # lower_bound * sigmoid(y) through rcp.approx (2^-23 relative): an IEEE division would add a
+                # slow-path check and branch per element
+                y = a_rate * (gv[mm] + bias)
+                step = lower_bound * cute.arch.rcp_approx(1.0 + cute.math.exp(-y, fastmath=True))
                 if half * SCAN_ROWS + mb * 16 + mm < L:
-                    y = a_rate * (gv[mm] + bias)
-                    acc += lower_bound / (1.0 + cute.math.exp(-y, fastmath=True))
+                    acc += step
                 part[mb * 16 + mm] = acc
         if half == 0:
             for mm in cutlass.range_constexpr(SCAN_ROWS):

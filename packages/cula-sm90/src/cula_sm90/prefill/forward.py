@@ -39,6 +39,13 @@ TC_LOWER_BOUND_MIN = -8.0
 INTRA, STATE = "sm90.prefill.intra", "sm90.prefill.state"
 
 
+def search_steps(N: int) -> int:
+    """The stage-1 kernels' `search_steps` argument for N sequences (common.search_steps)."""
+    from cula_sm90.prefill import common
+
+    return common.search_steps(N)
+
+
 def launch_stream() -> int:
     """The current CUDA stream's handle, as the kernels take it (the seam a host-path test replaces)."""
     return rt.current_stream()
@@ -263,7 +270,7 @@ def launch_spec(B, T, HQK, HV, N, tables, qkv_dtype, g_dtype, beta_dtype, has_a_
                           beta_dtype, kind)
     S = tables["seg"].shape[0]
     return Launch(intra, compile_state(False, qkv_dtype), tables, nbytes, offsets,
-                  (TT, N, NC, max(N, 1).bit_length() + 1, HQK, HV // HQK, float(scale), lb),
+                  (TT, N, NC, search_steps(N), HQK, HV // HQK, float(scale), lb),
                   (TT, NC, S, HV, max(h0_rows, 1), N if want_ht else 1),
                   (N, HV, DK, DK) if want_ht else None, kind == "tc")
 
