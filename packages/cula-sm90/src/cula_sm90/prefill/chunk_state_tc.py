@@ -9,9 +9,11 @@ bf16):
     o     = qg @ h + Aqk @ v_new         (qg carries scale)
     h     = diag(exp(gl)) h + kg^T @ v_new
 
-Products: mma.sync m16n8k16, bf16 operands, fp32 accumulation. h and v_new are fp32 values split as hi + lo
-bf16 pairs (tc.store_split), so they keep ~16 bits through the products: the state does not drift with its own
-bf16 rounding, and the CP path (stage 2 in affine mode, a scan, stage 2 again) matches the serial walk closely.
+Products: mma.sync m16n8k16, bf16 operands, fp32 accumulation. In the two products that feed the state (w @ h,
+kg^T @ v_new), h and v_new are fp32 values split as hi + lo bf16 pairs (tc.store_split, tc.gemm_split), so they
+keep ~16 bits: the state does not drift with its own bf16 rounding, and the CP path (stage 2 in affine mode, a
+scan, stage 2 again) matches the serial walk closely. The output products (qg @ h, Aqk @ v_new) take the hi
+halves only (`split_o` False, what forward.py compiles): o is bf16 and its rounding does not feed back.
 Pipeline per chunk: cp.async of w, qg, kg, Aqk and the u slice (rows past the segment end zero-filled) for the
 next chunk while this one is computed (two stages), the split h written to shared memory meanwhile; then the
 GEMMs. BV = 64 loads each chunk's w, qg, kg, Aqk once for 64 columns (half the CTAs and the L2 traffic of BV =
