@@ -13,7 +13,7 @@ Products: mma.sync m16n8k16, bf16 operands, fp32 accumulation. In the two produc
 kg^T @ v_new), h and v_new are fp32 values split as hi + lo bf16 pairs (tc.store_split, tc.gemm_split), so they
 keep ~16 bits: the state does not drift with its own bf16 rounding, and the CP path (stage 2 in affine mode, a
 scan, stage 2 again) matches the serial walk closely. The output products (qg @ h, Aqk @ v_new) take the hi
-halves only (`split_o` False, what forward.py compiles): o is bf16 and its rounding does not feed back.
+halves only: o is bf16 and its rounding does not feed back.
 Pipeline per chunk: cp.async of w, qg, kg, Aqk and the u slice (rows past the segment end zero-filled) for the
 next chunk while this one is computed (two stages), the split h written to shared memory meanwhile; then the
 GEMMs. BV = 64 loads each chunk's w, qg, kg, Aqk once for 64 columns (half the CTAs and the L2 traffic of BV =
@@ -40,13 +40,11 @@ BV = 32
 
 class ChunkStateTCKernel:
     """`bv`: state columns per CTA, 32 (4 warps stacked along M) or 64 (8 warps, 4 along M x 2 along N: each
-    chunk's w, qg, kg, Aqk tiles are loaded once for twice the columns, half the CTAs). `split_o`: the output
-    products take the split h and v_new as well (else their hi halves only)."""
+    chunk's w, qg, kg, Aqk tiles are loaded once for twice the columns, half the CTAs)."""
 
-    def __init__(self, affine: bool, bv: int = BV, split_o: bool = False):
+    def __init__(self, affine: bool, bv: int = BV):
         self.affine = affine
         self.bv = bv
-        self.split_o = split_o
         self.wn = bv // 32  # warps along N
         self.threads = 128 * self.wn
 
@@ -167,10 +165,7 @@ class ChunkStateTCKernel:
             tc.gemm_split(mma, acc_v, sW, tc.t_view(sHh, DK, BV), tc.t_view(sHl, DK, BV), tid, False, True)
             if const_expr(not self.affine):
                 acc_o.fill(0.0)
-                if const_expr(self.split_o):
-                    tc.gemm_split(mma, acc_o, sQg, tc.t_view(sHh, DK, BV), tc.t_view(sHl, DK, BV), tid, False, True)
-                else:
-                    tc.gemm(mma, acc_o, sQg, tc.t_view(sHh, DK, BV), tid, False, True)
+                tc.gemm(mma, acc_o, sQg, tc.t_view(sHh, DK, BV), tid, False, True)
             for i in cutlass.range_constexpr(cute.size(acc_v)):
                 uval = Float32(0.0)
                 if const_expr(self.affine):
@@ -183,10 +178,7 @@ class ChunkStateTCKernel:
             cute.arch.sync_threads()
 
             if const_expr(not self.affine):
-                if const_expr(self.split_o):
-                    tc.gemm_split(mma, acc_o, sA, tc.t_view(sVh, BT, BV), tc.t_view(sVl, BT, BV), tid, False, True)
-                else:
-                    tc.gemm(mma, acc_o, sA, tc.t_view(sVh, BT, BV), tid, False, True)
+                tc.gemm(mma, acc_o, sA, tc.t_view(sVh, BT, BV), tid, False, True)
                 for i in cutlass.range_constexpr(cute.size(acc_o)):
                     r, c = at_v[i]
                     if r < n:

@@ -54,16 +54,6 @@ class Stage1Launch:
                         block=[self.threads, 1, 1], stream=stream)
 
 
-def search_steps(N: int) -> int:
-    """The `search_steps` argument of the stage-1 kernels for N sequences: the 32-fold narrowings find_chunk needs
-    (0 for one sequence, 1 up to 32, 2 up to 1024, ...)."""
-    steps, n = 0, max(N, 1)
-    while n > 1:
-        n = -(-n // 32)
-        steps += 1
-    return steps
-
-
 @cute.jit
 def find_chunk(cu: cute.Tensor, co: cute.Tensor, chunk: Int32, N: Int32, search_steps: Int32):
     """Sequence of global chunk `chunk`: the largest n with co[n] <= chunk (co: first chunk of each sequence,
@@ -72,7 +62,7 @@ def find_chunk(cu: cute.Tensor, co: cute.Tensor, chunk: Int32, N: Int32, search_
 
     A 32-ary search, the same in every warp: each step, the 32 lanes test 32 evenly spaced candidates of the
     remaining range at once (one round of loads) and a ballot keeps the last that passes, narrowing the range
-    32-fold; `search_steps` (search_steps(N), from the host, which knows N from a shape) steps, so no host
+    32-fold; `search_steps` (forward.search_steps(N), from the host, which knows N from a shape) steps, so no host
     synchronisation and no data-dependent loop bound."""
     lane = cute.arch.lane_idx()
     lo = Int32(0)  # co[lo] <= chunk; the answer lies in [lo, lo + n)

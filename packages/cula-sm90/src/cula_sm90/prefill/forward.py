@@ -40,10 +40,13 @@ INTRA, STATE = "sm90.prefill.intra", "sm90.prefill.state"
 
 
 def search_steps(N: int) -> int:
-    """The stage-1 kernels' `search_steps` argument for N sequences (common.search_steps)."""
-    from cula_sm90.prefill import common
-
-    return common.search_steps(N)
+    """The stage-1 kernels' `search_steps` argument for N sequences: the 32-fold narrowings their chunk search
+    (common.find_chunk) needs (0 for one sequence, 1 up to 32, 2 up to 1024, ...)."""
+    steps, n = 0, max(N, 1)
+    while n > 1:
+        n = -(-n // 32)
+        steps += 1
+    return steps
 
 
 def launch_stream() -> int:
@@ -92,9 +95,8 @@ def _build_intra(config: tuple):
 
 
 def state_config(affine: bool, o_dtype: torch.dtype) -> tuple:
-    """Compile-time configuration of stage 2 (chunk_state_tc, STATE_BV state columns per CTA): (affine, o dtype,
-    columns, split output products)."""
-    return (bool(affine), o_dtype, STATE_BV, False)
+    """Compile-time configuration of stage 2 (chunk_state_tc, STATE_BV state columns per CTA)."""
+    return (bool(affine), o_dtype, STATE_BV)
 
 
 def _build_state(config: tuple):
@@ -102,9 +104,9 @@ def _build_state(config: tuple):
 
     from cula_sm90.prefill.chunk_state_tc import ChunkStateTCKernel
 
-    affine, o_dtype, bv, split_o = config
+    affine, o_dtype, bv = config
     p, f32 = rt.fake_ptr, torch.float32
-    return ChunkStateTCKernel(affine, bv, split_o), (
+    return ChunkStateTCKernel(affine, bv), (
         *(p(torch.bfloat16, 16) for _ in range(5)), p(f32, None), p(torch.int32, None), p(f32, None), p(f32, None),
         p(o_dtype, None), *(cutlass.Int32(1) for _ in range(6)), rt.fake_stream())
 
