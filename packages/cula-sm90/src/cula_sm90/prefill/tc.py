@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int64
+from cutlass import BFloat16, Float32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 
 VEC = 8  # bf16 elements per 16-byte cp.async
@@ -90,21 +90,7 @@ def gemm(tmma: cute.TiledMma, acc: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor
          a_t: cutlass.Constexpr, b_t: cutlass.Constexpr):
     """acc += sA @ sB^T from shared memory, k-block by k-block through ldmatrix (`a_t`/`b_t`: the view is
     transposed with respect to storage: ldmatrix.trans)."""
-    thr = tmma.get_slice(tid)
-    rA = thr.make_fragment_A(thr.partition_A(sA))
-    rB = thr.make_fragment_B(thr.partition_B(sB))
-    ldA = cute.make_tiled_copy_A(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(a_t, 4), BFloat16), tmma)
-    ldB = cute.make_tiled_copy_B(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(b_t, 4), BFloat16), tmma)
-    tA = ldA.get_slice(tid)
-    tB = ldB.get_slice(tid)
-    srcA = tA.partition_S(sA)
-    srcB = tB.partition_S(sB)
-    dstA = tA.retile(rA)
-    dstB = tB.retile(rB)
-    for kb in cutlass.range_constexpr(cute.size(rA.shape[2])):
-        cute.copy(ldA, srcA[None, None, kb], dstA[None, None, kb])
-        cute.copy(ldB, srcB[None, None, kb], dstB[None, None, kb])
-        cute.gemm(tmma, acc, rA[None, None, kb], rB[None, None, kb], acc)
+    gemm_sum(tmma, acc, sA, sB, sB, tid, a_t, b_t, False)
 
 
 @cute.jit
@@ -112,26 +98,39 @@ def gemm_split(tmma: cute.TiledMma, acc: cute.Tensor, sA: cute.Tensor, sB_hi: cu
                a_t: cutlass.Constexpr, b_t: cutlass.Constexpr):
     """acc += sA @ (sB_hi + sB_lo)^T: `gemm` against a split operand (store_split), each k-block of A read once
     for both halves."""
+    gemm_sum(tmma, acc, sA, sB_hi, sB_lo, tid, a_t, b_t, True)
+
+
+@cute.jit
+def gemm_sum(tmma: cute.TiledMma, acc: cute.Tensor, sA: cute.Tensor, sB_hi: cute.Tensor, sB_lo: cute.Tensor, tid,
+             a_t: cutlass.Constexpr, b_t: cutlass.Constexpr, split: cutlass.Constexpr):
+    """The body of `gemm` (split False: sB_lo is not read) and `gemm_split`."""
     thr = tmma.get_slice(tid)
     rA = thr.make_fragment_A(thr.partition_A(sA))
     rH = thr.make_fragment_B(thr.partition_B(sB_hi))
-    rL = thr.make_fragment_B(thr.partition_B(sB_lo))
     ldA = cute.make_tiled_copy_A(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(a_t, 4), BFloat16), tmma)
     ldB = cute.make_tiled_copy_B(cute.make_copy_atom(warp.LdMatrix8x8x16bOp(b_t, 4), BFloat16), tmma)
     tA = ldA.get_slice(tid)
     tB = ldB.get_slice(tid)
     srcA = tA.partition_S(sA)
     srcH = tB.partition_S(sB_hi)
-    srcL = tB.partition_S(sB_lo)
     dstA = tA.retile(rA)
     dstH = tB.retile(rH)
-    dstL = tB.retile(rL)
+    rL = rH
+    srcL = srcH
+    dstL = dstH
+    if const_expr(split):
+        rL = thr.make_fragment_B(thr.partition_B(sB_lo))
+        srcL = tB.partition_S(sB_lo)
+        dstL = tB.retile(rL)
     for kb in cutlass.range_constexpr(cute.size(rA.shape[2])):
         cute.copy(ldA, srcA[None, None, kb], dstA[None, None, kb])
         cute.copy(ldB, srcH[None, None, kb], dstH[None, None, kb])
-        cute.copy(ldB, srcL[None, None, kb], dstL[None, None, kb])
+        if const_expr(split):
+            cute.copy(ldB, srcL[None, None, kb], dstL[None, None, kb])
         cute.gemm(tmma, acc, rA[None, None, kb], rH[None, None, kb], acc)
-        cute.gemm(tmma, acc, rA[None, None, kb], rL[None, None, kb], acc)
+        if const_expr(split):
+            cute.gemm(tmma, acc, rA[None, None, kb], rL[None, None, kb], acc)
 
 
 @cute.jit
