@@ -2,7 +2,9 @@
 (final state, per-token states, verify, flush with a per-request and a broadcast m, all-layers flush) on odd
 batches N in {1, 5} with padded slots (-1) and an out-of-range slot (= P), T in {1, 3}, K = V in {64, 128}, GVA 2;
 every tiling the dispatch can pick and the chunk-form verify (every chunk variant, T in {1, 3, 9}), each named
-through the sm90 kernels' `tiling` / `verify_variant` keywords (K = V = 64 through the kernels directly as well).
+through the sm90 kernels' `tiling` / `verify_variant` keywords (K = V = 64 through the kernels directly as well);
+fused_recurrent_kda's slot mode (a slot per token, with and without num_accepted_tokens, padded rows, negative and
+out-of-range write slots, counts outside [1, T_idx]) on fp32 / bf16, K-first / V-first pools.
 Prints "cases ok" at the end; memcheck reports any out-of-bounds or misaligned access."""
 
 import sys
@@ -37,10 +39,32 @@ def run_case(kw, T, N, public: bool):
         KERNELS["kda_flush_kvbuffer_all_layers"](pools, kw["cache_idx"], [buf, buf.clone()], m, 0)
 
 
-def main(parts=("all", "tilings", "verify", "pools")):
+def run_slots(N, T, pool_dtype, v_first, seed):
+    """fused_recurrent_kda with a slot table [N, T + 1] on a pool of N (T + 1) + 1 slots: row 1 padded (its read
+    slot -1), a negative and an out-of-range (= P) write slot, counts 0 and T + 2 (clamped by the kernel: device
+    values are not checked on the host), with the counts and without."""
+    gen = torch.Generator().manual_seed(seed)
+    HQK, HV, K = 1, 2, 128
+    r = lambda *s: torch.randn(*s, generator=gen).cuda()  # noqa: E731
+    cols = T + 1
+    P = N * cols + 1
+    pool = (r(P, HV, K, K) * 0.1).to(pool_dtype)
+    table = torch.arange(N * cols, dtype=torch.int32).reshape(N, cols)
+    table[1 % N, :] = -1
+    table[0, T - 1] = P
+    table[N - 1, 0] = -1
+    counts = (torch.arange(N, dtype=torch.int32) + cols + 1) % (cols + 2)   # cols + 1, 0, 1, 2, ...
+    kw = dict(q=r(N, T, HQK, K), k=r(N, T, HQK, K), v=r(N, T, HV, K), g=r(N, T, HV, K), beta=r(N, T, HV).sigmoid(),
+              A_log=r(HV), dt_bias=r(HV * K), use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
+              initial_state=pool, ssm_state_indices=table.cuda(), state_v_first=v_first)
+    cula_core.fused_recurrent_kda(**kw)
+    cula_core.fused_recurrent_kda(**kw, num_accepted_tokens=counts.cuda())
+
+
+def main(parts=("all", "tilings", "verify", "pools", "slots")):
     """parts: "all" (every kernel on odd batches), "tilings" (every dispatched tiling), "verify" (the chunk-form
-    verify, every chunk variant), "pools" (bf16 / V-first pools with a null slot); the test runs all four, a quick
-    check may name some
+    verify, every chunk variant), "pools" (bf16 / V-first pools with a null slot), "slots" (fused_recurrent_kda's
+    slot mode); the test runs all five, a quick check may name some
     (python decode_memcheck_case.py verify)."""
     n = 0
     with backend():
@@ -74,9 +98,15 @@ def main(parts=("all", "tilings", "verify", "pools")):
                 kw = serving_pool(kw, dtype, v_first, null_slot=free)
                 run_case(kw, T, N, public=True)
                 n += 1
+        # fused_recurrent_kda's slot mode, every pool variant, on odd batches
+        for dtype, v_first in ((torch.float32, False), (torch.bfloat16, False), (torch.float32, True),
+                               (torch.bfloat16, True)):
+            for N, T in ((1, 1), (5, 3)) if "slots" in parts else ():
+                run_slots(N, T, dtype, v_first, seed=130 + T)
+                n += 1
     torch.cuda.synchronize()
     print(f"{n} cases ok")
 
 
 if __name__ == "__main__":
-    main(tuple(sys.argv[1:]) or ("all", "tilings", "verify", "pools"))
+    main(tuple(sys.argv[1:]) or ("all", "tilings", "verify", "pools", "slots"))

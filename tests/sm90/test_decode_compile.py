@@ -416,3 +416,105 @@ def test_flush_compiles_and_binds(sm90a, monkeypatch, T, K, layers, per_request,
     _launch_reaches_the_driver(lambda: launch.run_flush(pools, cache_idx, bufs, accept, 1, state_v_first=v_first,
                                                         null_slot=1 if v_first else None))
     assert (launch.FLUSH, launch.flush_config(T, K, K, layers, per_request, pool_dtype, v_first)) in rt.loaded()
+
+
+# ------------------------------------------------------------------------------ MODE_SLOTS (a slot per token)
+
+SLOTS = [  # (T, K, pool dtype, V-first pool, safe gate, with accepted counts): both pool dtypes and layouts
+    (3, 128, F32, False, False, True),
+    (2, 128, BF16, True, False, False),
+    (4, 64, BF16, False, True, True),
+    (1, 64, F32, True, False, True),
+]
+
+
+def _slot_inputs(T, K, pool_dtype, N=2, cols=None, HV=4):
+    """_decode_inputs with the slot table [N, cols] int32 (cols = T + 1 by default: wider than T) instead of
+    [N] slots, and accepted counts [N] int32."""
+    q, k, v, g, beta, pool, _, A_log, dt_bias = _decode_inputs("slots", T, K, BF16, F32, F32, True, True, N=N,
+                                                               HV=HV, pool_dtype=pool_dtype)
+    table = torch.zeros(N, T + 1 if cols is None else cols, dtype=torch.int32)
+    return q, k, v, g, beta, pool, table, A_log, dt_bias, torch.ones(N, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("case", SLOTS, ids=lambda c: f"T{c[0]}-K{c[1]}{'-bf16' if c[2] == BF16 else ''}"
+                                                      f"{'-vfirst' if c[3] else ''}{'-safe' if c[4] else ''}"
+                                                      f"{'-accepted' if c[5] else ''}")
+def test_slot_mode_compiles_and_binds(sm90a, monkeypatch, case):
+    """The slot mode's family compiles for sm_90a (fp32 / bf16, K-first / V-first pools) and its launch passes
+    exactly the arguments its host entry declares: the recurrent kernel's and the slot table's three."""
+    from cula_sm90.decode import launch
+
+    rt = sm90a
+    T, K, pool_dtype, v_first, safe, accepted = case
+    q, k, v, g, beta, pool, table, A_log, dt_bias, acc = _slot_inputs(T, K, pool_dtype)
+    monkeypatch.setattr(rt, "current_stream", lambda device=None: 0)
+
+    def run():
+        launch.run_recurrent("slots", q, k, v, g, beta, pool, table, A_log, dt_bias, scale=K ** -0.5,
+                             lower_bound=-5.0 if safe else None, use_qk_l2norm_in_kernel=True, state_v_first=v_first,
+                             num_accepted_tokens=acc if accepted else None)
+
+    _launch_reaches_the_driver(run)
+    family = launch.family_kernels("slots", T, K, K, BF16, F32, F32, True, True, safe, True, pool_dtype, v_first)
+    loaded = set(rt.loaded())
+    assert family and all(kern in loaded for kern in family)
+    assert all(rt.resolve(name, config).origin in ("cached", "shipped") for name, config in family)
+    fn = rt.get(*family[0])
+    with pytest.raises(TypeError, match="Expects 24 parameters"):
+        fn(1, 2)
+
+
+@pytest.mark.parametrize("accepted", [True, False])
+def test_slot_mode_arguments(monkeypatch, accepted):
+    """run_recurrent in the slot mode passes the recurrent kernel's arguments, then the counts' address (the slot
+    table's when there are none: never read), the table's row stride and whether counts are given; the
+    configurations it launches for the served setup (vLLM's speculative step: T = 2 .. 4, a precomputed gate on the
+    softplus configuration) are built ahead of time, at every batch size. (Each case has its own HV: launch.py
+    memoises a loaded kernel by the batch's shape.)"""
+    from cula_sm90 import kernels
+    from cula_sm90.decode import launch
+
+    launches = _record_launches(monkeypatch)
+    aot = set(kernels.aot_configurations())
+    for T in kernels.SLOTS_T:
+        for N in (3, 300):
+            q, k, v, g, beta, pool, table, A_log, dt_bias, acc = _slot_inputs(T, 128, F32, N=N, cols=T + 2,
+                                                                              HV=12 if accepted else 16)
+            launches.clear()
+            launch.run_recurrent("slots", q, k, v, g, beta, pool, table, None, None, scale=0.125, lower_bound=None,
+                                 use_qk_l2norm_in_kernel=True, precomputed_gate=True,
+                                 num_accepted_tokens=acc if accepted else None)
+            ((name, config, args),) = launches
+            assert (name, config) in aot and config[0] == "slots"
+            assert args[8] == table.data_ptr() and args[10] == pool.data_ptr()  # cache_idx; out: never touched
+            assert args[-4:-1] == ((acc if accepted else table).data_ptr(), T + 2, int(accepted))
+            assert len(args) == 24
+
+
+@pytest.mark.parametrize(("mode", "table", "counts", "message"), [
+    ("final", "column", "given", r"num_accepted_tokens is read only in mode 'slots' \(a slot per token\), got it "
+                                 r"with mode 'final'"),
+    ("slots", "column", None, r"cache_idx must be the slot table \[N, T_idx\] with N = 2 rows and T_idx >= T = 3 in "
+                              r"mode 'slots', got shape \(2,\)"),
+    ("slots", "narrow", None, r"T_idx >= T = 3 in mode 'slots', got shape \(2, 2\)"),
+    ("slots", "int64", None, r"cache_idx must be a contiguous int32 tensor in mode 'slots', got torch.int64"),
+    ("slots", "strided", None, r"cache_idx must be a contiguous int32 tensor in mode 'slots', got torch.int32 with "
+                               r"strides \(1, 2\)"),
+    ("slots", "table", "int64", r"num_accepted_tokens must be a contiguous int32 tensor in mode 'slots', got "
+                                r"torch.int64"),
+    ("slots", "table", "wrong N", r"num_accepted_tokens must be \[N\] = \[2\], got shape \(3,\)"),
+])
+def test_slot_mode_arguments_are_checked_before_anything_runs(monkeypatch, mode, table, counts, message):
+    from cula_sm90.decode import launch
+
+    _refuse_loads(monkeypatch)
+    q, k, v, g, beta, pool, good, A_log, dt_bias, acc = _slot_inputs(3, 64, F32)
+    tables = {"column": good[:, 0].contiguous(), "narrow": good[:, :2].contiguous(), "int64": good.long(),
+              "strided": torch.zeros(4, 2, dtype=torch.int32).t(), "table": good}
+    counts = {None: None, "given": acc, "int64": acc.long(), "wrong N": torch.ones(3, dtype=torch.int32)}[counts]
+    pool_before = pool.clone()
+    with pytest.raises(ValueError, match=message):
+        launch.run_recurrent(mode, q, k, v, g, beta, pool, tables[table], A_log, dt_bias, scale=0.125,
+                             lower_bound=None, use_qk_l2norm_in_kernel=True, num_accepted_tokens=counts)
+    assert torch.equal(pool, pool_before)

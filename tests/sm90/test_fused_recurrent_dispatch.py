@@ -185,16 +185,56 @@ def test_tokens_per_sequence_out_of_range_are_declined(T):
     assert reason_for(call) == f"sm90 decode serves 1 <= T <= 16 tokens per sequence, got T={T}"
 
 
-def test_speculative_slots_are_declined():
-    x, pool = make(N=2, T=3, P=8)
-    slots = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
-    call = captured(**x, initial_state=pool, ssm_state_indices=slots, num_accepted_tokens=torch.tensor([1, 2]))
-    assert reason_for(call) == (
-        "sm90 decode reads and writes one slot per sequence: num_accepted_tokens (read slot "
-        "ssm_state_indices[n, a - 1]) would need the states copied between slots")
-    assert reason_for(captured(**x, initial_state=pool, ssm_state_indices=slots)) == (
-        "sm90 decode writes one slot per sequence: ssm_state_indices [N, T] with T > 1 tokens (a slot per token) "
-        "would need its per-token states copied into the pool")
+@pytest.mark.parametrize("accepted", [True, False])
+@pytest.mark.parametrize("T", [1, 3, 16])
+@pytest.mark.parametrize("case", ["batch", "vllm row", "bf16 V-first pool", "int64"])
+def test_speculative_slots_are_served(case, T, accepted):
+    """vLLM's speculative step: ssm_state_indices [N, T] (a slot per token) with or without num_accepted_tokens,
+    in a batch or one row with cu_seqlens, any pool the kernels index, int32 or int64 indices and counts."""
+    x, pool = make(N=2, T=T, P=2 * T + 1, varlen=case == "vllm row")
+    dt = torch.int64 if case == "int64" else torch.int32
+    slots = torch.arange(2 * T, dtype=dt).reshape(2, T)
+    kw = {}
+    if case == "bf16 V-first pool":
+        pool = pool.transpose(-1, -2).contiguous().bfloat16()
+        kw["state_v_first"] = True
+    if accepted:
+        kw["num_accepted_tokens"] = torch.tensor([1, T], dtype=dt)
+    call = captured(**x, **kw, initial_state=pool, ssm_state_indices=slots)
+    assert call.options["per_token_slots"] and call.options["num_accepted_tokens"] is accepted
+    assert served(call)
+
+
+@pytest.mark.parametrize(("per_token_slots", "accepted", "T", "mode"), [
+    (False, False, 1, configs.MODE_FINAL), (False, False, 4, configs.MODE_FINAL),
+    (True, False, 1, configs.MODE_FINAL), (True, False, 2, configs.MODE_SLOTS),
+    (True, True, 1, configs.MODE_SLOTS), (True, True, 4, configs.MODE_SLOTS)])
+def test_pool_mode_by_slot_shape(per_token_slots, accepted, T, mode):
+    # [N] slots, or [N, T_idx] at T = 1 without counts (column 0 read and written): one slot per sequence
+    assert configs.fused_recurrent_pool_mode(per_token_slots, accepted, T) == mode
+
+
+def test_speculative_slots_keep_the_other_reasons():
+    """A slot table does not lift the other limits: beyond 16 tokens, pools with wider slots, fp16 pools, unequal
+    lengths are still declined, with the reasons of the one-slot pool mode."""
+    x, pool = make(N=2, T=17, P=40)
+    slots = torch.arange(34, dtype=torch.int32).reshape(2, 17)
+    acc = torch.tensor([3, 1], dtype=torch.int32)
+    assert reason_for(captured(**x, initial_state=pool, ssm_state_indices=slots, num_accepted_tokens=acc)) == \
+        "sm90 decode serves 1 <= T <= 16 tokens per sequence, got T=17"
+    x, _ = make(N=2, T=2)
+    slots = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    acc = torch.tensor([2, 1], dtype=torch.int32)
+    wide = torch.randn(4, 5, K, V)[:, :4]
+    assert reason_for(captured(**x, initial_state=wide, ssm_state_indices=slots, num_accepted_tokens=acc)) == \
+        "sm90 decode indexes contiguous state pools (slot stride HV * K * V), got a pool with wider slots"
+    assert reason_for(captured(**x, initial_state=pool[:4].half(), ssm_state_indices=slots,
+                               num_accepted_tokens=acc)) == "sm90 decode serves fp32 and bf16 state pools, got float16"
+    row, _ = make(N=2, T=2, varlen=True)
+    row["cu_seqlens"] = torch.tensor([0, 1, 4], dtype=torch.int32)  # lengths 1 and 3, 4 tokens
+    assert reason_for(captured(**row, initial_state=pool, ssm_state_indices=torch.arange(6, dtype=torch.int32)
+                               .reshape(2, 3), num_accepted_tokens=acc)).startswith(
+        "sm90 decode serves cu_seqlens only when every sequence has the same length")
 
 
 def test_pool_with_wider_slots_is_declined():
@@ -254,7 +294,10 @@ def test_pools_and_shapes_the_kernels_do_not_serve():
 @pytest.fixture
 def kernel_runs(monkeypatch):
     """Select the sm90 backend for every call it serves (the test fails on one it declines) and run its recurrent
-    kernel as the reference decode math; returns the list of (mode, pool, cache_idx, T, flags) launched."""
+    kernel as the reference decode math; returns the list of (mode, pool, cache_idx, T, flags) launched (flags
+    with the accepted counts in MODE_SLOTS). MODE_SLOTS is run as recurrent.py states it: the state read from
+    column clamp(a - 1, 0, T_idx - 1) of the request's row, the state after token t stored into column t's slot
+    unless that slot is negative or >= P."""
     runs = []
 
     def select(call):
@@ -264,15 +307,26 @@ def kernel_runs(monkeypatch):
 
     def run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, *, scale, lower_bound,
                       use_qk_l2norm_in_kernel, state_v_first=False, null_slot=None, precomputed_gate=False,
-                      beta_activation="none"):
+                      beta_activation="none", num_accepted_tokens=None):
         N, T = q.shape[:2]
-        assert cache_idx.dtype == torch.int32 and cache_idx.is_contiguous() and cache_idx.shape == (N,)
+        P = state_pool.shape[0]
+        assert cache_idx.dtype == torch.int32 and cache_idx.is_contiguous()
         assert all(t.shape[:2] == (N, T) for t in (k, v, g, beta)) and 1 <= T <= configs.MAX_T
         assert beta_activation in configs.BETA_SIGMOID
-        runs.append((mode, state_pool, cache_idx.clone(), T, dict(state_v_first=state_v_first, null_slot=null_slot,
-                                                                  precomputed_gate=precomputed_gate,
-                                                                  beta_activation=beta_activation)))
-        idx = torch.where(cache_idx < state_pool.shape[0], cache_idx, -1)  # the kernel skips slots >= P
+        flags = dict(state_v_first=state_v_first, null_slot=null_slot, precomputed_gate=precomputed_gate,
+                     beta_activation=beta_activation)
+        acc = num_accepted_tokens
+        if mode == configs.MODE_SLOTS:
+            assert cache_idx.dim() == 2 and cache_idx.shape[0] == N and cache_idx.shape[1] >= T
+            assert acc is None or (acc.dtype == torch.int32 and acc.is_contiguous() and acc.shape == (N,))
+            flags["num_accepted_tokens"] = None if acc is None else acc.clone()
+            col = torch.zeros(N, dtype=torch.long) if acc is None else (acc.long() - 1).clamp(0, cache_idx.shape[1] - 1)
+            read = cache_idx.long().gather(1, col[:, None])[:, 0]
+        else:
+            assert cache_idx.shape == (N,) and acc is None
+            read = cache_idx
+        runs.append((mode, state_pool, cache_idx.clone(), T, flags))
+        idx = torch.where(read < P, read, -1)  # the kernel skips slots >= P
         # the decode math of the kernels (the reference decode ops', with the gate's source and beta activation)
         gate = "precomputed" if precomputed_gate else "safe" if lower_bound is not None else "softplus"
         qp, kp, gp, bp = reference_backend.prepare_inputs(
@@ -284,6 +338,12 @@ def kernel_runs(monkeypatch):
         o, states = ref.decode_mtp_reference(qp, kp, v, gp, bp, state_pool, idx, scale, state_v_first=state_v_first)
         if mode == configs.MODE_FINAL:
             ref.commit_accepted_reference(state_pool, idx, states, T)
+            states = None
+        if mode == configs.MODE_SLOTS:
+            for t in range(T):  # in token order: a slot named twice in a row keeps the later state
+                slot = cache_idx[:, t].long()
+                write = (idx >= 0) & (slot >= 0) & (slot < P)
+                state_pool[slot[write]] = states[write, t]
             states = None
         return o.to(v.dtype), states
 
@@ -407,3 +467,62 @@ def test_gate_source_and_beta_activation_reach_the_kernel(kernel_runs, mapping, 
         torch.testing.assert_close(state, state_ref, **TOL)
     else:
         assert state is None and state_ref is None
+
+
+#: slot tables of 3 sequences with T = 3 tokens in a pool of 10 slots, and their accepted counts: every row names
+#: its own slots; the cases the kernel must keep apart
+SLOT_TABLES = {
+    "plain": ([[0, 1, 2], [3, 4, 5], [6, 7, 8]], [1, 3, 2]),
+    "padded row": ([[0, 1, 2], [-1, 4, 5], [6, 7, 8]], [2, 1, 3]),       # row 1 reads -1: zero outputs, no write
+    "negative write slot": ([[0, -1, 2], [3, 4, -1], [6, 7, 8]], [1, 2, 3]),
+    "slot named twice": ([[0, 0, 2], [3, 4, 4], [9, 7, 9]], [1, 3, 2]),    # the later state stays
+    "writes the read slot": ([[0, 1, 2], [3, 4, 5], [6, 7, 8]], [3, 3, 3]),  # reads column 2, writes it last
+    "read beyond the written columns": ([[0, 1, 2, 9], [3, 4, 5, -1], [6, 7, 8, -1]], [4, 1, 2]),
+}
+
+
+@pytest.mark.parametrize("accepted", [True, False])
+@pytest.mark.parametrize("case", list(SLOT_TABLES))
+@pytest.mark.parametrize("layout", ["batch", "varlen row"])
+def test_speculative_slots_run_the_slot_mode(kernel_runs, layout, case, accepted):
+    """[N, T_idx] slots with or without num_accepted_tokens: MODE_SLOTS on the pool in place, the slot table and
+    the counts as int32 (int64 given here), and the kernel's rule reproduces the reference's pool update."""
+    table, counts = SLOT_TABLES[case]
+    x, pool = make(N=3, T=3, P=10, varlen=layout == "varlen row", seed=21)
+    slots = torch.tensor(table, dtype=torch.int64)
+    kw = dict(initial_state=pool, ssm_state_indices=slots)
+    if accepted:
+        kw["num_accepted_tokens"] = torch.tensor(counts, dtype=torch.int64)
+    before = pool.clone()
+    o_ref, pool_ref = on_reference(**x, **kw)
+    o, returned = cula_core.fused_recurrent_kda(**x, **kw)
+    ((mode, kernel_pool, cache_idx, kernel_T, flags),) = kernel_runs
+    assert mode == configs.MODE_SLOTS and kernel_pool is pool and returned is pool and kernel_T == 3
+    assert cache_idx.tolist() == table
+    acc = flags["num_accepted_tokens"]
+    assert (acc.tolist() == counts) if accepted else acc is None
+    torch.testing.assert_close(o, o_ref, **TOL)
+    torch.testing.assert_close(pool, pool_ref, **TOL)
+    named = {s for row in table for s in row if s >= 0}
+    untouched = [s for s in range(10) if s not in named]
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_speculative_slots_at_one_token_and_v_first_pools(kernel_runs, pool_dtype):
+    """num_accepted_tokens at T = 1 (the read column from the counts, token 0 written to column 0) on a V-first
+    pool of either dtype, reaching the kernel as it is."""
+    x, pool = make(N=3, T=1, P=8, seed=8)
+    pool = pool.transpose(-1, -2).contiguous().to(pool_dtype)
+    slots = torch.tensor([[5, 1], [2, 0], [3, 4]], dtype=torch.int32)
+    acc = torch.tensor([2, 1, 2], dtype=torch.int32)
+    o_ref, pool_ref = on_reference(**x, initial_state=pool, ssm_state_indices=slots, num_accepted_tokens=acc,
+                                   state_v_first=True)
+    o, _ = cula_core.fused_recurrent_kda(**x, initial_state=pool, ssm_state_indices=slots, num_accepted_tokens=acc,
+                                         state_v_first=True)
+    ((mode, kernel_pool, cache_idx, _, flags),) = kernel_runs
+    assert mode == configs.MODE_SLOTS and kernel_pool is pool and flags["state_v_first"] is True
+    assert cache_idx.tolist() == slots.tolist() and flags["num_accepted_tokens"].tolist() == [2, 1, 2]
+    torch.testing.assert_close(o, o_ref, **TOL)
+    tol = TOL if pool_dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(pool.float(), pool_ref.float(), **tol)

@@ -8,7 +8,8 @@ T = 3 tokens per sequence; padded (-1) and out-of-range (= P) slots; slots no se
 bf16 and V-first pools. New
 state: T = 1 with an fp32 initial state or none; outputs only at T = 1, 4, 9. A CUDA-graph capture of pool decode.
 Each mapping also with a precomputed log decay (use_gate_in_kernel=False) and beta logits (use_beta_sigmoid_in_kernel,
-with allow_neg_eigval: 2 sigmoid(beta)).
+with allow_neg_eigval: 2 sigmoid(beta)). Speculative decoding (vLLM's Kimi-Linear MTP step): a slot per token
+(ssm_state_indices [N, T]) with and without num_accepted_tokens, on every pool variant.
 
 FLA is compared where its semantics are cula's: without padded slots (FLA 0.6.0 reads and writes pool[-1], outside
 the pool) and at T = 1 in pool mode (with [N] indices and T > 1, FLA writes token t's state to slot idx[n + t])."""
@@ -85,7 +86,8 @@ def slots_for(N, P, *, padded, seed=0):
     return idx.cuda()
 
 
-def reference(kw, initial_state=None, ssm_state_indices=None, output_final_state=False, state_v_first=False):
+def reference(kw, initial_state=None, ssm_state_indices=None, output_final_state=False, state_v_first=False,
+              num_accepted_tokens=None):
     """cula_core's reference on fp64 copies: (o, final state or the updated fp64 pool). Out-of-range slots are
     passed as -1 (the kernels skip them as padding; the reference would reject them)."""
     d = lambda t: None if t is None else t.double()  # noqa: E731
@@ -98,7 +100,7 @@ def reference(kw, initial_state=None, ssm_state_indices=None, output_final_state
     activation = beta_activation(kw.get("use_beta_sigmoid_in_kernel", False), kw.get("allow_neg_eigval", False))
     o, final = reference_backend.fused_recurrent_kda(
         d(kw["q"]), d(kw["k"]), d(kw["v"]), d(kw["g"]), d(kw["beta"]), d(kw["A_log"]), d(kw["dt_bias"]), state,
-        kw.get("cu_seqlens"), idx, None, scale=K ** -0.5, output_final_state=output_final_state,
+        kw.get("cu_seqlens"), idx, num_accepted_tokens, scale=K ** -0.5, output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=True, gate=gate, lower_bound=lb, beta_activation=activation,
         state_v_first=state_v_first)
     return o, (state if idx is not None else final)
@@ -376,3 +378,152 @@ def test_fla_hands_these_calls_to_cula(mode):
                   inplace_final_state=False, state_v_first=True) == (True, None)
     assert verify("fused_recurrent_kda_fwd", **args, initial_state=pool, inplace_final_state=True,
                   ssm_state_indices=slots_for(8, pool.shape[0], padded=False)) == (True, None)
+
+
+# ------------------------------------------------------------------------------------------ a slot per token
+
+
+def slot_table(N, T, P, *, seed, padded=True, accepted=True):
+    """(ssm_state_indices [N, T] int32, num_accepted_tokens [N] int32 or None) on the GPU: distinct slots of a
+    P-slot pool, counts in [1, T]. With `padded` (N >= 4): row 1 padded (its read slot -1), row 2 with a negative and
+    an out-of-range (= P) write slot besides its read slot, row 3 naming one slot twice (columns 0 and T - 1: the
+    later state stays; at T = 1 it is the read slot written)."""
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.randperm(P, generator=gen)[:N * T].to(torch.int32).reshape(N, T)
+    counts = torch.randint(1, T + 1, (N,), generator=gen, dtype=torch.int32) if accepted else None
+    read = (counts.long() - 1) if accepted else torch.zeros(N, dtype=torch.long)
+    if padded:
+        table[1, read[1]] = -1
+        others = [t for t in range(T) if t != read[2]]
+        if others:
+            table[2, others[0]] = -1
+            table[2, others[-1]] = P if len(others) > 1 else -1
+        table[3, T - 1] = table[3, 0]
+    return table.cuda(), (counts.cuda() if accepted else None)
+
+
+def written_slots(table, counts, P):
+    """The slots the kernel may write: every valid slot of a row whose read slot is valid."""
+    t = table.cpu().long()
+    col = torch.zeros(t.shape[0], dtype=torch.long) if counts is None else counts.cpu().long() - 1
+    read = t.gather(1, col[:, None])[:, 0]
+    live = (read >= 0) & (read < P)
+    return {int(s) for n in range(t.shape[0]) if live[n] for s in t[n] if 0 <= s < P}
+
+
+def untouched_but(pool, before, slots):
+    keep = torch.ones(pool.shape[0], dtype=torch.bool)
+    keep[sorted(slots)] = False
+    keep = keep.to(pool.device)
+    return torch.equal(pool[keep], before[keep])
+
+
+POOLS = [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False), (torch.bfloat16, True)]
+
+
+@pytest.mark.parametrize(("pool_dtype", "v_first"), POOLS, ids=["fp32", "fp32-vfirst", "bf16", "bf16-vfirst"])
+@pytest.mark.parametrize("layout", ["batch", "vllm row"])
+@pytest.mark.parametrize("accepted", [True, False], ids=["accepted", "column0"])
+def test_speculative_slots_match_the_reference(accepted, layout, pool_dtype, v_first):
+    """ssm_state_indices [N, T] at T = 1 .. 4 (N = 6 and N = 33), with num_accepted_tokens (read slot
+    idx[n, a - 1]) or without (column 0): outputs and pool against the fp64 reference on the same pool (padded row,
+    negative and out-of-range write slots, a slot named twice); slots not written stay bitwise equal, read-only
+    slots included."""
+    for T in (1, 2, 3, 4):
+        for N in (6, 33):
+            kw, pool = make(N, T, varlen=layout == "vllm row", safe=T == 3, seed=200 + 10 * T + N, P=N * T + 5)
+            pool = _as_pool(pool, pool_dtype, v_first)
+            table, counts = slot_table(N, T, pool.shape[0], seed=T * N, accepted=accepted)
+            before = pool.clone()
+            o_ref, pool_ref = reference(kw, pool, table, state_v_first=v_first, num_accepted_tokens=counts)
+            with backend():
+                o, returned = cula_core.fused_recurrent_kda(**kw, initial_state=pool, ssm_state_indices=table,
+                                                            num_accepted_tokens=counts, state_v_first=v_first)
+            assert returned is pool
+            tol = REL_TOL_BF16_STATE if pool_dtype == torch.bfloat16 else REL_TOL
+            assert rel_err(o, o_ref) < REL_TOL, (T, N, rel_err(o, o_ref))
+            assert rel_err(pool, pool_ref.to(pool_dtype)) < tol, (T, N, rel_err(pool, pool_ref.to(pool_dtype)))
+            assert (o.reshape(N, T, -1)[1] == 0).all(), "a padded row must get zero outputs"
+            assert untouched_but(pool, before, written_slots(table, counts, pool.shape[0]))
+            if T > 1:  # the slot named twice holds the state after the row's last token
+                twice = int(table[3, 0])
+                assert rel_err(pool[twice], pool_ref[twice]) < tol
+
+
+def test_speculative_slots_clamp_the_accepted_counts(monkeypatch):
+    """Counts outside [1, T_idx] (device values are not read on the host): the read column is clamped to the
+    table, as the reference does; a table wider than T (T_idx = 5 at T = 3) reads beyond the written columns."""
+    monkeypatch.delenv("CULA_CHECK_DEVICE_VALUES", raising=False)
+    N, T, cols = 5, 3, 5
+    kw, pool = make(N, T, seed=230, P=N * cols + 2)
+    table = torch.arange(N * cols, dtype=torch.int32).reshape(N, cols).cuda()
+    counts = torch.tensor([0, -3, 5, 9, 4], dtype=torch.int32).cuda()
+    for acc in (counts, counts.long()):
+        work = pool.clone()
+        o_ref, pool_ref = reference(kw, pool, table, num_accepted_tokens=acc)
+        with backend():
+            o, _ = cula_core.fused_recurrent_kda(**kw, initial_state=work, ssm_state_indices=table,
+                                                 num_accepted_tokens=acc)
+        assert rel_err(o, o_ref) < REL_TOL and rel_err(work, pool_ref) < REL_TOL
+        assert untouched_but(work, pool, written_slots(table[:, :T], None, work.shape[0]))
+
+
+@pytest.mark.parametrize(("dtype", "pool_dtype", "v_first"), [
+    (torch.float32, torch.float32, False), (torch.float32, torch.float32, True), (torch.float32, torch.bfloat16, False),
+    (torch.float32, torch.bfloat16, True), (torch.bfloat16, torch.float32, False)],
+    ids=["fp32", "fp32-vfirst", "bf16pool", "bf16pool-vfirst", "bf16-inputs"])
+def test_speculative_slots_match_fla(dtype, pool_dtype, v_first):
+    """vLLM's speculative step as FLA 0.6.0's kernel runs it (fused_recurrent_kda_fwd in place, [N, T] slots,
+    num_accepted_tokens, one row with cu_seqlens, precomputed g as vLLM's Kimi-Linear passes it, and the gate in
+    kernel), T = 2 .. 4, without padding (FLA indexes pool[-1] for a negative slot), one slot named twice in a row:
+    the same outputs and pool."""
+    fla = fla_recurrent()
+    for T in (2, 3, 4):
+        for precomputed in (True, False):
+            N = 24
+            kw, pool = make(N, T, varlen=True, dtype=dtype, seed=250 + T, precomputed=precomputed, P=N * T + 3)
+            pool = _as_pool(pool, pool_dtype, v_first)
+            table, counts = slot_table(N, T, pool.shape[0], seed=T, padded=False)
+            table[5, T - 1] = table[5, 0]
+            fla_pool = pool.clone()
+            o_fla, _ = fla_call(fla.fused_recurrent_kda_fwd, kw, initial_state=fla_pool, inplace_final_state=True,
+                                ssm_state_indices=table, num_accepted_tokens=counts, state_v_first=v_first)
+            with backend():
+                o, _ = cula_core.fused_recurrent_kda(**kw, initial_state=pool, ssm_state_indices=table,
+                                                     num_accepted_tokens=counts, state_v_first=v_first)
+            o_tol = REL_TOL_FLA if dtype == torch.float32 else REL_TOL_BF16_OUT
+            assert rel_err(o, o_fla) < o_tol, (T, precomputed, rel_err(o, o_fla))
+            tol = REL_TOL_BF16_STATE if pool_dtype == torch.bfloat16 else REL_TOL_FLA
+            assert rel_err(pool, fla_pool) < tol, (T, precomputed, rel_err(pool, fla_pool))
+
+
+def test_cuda_graph_capture_of_the_speculative_step():
+    """The speculative step under a CUDA graph (vLLM captures it): warm-up at N = 2, capture at N = 7, replay with
+    new inputs and counts copied into the captured buffers: bitwise the eager result."""
+    T = 3
+    with backend():
+        small, small_pool = make(2, T, varlen=True, seed=260, P=9)
+        t2, c2 = slot_table(2, T, 9, seed=1, padded=False)
+        cula_core.fused_recurrent_kda(**small, initial_state=small_pool, ssm_state_indices=t2, num_accepted_tokens=c2)
+        torch.cuda.synchronize()
+        kw, pool = make(7, T, varlen=True, seed=261, P=7 * T + 2)
+        table, counts = slot_table(7, T, pool.shape[0], seed=2)
+        pool0 = pool.clone()
+        graph = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+            o_g, _ = cula_core.fused_recurrent_kda(**kw, initial_state=pool, ssm_state_indices=table,
+                                                   num_accepted_tokens=counts)
+        torch.cuda.current_stream().wait_stream(s)
+        new, _ = make(7, T, varlen=True, seed=262)
+        for name in ("q", "k", "v", "g", "beta"):
+            kw[name].copy_(new[name])
+        counts.copy_(torch.tensor([3, 1, 2, 2, 1, 3, 1], dtype=torch.int32))
+        pool.copy_(pool0)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager_pool = pool0.clone()
+        o_e, _ = cula_core.fused_recurrent_kda(**kw, initial_state=eager_pool, ssm_state_indices=table,
+                                               num_accepted_tokens=counts)
+    assert torch.equal(o_g, o_e) and torch.equal(pool, eager_pool)

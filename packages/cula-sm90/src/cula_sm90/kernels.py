@@ -13,7 +13,10 @@ Served setups (a KDA serving / prefill deployment of Kimi Linear's shape):
   gates: softplus or safe with A_log and dt_bias (fp32), or precomputed (prefill; decode runs a precomputed gate
   on the softplus configuration, skipping its gate code: a runtime argument, as decode's beta activation is);
   decode / MTP / verify with T = 1 .. DECODE_T_MAX tokens per request; flush of one layer with per-request
-  or broadcast accept lengths; prefill with beta given ("none") or as logits ("sigmoid").
+  or broadcast accept lengths; prefill with beta given ("none") or as logits ("sigmoid");
+  fused_recurrent_kda's speculative pool step (a slot per token, num_accepted_tokens: the recurrent kernel's
+  MODE_SLOTS) at T in SLOTS_T, softplus configuration only: vLLM's Kimi-Linear passes a precomputed log decay,
+  which runs on it (a call with the safe gate in kernel compiles on first use).
 
 Nothing here imports CuTe DSL.
 """
@@ -28,6 +31,8 @@ QKV_DTYPES = (torch.bfloat16,)
 GATE_INPUT_DTYPES = (torch.bfloat16, torch.float32)
 HEAD_DIMS = (128,)
 DECODE_T_MAX = 8
+#: tokens per request of the speculative pool step built ahead of time: 1 to 3 draft tokens plus the bonus token
+SLOTS_T = (2, 3, 4)
 FLUSH_LAYERS = (1,)
 PREFILL_BETA_ACTIVATIONS = ("none", "sigmoid")
 
@@ -40,6 +45,8 @@ def decode_configurations() -> list[tuple[str, tuple]]:
                                                        (False, True), range(1, DECODE_T_MAX + 1)):
         for mode in (configs.MODE_FINAL, configs.MODE_STATES, configs.MODE_KVBUFFER):
             out.extend(launch.family_kernels(mode, T, K, K, qkv, g, beta, True, True, safe, True))
+        if T in SLOTS_T and not safe:
+            out.extend(launch.family_kernels(configs.MODE_SLOTS, T, K, K, qkv, g, beta, True, True, safe, True))
     for K, T, layers, per_request in itertools.product(HEAD_DIMS, range(1, DECODE_T_MAX + 1), FLUSH_LAYERS,
                                                        (False, True)):
         out.append((launch.FLUSH, launch.flush_config(T, K, K, layers, per_request)))

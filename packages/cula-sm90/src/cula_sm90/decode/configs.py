@@ -6,6 +6,10 @@ from __future__ import annotations
 import torch
 
 MODE_FINAL, MODE_STATES, MODE_KVBUFFER = "final", "states", "kvbuffer"
+#: speculative decoding over a pool with a slot per token (FLA's ssm_state_indices [N, T_idx] and
+#: num_accepted_tokens): the state read from one column of the request's slot row, the state after token t
+#: written into column t (recurrent.py)
+MODE_SLOTS = "slots"
 
 #: head dims served, K == V: those the GPU tests check against the reference (K = V = 64:
 #: test_kernels_at_head_dim_64, every mode and the flush). The tiling needs K % 32 == 0 and V % BV == 0.
@@ -119,8 +123,11 @@ def unsupported_reason(call) -> str | None:
 
 # ---------------------------------------------------------------- fused_recurrent_kda (FLA's recurrent entry)
 # How its calls map onto the recurrent kernel (N sequences of T tokens each, as N requests of T tokens; ops.py):
-#   pool (ssm_state_indices [N], or [N, T_idx] at T = 1 without accepted counts: one slot per sequence, read and
-#     written): MODE_FINAL on the pool in place, cache_idx = the slots;
+#   pool with one slot per sequence (ssm_state_indices [N], or [N, T_idx] at T = 1 without accepted counts: read
+#     and written): MODE_FINAL on the pool in place, cache_idx = the slots;
+#   pool with a slot per token (ssm_state_indices [N, T_idx] at T > 1, or with num_accepted_tokens at any T):
+#     MODE_SLOTS on the pool in place: the state read from column a - 1 (column 0 without accepted counts), the
+#     state after token t written to column t;
 #   a new final state at T = 1: MODE_STATES reading initial_state (or one zero state) as a pool, never written;
 #     its per-token states [N, 1, ...] are the final states (FLA's traffic: read a state, write one);
 #   outputs only (output_final_state=False): MODE_KVBUFFER reading initial_state (or one zero state) as a pool:
@@ -128,6 +135,13 @@ def unsupported_reason(call) -> str | None:
 # A new final state after T > 1 tokens would need a copy of the initial state that the in-place mode then updates:
 # twice FLA's state traffic, so those calls are declined. Every gate (precomputed, softplus, safe) and every beta
 # activation is served: the kernels take them as runtime arguments (launch.run_recurrent).
+
+
+def fused_recurrent_pool_mode(per_token_slots: bool, accepted_counts: bool, T: int) -> str:
+    """The recurrent kernel's mode for a pool call of fused_recurrent_kda: MODE_SLOTS when a slot per token is
+    written (per_token_slots: ssm_state_indices [N, T_idx], at T > 1 tokens) or the read column comes from
+    num_accepted_tokens (accepted_counts), else MODE_FINAL (one slot per sequence, read and written)."""
+    return MODE_SLOTS if accepted_counts or (per_token_slots and T > 1) else MODE_FINAL
 
 
 def fused_recurrent_reason(call) -> str | None:
@@ -152,12 +166,6 @@ def fused_recurrent_reason(call) -> str | None:
     if call.dtype not in INPUT_DTYPES:
         return f"sm90 decode serves bf16/fp16/fp32 q/k/v, got {call.dtype}"
     if opts.get("pool"):
-        if opts.get("num_accepted_tokens"):
-            return ("sm90 decode reads and writes one slot per sequence: num_accepted_tokens (read slot "
-                    "ssm_state_indices[n, a - 1]) would need the states copied between slots")
-        if opts.get("per_token_slots") and T > 1:
-            return ("sm90 decode writes one slot per sequence: ssm_state_indices [N, T] with T > 1 tokens (a slot "
-                    "per token) would need its per-token states copied into the pool")
         if opts.get("state_contiguous") is not True:
             return "sm90 decode indexes contiguous state pools (slot stride HV * K * V), got a pool with wider slots"
         state_dtype = opts.get("state_dtype")

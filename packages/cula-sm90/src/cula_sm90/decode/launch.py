@@ -7,6 +7,8 @@ lower_bound are runtime arguments, so one artifact serves every batch:
 
     sm90.decode.recurrent  recurrent_config(mode, T, K, V, qkv dtype, g dtype, beta dtype, A_log, dt_bias, safe,
                            l2norm, tiling, pool dtype, v_first)                  recurrent.RecurrentDecode
+                           (MODE_SLOTS through its `launch_slots` entry: the slot table's row stride, the accepted
+                           counts' address and whether they are given are three more runtime arguments)
     sm90.decode.verify     verify_config(T, K, V, qkv, g, beta, A_log, dt_bias, safe, l2norm, tensor_cores,
                            pool dtype, v_first)                                  kvbuffer_verify.ChunkVerify
     sm90.decode.flush      flush_config(T, K, V, layers, per_request, pool dtype, v_first)
@@ -99,7 +101,10 @@ def _build_recurrent(config: tuple):
                            has_dt_bias=ddt is not None, l2norm=l2norm, block_v=bv, lanes_v=vl, num_warps=nw,
                            warp_local=bool(wl), state_v_first=v_first)
     out = pool if mode == configs.MODE_STATES else _F32
-    return kern, (*_gate_args(qkv, gdt, bdt, adt, ddt, pool, out), *_gate_scalars(), rt.fake_stream())
+    args = (*_gate_args(qkv, gdt, bdt, adt, ddt, pool, out), *_gate_scalars())
+    if mode == configs.MODE_SLOTS:  # + accepted counts, the slot table's row stride, has_accepted
+        return kern.launch_slots, (*args, rt.fake_ptr(_I32, 4), *_scalars("i", "i"), rt.fake_stream())
+    return kern, (*args, rt.fake_stream())
 
 
 def _build_verify(config: tuple):
@@ -221,12 +226,17 @@ def recurrent_function(mode, N, T, K, V, HV, qkv, gdt, bdt, has_A_log, has_dt_bi
 
 def run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, *, scale, lower_bound,
                   use_qk_l2norm_in_kernel, state_v_first=False, null_slot=None, precomputed_gate=False,
-                  beta_activation="none", tiling=None, verify_variant=None):
+                  beta_activation="none", tiling=None, verify_variant=None, num_accepted_tokens=None):
     """Launch the recurrent or verify kernel of `mode` (configs.MODE_*) for this batch: (o, out) with o like v
     and out the per-token states [N, T, *pool slot] in the pool's dtype (MODE_STATES), the KVBuffer
-    [N, T, HV, 2K + V] fp32 (MODE_KVBUFFER) or None (MODE_FINAL, which updates the pool in place). Arguments in
-    the decode calling convention of docs/backends.md, already validated and contiguous; the pool 16-byte aligned
-    (q, k, v, g and dt_bias are copied where they are not).
+    [N, T, HV, 2K + V] fp32 (MODE_KVBUFFER) or None (MODE_FINAL and MODE_SLOTS, which update the pool in place).
+    Arguments in the decode calling convention of docs/backends.md, already validated and contiguous; the pool
+    16-byte aligned (q, k, v, g and dt_bias are copied where they are not).
+
+    Slots: cache_idx [N] int32 (one slot per request), or in MODE_SLOTS the slot table [N, T_idx] int32
+    contiguous, T_idx >= T (the slot of each token), with num_accepted_tokens None (read column 0) or [N] int32
+    (read column a - 1, clamped to the table as the reference does). num_accepted_tokens outside MODE_SLOTS, or a
+    table of another shape, is a ValueError raised before anything runs.
 
     The gate and beta (runtime arguments of the kernels, so no configuration is added for them):
       precomputed_gate: False = the gate computed from raw g (softplus, or safe with lower_bound; A_log / dt_bias
@@ -244,6 +254,7 @@ def run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
     kernel is loaded alone on its first call (the dispatch's pick loads its whole family, so that later batch
     sizes only launch)."""
     checked_choice(mode, tiling, verify_variant)
+    _check_slot_table(mode, cache_idx, num_accepted_tokens, q.shape[0], q.shape[1])
     if beta_activation not in configs.BETA_SIGMOID:
         raise ValueError(f"beta_activation must be one of {tuple(configs.BETA_SIGMOID)}, got {beta_activation!r}")
     N, T, HQK, K = q.shape
@@ -279,15 +290,42 @@ def run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
                             bool(use_qk_l2norm_in_kernel), state_pool.dtype, bool(state_v_first), tiling,
                             verify_variant)
     pool_addr = state_pool.data_ptr()
-    fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
-       A_log.data_ptr() if A_log is not None else pool_addr,        # never read without A_log (or precomputed)
-       dt_bias.data_ptr() if dt_bias is not None else pool_addr,    # never read without dt_bias (or precomputed)
-       pool_addr, cache_idx.data_ptr(), o.data_ptr(),
-       out.data_ptr() if out is not None else pool_addr,            # never written in MODE_FINAL
-       N, HQK, HV, state_pool.shape[0], float(scale), float(lower_bound) if safe else 0.0,
-       -1 if null_slot is None else int(null_slot), int(bool(precomputed_gate)),
-       configs.BETA_SIGMOID[beta_activation], rt.current_stream(o.device.index))
+    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
+            A_log.data_ptr() if A_log is not None else pool_addr,      # never read without A_log (or precomputed)
+            dt_bias.data_ptr() if dt_bias is not None else pool_addr,  # never read without dt_bias (or precomputed)
+            pool_addr, cache_idx.data_ptr(), o.data_ptr(),
+            out.data_ptr() if out is not None else pool_addr,          # never written in MODE_FINAL / MODE_SLOTS
+            N, HQK, HV, state_pool.shape[0], float(scale), float(lower_bound) if safe else 0.0,
+            -1 if null_slot is None else int(null_slot), int(bool(precomputed_gate)),
+            configs.BETA_SIGMOID[beta_activation])
+    if mode == configs.MODE_SLOTS:
+        acc = num_accepted_tokens
+        args += (acc.data_ptr() if acc is not None else cache_idx.data_ptr(),  # never read without the counts
+                 cache_idx.shape[1], int(acc is not None))
+    fn(*args, rt.current_stream(o.device.index))
     return o, out
+
+
+def _check_slot_table(mode, cache_idx, num_accepted_tokens, N: int, T: int) -> None:
+    """run_recurrent's slot arguments (see its docstring): ValueError naming the argument."""
+    if mode != configs.MODE_SLOTS:
+        if num_accepted_tokens is not None:
+            raise ValueError(f"num_accepted_tokens is read only in mode {configs.MODE_SLOTS!r} (a slot per token), "
+                             f"got it with mode {mode!r}")
+        return
+    if cache_idx.dim() != 2 or cache_idx.shape[0] != N or cache_idx.shape[1] < T:
+        raise ValueError(f"cache_idx must be the slot table [N, T_idx] with N = {N} rows and T_idx >= T = {T} in "
+                         f"mode {configs.MODE_SLOTS!r}, got shape {tuple(cache_idx.shape)}")
+    tables = {"cache_idx": cache_idx}
+    if num_accepted_tokens is not None:
+        if tuple(num_accepted_tokens.shape) != (N,):
+            raise ValueError(f"num_accepted_tokens must be [N] = [{N}], got shape "
+                             f"{tuple(num_accepted_tokens.shape)}")
+        tables["num_accepted_tokens"] = num_accepted_tokens
+    for name, t in tables.items():
+        if t.dtype != _I32 or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous int32 tensor in mode {configs.MODE_SLOTS!r}, got "
+                             f"{t.dtype} with strides {t.stride()}")
 
 
 # ---------------------------------------------------------------- flush kernel (one layer or all layers)

@@ -82,11 +82,20 @@ def kda_flush_kvbuffer(state_pool, cache_idx, kvbuffer, accept_len, accept_len_a
 
 
 def _slot_indices(slots: torch.Tensor, P: int) -> torch.Tensor:
-    """Pool slots as the kernel reads them (contiguous int32). int64 slots are clamped to [-1, P] first: one beyond
-    the int32 range stays out of range (skipped, as the calling convention wants) instead of wrapping onto a slot."""
+    """Pool slots ([N] or a slot table [N, T_idx]) as the kernel reads them (contiguous int32). int64 slots are
+    clamped to [-1, P] first: one beyond the int32 range stays out of range (skipped, as the calling convention
+    wants) instead of wrapping onto a slot."""
     if slots.dtype == torch.int32:
         return slots.contiguous()
     return slots.clamp(-1, P).to(torch.int32)
+
+
+def _accepted_counts(accepted: torch.Tensor | None, cols: int) -> torch.Tensor | None:
+    """num_accepted_tokens as the kernel reads it (contiguous int32). int64 counts are clamped to [0, cols] first
+    (the kernel clamps the read column to the table; a count beyond the int32 range must not wrap)."""
+    if accepted is None or accepted.dtype == torch.int32:
+        return None if accepted is None else accepted.contiguous()
+    return accepted.clamp(0, cols).to(torch.int32)
 
 
 def fused_recurrent_kda(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, ssm_state_indices,
@@ -96,8 +105,12 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seql
     `gate` ("precomputed": g is the log decay; "softplus", or "safe" with `lower_bound`: the gate in kernel), any
     `beta_activation` ("none", "sigmoid", "2sigmoid"), N sequences of 1 <= T <= 16 tokens each (with cu_seqlens:
     all of the same length), run as N requests of T tokens (views of the inputs).
-    The three mappings (no pass over the pool or the states besides the kernel's own):
-      * pool (ssm_state_indices [N], or column 0 of [N, T_idx] at T = 1): MODE_FINAL in place; returns (o, None);
+    The mappings (no pass over the pool or the states besides the kernel's own):
+      * pool, one slot per sequence (ssm_state_indices [N], or column 0 of [N, T_idx] at T = 1 without
+        num_accepted_tokens): MODE_FINAL in place; returns (o, None);
+      * pool, a slot per token (ssm_state_indices [N, T_idx] at T > 1, or with num_accepted_tokens): MODE_SLOTS in
+        place on the slot table, reading column num_accepted_tokens[n] - 1 (column 0 without it); returns
+        (o, None);
       * new final state (T = 1, fp32 initial_state or None): MODE_STATES reading initial_state as a pool of N slots
         (None: one zero slot that every request reads); its per-token states are the final states;
       * outputs only: MODE_KVBUFFER on the same pool (reads states, writes none); the KVBuffer is dropped."""
@@ -116,9 +129,17 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seql
                  **({"precomputed_gate": True} if gate == "precomputed" else {}),
                  **({"beta_activation": beta_activation} if beta_activation != "none" else {}))
     if ssm_state_indices is not None:
+        P = initial_state.shape[0]
+        mode = configs.fused_recurrent_pool_mode(ssm_state_indices.dim() == 2, num_accepted_tokens is not None,
+                                                 q.shape[1])
+        if mode == configs.MODE_SLOTS:
+            o, _ = launch.run_recurrent(
+                mode, q, k, v, g, beta, initial_state, _slot_indices(ssm_state_indices, P), A_log, dt_bias,
+                num_accepted_tokens=_accepted_counts(num_accepted_tokens, ssm_state_indices.shape[1]), **flags)
+            return o.reshape(v_shape), None
         slots = ssm_state_indices if ssm_state_indices.dim() == 1 else ssm_state_indices[:, 0]
-        o, _ = launch.run_recurrent(configs.MODE_FINAL, q, k, v, g, beta, initial_state,
-                                    _slot_indices(slots, initial_state.shape[0]), A_log, dt_bias, **flags)
+        o, _ = launch.run_recurrent(mode, q, k, v, g, beta, initial_state, _slot_indices(slots, P), A_log, dt_bias,
+                                    **flags)
         return o.reshape(v_shape), None
     if initial_state is None:
         K, V = q.shape[3], v.shape[3]

@@ -1,8 +1,9 @@
 """Recurrent KDA decode over a state pool: T tokens per (request, value head), the state in registers.
 
 Serves `kda_decode` (T = 1), `kda_decode_mtp` (the state after all T tokens into the pool, or the T per-token
-states into a new tensor) and `kda_decode_mtp_kvbuffer` (the verify step: outputs and the KVBuffer
-[k_t, G_t, delta_t] per token, no state written), chosen by the compile-time `mode`.
+states into a new tensor), `kda_decode_mtp_kvbuffer` (the verify step: outputs and the KVBuffer
+[k_t, G_t, delta_t] per token, no state written) and fused_recurrent_kda's speculative pool mode (MODE_SLOTS: a slot
+per token, below), chosen by the compile-time `mode`.
 
 Tiling. One CTA = one (request n, value head hv, block of BV value columns); 32*NW threads. Warp w owns BV/NW
 columns; inside a warp, lane = kr * VL + vc: VL lanes along V (CW columns each), KL = 32 / VL lanes along K
@@ -25,7 +26,17 @@ Assumptions (checked on the host in launch.py): inputs contiguous, q/k/g/v/o/poo
 lower_bound are then never read; 0: the compiled gate code) and beta_sigmoid (configs.BETA_SIGMOID: 0 = beta as
 given, m > 0 = m * sigmoid(beta)): both are the same for every thread of the grid, so their branches never diverge;
 cache_idx < 0, >= P or == null_slot marks a slot that is skipped (outputs zero, nothing of the pool read or
-written). The pool is fp32 or bf16 (the pointer's type; the state stays fp32 in registers) in [K, V] or,
+written).
+
+MODE_SLOTS (launched through `launch_slots`, which adds three runtime arguments): cache_idx is an int32 table
+[N, idx_cols] (row stride idx_cols >= T), `accepted` an int32 [N] read only when has_accepted != 0. Request n reads
+its state from slot cache_idx[n, c] with c = clamp(accepted[n] - 1, 0, idx_cols - 1) (c = 0 without accepted
+counts); that slot decides padding as above. After token t the lane stores its state piece into slot cache_idx[n, t]
+unless that slot is skipped by the same rule. Each thread stores its own piece, in token order, after its prologue
+read: a slot named twice in a row keeps the later state, and a row may write the slot it read. Two rows must not
+share a slot (cula_core checks that where it can read the indices).
+
+The pool is fp32 or bf16 (the pointer's type; the state stays fp32 in registers) in [K, V] or,
 compile-time `state_v_first`, [V, K] per state (a lane then loads its piece by columns, RK consecutive rows each,
 and transposes it in registers).
 """
@@ -39,15 +50,16 @@ from cutlass import Float32, Int32, Int64
 from cula_sm90.decode._dsl import (activate_beta, gate_from_raw, l2_normalize, load_state_piece, load_vec,
                                    state_piece_offset, store_state_piece, store_vec, store_zeros, xor_sum)
 
-from cula_sm90.decode.configs import MODE_FINAL, MODE_KVBUFFER, MODE_STATES
+from cula_sm90.decode.configs import MODE_FINAL, MODE_KVBUFFER, MODE_SLOTS, MODE_STATES
 
 
 class RecurrentDecode:
     """Compile-time configuration of one recurrent decode kernel.
 
     T: tokens per request; K, V: head dims; mode: MODE_FINAL (state after T tokens into the pool),
-    MODE_STATES (the T per-token states into `states`, pool untouched) or MODE_KVBUFFER (the KVBuffer into
-    `kvbuf`, pool untouched); safe_gate / has_A_log / has_dt_bias / l2norm select the gate code (the in-kernel gate,
+    MODE_STATES (the T per-token states into `states`, pool untouched), MODE_KVBUFFER (the KVBuffer into
+    `kvbuf`, pool untouched) or MODE_SLOTS (the state after each token into the pool slot of that token);
+    safe_gate / has_A_log / has_dt_bias / l2norm select the gate code (the in-kernel gate,
     skipped at run time for a precomputed log decay);
     block_v (BV), lanes_v (VL), num_warps (NW): the tiling above."""
 
@@ -79,10 +91,22 @@ class RecurrentDecode:
                  A_log: cute.Pointer, dt_bias: cute.Pointer, pool: cute.Pointer, cache_idx: cute.Pointer,
                  o: cute.Pointer, out: cute.Pointer, N: Int32, HQK: Int32, HV: Int32, P: Int32, scale: Float32,
                  lower_bound: Float32, null_slot: Int32, precomputed_gate: Int32, beta_sigmoid: Int32, stream):
+        # the slot-table arguments of MODE_SLOTS are never read in the other modes: stand-ins
         self.kernel(q, k, v, g, beta, A_log, dt_bias, pool, cache_idx, o, out, HQK, HV, P, scale, lower_bound,
-                    null_slot, precomputed_gate, beta_sigmoid).launch(grid=[N * HV * self.NVB, 1, 1],
-                                                                      block=[32 * self.NW, 1, 1],
-                                                                      smem=self.smem_bytes, stream=stream)
+                    null_slot, precomputed_gate, beta_sigmoid, cache_idx, Int32(1), Int32(0)).launch(
+            grid=[N * HV * self.NVB, 1, 1], block=[32 * self.NW, 1, 1], smem=self.smem_bytes, stream=stream)
+
+    @cute.jit
+    def launch_slots(self, q: cute.Pointer, k: cute.Pointer, v: cute.Pointer, g: cute.Pointer, beta: cute.Pointer,
+                     A_log: cute.Pointer, dt_bias: cute.Pointer, pool: cute.Pointer, cache_idx: cute.Pointer,
+                     o: cute.Pointer, out: cute.Pointer, N: Int32, HQK: Int32, HV: Int32, P: Int32, scale: Float32,
+                     lower_bound: Float32, null_slot: Int32, precomputed_gate: Int32, beta_sigmoid: Int32,
+                     accepted: cute.Pointer, idx_cols: Int32, has_accepted: Int32, stream):
+        """The host entry of MODE_SLOTS: __call__'s arguments (`out` never touched) and the slot table's: accepted
+        counts, the table's row stride idx_cols, has_accepted (0: read column 0, `accepted` never read)."""
+        self.kernel(q, k, v, g, beta, A_log, dt_bias, pool, cache_idx, o, out, HQK, HV, P, scale, lower_bound,
+                    null_slot, precomputed_gate, beta_sigmoid, accepted, idx_cols, has_accepted).launch(
+            grid=[N * HV * self.NVB, 1, 1], block=[32 * self.NW, 1, 1], smem=self.smem_bytes, stream=stream)
 
     def _store_gate(self, sv, wb, t: int, e0, gl):
         """Token t's decay exp(gl) (and, for the KVBuffer, the log decay gl) of this lane's elements into shared
@@ -96,7 +120,8 @@ class RecurrentDecode:
     def kernel(self, q: cute.Pointer, k: cute.Pointer, v: cute.Pointer, g: cute.Pointer, beta: cute.Pointer,
                A_log: cute.Pointer, dt_bias: cute.Pointer, pool: cute.Pointer, cache_idx: cute.Pointer,
                o: cute.Pointer, out: cute.Pointer, HQK: Int32, HV: Int32, P: Int32, scale: Float32,
-               lower_bound: Float32, null_slot: Int32, precomputed_gate: Int32, beta_sigmoid: Int32):
+               lower_bound: Float32, null_slot: Int32, precomputed_gate: Int32, beta_sigmoid: Int32,
+               accepted: cute.Pointer, idx_cols: Int32, has_accepted: Int32):
         T, K, V, RK, CW, EPL = self.T, self.K, self.V, self.RK, self.CW, self.EPL
         tid = cute.arch.thread_idx()[0]
         warp = tid // 32
@@ -111,7 +136,16 @@ class RecurrentDecode:
         h = hv // (HV // HQK)           # GVA: q/k head of this value head
         row0 = kr * RK
         col0 = vb * self.BV + warp * (self.VL * CW) + vc * CW
-        idx = cute.make_tensor(cache_idx + Int64(n), cute.make_layout(1))[0]
+        if cutlass.const_expr(self.mode == MODE_SLOTS):
+            slot_row = cache_idx + Int64(n) * idx_cols   # this request's row of the slot table
+            read_col = Int32(0)
+            if has_accepted != 0:   # the same for the whole grid: no divergence
+                read_col = cute.make_tensor(accepted + Int64(n), cute.make_layout(1))[0] - 1
+                read_col = cutlass.select_(read_col < 0, Int32(0), read_col)
+                read_col = cutlass.select_(read_col >= idx_cols, idx_cols - 1, read_col)
+            idx = cute.make_tensor(slot_row + Int64(read_col), cute.make_layout(1))[0]
+        else:
+            idx = cute.make_tensor(cache_idx + Int64(n), cute.make_layout(1))[0]
         live = (idx >= 0) & (idx < P) & (idx != null_slot)   # null_slot is -1 when the engine has none
 
         smem = cutlass.memory.SmemAllocator()
@@ -130,6 +164,8 @@ class RecurrentDecode:
             vr = [load_vec(v, ((tok0 + t) * HV + hv) * V + col0, CW) for t in range(T)]
             br = [activate_beta(cute.make_tensor(beta + ((tok0 + t) * HV + hv), cute.make_layout(1)).load()
                                 .to(Float32)[0], beta_sigmoid) for t in range(T)]
+            if cutlass.const_expr(self.mode == MODE_SLOTS):
+                wslot = [cute.make_tensor(slot_row + t, cute.make_layout(1))[0] for t in range(T)]
             e0 = lane * EPL
             for job in cutlass.range_constexpr(3 * T):
                 t, which = job // 3, job % 3
@@ -191,6 +227,11 @@ class RecurrentDecode:
                 if cutlass.const_expr(self.mode == MODE_STATES):
                     store_state_piece(out, state_piece_offset(row, row0, col0, K, V, self.v_first), S, RK, CW, K,
                                       V, self.v_first)
+                if cutlass.const_expr(self.mode == MODE_SLOTS):
+                    ws = wslot[t]
+                    if (ws >= 0) & (ws < P) & (ws != null_slot):
+                        store_state_piece(pool, state_piece_offset(Int64(ws) * HV + hv, row0, col0, K, V,
+                                                                   self.v_first), S, RK, CW, K, V, self.v_first)
                 if cutlass.const_expr(self.mode == MODE_KVBUFFER):
                     W = 2 * K + V
                     if kr == 0:
