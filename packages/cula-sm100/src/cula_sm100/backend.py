@@ -6,9 +6,9 @@ The training path of `chunk_kda`, in two kernel families (subpackages):
   * `cula_sm100.backward`: chunk_kda_backward, recomputing the forward's other intermediates with its kernels
 
 Each subpackage's `__init__` exports what `cula_core.backend.ComposedBackend` asks of a family: `OPS`,
-`unsupported_reason(call)` and `kernel(op)`. The kernels form global offsets in 64 bits (forward/cute_utils.py),
-so no int32 limit is declared. None imports CuTe DSL at module level, so importing the backend stays cheap and
-works without a GPU.
+`unsupported_reason(call)` and `kernel(op)`. The kernels form global offsets in 64 bits
+(cula_core.cute_kernels.copies.head_rows), so no int32 limit is declared. None imports CuTe DSL at module level,
+so importing the backend stays cheap and works without a GPU.
 """
 
 from __future__ import annotations

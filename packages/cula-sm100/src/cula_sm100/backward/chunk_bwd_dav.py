@@ -10,8 +10,8 @@ in it). Its backward through the intra-chunk term:
 `chunk_kda_bwd_dAv`. dAqk goes to the intra-chunk backward, dv to chunk_bwd_dhu (bf16, as FLA stores it).
 
 Tiling: 128 threads = 4 warps stacked along the 64 rows; mma.sync m16n8k16 (bf16 operands, fp32 accumulation:
-`cute_utils.make_tiled_mma(4)`): [64 x 128] @ [64 x 128]^T for dAqk, [64 x 64]^T @ [64 x 128] for dv (Aqk and
-do read with ldmatrix.trans). Shared memory 40 KB (do, v_new 16 KB each, Aqk 8 KB): several CTAs per SM.
+`cula_core.cute_kernels.warp_mma.tiled_mma(4)`): [64 x 128] @ [64 x 128]^T for dAqk, [64 x 64]^T @ [64 x 128] for
+dv (Aqk and do read with ldmatrix.trans). Shared memory 40 KB (do, v_new 16 KB each, Aqk 8 KB): several CTAs per SM.
 Pipeline: one cp.async group of the three tiles (rows past the chunk end zero-filled, never read from global
 memory), one barrier, the two GEMMs, stores from the accumulator fragments (rows past the end not stored).
 Assumes V = 128, bf16 operands, chunks that never cross a sequence (the chunk table).
@@ -23,8 +23,8 @@ import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
-from cula_sm100.forward.cute_utils import (copy_rows_g2s, g2s_tiled_copy, gemm_ss, head_rows, make_tiled_mma,
-                                          smem_layout, transposed)
+from cula_core.cute_kernels.copies import copy_rows_g2s, g2s_tiled_copy, head_rows
+from cula_core.cute_kernels.warp_mma import gemm, smem_tile_layout, tiled_mma, transposed
 
 # tile sizes as module constants (names bound inside the kernel would be traced as dynamic)
 _BT, _V = 64, 128
@@ -54,9 +54,9 @@ class ChunkBwdDav:
         n = mT[c, 1]
 
         smem = cutlass.utils.SmemAllocator()
-        sDo = smem.allocate_tensor(bf16, smem_layout(_BT, _V), 128)
-        sVn = smem.allocate_tensor(bf16, smem_layout(_BT, _V), 128)
-        sA = smem.allocate_tensor(bf16, smem_layout(_BT, _BT), 128)
+        sDo = smem.allocate_tensor(bf16, smem_tile_layout(_BT, _V), 128)
+        sVn = smem.allocate_tensor(bf16, smem_tile_layout(_BT, _V), 128)
+        sA = smem.allocate_tensor(bf16, smem_tile_layout(_BT, _BT), 128)
 
         cp = g2s_tiled_copy(_V, self.threads)
         cp_a = g2s_tiled_copy(_BT, self.threads)
@@ -67,14 +67,14 @@ class ChunkBwdDav:
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
 
-        mma = make_tiled_mma(4)
+        mma = tiled_mma(4)
         thr = mma.get_slice(tidx)
 
         # ---- dAqk = do @ v_new^T, causal (diagonal included); columns past the end are zero (v_new rows zero)
         coord_a = thr.partition_C(cute.make_identity_tensor((_BT, _BT)))
         acc_a = cute.make_rmem_tensor(thr.partition_shape_C((_BT, _BT)), f32)
         acc_a.fill(0.0)
-        gemm_ss(mma, acc_a, sDo, sVn, tidx, False, False)
+        gemm(mma, acc_a, sDo, sVn, tidx, False, False)
         tDA = head_rows(mDA, t0, hv, _BT)
         for i in cutlass.range_constexpr(cute.size(acc_a)):
             r, col = coord_a[i]
@@ -88,7 +88,7 @@ class ChunkBwdDav:
         coord = thr.partition_C(cute.make_identity_tensor((_BT, _V)))
         acc = cute.make_rmem_tensor(thr.partition_shape_C((_BT, _V)), f32)
         acc.fill(0.0)
-        gemm_ss(mma, acc, transposed(sA, _BT, _BT), transposed(sDo, _BT, _V), tidx, True, True)
+        gemm(mma, acc, transposed(sA, _BT, _BT), transposed(sDo, _BT, _V), tidx, True, True)
         tDv = head_rows(mDv, t0, hv, _BT)
         for i in cutlass.range_constexpr(cute.size(acc)):
             r, col = coord[i]

@@ -27,22 +27,12 @@ import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
-from cula_sm100.forward.cute_utils import (copy_rows_g2s, g2s_tiled_copy, gemm_ss, head_rows, make_tiled_mma,
-                                          smem_layout, transposed)
+from cula_core.cute_kernels.copies import copy_rows_g2s, g2s_tiled_copy, head_rows
+from cula_core.cute_kernels.warp_mma import gemm, smem_tile_layout, tiled_mma, transposed
 
 # tile sizes as module constants (and BV read from self): names bound inside the kernel's runtime loop would be
 # traced as dynamic
 _BT, _K, _V = 64, 128, 128
-
-
-def _col_slice(m: cute.Tensor, t0, h, rows: int, c0, cols: int):
-    """(rows, cols) tile of a (T, H, D) row-major tensor at token t0, head h, columns c0.. (c0 a multiple of cols,
-    32 or 64, so 16-byte vector copies stay aligned); 64-bit offset as cute_utils.head_rows."""
-    H = m.shape[1]
-    D = m.shape[2]
-    off = cute.assume((cutlass.Int64(t0) * H + h) * D + c0, divby=cols)
-    ld = cute.assume(H * D, divby=D)
-    return cute.make_tensor(m.iterator + off, cute.make_layout((rows, cols), stride=(ld, 1)))
 
 
 class ChunkBwdDhu:
@@ -88,15 +78,15 @@ class ChunkBwdDhu:
         nchunks = (eos - bos + _BT - 1) // _BT
 
         smem = cutlass.utils.SmemAllocator()
-        sKg = smem.allocate_tensor(bf16, smem_layout(_BT, _K), 128)
-        sW = smem.allocate_tensor(bf16, smem_layout(_BT, _K), 128)
-        sQg = smem.allocate_tensor(bf16, smem_layout(_BT, _K), 128)
-        sDo = smem.allocate_tensor(bf16, smem_layout(_BT, self.bv), 128)
-        sDv = smem.allocate_tensor(bf16, smem_layout(_BT, self.bv), 128)     # dv, then -dv_tot
-        sDh = smem.allocate_tensor(bf16, smem_layout(_K, self.bv), 128)
+        sKg = smem.allocate_tensor(bf16, smem_tile_layout(_BT, _K), 128)
+        sW = smem.allocate_tensor(bf16, smem_tile_layout(_BT, _K), 128)
+        sQg = smem.allocate_tensor(bf16, smem_tile_layout(_BT, _K), 128)
+        sDo = smem.allocate_tensor(bf16, smem_tile_layout(_BT, self.bv), 128)
+        sDv = smem.allocate_tensor(bf16, smem_tile_layout(_BT, self.bv), 128)     # dv, then -dv_tot
+        sDh = smem.allocate_tensor(bf16, smem_tile_layout(_K, self.bv), 128)
         sGl = smem.allocate_tensor(f32, cute.make_layout((_K,)), 16)
 
-        mma = make_tiled_mma(4)
+        mma = tiled_mma(4)
         thr = mma.get_slice(tidx)
         acc_h = cute.make_rmem_tensor(thr.partition_shape_C((_K, self.bv)), f32)
         coord_h = thr.partition_C(cute.make_identity_tensor((_K, self.bv)))
@@ -122,8 +112,8 @@ class ChunkBwdDhu:
             copy_rows_g2s(cp, head_rows(mKg, t0, hv, _BT), sKg, n, tidx)
             copy_rows_g2s(cp, head_rows(mW, t0, hv, _BT), sW, n, tidx)
             copy_rows_g2s(cp, head_rows(mQ, t0, hq, _BT), sQg, n, tidx)
-            copy_rows_g2s(cp_v, _col_slice(mDo, t0, hv, _BT, v0, self.bv), sDo, n, tidx)
-            copy_rows_g2s(cp_v, _col_slice(mDv, t0, hv, _BT, v0, self.bv), sDv, n, tidx)
+            copy_rows_g2s(cp_v, head_rows(mDo, t0, hv, _BT, v0, self.bv), sDo, n, tidx)
+            copy_rows_g2s(cp_v, head_rows(mDv, t0, hv, _BT, v0, self.bv), sDv, n, tidx)
             cute.arch.cp_async_commit_group()
             tG = head_rows(mG, t0, hv, _BT)
             sGl[tidx] = cute.math.exp(tG[n - 1, tidx].to(f32), fastmath=True)
@@ -144,8 +134,8 @@ class ChunkBwdDhu:
 
             # dv_tot = dv + kg @ dh
             acc_v.fill(0.0)
-            gemm_ss(mma, acc_v, sKg, transposed(sDh, _K, self.bv), tidx, False, True)
-            tDv2 = _col_slice(mDv2, t0, hv, _BT, v0, self.bv)
+            gemm(mma, acc_v, sKg, transposed(sDh, _K, self.bv), tidx, False, True)
+            tDv2 = head_rows(mDv2, t0, hv, _BT, v0, self.bv)
             cute.arch.sync_threads()  # every warp is done reading dh; q exp(G) complete
             for i in cutlass.range_constexpr(cute.size(acc_v)):
                 r2, c2 = coord_v[i]
@@ -160,8 +150,8 @@ class ChunkBwdDhu:
             for i in cutlass.range_constexpr(cute.size(acc_h)):
                 k3, _ = coord_h[i]
                 acc_h[i] = acc_h[i] * sGl[k3]
-            gemm_ss(mma, acc_h, transposed(sQg, _BT, _K), transposed(sDo, _BT, self.bv), tidx, True, True)
-            gemm_ss(mma, acc_h, transposed(sW, _BT, _K), transposed(sDv, _BT, self.bv), tidx, True, True)
+            gemm(mma, acc_h, transposed(sQg, _BT, _K), transposed(sDo, _BT, self.bv), tidx, True, True)
+            gemm(mma, acc_h, transposed(sW, _BT, _K), transposed(sDv, _BT, self.bv), tidx, True, True)
 
         if cutlass.const_expr(self.want_dh0):
             tH0 = head_rows(mDh0, (s * HV + hv) * _K, 0, _K)

@@ -46,7 +46,7 @@ import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
-from cula_sm100.forward.cute_utils import copy_rows_g2s, g2s_tiled_copy, head_rows
+from cula_core.cute_kernels.copies import copy_rows_g2s, g2s_tiled_copy, head_rows
 
 _BT, _K = 64, 128
 _TRI = _BT * (_BT + 1) // 2  # a packed lower triangle of 64 x 64

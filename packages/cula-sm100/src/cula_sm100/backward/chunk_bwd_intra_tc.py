@@ -59,8 +59,8 @@ import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
-from cula_sm100.forward.cute_utils import copy_rows_g2s, g2s_tiled_copy, head_rows, ldmatrix_copy_A, make_tiled_mma, \
-    transposed
+from cula_core.cute_kernels.copies import copy_rows_g2s, g2s_tiled_copy, head_rows
+from cula_core.cute_kernels.warp_mma import ldmatrix_copy_A, tiled_mma, transposed
 
 # tile sizes as module constants (names bound inside the kernel would be traced as dynamic)
 _BT, _K, _BC = 64, 128, 16
@@ -149,7 +149,7 @@ class ChunkBwdIntraTC:
         copy_rows_g2s(cp_bf, head_rows(mK, t0, hq, _BT), sK, n, tidx)
         copy_rows_g2s(cp_bf, head_rows(mQ, t0, hq, _BT), sQ, n, tidx)
 
-        mma = make_tiled_mma(1)
+        mma = tiled_mma(1)
         thr = mma.get_slice(lane)
         coordC = thr.partition_C(cute.make_identity_tensor((_BC, _BC)))  # (row, channel) in the block
         coordB = thr.partition_B(cute.make_identity_tensor((_BC, _BC)))  # (channel, row) of a B k-block

@@ -27,12 +27,12 @@ measurement: docs/sm100_backward.md):
     (not a fp32 read-add-write of global memory per value head). The same thread sums the value
     heads in a fixed order: bitwise deterministic, no atomics, no zero-fill before the launch.
   * dG accumulated in a register fragment within a value head and written once; dL, dv, dG, dq, dk all leave
-    through shared memory in 16-byte stores (`cute_utils.store_rows_s2g`); G arrives by 16-byte cp.async
-    into shared memory with the bf16 tiles.
+    through shared memory in 16-byte stores (`cula_core.cute_kernels.copies.store_rows_s2g`); G arrives by
+    16-byte cp.async into shared memory with the bf16 tiles.
   * Row / column sums (dbeta; the column sums of k dk_h for dG's last row) from the accumulator fragments:
     in-thread pairs, warp shuffles, then one slot per warp in shared memory summed in a fixed order.
   * Each GEMM walks its k-blocks in a runtime loop (unrolled by 2) with one k-block of operand fragments
-    (`cute_utils.gemm_kb`): fully unrolled (cute_utils.gemm_ss) ptxas hoisted every ldmatrix and spilled.
+    (`warp_mma.gemm(..., unroll_k=False)`): fully unrolled, ptxas hoists every ldmatrix and spills.
 
 Shared memory ~209 KB (one CTA per SM; 8 warps x <= 255 registers fit it): q, k once; per value head h, dh (32 KB
 each), do (later -dw), v_new (later k exp(G), later the dv staging), dv, v (16 KB each), A (8 KB), G fp32 [64 x 132]
@@ -51,8 +51,8 @@ import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
-from cula_sm100.forward.cute_utils import (copy_rows_g2s, g2s_tiled_copy, gemm_kb, head_rows, mma_atom,
-                                          smem_layout, store_rows_s2g, transposed, vec_copy)
+from cula_core.cute_kernels.copies import copy_rows_g2s, g2s_tiled_copy, head_rows, store_rows_s2g, vec_copy
+from cula_core.cute_kernels.warp_mma import gemm, smem_tile_layout, tiled_mma, transposed
 
 # tile sizes as module constants: names bound inside the kernel's runtime loop would be traced as dynamic
 _BT, _K, _V = 64, 128, 128
@@ -62,11 +62,6 @@ _THREADS = 256
 
 def _exp(x):
     return cute.math.exp(x, fastmath=True)
-
-
-def tiled_mma_4x2():
-    """mma.sync m16n8k16 bf16 -> fp32 on 4 x 2 warps (M x N); each warp takes N in pairs of atoms (ldmatrix.x4)."""
-    return cute.make_tiled_mma(mma_atom(), (4, 2, 1), permutation_mnk=(64, 32, 16))
 
 
 class ChunkWyDqkg:
@@ -114,15 +109,15 @@ class ChunkWyDqkg:
         wid = tidx // 32
 
         smem = cutlass.utils.SmemAllocator()
-        sQ = smem.allocate_tensor(bf16, smem_layout(_BT, _K), 128)
-        sK = smem.allocate_tensor(bf16, smem_layout(_BT, _K), 128)
-        sH = smem.allocate_tensor(bf16, smem_layout(_K, _V), 128)      # later: dL staging (fp32)
-        sDh = smem.allocate_tensor(bf16, smem_layout(_K, _V), 128)     # later: the two 64 x 64 scratch tiles
-        sDo = smem.allocate_tensor(bf16, smem_layout(_BT, _V), 128)    # later: -dw
-        sVn = smem.allocate_tensor(bf16, smem_layout(_BT, _V), 128)    # later: k exp(G), then dv staging
-        sDv = smem.allocate_tensor(bf16, smem_layout(_BT, _V), 128)
-        sV = smem.allocate_tensor(bf16, smem_layout(_BT, _V), 128)
-        sA = smem.allocate_tensor(bf16, smem_layout(_BT, _BT), 128)
+        sQ = smem.allocate_tensor(bf16, smem_tile_layout(_BT, _K), 128)
+        sK = smem.allocate_tensor(bf16, smem_tile_layout(_BT, _K), 128)
+        sH = smem.allocate_tensor(bf16, smem_tile_layout(_K, _V), 128)      # later: dL staging (fp32)
+        sDh = smem.allocate_tensor(bf16, smem_tile_layout(_K, _V), 128)     # later: the two 64 x 64 scratch tiles
+        sDo = smem.allocate_tensor(bf16, smem_tile_layout(_BT, _V), 128)    # later: -dw
+        sVn = smem.allocate_tensor(bf16, smem_tile_layout(_BT, _V), 128)    # later: k exp(G), then dv staging
+        sDv = smem.allocate_tensor(bf16, smem_tile_layout(_BT, _V), 128)
+        sV = smem.allocate_tensor(bf16, smem_tile_layout(_BT, _V), 128)
+        sA = smem.allocate_tensor(bf16, smem_tile_layout(_BT, _BT), 128)
         sG = smem.allocate_tensor(f32, cute.make_layout((_BT, _K), stride=(_FS, 1)), 128)  # later: dG/dq/dk staging
         sBeta = smem.allocate_tensor(f32, cute.make_layout((_BT,)), 16)
         sHdh = smem.allocate_tensor(f32, cute.make_layout((_K,)), 16)                      # sum_v h dh per row
@@ -130,8 +125,8 @@ class ChunkWyDqkg:
         sRow = smem.allocate_tensor(f32, cute.make_layout((8, _BT), stride=(_BT, 1)), 16)  # per-warp row sums
         sLast = smem.allocate_tensor(f32, cute.make_layout((_K,)), 16)
         # tiles over dead ones: h and dh are last read by the dw and dk_h GEMMs, both behind a barrier by then
-        sT1 = cute.make_tensor(sDh.iterator, smem_layout(_BT, _BT))
-        sT2 = cute.make_tensor(sDh.iterator + _BT * _BT, smem_layout(_BT, _BT))
+        sT1 = cute.make_tensor(sDh.iterator, smem_tile_layout(_BT, _BT))
+        sT2 = cute.make_tensor(sDh.iterator + _BT * _BT, smem_tile_layout(_BT, _BT))
         sDL = cute.make_tensor(cute.recast_ptr(sH.iterator, dtype=f32),
                                cute.make_layout((_BT, _BT), stride=(_BT + 4, 1)))
 
@@ -142,7 +137,7 @@ class ChunkWyDqkg:
         copy_rows_g2s(cp, head_rows(mK, t0, hq, _BT), sK, n, tidx)
         cute.arch.cp_async_commit_group()
 
-        mma = tiled_mma_4x2()
+        mma = tiled_mma(4, 2)
         thr = mma.get_slice(tidx)
         coord = thr.partition_C(cute.make_identity_tensor((_BT, _K)))
         coord_a = thr.partition_C(cute.make_identity_tensor((_BT, _BT)))
@@ -205,7 +200,7 @@ class ChunkWyDqkg:
 
             # ---- dq += scale (do @ h^T) exp(G); dG = q dq_h
             acc.fill(0.0)
-            gemm_kb(mma, acc, sDo, sH, tidx, False, False)
+            gemm(mma, acc, sDo, sH, tidx, False, False, unroll_k=False)
             for i in cutlass.range_constexpr(cute.size(acc)):
                 x = acc[i] * _exp(pG[i]) * scale  # rows past the end: do is zero there
                 dq[i] = dq[i] + x
@@ -213,7 +208,7 @@ class ChunkWyDqkg:
 
             # ---- dw = -(dv @ h^T), kept in bf16 where do was
             acc.fill(0.0)
-            gemm_kb(mma, acc, sDv, sH, tidx, False, False)
+            gemm(mma, acc, sDv, sH, tidx, False, False, unroll_k=False)
             cute.arch.sync_threads()  # every warp is done reading do
             for i in cutlass.range_constexpr(cute.size(acc)):
                 pDo[i] = (-acc[i]).to(bf16)
@@ -236,7 +231,7 @@ class ChunkWyDqkg:
 
             # ---- state path of k: dk_h = (v_new @ dh^T) exp(G_last - G); dG -= k dk_h; column sums of k dk_h
             acc.fill(0.0)
-            gemm_kb(mma, acc, sVn, sDh, tidx, False, False)
+            gemm(mma, acc, sVn, sDh, tidx, False, False, unroll_k=False)
             for i in cutlass.range_constexpr(cute.size(acc)):
                 r, col = coord[i]
                 kd = f32(0.0)
@@ -268,8 +263,8 @@ class ChunkWyDqkg:
 
             # ---- gradient of A: (dv @ v^T + dw @ kg^T) * beta[col], strictly lower, valid rows/cols
             acc_a.fill(0.0)
-            gemm_kb(mma, acc_a, sDv, sV, tidx, False, False)
-            gemm_kb(mma, acc_a, sDo, sVn, tidx, False, False)
+            gemm(mma, acc_a, sDv, sV, tidx, False, False, unroll_k=False)
+            gemm(mma, acc_a, sDo, sVn, tidx, False, False, unroll_k=False)
             for i in cutlass.range_constexpr(cute.size(acc_a)):
                 r, col = coord_a[i]
                 x = f32(0.0)
@@ -280,14 +275,14 @@ class ChunkWyDqkg:
             cute.arch.sync_threads()
             # X = dA @ A^T
             acc_a.fill(0.0)
-            gemm_kb(mma, acc_a, sT1, sA, tidx, False, False)
+            gemm(mma, acc_a, sT1, sA, tidx, False, False, unroll_k=False)
             for i in cutlass.range_constexpr(cute.size(acc_a)):
                 r, col = coord_a[i]
                 pT2[i] = acc_a[i].to(bf16)
             cute.arch.sync_threads()
             # dL = -A^T X, strictly lower (zeros past the end), staged over h for 16-byte stores
             acc_a.fill(0.0)
-            gemm_kb(mma, acc_a, transposed(sA, _BT, _BT), transposed(sT2, _BT, _BT), tidx, True, True)
+            gemm(mma, acc_a, transposed(sA, _BT, _BT), transposed(sT2, _BT, _BT), tidx, True, True, unroll_k=False)
             for i in cutlass.range_constexpr(cute.size(acc_a)):
                 r, col = coord_a[i]
                 x = f32(0.0)
@@ -298,7 +293,7 @@ class ChunkWyDqkg:
             # ---- dvb = A^T @ dv: dv2 = beta dvb, staged where k exp(G) was (its last reader, the dA GEMM, is
             # behind two barriers); the dbeta row sums of dvb * v in two scalars (rows g and g + 8)
             acc.fill(0.0)
-            gemm_kb(mma, acc, transposed(sA, _BT, _BT), transposed(sDv, _BT, _V), tidx, True, True)
+            gemm(mma, acc, transposed(sA, _BT, _BT), transposed(sDv, _BT, _V), tidx, True, True, unroll_k=False)
             rs0 = f32(0.0)
             rs1 = f32(0.0)
             for i in cutlass.range_constexpr(cute.size(acc)):
@@ -314,7 +309,7 @@ class ChunkWyDqkg:
 
             # ---- dkgb = A^T @ dw: dk += beta exp(G) dkgb; dG += beta k exp(G) dkgb; dbeta += k exp(G) dkgb
             acc.fill(0.0)
-            gemm_kb(mma, acc, transposed(sA, _BT, _BT), transposed(sDo, _BT, _K), tidx, True, True)
+            gemm(mma, acc, transposed(sA, _BT, _BT), transposed(sDo, _BT, _K), tidx, True, True, unroll_k=False)
             for i in cutlass.range_constexpr(cute.size(acc)):
                 r, col = coord[i]
                 eg = _exp(pG[i])

@@ -22,7 +22,8 @@ import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
-from cula_sm100.forward.cute_utils import chunk_block, head_rows, token_layout
+from cula_core.cute_kernels.copies import head_rows
+from cula_sm100.forward.cute_utils import chunk_block, token_layout
 
 _BT, _K = 64, 128
 

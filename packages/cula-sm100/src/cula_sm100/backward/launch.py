@@ -260,9 +260,9 @@ for _name, _build, _module in ((WY_DQKG, _build_wy_dqkg, "chunk_wy_dqkg"), (DAV,
                                (INTRA, _build_intra, "chunk_bwd_intra"),
                                (INTRA_TC, _build_intra_tc, "chunk_bwd_intra_tc"), (DHU, _build_dhu, "chunk_bwd_dhu"),
                                (GATE_BWD, _build_gate_bwd, "gate_bwd"), (L2NORM_BWD, _build_l2norm_bwd, "l2norm_bwd")):
-    # the kernel's module, the shared helpers (with the L2-norm epsilon they read from core) and this module
-    runtime.register(_name, _build, (f"cula_sm100.backward.{_module}", "cula_sm100.forward.cute_utils",
-                                     "cula_core.reference.gates", "cula_sm100.backward.launch"))
+    # the kernel's module, the shared helpers and this module
+    runtime.register(_name, _build, (f"cula_sm100.backward.{_module}", *fwd.SHARED_SOURCES,
+                                     "cula_sm100.backward.launch"))
 
 
 def finish(dq, dk, dv, dbeta, dG, dh0, q, k, g, beta, A_log, dt_bias, initial_state, ctab, *, v_dtype,

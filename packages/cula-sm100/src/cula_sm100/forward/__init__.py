@@ -12,7 +12,8 @@ and for the backward's recompute (and the forward kernels' GPU tests, as oracles
   chunk_intra_wu.py      chunk_intra_wu_gate's work from G (the two below in one kernel, bitwise)
   recompute_w_u.py       w, u and kg alone (the backward's, when the forward handed it Akk)
   chunk_intra.py         Aqk and Akk alone (launched by no production path: the GPU tests' oracle of chunk_intra_wu)
-All multiply with warp-level mma.sync (bf16 -> fp32, `cute_utils.mma_atom`), so they run on sm_90 and sm_100.
+All multiply with warp-level mma.sync (bf16 -> fp32, `cula_core.cute_kernels.warp_mma`), so they run on sm_90 and
+sm_100.
 
 When gradients are wanted the forward hands Aqk and Akk to the backward as core's
 residuals (docs/backends.md, "Residuals"); cula_sm100.backward recomputes the rest with `launch`'s stage

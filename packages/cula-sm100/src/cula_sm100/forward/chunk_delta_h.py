@@ -32,8 +32,9 @@ import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
-from cula_sm100.forward.cute_utils import (copy_rows_g2s, g2s_tiled_copy, gemm_ss, head_rows, make_tiled_mma,
-                                          smem_layout, store_rows_s2g, token_layout, transposed)
+from cula_core.cute_kernels.copies import copy_rows_g2s, g2s_tiled_copy, head_rows, store_rows_s2g
+from cula_core.cute_kernels.warp_mma import gemm, smem_tile_layout, tiled_mma, transposed
+from cula_sm100.forward.cute_utils import token_layout
 
 
 class ChunkDeltaH:
@@ -92,10 +93,10 @@ class ChunkDeltaH:
         v0 = vb * BV
 
         smem = cutlass.utils.SmemAllocator()
-        sW = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 128)
-        sKg = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 128)
-        sU = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, BV, 2), 128)  # u, then v_new in its place
-        sH = smem.allocate_tensor(cutlass.BFloat16, smem_layout(K, BV), 128)
+        sW = smem.allocate_tensor(cutlass.BFloat16, smem_tile_layout(BT, K), 128)
+        sKg = smem.allocate_tensor(cutlass.BFloat16, smem_tile_layout(BT, K), 128)
+        sU = smem.allocate_tensor(cutlass.BFloat16, smem_tile_layout(BT, BV, 2), 128)  # u, then v_new in its place
+        sH = smem.allocate_tensor(cutlass.BFloat16, smem_tile_layout(K, BV), 128)
         sGl = smem.allocate_tensor(cutlass.Float32, cute.make_layout((K,)), 16)
 
         mma, thr, acc_h, coord_h, acc_v, coord_v = self.fragments(tidx)
@@ -133,7 +134,7 @@ class ChunkDeltaH:
             sU_s = sU[None, None, stage]
             sU_part = thr.partition_C(sU_s)
             acc_v.fill(0.0)
-            gemm_ss(mma, acc_v, sW, transposed(sH, K, BV), tidx, False, True)
+            gemm(mma, acc_v, sW, transposed(sH, K, BV), tidx, False, True)
             for i in cutlass.range_constexpr(cute.size(acc_v)):
                 r2, _ = coord_v[i]
                 x = cutlass.Float32(0.0)
@@ -149,7 +150,7 @@ class ChunkDeltaH:
             for i in cutlass.range_constexpr(cute.size(acc_h)):
                 k3, _ = coord_h[i]
                 acc_h[i] = acc_h[i] * sGl[k3]
-            gemm_ss(mma, acc_h, transposed(sKg, BT, K), transposed(sU_s, BT, BV), tidx, True, True)
+            gemm(mma, acc_h, transposed(sKg, BT, K), transposed(sU_s, BT, BV), tidx, True, True)
             cute.arch.sync_threads()  # every warp is done with kg and v_new
             if more:
                 self.load_rows(cp_k, mKg, sKg, bos, eos, ci + 1, hv)
@@ -183,7 +184,7 @@ class ChunkDeltaH:
     def fragments(self, tidx):
         """The 4-warp MMA, this thread's slice, and the accumulators (with coordinates) of h [K, BV] and of
         w @ h [BT, BV]."""
-        mma = make_tiled_mma(4)
+        mma = tiled_mma(4)
         thr = mma.get_slice(tidx)
         acc_h = cute.make_rmem_tensor(thr.partition_shape_C((self.K, self.BV)), cutlass.Float32)
         coord_h = thr.partition_C(cute.make_identity_tensor((self.K, self.BV)))

@@ -41,9 +41,9 @@ import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
-from cula_sm100.forward.cute_utils import (LOG2E, chunk_block, copy_rows_g2s, g2s_tiled_copy, head_rows,
-                                          ldmatrix_copy_B, load_beta, make_tiled_mma, smem_layout, store_rows_s2g,
-                                          token_layout)
+from cula_core.cute_kernels.copies import copy_rows_g2s, g2s_tiled_copy, head_rows, store_rows_s2g
+from cula_core.cute_kernels.warp_mma import ldmatrix_copy_B, smem_tile_layout, tiled_mma
+from cula_sm100.forward.cute_utils import chunk_block, load_beta, LOG2E, token_layout
 
 
 class ChunkIntra:
@@ -88,8 +88,8 @@ class ChunkIntra:
         hq = hv // group  # GVA: q / k at the value head's q/k head
 
         smem = cutlass.utils.SmemAllocator()  # 106.2 KiB
-        sQ = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 1024)
-        sK = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 1024)
+        sQ = smem.allocate_tensor(cutlass.BFloat16, smem_tile_layout(BT, K), 1024)
+        sK = smem.allocate_tensor(cutlass.BFloat16, smem_tile_layout(BT, K), 1024)
         # G rows padded by 8 floats: the A fragment's G_i reads (rows lane / 4, 8-byte column pairs lane % 4) hit 4
         # rows per half-warp in distinct banks (unpadded, the 8 rows would share banks: 8-way conflicts)
         sG = smem.allocate_tensor(cutlass.Float32, cute.make_layout((BT, K), stride=(self.G_STRIDE, 1)), 128)
@@ -125,7 +125,7 @@ class ChunkIntra:
         w = wid // 2  # row block
         s = wid % 2   # side: 0 q (Aqk), 1 k (L); in the fp32 path, the 8 x 8 diagonal sub-block
         r0 = w * BC
-        sY = cute.make_tensor(cute.recast_ptr(r_raw, dtype=cutlass.BFloat16), smem_layout(self.Y_BLOCKS * BC, K))
+        sY = cute.make_tensor(cute.recast_ptr(r_raw, dtype=cutlass.BFloat16), smem_tile_layout(self.Y_BLOCKS * BC, K))
         r_f32 = cute.recast_ptr(r_raw, dtype=cutlass.Float32)
         # fp32 score matrices in region R once the GEMMs are done with it: sA with an odd row stride (65: column
         # walks conflict-free); sL, which the solve reads along rows, with rows of 68 floats so that 4 of them are
@@ -191,7 +191,7 @@ class ChunkIntra:
         #      diagonal block x exp2(G_i - G_{n+lo}) with rows < lo zero) is built 16 channels at a time right
         #      before the MMAs that read it, so at most 32 accumulator registers and two A slices are held (a
         #      whole 16 x 128 A of both sides would take 64 registers and cap the CTA at 8 warps per SM).
-        mma = make_tiled_mma(1)
+        mma = tiled_mma(1)
         thr = mma.get_slice(lane)
         rA = cute.make_rmem_tensor(thr.partition_shape_A((BC, K)), cutlass.BFloat16)
         rAd = cute.make_rmem_tensor(thr.partition_shape_A((BC, K)), cutlass.BFloat16)
@@ -323,8 +323,8 @@ class ChunkIntra:
             cute.arch.sync_threads()
 
         # ---- stores: bf16 tiles staged where q was, zeros above the diagonal, then 16-byte rows < n
-        sAqk_o = cute.make_tensor(sQ.iterator, smem_layout(BT, BT))
-        sAkk_o = cute.make_tensor(sQ.iterator + BT * BT, smem_layout(BT, BT))
+        sAqk_o = cute.make_tensor(sQ.iterator, smem_tile_layout(BT, BT))
+        sAkk_o = cute.make_tensor(sQ.iterator + BT * BT, smem_tile_layout(BT, BT))
         for m in cutlass.range_constexpr(BT * BT // self.threads):
             e = tidx + self.threads * m
             ei = e // BT

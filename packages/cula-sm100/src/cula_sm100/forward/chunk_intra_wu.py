@@ -46,9 +46,10 @@ import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
 from cula_sm100.forward.chunk_intra import ChunkIntra
-from cula_sm100.forward.cute_utils import (LOG2E, chunk_block, copy_rows_g2s, g2s_tiled_copy, gemm_kb, head_rows,
-                                          ldmatrix_copy_B, load_beta, make_tiled_mma, smem_layout, store_acc_s,
-                                          store_rows_s2g, token_layout, transposed, vec_copy)
+from cula_core.cute_kernels.copies import copy_rows_g2s, g2s_tiled_copy, head_rows, store_rows_s2g, vec_copy
+from cula_core.cute_kernels.warp_mma import (gemm, ldmatrix_copy_B, smem_tile_layout, store_acc_smem, tiled_mma,
+                                             transposed)
+from cula_sm100.forward.cute_utils import chunk_block, load_beta, LOG2E, token_layout
 
 
 class ChunkIntraWU(ChunkIntra):
@@ -108,8 +109,8 @@ class ChunkIntraWU(ChunkIntra):
         hq = hv // group
 
         smem = cutlass.utils.SmemAllocator()  # 107.25 KiB
-        sQ = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 1024)
-        sK = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 1024)
+        sQ = smem.allocate_tensor(cutlass.BFloat16, smem_tile_layout(BT, K), 1024)
+        sK = smem.allocate_tensor(cutlass.BFloat16, smem_tile_layout(BT, K), 1024)
         # G rows padded by 8 floats (conflict-free A-fragment reads, as chunk_intra); 1024-aligned because u is
         # staged here (a swizzled bf16 tile) at the end
         sG = smem.allocate_tensor(cutlass.Float32, cute.make_layout((BT, K), stride=(self.G_STRIDE, 1)), 1024)
@@ -170,13 +171,13 @@ class ChunkIntraWU(ChunkIntra):
         w = wid // 2
         s = wid % 2
         r0 = w * BC
-        sY = cute.make_tensor(cute.recast_ptr(r_raw, dtype=cutlass.BFloat16), smem_layout(self.Y_BLOCKS * BC, K))
+        sY = cute.make_tensor(cute.recast_ptr(r_raw, dtype=cutlass.BFloat16), smem_tile_layout(self.Y_BLOCKS * BC, K))
         r_bf16 = cute.recast_ptr(r_raw, dtype=cutlass.BFloat16)
         r_f32 = cute.recast_ptr(r_raw, dtype=cutlass.Float32)
         # fused: R after the score GEMMs = bk | L | Aqk (bf16)
-        sBk = cute.make_tensor(r_bf16, smem_layout(BT, K))
+        sBk = cute.make_tensor(r_bf16, smem_tile_layout(BT, K))
         sL = cute.make_tensor(r_f32 + self.BK_BYTES // 4, cute.make_layout((BT, BT), stride=(self.L_STRIDE, 1)))
-        sAqk = cute.make_tensor(r_bf16 + (self.BK_BYTES + self.L_BYTES) // 2, smem_layout(BT, BT))
+        sAqk = cute.make_tensor(r_bf16 + (self.BK_BYTES + self.L_BYTES) // 2, smem_tile_layout(BT, BT))
         sD = cute.make_tensor(sG.iterator, cute.make_layout((4, BC, BC), stride=(BC * self.D_STRIDE, self.D_STRIDE, 1)))
         sTmp = cute.make_tensor(sG.iterator + 4 * BC * self.D_STRIDE,
                                 cute.make_layout((BC, 3 * BC), stride=(self.TMP_STRIDE, 1)))
@@ -226,7 +227,7 @@ class ChunkIntraWU(ChunkIntra):
         cute.arch.sync_threads()
 
         # ---- scores by warp-level MMA (chunk_intra's loop)
-        mma = make_tiled_mma(1)
+        mma = tiled_mma(1)
         thr = mma.get_slice(lane)
         rA = cute.make_rmem_tensor(thr.partition_shape_A((BC, K)), cutlass.BFloat16)
         rAd = cute.make_rmem_tensor(thr.partition_shape_A((BC, K)), cutlass.BFloat16)
@@ -287,7 +288,7 @@ class ChunkIntraWU(ChunkIntra):
         self.solve(sL, sD, sTmp, tidx, lane, w, s, r0)
 
         # ---- stagings: Akk bf16 where q was (zeros above the diagonal), Aqk's upper triangle zeroed; beta v
-        sAkk = cute.make_tensor(sQ.iterator, smem_layout(BT, BT))
+        sAkk = cute.make_tensor(sQ.iterator, smem_tile_layout(BT, BT))
         for m in cutlass.range_constexpr(BT * BT // self.threads):
             e = tidx + self.threads * m
             ei = e // BT
@@ -311,8 +312,8 @@ class ChunkIntraWU(ChunkIntra):
         store_rows_s2g(sAkk, head_rows(mAkk, t0, hv, BT), n, tidx, self.threads)
         # ---- w (warps 0-3) and u (warps 4-7): Akk (bf16) @ right operand, staged for 16-byte stores: w where L
         #      was, u where G was (both free after the stagings above)
-        sWo = cute.make_tensor(r_bf16 + self.BK_BYTES // 2, smem_layout(BT, K))
-        sUo = cute.make_tensor(cute.recast_ptr(sG.iterator, dtype=cutlass.BFloat16), smem_layout(BT, K))
+        sWo = cute.make_tensor(r_bf16 + self.BK_BYTES // 2, smem_tile_layout(BT, K))
+        sUo = cute.make_tensor(cute.recast_ptr(sG.iterator, dtype=cutlass.BFloat16), smem_tile_layout(BT, K))
         grp = wid // 4
         sRhs = sBk
         sOut = sWo
@@ -389,13 +390,13 @@ class ChunkIntraWU(ChunkIntra):
         order."""
         BT, K = self.BT, self.K
         half = K // 2
-        mma = make_tiled_mma(4)
+        mma = tiled_mma(4)
         acc = cute.make_rmem_tensor(mma.get_slice(t128).partition_shape_C((BT, half)), cutlass.Float32)
         rhs_t = transposed(sRhs, BT, K)  # (K channels, BT tokens)
         for hh in cutlass.range_constexpr(2):
             acc.fill(0.0)
-            gemm_kb(mma, acc, sA, cute.local_tile(rhs_t, (half, BT), (hh, 0)), t128, False, True)
-            store_acc_s(mma, acc, cute.local_tile(sOut, (BT, half), (0, hh)), t128)
+            gemm(mma, acc, sA, cute.local_tile(rhs_t, (half, BT), (hh, 0)), t128, False, True, unroll_k=False)
+            store_acc_smem(mma, acc, cute.local_tile(sOut, (BT, half), (0, hh)), t128)
 
     @cute.jit
     def diag_fp32(self, sQ, sK, sG, sAqk, sL, sBeta, lane, r0, s, mild, scale):

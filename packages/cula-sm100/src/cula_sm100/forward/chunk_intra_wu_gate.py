@@ -58,8 +58,8 @@ import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
 from cula_sm100.forward.chunk_intra_wu import ChunkIntraWU
-from cula_sm100.forward.cute_utils import (copy_rows_g2s, g2s_tiled_copy, head_rows, scale_by_exp, store_rows_s2g,
-                                          token_layout, vec_copy)
+from cula_core.cute_kernels.copies import copy_rows_g2s, g2s_tiled_copy, head_rows, store_rows_s2g, vec_copy
+from cula_sm100.forward.cute_utils import scale_by_exp, token_layout
 from cula_sm100.forward.gate_cumsum import GateCumsum
 
 

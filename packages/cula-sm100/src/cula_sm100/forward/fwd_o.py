@@ -24,9 +24,9 @@ import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
-from cula_sm100.forward.cute_utils import (chunk_block, copy_rows_g2s, g2s_tiled_copy, gemm_ss, head_rows,
-                                          make_tiled_mma, scale_by_exp, smem_layout, store_acc_s, store_rows_s2g,
-                                          token_layout, transposed, vec_copy)
+from cula_core.cute_kernels.copies import copy_rows_g2s, g2s_tiled_copy, head_rows, store_rows_s2g, vec_copy
+from cula_core.cute_kernels.warp_mma import gemm, smem_tile_layout, store_acc_smem, tiled_mma, transposed
+from cula_sm100.forward.cute_utils import chunk_block, scale_by_exp, token_layout
 
 
 class FwdO:
@@ -75,10 +75,10 @@ class FwdO:
         hq = hv if self.qg_in else hv // group  # qg_in: qg is in HV space
 
         smem = cutlass.utils.SmemAllocator()
-        sQ = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 128)
-        sH = smem.allocate_tensor(cutlass.BFloat16, smem_layout(K, V), 128)
-        sA = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, BT), 128)
-        sVn = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, V), 128)
+        sQ = smem.allocate_tensor(cutlass.BFloat16, smem_tile_layout(BT, K), 128)
+        sH = smem.allocate_tensor(cutlass.BFloat16, smem_tile_layout(K, V), 128)
+        sA = smem.allocate_tensor(cutlass.BFloat16, smem_tile_layout(BT, BT), 128)
+        sVn = smem.allocate_tensor(cutlass.BFloat16, smem_tile_layout(BT, V), 128)
 
         cp = g2s_tiled_copy(K, self.threads)
         copy_rows_g2s(cp, head_rows(mQ, t0, hq, BT), sQ, n, tidx)
@@ -125,16 +125,16 @@ class FwdO:
                         tidx, hv, t0, n, scale: cutlass.Float32):
         """o = scale qg @ h + Aqk @ v_new from the shared tiles (qg in sQ), staged in sQ, rows < n stored."""
         K, V, BT = self.K, self.V, self.BT
-        mma = make_tiled_mma(4)
+        mma = tiled_mma(4)
         thr = mma.get_slice(tidx)
         acc = cute.make_rmem_tensor(thr.partition_shape_C((BT, V)), cutlass.Float32)
         acc.fill(0.0)
-        gemm_ss(mma, acc, sQ, transposed(sH, K, V), tidx, False, True)
+        gemm(mma, acc, sQ, transposed(sH, K, V), tidx, False, True)
         for i in cutlass.range_constexpr(cute.size(acc)):
             acc[i] = acc[i] * scale
-        gemm_ss(mma, acc, sA, transposed(sVn, BT, V), tidx, False, True)
+        gemm(mma, acc, sA, transposed(sVn, BT, V), tidx, False, True)
         # o staged in q's tile (free once every warp is past the first GEMM), then 16-byte rows out
         cute.arch.sync_threads()
-        store_acc_s(mma, acc, sQ, tidx)
+        store_acc_smem(mma, acc, sQ, tidx)
         cute.arch.sync_threads()
         store_rows_s2g(sQ, head_rows(mO, t0, hv, BT), n, tidx, self.threads)

@@ -186,11 +186,15 @@ def _build_fwd_o(config):
     return FwdO(qg_in), runtime.fake_args(FWD_O_DTYPES, 1, 1, 1, 1, 1.0)
 
 
+# the helper modules of every sm100 kernel (forward and backward), with the L2-norm epsilon they read from core
+SHARED_SOURCES = ("cula_core.cute_kernels.copies", "cula_core.cute_kernels.warp_mma", "cula_sm100.forward.cute_utils",
+                  "cula_core.reference.gates")
+
+
 def _sources(*modules: str) -> tuple[str, ...]:
-    """A forward kernel's source modules: its own (and the kernels it builds on), the shared helpers (with the
-    L2-norm epsilon they read from core) and this module (its build)."""
-    return (*(f"cula_sm100.forward.{m}" for m in modules), "cula_sm100.forward.cute_utils", "cula_core.reference.gates",
-            "cula_sm100.forward.launch")
+    """A forward kernel's source modules: its own (and the kernels it builds on), the shared helpers and this module
+    (its build)."""
+    return (*(f"cula_sm100.forward.{m}" for m in modules), *SHARED_SOURCES, "cula_sm100.forward.launch")
 
 
 for _name, _build, _modules in (

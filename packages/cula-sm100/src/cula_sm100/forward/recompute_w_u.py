@@ -16,9 +16,9 @@ import cutlass
 import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
-from cula_sm100.forward.cute_utils import (chunk_block, copy_rows_g2s, g2s_tiled_copy, gemm_ss, head_rows,
-                                          load_beta, make_tiled_mma, smem_layout, store_acc_s, store_rows_s2g,
-                                          token_layout, transposed, vec_copy)
+from cula_core.cute_kernels.copies import copy_rows_g2s, g2s_tiled_copy, head_rows, store_rows_s2g, vec_copy
+from cula_core.cute_kernels.warp_mma import gemm, smem_tile_layout, store_acc_smem, tiled_mma, transposed
+from cula_sm100.forward.cute_utils import chunk_block, load_beta, token_layout
 
 
 class RecomputeWU:
@@ -58,9 +58,9 @@ class RecomputeWU:
         hq = hv // group
 
         smem = cutlass.utils.SmemAllocator()
-        sA = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, BT), 128)
-        sK = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, K), 128)
-        sV = smem.allocate_tensor(cutlass.BFloat16, smem_layout(BT, V), 128)
+        sA = smem.allocate_tensor(cutlass.BFloat16, smem_tile_layout(BT, BT), 128)
+        sK = smem.allocate_tensor(cutlass.BFloat16, smem_tile_layout(BT, K), 128)
+        sV = smem.allocate_tensor(cutlass.BFloat16, smem_tile_layout(BT, V), 128)
         sBeta = smem.allocate_tensor(cutlass.Float32, cute.make_layout((BT,)), 16)
 
         copy_rows_g2s(g2s_tiled_copy(BT, self.threads), head_rows(mAkk, t0, hv, BT), sA, n, tidx)
@@ -133,16 +133,16 @@ def wu_gemms(sA: cute.Tensor, sK: cute.Tensor, sV: cute.Tensor, mW: cute.Tensor,
     4 warps along the rows. Each result is staged in the shared tile its GEMM no longer needs (w in sK, u in
     sV) and leaves in 16-byte rows < n. Call after a barrier that makes sA, sK, sV visible."""
     BT, K = 64, 128
-    mma = make_tiled_mma(4)
+    mma = tiled_mma(4)
     acc = cute.make_rmem_tensor(mma.get_slice(tidx).partition_shape_C((BT, K)), cutlass.Float32)
     acc.fill(0.0)
-    gemm_ss(mma, acc, sA, transposed(sK, BT, K), tidx, False, True)
+    gemm(mma, acc, sA, transposed(sK, BT, K), tidx, False, True)
     cute.arch.sync_threads()  # every warp is done reading sK
-    store_acc_s(mma, acc, sK, tidx)
+    store_acc_smem(mma, acc, sK, tidx)
     acc.fill(0.0)
-    gemm_ss(mma, acc, sA, transposed(sV, BT, K), tidx, False, True)
+    gemm(mma, acc, sA, transposed(sV, BT, K), tidx, False, True)
     cute.arch.sync_threads()  # w staged; every warp is done reading sV
     store_rows_s2g(sK, head_rows(mW, t0, hv, BT), n, tidx, threads)
-    store_acc_s(mma, acc, sV, tidx)
+    store_acc_smem(mma, acc, sV, tidx)
     cute.arch.sync_threads()
     store_rows_s2g(sV, head_rows(mU, t0, hv, BT), n, tidx, threads)

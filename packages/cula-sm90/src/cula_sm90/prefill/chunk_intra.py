@@ -34,7 +34,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, const_expr
 
-from cula_sm90.prefill import common, tc
+from cula_core.cute_kernels.warp_mma import gemm, smem_tile_layout, tiled_mma, transposed
+from cula_sm90.prefill import common
 
 BT = 64
 DK = 128
@@ -69,9 +70,9 @@ class ChunkIntraKernel(common.Stage1Launch):
         sX = smem.allocate_tensor(Float32, cute.make_layout((5 * BC, DK), stride=(PAD, 1)), 16)
         sB = smem.allocate_tensor(Float32, cute.make_layout(BT), 16)
         # Akk = (I + L)^-1 split hi + lo (bf16) and the right-hand sides of w and u (bf16), for the GEMMs
-        sAkh = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BT), 128)
-        sAkl = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BT), 128)
-        sR2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK, 2), 128)
+        sAkh = smem.allocate_tensor(BFloat16, smem_tile_layout(BT, BT), 128)
+        sAkl = smem.allocate_tensor(BFloat16, smem_tile_layout(BT, BT), 128)
+        sR2 = smem.allocate_tensor(BFloat16, smem_tile_layout(BT, DK, 2), 128)
 
         _, t0, L, valid = common.find_chunk(cu, co, chunk, N, search_steps)
         if valid:
@@ -280,12 +281,12 @@ class ChunkIntraKernel(common.Stage1Launch):
         wg = tid // 128
         t = tid % 128
         sR = sR2[None, None, wg]
-        mma = tc.tiled_mma_m(4)
+        mma = tiled_mma(4)
         thr = mma.get_slice(t)
         acc = cute.make_rmem_tensor(thr.partition_shape_C((BT, DK)), Float32)
         acc.fill(0.0)
-        tc.gemm(mma, acc, sAkh, tc.t_view(sR, BT, DK), t, False, True)
-        tc.gemm(mma, acc, sAkl, tc.t_view(sR, BT, DK), t, False, True)
+        gemm(mma, acc, sAkh, transposed(sR, BT, DK), t, False, True)
+        gemm(mma, acc, sAkl, transposed(sR, BT, DK), t, False, True)
         cute.arch.sync_threads()  # both groups are done reading their right-hand sides
         pR = thr.partition_C(sR)
         for e in cutlass.range_constexpr(cute.size(acc)):

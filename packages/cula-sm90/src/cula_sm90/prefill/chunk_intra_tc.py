@@ -40,9 +40,10 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, const_expr
-from cutlass.cute.nvgpu import CopyUniversalOp
 
-from cula_sm90.prefill import common, tc
+from cula_core.cute_kernels.copies import copy_rows_g2s, g2s_tiled_copy, head_rows, vec_copy
+from cula_core.cute_kernels.warp_mma import gemm, smem_tile_layout, tiled_mma, transposed
+from cula_sm90.prefill import common
 
 BT = 64
 DK = 128
@@ -51,15 +52,6 @@ LPAD = BT + 1  # fp32 row stride of L: the inverse reads one L element per row a
 THREADS = 256
 SCAN_ROWS = BT // (THREADS // DK)  # rows of G's column each scanning thread sums
 INV_ROWS = BC // 4  # rows of an off-diagonal inverse block per thread (2 warps x 2 half-warps per block)
-
-
-def vec_copy(dtype, threads: int, cols: int):
-    """Register <-> memory copies of a row-major (rows, cols) tile in 8-element vectors (16 bytes of bf16, two
-    16-byte accesses of fp32): cols / 8 threads per row, element e of a thread's fragment at column c0 + e."""
-    per_row = cols // 8
-    atom = cute.make_copy_atom(CopyUniversalOp(), dtype, num_bits_per_copy=128)
-    return cute.make_tiled_copy_tv(atom, cute.make_layout((threads // per_row, per_row), stride=(per_row, 1)),
-                                   cute.make_layout((1, 8), stride=(8, 1)))
 
 
 class ChunkIntraTCKernel(common.Stage1Launch):
@@ -81,29 +73,29 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         hv = h * G + (chunk_j - chunk * G)
 
         smem = cutlass.memory.SmemAllocator()
-        sQ = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK), 128)
-        sK = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK), 128)
+        sQ = smem.allocate_tensor(BFloat16, smem_tile_layout(BT, DK), 128)
+        sK = smem.allocate_tensor(BFloat16, smem_tile_layout(BT, DK), 128)
         sG = smem.allocate_tensor(Float32, cute.make_layout((BT, DK), stride=(DK, 1)), 128)
         # the 24 KiB region R, in turn: g (bf16); the score operands (96 rows: q_r, k_r, then the column operand);
         # v (first 16 KiB, cp.async during the inverse) and Akk diag(beta) (bf16, last 8 KiB)
         r_raw = smem.allocate(6 * BC * DK * 2, 128)
         r_bf = cute.recast_ptr(r_raw, dtype=BFloat16)
-        sOp = cute.make_tensor(r_bf, tc.bf16_tile(6 * BC, DK))
-        sV = cute.make_tensor(r_bf, tc.bf16_tile(BT, DK))
-        sAk = cute.make_tensor(r_bf + BT * DK, tc.bf16_tile(BT, BT))
+        sOp = cute.make_tensor(r_bf, smem_tile_layout(6 * BC, DK))
+        sV = cute.make_tensor(r_bf, smem_tile_layout(BT, DK))
+        sAk = cute.make_tensor(r_bf + BT * DK, smem_tile_layout(BT, BT))
         # the L region: L (fp32), the inverse X in place, then k e^G (bf16)
         l_raw = smem.allocate(BT * LPAD * 4, 128)
         sL = cute.make_tensor(cute.recast_ptr(l_raw, dtype=Float32), cute.make_layout((BT, BT), stride=(LPAD, 1)))
-        sKe = cute.make_tensor(cute.recast_ptr(l_raw, dtype=BFloat16), tc.bf16_tile(BT, DK))
+        sKe = cute.make_tensor(cute.recast_ptr(l_raw, dtype=BFloat16), smem_tile_layout(BT, DK))
         sB = smem.allocate_tensor(Float32, cute.make_layout(BT), 16)
 
         _, t0, L, valid = common.find_chunk(cu, co, chunk, N, search_steps)
         if valid:
-            cp = tc.g2s_copy(DK, self.threads)
-            tc.copy_rows(cp, tc.rows_at(q, t0, h, 0, BT, DK), sQ, L, tid)
-            tc.copy_rows(cp, tc.rows_at(k, t0, h, 0, BT, DK), sK, L, tid)
+            cp = g2s_tiled_copy(DK, self.threads)
+            copy_rows_g2s(cp, head_rows(q, t0, h, BT), sQ, L, tid)
+            copy_rows_g2s(cp, head_rows(k, t0, h, BT), sK, L, tid)
             if const_expr(self.g_smem):  # g in the same round trip
-                tc.copy_rows(cp, tc.rows_at(g, t0, hv, 0, BT, DK), sV, L, tid)
+                copy_rows_g2s(cp, head_rows(g, t0, hv, BT), sV, L, tid)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
@@ -116,7 +108,7 @@ class ChunkIntraTCKernel(common.Stage1Launch):
     @cute.jit
     def l2norm_rows(self, s: cute.Tensor, tid):
         """x / sqrt(sum x^2 + 1e-6) per row, in place (bf16, as FLA's l2norm output); 16 threads per row."""
-        vc = vec_copy(BFloat16, self.threads, DK)
+        vc = vec_copy(DK, self.threads)
         thr = vc.get_slice(tid)
         ps = thr.partition_S(s)
         pd = thr.partition_D(s)
@@ -187,8 +179,8 @@ class ChunkIntraTCKernel(common.Stage1Launch):
 
         # ---- scores, one 16-row block p at a time: operands built by all threads; then warp (which, c), c = warp
         # % 4, which = warp // 4, computes column block c <= p of Aqk (which 0) or of L (which 1)
-        vb = vec_copy(BFloat16, self.threads, DK)
-        vf = vec_copy(Float32, self.threads, DK)
+        vb = vec_copy(DK, self.threads)
+        vf = vec_copy(DK, self.threads, Float32)
         tb = vb.get_slice(tid)
         tf = vf.get_slice(tid)
         pQ = tb.partition_S(sQ)
@@ -201,7 +193,7 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         fo = cute.make_fragment_like(pQ[None, 0, None])
         fg = cute.make_fragment_like(pG[None, 0, None])
         gr = cute.make_rmem_tensor(cute.make_layout(8), Float32)
-        mma1 = tc.tiled_mma_m(1)
+        mma1 = tiled_mma(1)
         thr1 = mma1.get_slice(lane)
         cC = thr1.partition_C(cute.make_identity_tensor((BC, BC)))
         which = warp // 4
@@ -233,7 +225,7 @@ class ChunkIntraTCKernel(common.Stage1Launch):
             acc_s = cute.make_rmem_tensor(thr1.partition_shape_C((BC, BC)), Float32)
             acc_s.fill(0.0)
             if cb <= p:
-                tc.gemm(mma1, acc_s, cute.local_tile(sOp, (BC, DK), (which, 0)),
+                gemm(mma1, acc_s, cute.local_tile(sOp, (BC, DK), (which, 0)),
                         cute.local_tile(sOp, (BC, DK), (2 + cb, 0)), lane, False, False)
             if which == 0:
                 for e in cutlass.range_constexpr(cute.size(acc_s)):
@@ -257,7 +249,7 @@ class ChunkIntraTCKernel(common.Stage1Launch):
             cute.arch.sync_threads()  # the operands are read: the next block may overwrite them
 
         # ---- v in flight (cp.async into R: the operands are dead) while the inverse runs
-        tc.copy_rows(tc.g2s_copy(DK, self.threads), tc.rows_at(v, t0, hv, 0, BT, DK), sV, L, tid)
+        copy_rows_g2s(g2s_tiled_copy(DK, self.threads), head_rows(v, t0, hv, BT), sV, L, tid)
         cute.arch.cp_async_commit_group()
         self.inverse(sL, warp, lane)
 
@@ -270,8 +262,8 @@ class ChunkIntraTCKernel(common.Stage1Launch):
 
         # ---- qg, kg out; k e^G (the right-hand side of w) into the L region; gl out
         pKe = tb.partition_D(sKe)
-        gq = tb.partition_D(tc.rows_at(qg, t0, hv, 0, BT, DK))
-        gk = tb.partition_D(tc.rows_at(kg, t0, hv, 0, BT, DK))
+        gq = tb.partition_D(head_rows(qg, t0, hv, BT))
+        gk = tb.partition_D(head_rows(kg, t0, hv, BT))
         glast = cute.make_rmem_tensor(cute.make_layout(8), Float32)
         for e in cutlass.range_constexpr(8):
             glast[e] = sG[BT - 1, c0 + e]  # rows past a partial chunk's end add nothing to G
@@ -299,11 +291,11 @@ class ChunkIntraTCKernel(common.Stage1Launch):
 
         # ---- w = Akk diag(beta) @ (k e^G), u = Akk diag(beta) @ v (8 warps: 4 along M x 2 along N), one
         # accumulator in turn, staged as bf16 in G's space (G is dead), then out in 16-byte vectors
-        mma8 = tc.tiled_mma_mn(4, 2)
+        mma8 = tiled_mma(4, 2)
         thr8 = mma8.get_slice(tid)
         g_bf = cute.recast_ptr(sG.iterator, dtype=BFloat16)
-        sWo = cute.make_tensor(g_bf, tc.bf16_tile(BT, DK))
-        sUo = cute.make_tensor(g_bf + BT * DK, tc.bf16_tile(BT, DK))
+        sWo = cute.make_tensor(g_bf, smem_tile_layout(BT, DK))
+        sUo = cute.make_tensor(g_bf + BT * DK, smem_tile_layout(BT, DK))
         acc_o = cute.make_rmem_tensor(thr8.partition_shape_C((BT, DK)), Float32)
         for out in cutlass.range_constexpr(2):
             rhs = sKe
@@ -312,15 +304,15 @@ class ChunkIntraTCKernel(common.Stage1Launch):
                 rhs = sV
                 dst = sUo
             acc_o.fill(0.0)
-            tc.gemm(mma8, acc_o, sAk, tc.t_view(rhs, BT, DK), tid, False, True)
+            gemm(mma8, acc_o, sAk, transposed(rhs, BT, DK), tid, False, True)
             pd = thr8.partition_C(dst)
             for e in cutlass.range_constexpr(cute.size(acc_o)):
                 pd[e] = acc_o[e].to(BFloat16)
         cute.arch.sync_threads()
         pw_s = tb.partition_S(sWo)
         pu_s = tb.partition_S(sUo)
-        gw = tb.partition_D(tc.rows_at(w, t0, hv, 0, BT, DK))
-        gu = tb.partition_D(tc.rows_at(u, t0, hv, 0, BT, DK))
+        gw = tb.partition_D(head_rows(w, t0, hv, BT))
+        gu = tb.partition_D(head_rows(u, t0, hv, BT))
         for m in cutlass.range_constexpr(cute.size(pQ.shape[1])):
             if cI[0, m, 0][0] < L:
                 cute.copy(vb, pw_s[None, m, None], fx)

@@ -10,7 +10,7 @@ bf16):
     h     = diag(exp(gl)) h + kg^T @ v_new
 
 Products: mma.sync m16n8k16, bf16 operands, fp32 accumulation. In the two products that feed the state (w @ h,
-kg^T @ v_new), h and v_new are fp32 values split as hi + lo bf16 pairs (tc.store_split, tc.gemm_split), so they
+kg^T @ v_new), h and v_new are fp32 values split as hi + lo bf16 pairs (store_split, gemm_split), so they
 keep ~16 bits: the state does not drift with its own bf16 rounding, and the CP path (stage 2 in affine mode, a
 scan, stage 2 again) matches the serial walk closely. The output products (qg @ h, Aqk @ v_new) take the hi
 halves only: o is bf16 and its rounding does not feed back.
@@ -31,7 +31,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, const_expr
 
-from cula_sm90.prefill import tc
+from cula_core.cute_kernels.copies import copy_rows_g2s, g2s_tiled_copy, head_rows
+from cula_core.cute_kernels.warp_mma import gemm, gemm_split, smem_tile_layout, store_split, tiled_mma, transposed
 
 BT = 64
 DK = 128
@@ -50,8 +51,8 @@ class ChunkStateTCKernel:
 
     def tiled_mma(self):
         if self.wn == 1:
-            return tc.tiled_mma_m(4)
-        return tc.tiled_mma_mn(4, self.wn)
+            return tiled_mma(4)
+        return tiled_mma(4, self.wn)
 
     @cute.jit
     def __call__(self, w_ptr: cute.Pointer, u_ptr: cute.Pointer, qg_ptr: cute.Pointer, kg_ptr: cute.Pointer,
@@ -85,18 +86,18 @@ class ChunkStateTCKernel:
 
         smem = cutlass.memory.SmemAllocator()
         # two stages of the per-chunk inputs: chunk ci + 1 loads while chunk ci is computed
-        sW2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK, 2), 128)
-        sKg2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK, 2), 128)
-        sU2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BV, 2), 128)
+        sW2 = smem.allocate_tensor(BFloat16, smem_tile_layout(BT, DK, 2), 128)
+        sKg2 = smem.allocate_tensor(BFloat16, smem_tile_layout(BT, DK, 2), 128)
+        sU2 = smem.allocate_tensor(BFloat16, smem_tile_layout(BT, BV, 2), 128)
         sQg2 = sW2
         sA2 = sU2
         if const_expr(not self.affine):
-            sQg2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, DK, 2), 128)
-            sA2 = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BT, 2), 128)
-        sHh = smem.allocate_tensor(BFloat16, tc.bf16_tile(DK, BV), 128)
-        sHl = smem.allocate_tensor(BFloat16, tc.bf16_tile(DK, BV), 128)
-        sVh = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BV), 128)
-        sVl = smem.allocate_tensor(BFloat16, tc.bf16_tile(BT, BV), 128)
+            sQg2 = smem.allocate_tensor(BFloat16, smem_tile_layout(BT, DK, 2), 128)
+            sA2 = smem.allocate_tensor(BFloat16, smem_tile_layout(BT, BT, 2), 128)
+        sHh = smem.allocate_tensor(BFloat16, smem_tile_layout(DK, BV), 128)
+        sHl = smem.allocate_tensor(BFloat16, smem_tile_layout(DK, BV), 128)
+        sVh = smem.allocate_tensor(BFloat16, smem_tile_layout(BT, BV), 128)
+        sVl = smem.allocate_tensor(BFloat16, smem_tile_layout(BT, BV), 128)
         sDecay = smem.allocate_tensor(Float32, cute.make_layout(DK), 16)
 
         start = seg[s, 0]
@@ -150,7 +151,7 @@ class ChunkStateTCKernel:
             cute.arch.cp_async_commit_group()  # (possibly empty) group: the counting stays uniform
             if tid < DK:
                 sDecay[tid] = cute.math.exp(gl[chunk0 + ci, hv, tid], fastmath=True)
-            tc.store_split(acc_h, pHh, pHl)
+            store_split(acc_h, pHh, pHl)
             cute.arch.cp_async_wait_group(1)  # chunk ci has landed; ci + 1 may still be in flight
             cute.arch.sync_threads()
             sW = sW2[None, None, st]
@@ -162,10 +163,10 @@ class ChunkStateTCKernel:
 
             # v_new = u - w @ h (split h: v_new feeds the state) and o = qg @ h
             acc_v.fill(0.0)
-            tc.gemm_split(mma, acc_v, sW, tc.t_view(sHh, DK, BV), tc.t_view(sHl, DK, BV), tid, False, True)
+            gemm_split(mma, acc_v, sW, transposed(sHh, DK, BV), transposed(sHl, DK, BV), tid, False, True)
             if const_expr(not self.affine):
                 acc_o.fill(0.0)
-                tc.gemm(mma, acc_o, sQg, tc.t_view(sHh, DK, BV), tid, False, True)
+                gemm(mma, acc_o, sQg, transposed(sHh, DK, BV), tid, False, True)
             for i in cutlass.range_constexpr(cute.size(acc_v)):
                 uval = Float32(0.0)
                 if const_expr(self.affine):
@@ -174,11 +175,11 @@ class ChunkStateTCKernel:
                 else:
                     uval = pU[i].to(Float32)
                 acc_v[i] = uval - acc_v[i]
-            tc.store_split(acc_v, pVh, pVl)  # rows past the end: u = w = 0 there, so v_new = 0
+            store_split(acc_v, pVh, pVl)  # rows past the end: u = w = 0 there, so v_new = 0
             cute.arch.sync_threads()
 
             if const_expr(not self.affine):
-                tc.gemm(mma, acc_o, sA, tc.t_view(sVh, BT, BV), tid, False, True)
+                gemm(mma, acc_o, sA, transposed(sVh, BT, BV), tid, False, True)
                 for i in cutlass.range_constexpr(cute.size(acc_o)):
                     r, c = at_v[i]
                     if r < n:
@@ -187,7 +188,7 @@ class ChunkStateTCKernel:
             for i in cutlass.range_constexpr(cute.size(acc_h)):
                 kr, _ = at_h[i]
                 acc_h[i] = acc_h[i] * sDecay[kr]
-            tc.gemm_split(mma, acc_h, tc.t_view(sKg, BT, DK), tc.t_view(sVh, BT, BV), tc.t_view(sVl, BT, BV), tid,
+            gemm_split(mma, acc_h, transposed(sKg, BT, DK), transposed(sVh, BT, BV), transposed(sVl, BT, BV), tid,
                           True, True)
             cute.arch.sync_threads()  # every reader of this chunk's tiles is done before the next copies
 
@@ -201,15 +202,15 @@ class ChunkStateTCKernel:
         """cp.async of one chunk's tiles into stage `st` (rows past `end` zero-filled, never read)."""
         n = cutlass.min(end - t0, BT)
         BV = self.bv
-        cp_k = tc.g2s_copy(DK, self.threads)
-        tc.copy_rows(cp_k, tc.rows_at(w, t0, hv, 0, BT, DK), sW2[None, None, st], n, tid)
-        tc.copy_rows(cp_k, tc.rows_at(kg, t0, hv, 0, BT, DK), sKg2[None, None, st], n, tid)
-        cp_u = tc.g2s_copy(BV, self.threads)
+        cp_k = g2s_tiled_copy(DK, self.threads)
+        copy_rows_g2s(cp_k, head_rows(w, t0, hv, BT), sW2[None, None, st], n, tid)
+        copy_rows_g2s(cp_k, head_rows(kg, t0, hv, BT), sKg2[None, None, st], n, tid)
+        cp_u = g2s_tiled_copy(BV, self.threads)
         if const_expr(not self.affine):
-            tc.copy_rows(cp_k, tc.rows_at(qg, t0, hv, 0, BT, DK), sQg2[None, None, st], n, tid)
-            tc.copy_rows(tc.g2s_copy(BT, self.threads), tc.rows_at(aqk, t0, hv, 0, BT, BT), sA2[None, None, st], n,
+            copy_rows_g2s(cp_k, head_rows(qg, t0, hv, BT), sQg2[None, None, st], n, tid)
+            copy_rows_g2s(g2s_tiled_copy(BT, self.threads), head_rows(aqk, t0, hv, BT), sA2[None, None, st], n,
                          tid)
-            tc.copy_rows(cp_u, tc.rows_at(u, t0, hv, col0, BT, BV), sU2[None, None, st], n, tid)
+            copy_rows_g2s(cp_u, head_rows(u, t0, hv, BT, col0, BV), sU2[None, None, st], n, tid)
         else:
             if not is_m:  # the M columns see u = 0 (values [0 | v] of the augmented state)
-                tc.copy_rows(cp_u, tc.rows_at(u, t0, hv, ucol0, BT, BV), sU2[None, None, st], n, tid)
+                copy_rows_g2s(cp_u, head_rows(u, t0, hv, BT, ucol0, BV), sU2[None, None, st], n, tid)
