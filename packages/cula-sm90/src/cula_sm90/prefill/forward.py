@@ -111,7 +111,8 @@ def _build_state(config: tuple):
         p(o_dtype, None), *(cutlass.Int32(1) for _ in range(6)), rt.fake_stream())
 
 
-_COMMON = ("cula_sm90.prefill.common", "cula_sm90.prefill.tc", "cula_sm90.prefill.forward")
+_COMMON = ("cula_sm90.prefill.common", "cula_core.cute_kernels.copies", "cula_core.cute_kernels.warp_mma",
+           "cula_sm90.prefill.forward")
 rt.register(rt.KernelDef(INTRA, "cula-sm90", "cula_sm90", "sm_90a", _build_intra,
                          ("cula_sm90.prefill.chunk_intra", "cula_sm90.prefill.chunk_intra_tc", *_COMMON)))
 rt.register(rt.KernelDef(STATE, "cula-sm90", "cula_sm90", "sm_90a", _build_state,
