@@ -20,6 +20,12 @@ L2NORM_EPS = 1e-6
 SOFTPLUS_THRESHOLD = 20.0
 
 
+def slot_in_use(slot, P, null_slot):
+    """Whether a pool slot is read or written: not negative, below the pool size P and not the engine's null slot
+    (null_slot is -1 when the engine has none)."""
+    return (slot >= 0) & (slot < P) & (slot != null_slot)
+
+
 def load_vec(ptr: cute.Pointer, offset: Int64, n: int):
     """n consecutive elements at ptr + offset, as fp32 scalars. One vector load when the offset keeps the
     pointer's alignment (the compiler tracks divisibility of the offset)."""

@@ -24,7 +24,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from cula_sm90.decode._dsl import load_state_piece, load_vec, state_piece_offset, store_state_piece
+from cula_sm90.decode._dsl import load_state_piece, load_vec, slot_in_use, state_piece_offset, store_state_piece
 
 
 class FlushKVBuffer:
@@ -88,7 +88,7 @@ class FlushKVBuffer:
         coef = smem.allocate_tensor(Float32, cute.make_layout((T + 1, K), stride=(K, 1)), byte_alignment=16)
         sc = coef.iterator
         # CTA-uniform: the whole CTA returns together (no barrier is skipped by part of it)
-        if (idx >= 0) & (idx < P) & (idx != null_slot) & (m > 0):
+        if slot_in_use(idx, P, null_slot) & (m > 0):
             sbase = state_piece_offset(Int64(idx) * HV + hv, row0, col0, K, V, self.v_first)
             S0 = load_state_piece(pool_l, sbase, RK, CW, K, V, self.v_first)
             tok0 = Int64(n) * T

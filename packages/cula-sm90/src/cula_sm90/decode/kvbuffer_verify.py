@@ -46,7 +46,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from cula_sm90.decode._dsl import (activate_beta, gate_from_raw, l2_normalize, load_state_row, load_vec, mma_tf32,
-                                   state_piece_offset, store_vec, store_zeros, tf32_split, xor_sum)
+                                   slot_in_use, state_piece_offset, store_vec, store_zeros, tf32_split, xor_sum)
 
 
 class ChunkVerify:
@@ -210,7 +210,7 @@ class ChunkVerify:
         col0 = vb * self.BV
         kbase = warp * self.KW
         idx = cute.make_tensor(cache_idx + Int64(n), cute.make_layout(1))[0]
-        live = (idx >= 0) & (idx < P) & (idx != null_slot)   # null_slot is -1 when the engine has none
+        live = slot_in_use(idx, P, null_slot)
         return tid, warp, lane, vb, hv, h, col0, kbase, idx, live, Int64(n) * self.T
 
     def _state_tc(self, pool, slot_head, col0, lane, kbase):

@@ -93,8 +93,10 @@ def _slot_indices(slots: torch.Tensor, P: int) -> torch.Tensor:
 def _accepted_counts(accepted: torch.Tensor | None, cols: int) -> torch.Tensor | None:
     """num_accepted_tokens as the kernel reads it (contiguous int32). int64 counts are clamped to [0, cols] first
     (the kernel clamps the read column to the table; a count beyond the int32 range must not wrap)."""
-    if accepted is None or accepted.dtype == torch.int32:
-        return None if accepted is None else accepted.contiguous()
+    if accepted is None:
+        return None
+    if accepted.dtype == torch.int32:
+        return accepted.contiguous()
     return accepted.clamp(0, cols).to(torch.int32)
 
 
@@ -132,14 +134,13 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seql
         P = initial_state.shape[0]
         mode = configs.fused_recurrent_pool_mode(ssm_state_indices.dim() == 2, num_accepted_tokens is not None,
                                                  q.shape[1])
-        if mode == configs.MODE_SLOTS:
-            o, _ = launch.run_recurrent(
-                mode, q, k, v, g, beta, initial_state, _slot_indices(ssm_state_indices, P), A_log, dt_bias,
-                num_accepted_tokens=_accepted_counts(num_accepted_tokens, ssm_state_indices.shape[1]), **flags)
-            return o.reshape(v_shape), None
-        slots = ssm_state_indices if ssm_state_indices.dim() == 1 else ssm_state_indices[:, 0]
+        if mode == configs.MODE_SLOTS:   # the whole slot table, and the accepted counts
+            slots, accepted = ssm_state_indices, _accepted_counts(num_accepted_tokens, ssm_state_indices.shape[1])
+        else:                             # one slot per sequence
+            slots = ssm_state_indices if ssm_state_indices.dim() == 1 else ssm_state_indices[:, 0]
+            accepted = None
         o, _ = launch.run_recurrent(mode, q, k, v, g, beta, initial_state, _slot_indices(slots, P), A_log, dt_bias,
-                                    **flags)
+                                    num_accepted_tokens=accepted, **flags)
         return o.reshape(v_shape), None
     if initial_state is None:
         K, V = q.shape[3], v.shape[3]

@@ -48,7 +48,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from cula_sm90.decode._dsl import (activate_beta, gate_from_raw, l2_normalize, load_state_piece, load_vec,
-                                   state_piece_offset, store_state_piece, store_vec, store_zeros, xor_sum)
+                                   slot_in_use, state_piece_offset, store_state_piece, store_vec, store_zeros,
+                                   xor_sum)
 
 from cula_sm90.decode.configs import MODE_FINAL, MODE_KVBUFFER, MODE_SLOTS, MODE_STATES
 
@@ -146,7 +147,7 @@ class RecurrentDecode:
             idx = cute.make_tensor(slot_row + Int64(read_col), cute.make_layout(1))[0]
         else:
             idx = cute.make_tensor(cache_idx + Int64(n), cute.make_layout(1))[0]
-        live = (idx >= 0) & (idx < P) & (idx != null_slot)   # null_slot is -1 when the engine has none
+        live = slot_in_use(idx, P, null_slot)
 
         smem = cutlass.memory.SmemAllocator()
         nslices = self.NW if cutlass.const_expr(self.warp_local) else 1
@@ -229,7 +230,7 @@ class RecurrentDecode:
                                       V, self.v_first)
                 if cutlass.const_expr(self.mode == MODE_SLOTS):
                     ws = wslot[t]
-                    if (ws >= 0) & (ws < P) & (ws != null_slot):
+                    if slot_in_use(ws, P, null_slot):
                         store_state_piece(pool, state_piece_offset(Int64(ws) * HV + hv, row0, col0, K, V,
                                                                    self.v_first), S, RK, CW, K, V, self.v_first)
                 if cutlass.const_expr(self.mode == MODE_KVBUFFER):
