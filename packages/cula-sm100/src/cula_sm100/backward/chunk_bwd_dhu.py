@@ -22,14 +22,14 @@ head) are adjacent CTAs, so the q, kg, w and G tiles they all read come from HBM
 
 Pipeline. Every input tile has one shared-memory buffer, refilled by cp.async with the previous chunk's tile (the
 next one the reverse walk needs, rows past the sequence end zero) as soon as this chunk's last reader of it is
-done, so each load has most of a chunk's work to land in. Per chunk, in order:
-  1. dh to shared memory as bf16 (the GEMM operand) and out in 16-byte rows;
-  2. wait for G and q (group 1): q e^G scale in place (thread = channel), dh decayed by e^G_last in registers;
-     then G is refilled (group 1 of the next chunk);
-  3. dh += (scale q e^G)^T do; wait for kg and dv (group 2): dv_tot = dv + kg @ dh in place of dv and out; then
+done, so each load has most of a chunk's work to land in. A chunk's tiles arrive in three cp.async groups,
+committed in this order: (1) G, (2) q, do, kg, (3) w, dv. Per chunk, in order:
+  1. dh to shared memory as bf16 (the GEMM operand); wait for groups 1 and 2; dh out in 16-byte rows;
+  2. q e^G scale in place (thread = channel), dh decayed by e^G_last in registers; then G is refilled (group 1 of
+     the next chunk);
+  3. dh += (scale q e^G)^T do and kg @ dh; wait for group 3; dv_tot = dv + kg @ dh in place of dv and out; then
      q, do and kg are refilled (group 2);
-  4. wait for w (group 3): dh -= w^T dv_tot (as -(-dh + w^T dv_tot): a sign flip is exact); then w and dv are
-     refilled (group 3).
+  4. dh -= w^T dv_tot (as -(-dh + w^T dv_tot): a sign flip is exact); then w and dv are refilled (group 3).
 Shared memory: q, kg, w bf16 [64, 128] (16 KiB each), G fp32 [64, 128] (32 KiB), do and dv bf16 [64, BV], dh bf16
 [128, BV]: 96 KiB at BV = 32, 112 KiB at 64, so two CTAs per SM either way.
 """
