@@ -41,7 +41,7 @@ import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 
 from cula_core.cute_kernels.copies import copy_rows_g2s, g2s_tiled_copy, head_rows, store_rows_s2g
-from cula_core.cute_kernels.warp_mma import gemm, smem_tile_layout, tiled_mma, transposed
+from cula_core.cute_kernels.warp_mma import gemm, smem_tile_layout, store_acc_smem, tiled_mma, transposed
 
 # tile sizes as module constants (and BV read from self): names bound inside the kernel's runtime loop would be
 # traced as dynamic
@@ -106,7 +106,6 @@ class ChunkBwdDhu:
         coord_h = thr.partition_C(cute.make_identity_tensor((_K, BV)))
         acc_v = cute.make_rmem_tensor(thr.partition_shape_C((_BT, BV)), f32)
         coord_v = thr.partition_C(cute.make_identity_tensor((_BT, BV)))
-        sDh_part = thr.partition_C(sDh)
         sDv_part = thr.partition_C(sDv)
 
         if cutlass.const_expr(self.has_dht):
@@ -141,8 +140,7 @@ class ChunkBwdDhu:
             more = ci > 0
             tp = t0 - _BT                      # the previous chunk, next in the reverse walk: always _BT rows
             # 1. dh (gradient of this chunk's end state) to shared memory as bf16, and out
-            for i in cutlass.range_constexpr(cute.size(acc_h)):
-                sDh_part[i] = acc_h[i].to(bf16)
+            store_acc_smem(mma, acc_h, sDh, tidx)
             cute.arch.cp_async_wait_group(1)   # G, q, do and kg landed (w and dv may still be in flight)
             cute.arch.sync_threads()
             store_rows_s2g(sDh, head_rows(mDh, ((first + ci) * HV + hv) * _K, 0, _K, v0, BV), _K, tidx, self.threads)
