@@ -4,6 +4,11 @@
     python -m tools.bench.train_bwd [--smoke | --quick] [--no-e2e | --no-kernels] [--varlen-only]
                                     [--out docs/benchmarks/train_bwd.md] [--json FILE]
                                     [--deadline-s 400] [--keep-autotune] [--save-autotune FILE.tar]
+    python -m tools.bench.train_bwd --cula-only     # cula against itself, no FLA: JSON lines on stdout
+
+`--cula-only`: for each CULA_ONLY_E2E shape, cula's backward stage times (`stage_times`) and its whole forward +
+backward (`e2e_fn`, CUDA events, median of 7 calls after 3); then chunk_bwd_dhu alone (do_bench) at both V slice
+widths on DHU_SHAPES (random inputs, no states). For comparing two trees of cula's kernels on one machine.
 
 The issue's grid. Kernel rows: H = 32 q/k heads, HV in (32, 64), B in (1, 2), T in (256 ... 8192), plus varlen
 (B = 1, 8192 tokens) with 10 and 20 sequences of uniform, random and skewed lengths. Whole forward + backward rows
@@ -247,6 +252,11 @@ def e2e_fn(impl, x):
 
 
 STAGES = ("recompute", "dav", "dhu", "chunk_wy_dqkg", "intra", "finish")
+# --cula-only: whole-op shapes (stage times and cula's forward + backward) and chunk_bwd_dhu kernel shapes (B, T, HV)
+CULA_ONLY_E2E = [dict(B=2, T=8192, HV=32), dict(B=2, T=8192, HV=64), dict(B=1, T=8192, HV=32),
+                 dict(B=2, T=4096, HV=32), dict(B=1, T=TOKENS, HV=32, varlen=("skewed", 20)),
+                 dict(B=1, T=TOKENS, HV=32, varlen=("random", 10))]
+DHU_SHAPES = [(2, 8192, 32), (2, 8192, 64), (1, 8192, 32), (1, 16384, 32)]
 
 
 def stage_times(shape, reps=3):
@@ -282,6 +292,41 @@ def stage_times(shape, reps=3):
     return {n: sorted(v)[len(v) // 2] for n, v in per.items()}
 
 
+def cula_only(timing) -> None:
+    """--cula-only (see the module docstring): one JSON line per row on stdout."""
+    from cula_sm100.backward import launch
+    from cula_sm100.forward import launch as fwd
+
+    for shape in CULA_ONLY_E2E:
+        stages = stage_times(shape, reps=7)
+        run = e2e_fn("cula", e2e_inputs(shape))
+        for _ in range(3):
+            run()
+        times = []
+        for _ in range(7):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            run()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        print(json.dumps(dict(shape=shape_label(shape), HV=shape["HV"], stages_ms={n: round(v, 3) for n, v in
+                                                                               stages.items()},
+                              cula_fwd_bwd_ms=round(sorted(times)[len(times) // 2], 3))), flush=True)
+    for B, T, HV in DHU_SHAPES:
+        TT = B * T
+        q = torch.randn(TT, H, K, device="cuda").bfloat16()
+        kg, w, do, dv = (torch.randn(TT, HV, K, device="cuda").bfloat16() for _ in range(4))
+        G = -0.1 * torch.rand(TT, HV, K, device="cuda")
+        ctab, stab = fwd.tables(B, T, None, None, "cuda")
+        ms = {}
+        for bv in (32, 64):
+            ms[bv] = round(measure(lambda bv=bv: launch.chunk_bwd_dhu(q, kg, w, G, do, dv, None, ctab, stab,
+                                                                      scale=K ** -0.5, want_dh0=False, bv=bv),
+                                   [()], timing).median_ms, 4)
+        print(json.dumps(dict(dhu=f"B={B} T={T} HV={HV}", ms_by_slice_width=ms)), flush=True)
+
+
 def shape_label(s):
     if "varlen" in s:
         kind, n = s["varlen"]
@@ -309,6 +354,9 @@ def main(argv=None) -> int:
                     help="keep the warm-up processes' autotune choices (Triton's cache holds an earlier run's)")
     ap.add_argument("--save-autotune", type=Path, help="tar of Triton's autotune results, written at the end")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="skip the rows left after this many seconds")
+    ap.add_argument("--cula-only", action="store_true",
+                    help="cula against itself, no FLA: stage times, whole forward + backward and chunk_bwd_dhu at "
+                         "both slice widths, as JSON lines (see the module docstring)")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     if not torch.cuda.is_available():
@@ -316,6 +364,9 @@ def main(argv=None) -> int:
         return 1
     os.environ["CULA_BACKEND"] = "sm100"
     timing = Timing(warmup=args.warmup, repeats=args.rep, method="auto")
+    if args.cula_only:
+        cula_only(timing)
+        return 0
     kshapes = [] if args.no_kernels else (SMOKE_KERNELS if args.smoke else QUICK_KERNELS if args.quick
                                            else KERNEL_SHAPES)
     eshapes = [] if args.no_e2e else (SMOKE_E2E if args.smoke else QUICK_E2E if args.quick else E2E_SHAPES)
