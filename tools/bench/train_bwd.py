@@ -299,20 +299,10 @@ def cula_only(timing) -> None:
 
     for shape in CULA_ONLY_E2E:
         stages = stage_times(shape, reps=7)
-        run = e2e_fn("cula", e2e_inputs(shape))
-        for _ in range(3):
-            run()
-        times = []
-        for _ in range(7):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            run()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        print(json.dumps(dict(shape=shape_label(shape), HV=shape["HV"], stages_ms={n: round(v, 3) for n, v in
-                                                                               stages.items()},
-                              cula_fwd_bwd_ms=round(sorted(times)[len(times) // 2], 3))), flush=True)
+        step = measure(e2e_fn("cula", e2e_inputs(shape)), [()], Timing(warmup=3, repeats=7, method="events"))
+        print(json.dumps(dict(shape=shape_label(shape), HV=shape["HV"],
+                              stages_ms={n: round(v, 3) for n, v in stages.items()},
+                              cula_fwd_bwd_ms=round(step.median_ms, 3))), flush=True)
     for B, T, HV in DHU_SHAPES:
         TT = B * T
         q = torch.randn(TT, H, K, device="cuda").bfloat16()
