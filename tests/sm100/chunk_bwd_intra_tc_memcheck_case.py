@@ -3,7 +3,7 @@
     compute-sanitizer --tool memcheck python tests/sm100/chunk_bwd_intra_tc_memcheck_case.py
 
 Chunk lengths of every residue mod 16 (the kernel's row blocks: 1 .. 15, 16, 17, 31, 33, 63, 64, 65 and
-130 = 64 + 64 + 2), n = 1, empty sequences, GVA 1 and 2, mild and extreme decay (the diagonal by levels), both
+130 = 64 + 64 + 2), n = 1, empty sequences, GVA 1 and 2, mild and extreme decay (the exact diagonal path), both
 launch bounds and both B-operand precisions. The output tensors are views of larger buffers whose tails must stay
 bitwise untouched (checked here too: a write past the last token fails even without the sanitizer).
 

@@ -18,18 +18,14 @@ For the blocks off the diagonal (j block < I; i block > I) both factors are <= 1
 g <= 0, as the forward assumes), so nothing overflows however strong the decay (an underflow to 0 only drops
 terms below 2^-126 of the scale). On the diagonal block the in-block factor is >= 1, bounded by 2^span, span =
 max over the warp's channels of G_r - G_r' (log2 units): when span < MILD_LOG2 ("mild") the diagonal block goes
-through the same MMA (dSq / dL are zero above the diagonal, so no masked term can be inf * 0). Otherwise
-("strong") that warp splits the block's strictly lower pairs (i, j) by level b, the highest bit in which the
-in-block indices differ: a level-b pair lies in one group of 2^(b+1) rows with j below the group's midpoint m
-and i at or above it, so E_ij = exp(G_i - G_m) exp(G_m - G_j) with both factors <= 1. Each level is one MMA per
-product with dSq / dL masked to the level's pairs, B rows scaled by exp(-|G_x - G_m(x)|) and the accumulator rows
-by the same factor of their row (4 levels; the diagonal pairs, E = 1, elementwise). Correct for any decay either
-way, at the same precision.
+through the same MMA (dSq / dL are zero above the diagonal, so no masked term can be inf * 0); otherwise that
+warp does the diagonal block exactly on CUDA cores (fp32 arithmetic, one exp per (pair, element), FLA's
+non-safe-gate diagonal loop) from the same bf16 dSq / dL tiles. Correct for any decay either way.
 
 Precision: mma.sync m16n8k16 with bf16 operands (dSq, dL rounded to bf16 as FLA does; the decayed q / k / beta k
-rounded to bf16) and fp32 accumulation; the output scalings and everything after the products in fp32. Relative
-error of a product term ~2^-9: the GPU test holds 1e-2 (dq, dk, dbeta) and 2e-2 (dG, whose chunk sums cancel)
-against the fp64 PyTorch stage, where the fp32 CUDA-core kernel holds 1e-4.
+rounded to bf16) and fp32 accumulation; the output scalings, the exact diagonal path and everything after the
+products in fp32. Relative error of a product term ~2^-9: the GPU test holds 1e-2 (dq, dk, dbeta) and 2e-2 (dG,
+whose chunk sums cancel) against the fp64 PyTorch stage, where the fp32 CUDA-core kernel holds 1e-4.
 
 Tiling: 8 warps; warp w owns channels 16 w .. 16 w + 15 of every row (the sums are per channel, so a warp builds
 its own decayed B operands: no sharing, no barrier between the warps inside a value head). Per row block I
@@ -70,6 +66,7 @@ from cula_core.cute_kernels.warp_mma import ldmatrix_copy_A, tiled_mma, transpos
 _BT, _K, _BC = 64, 128, 16
 _NB = _BT // _BC  # row blocks per chunk
 _LOG2E = math.log2(math.e)
+_NEG = -1.0e30  # exp2 of it is 0: the exponent of a pair outside the triangle in the exact path
 
 
 def _exp2(x):
@@ -156,7 +153,6 @@ class ChunkBwdIntraTC:
         thr = mma.get_slice(lane)
         coordC = thr.partition_C(cute.make_identity_tensor((_BC, _BC)))  # (row, channel) in the block
         coordB = thr.partition_B(cute.make_identity_tensor((_BC, _BC)))  # (channel, row) of a B k-block
-        coordA = thr.partition_A(cute.make_identity_tensor((_BC, _BC)))  # (row, column) of an A tile
         accQ = cute.make_rmem_tensor(thr.partition_shape_C((_BC, _BC)), f32)
         accR = cute.make_rmem_tensor(thr.partition_shape_C((_BC, _BC)), f32)
         accC = cute.make_rmem_tensor(thr.partition_shape_C((_BC, _BC)), f32)
@@ -218,9 +214,9 @@ class ChunkBwdIntraTC:
             for bb in cutlass.range_constexpr(_NB):
                 blk = _NB - 1 - bb
                 if blk * _BC < n:  # blocks wholly past the chunk end: nothing to add, nothing stored
-                    run = self.row_block(blk, n, d0, lane, wid, run, mma, coordA, coordC, coordB, accQ, accR,
-                                         accC, rA, rA2, rB, rB2, rBl, rB2l, sK, sQ, sG, sSq, sSl, sBeta, sPart, scr,
-                                         tDq, tDk, tDg)
+                    run = self.row_block(blk, n, d0, lane, wid, run, mma, coordC, coordB, accQ, accR, accC, rA,
+                                         rA2, rB, rB2, rBl, rB2l, sK, sQ, sG, sSq, sSl, sBeta, sPart, scr, tDq, tDk,
+                                         tDg)
             cute.arch.sync_threads()  # sPart complete
             if tidx < n:
                 tDb = head_rows(mDb, t0, hv, _BT)
@@ -230,8 +226,8 @@ class ChunkBwdIntraTC:
                 tDb[tidx, 0] = tDb[tidx, 0] + p
 
     @cute.jit
-    def row_block(self, blk: cutlass.Constexpr, n, d0, lane, wid, run, mma, coordA, coordC, coordB, accQ, accR,
-                  accC, rA, rA2, rB, rB2, rBl, rB2l, sK, sQ, sG, sSq, sSl, sBeta, sPart, scr, tDq, tDk, tDg):
+    def row_block(self, blk: cutlass.Constexpr, n, d0, lane, wid, run, mma, coordC, coordB, accQ, accR, accC, rA,
+                  rA2, rB, rB2, rBl, rB2l, sK, sQ, sG, sSq, sSl, sBeta, sPart, scr, tDq, tDk, tDg):
         """Row block blk of this warp's 16 channels: dq, R (row side) and C (column side) of rows 16 blk .. 16 blk + 15,
         added to dq, dk, dG (and dbeta's partials); returns the running suffix sum of dG (lanes 0..15)."""
         f32 = cutlass.Float32
@@ -279,8 +275,7 @@ class ChunkBwdIntraTC:
             accR[v] = accR[v] * eq
             accC[v] = accC[v] * _exp2(sG[r1, d0 + cc] - g)
         if strong:
-            self.leveled_diagonal(blk, d0, lane, mma, coordA, coordB, coordC, accQ, accR, accC, rA, rA2, rB, rB2,
-                                  rBl, rB2l, sK, sQ, sG, sSq, sSl, sBeta)
+            self.exact_diagonal(blk, d0, coordC, accQ, accR, accC, sK, sQ, sG, sSq, sSl, sBeta)
 
         # outputs: dq, dk read-added-written by the owning thread; dG's and dbeta's row terms to the scratch
         for v in cutlass.range_constexpr(cute.size(accQ)):
@@ -390,93 +385,25 @@ class ChunkBwdIntraTC:
             rlo[e] = (x - h.to(cutlass.Float32)).to(cutlass.BFloat16)
 
     @cute.jit
-    def leveled_diagonal(self, blk: cutlass.Constexpr, d0, lane, mma, coordA, coordB, coordC, accQ, accR, accC, rA,
-                         rA2, rB, rB2, rBl, rB2l, sK, sQ, sG, sSq, sSl, sBeta):
-        """The diagonal block's pairs under any decay, added to (dq, R) and C: the strictly lower pairs (i, j) by
-        level b = the highest bit where the in-block indices i and j differ (b = 3 .. 0), each level one masked
-        MMA per product through the midpoint m of the 2^(b+1)-row group holding both (j < m <= i), so both
-        factors exp2(G_i - G_m) and exp2(G_m - G_j) are <= 1; the diagonal pairs (E = 1) elementwise.
-
-        Per level, with x a row of the block and m(x) the midpoint of its group, every decay factor is
-        f(x) = exp2(-|G_x - G_m(x)|) <= 1 (G is non-increasing): the B operands are k f, q f, beta k f at every row
-        (the masked A leaves the wrong half out, and f is finite, so nothing is inf * 0) and the level's
-        accumulators are scaled by f of their row."""
+    def exact_diagonal(self, blk: cutlass.Constexpr, d0, coordC, accQ, accR, accC, sK, sQ, sG, sSq, sSl, sBeta):
+        """The diagonal block's pairs in fp32 with one exp2 per (pair, element) (the decay is too strong for the
+        factorisation): element (i, d) of the thread's fragments adds sum_{j <= i} (dSq_ij, dL_ij) k_j E_ij to
+        (dq, R) and sum_{i' >= i} (dSq_i'i q_i' + beta_i' dL_i'i k_i') E_i'i to C, j and i' in the block."""
         f32 = cutlass.Float32
         r0 = blk * _BC
-        tile = cute.local_tile(sSq, (_BC, _BC), (blk, blk))
-        tile_l = cute.local_tile(sSl, (_BC, _BC), (blk, blk))
-        tQ = cute.make_rmem_tensor(accQ.layout, f32)  # the level's dq, then its C
-        tR = cute.make_rmem_tensor(accQ.layout, f32)
-        fB = cute.make_rmem_tensor((cute.size(rB),), f32)
-        fC = cute.make_rmem_tensor((cute.size(accQ),), f32)
-        # a runtime loop over the levels: the masks and midpoints then depend on b (nothing lane-dependent hoisted
-        # out of the value-head loop into registers held across it)
-        for lv in cutlass.range(4, unroll=1):
-            b = 3 - lv
-            half = cutlass.Int32(1) << b
-            # the decay factors of the thread's B rows ((channel, row) pairs) and accumulator rows ((row, channel))
-            for e in cutlass.range_constexpr(cute.size(rB)):
-                cc, x = coordB[e]
-                m = ((x >> (b + 1)) << (b + 1)) + half
-                fB[e] = self.decay(sG[r0 + x, d0 + cc] - sG[r0 + m, d0 + cc])
+        for jj in cutlass.range(_BC, unroll=1):
+            j = r0 + jj
+            bj = sBeta[j]
             for v in cutlass.range_constexpr(cute.size(accQ)):
-                x, cc = coordC[v]
-                m = ((x >> (b + 1)) << (b + 1)) + half
-                fC[v] = self.decay(sG[r0 + x, d0 + cc] - sG[r0 + m, d0 + cc])
-            # row side: dq += f (dSq_b @ (k f)), R += f (dL_b @ (k f)); nonzero in the upper half's rows only
-            for e in cutlass.range_constexpr(cute.size(rB)):
-                cc, x = coordB[e]
-                self.split(sK[r0 + x, d0 + cc].to(f32) * fB[e], rB, rBl, e)
-            self.load_a(mma, lane, tile, False, rA)
-            self.load_a(mma, lane, tile_l, False, rA2)
-            self.mask_level(b, coordA, rA)
-            self.mask_level(b, coordA, rA2)
-            tQ.fill(0.0)
-            tR.fill(0.0)
-            cute.gemm(mma, tQ, rA, rB, tQ)
-            cute.gemm(mma, tR, rA2, rB, tR)
-            if cutlass.const_expr(self.split_b):
-                cute.gemm(mma, tQ, rA, rBl, tQ)
-                cute.gemm(mma, tR, rA2, rBl, tR)
-            for v in cutlass.range_constexpr(cute.size(accQ)):
-                accQ[v] = accQ[v] + tQ[v] * fC[v]
-                accR[v] = accR[v] + tR[v] * fC[v]
-            # column side: C += f (dSq_b^T @ (q f) + dL_b^T @ (beta k f)); nonzero in the lower half's rows only
-            for e in cutlass.range_constexpr(cute.size(rB)):
-                cc, x = coordB[e]
-                i = r0 + x
-                self.split(sQ[i, d0 + cc].to(f32) * fB[e], rB, rBl, e)
-                self.split((sBeta[i] * sK[i, d0 + cc].to(f32)) * fB[e], rB2, rB2l, e)
-            self.load_a(mma, lane, transposed(tile, _BC, _BC), True, rA)
-            self.load_a(mma, lane, transposed(tile_l, _BC, _BC), True, rA2)
-            self.mask_level(b, coordA, rA)
-            self.mask_level(b, coordA, rA2)
-            tQ.fill(0.0)
-            cute.gemm(mma, tQ, rA, rB, tQ)
-            cute.gemm(mma, tQ, rA2, rB2, tQ)
-            if cutlass.const_expr(self.split_b):
-                cute.gemm(mma, tQ, rA, rBl, tQ)
-                cute.gemm(mma, tQ, rA2, rB2l, tQ)
-            for v in cutlass.range_constexpr(cute.size(accQ)):
-                accC[v] = accC[v] + tQ[v] * fC[v]
-        # the diagonal pairs: dq_i += dSq_ii k_i, C_i += dSq_ii q_i (dL is strictly lower)
-        for v in cutlass.range_constexpr(cute.size(accQ)):
-            x, cc = coordC[v]
-            i = r0 + x
-            a = sSq[i, i].to(f32)
-            accQ[v] = accQ[v] + a * sK[i, d0 + cc].to(f32)
-            accC[v] = accC[v] + a * sQ[i, d0 + cc].to(f32)
-
-    @cute.jit
-    def decay(self, dG):
-        """exp2(-|dG|) (<= 1 whatever the sign: a decay between two rows of one chunk)."""
-        return _exp2(cute.arch.fmin(dG, -dG))
-
-    @cute.jit
-    def mask_level(self, b, coordA, rA):
-        """Zero the elements of the A fragment rA whose (row, column) in the block do not first differ in bit b
-        (whose pair is not of level b)."""
-        for e in cutlass.range_constexpr(cute.size(rA)):
-            i, j = coordA[e]
-            keep = ((i >> (b + 1)) == (j >> (b + 1))) & ((i >> b) != (j >> b))
-            rA[e] = cutlass.select_(keep, rA[e], cutlass.BFloat16(0.0))
+                rr, cc = coordC[v]
+                d = d0 + cc
+                gi = sG[r0 + rr, d]
+                gj = sG[j, d]
+                kj = sK[j, d].to(f32)
+                # pairs off the triangle get exponent -1e30 (exp2 -> 0): no inf * 0 whatever the decay's sign
+                er = _exp2(f32(cutlass.select_(jj <= rr, gi - gj, f32(_NEG))))
+                ec = _exp2(f32(cutlass.select_(jj >= rr, gj - gi, f32(_NEG))))
+                accQ[v] = accQ[v] + sSq[r0 + rr, j].to(f32) * kj * er
+                accR[v] = accR[v] + sSl[r0 + rr, j].to(f32) * kj * er
+                accC[v] = accC[v] + (sSq[j, r0 + rr].to(f32) * sQ[j, d].to(f32)
+                                     + bj * sSl[j, r0 + rr].to(f32) * kj) * ec

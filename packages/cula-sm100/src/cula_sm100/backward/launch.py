@@ -96,7 +96,7 @@ def intra_kernel() -> runtime.Kernel:
 
 
 # The intra-chunk backward runs on tensor cores (chunk_bwd_intra_tc.py: mma.sync through 16-row reference blocks,
-# the diagonal by levels of masked MMAs under strong decay) in this (launch bound: CTAs per SM, B operand split into bf16 pairs)
+# exact CUDA-core diagonal under strong decay) in this (launch bound: CTAs per SM, B operand split into bf16 pairs)
 # configuration, the fastest measured (docs/benchmarks/bwd_intra.md). The CUDA-core kernel chunk_bwd_intra.py is
 # the fp32 oracle of its tests and benchmark, reached only through chunk_bwd_intra(tc=False).
 INTRA_TC_CONFIG = (1, True)
