@@ -86,14 +86,15 @@ class ChunkBwdIntraTC:
 
     def __init__(self, min_ctas: int = 1, split_b: bool = True):
         # CTAs per SM the launch asks for: 2 caps registers at 128 (sm_90a: 168 bytes of spills; 16 warps per SM),
-        # 1 lets ptxas take 255 (no spills; 8 warps per SM). The benchmark times both (tools/bench/bwd_intra.py)
+        # 1 lets ptxas take 255 (80 bytes of spills: 64-bit values reloaded once per row block; 8 warps per SM). The
+        # benchmark times both (tools/bench/bwd_intra.py)
         self.min_ctas = min_ctas
         # the decayed B operands as a bf16 pair (hi + lo: two MMAs each) instead of one bf16: their rounding is
         # what dG's cancellation amplifies (a CPU emulation of this algorithm, fp64 reference, mild decay: dG rel.
         # err. 6.5e-3 with one bf16, 1.8e-3 with the pair, the dSq / dL rounding left; dq, dk 2.3e-3 -> 1.7e-3)
         self.split_b = split_b
         # the global values a row block adds to loaded before its products (latency hidden) rather than after:
-        # on with 1 CTA per SM only (255 registers, no spills; at the 128-register cap it spills 680 bytes)
+        # on with 1 CTA per SM only (255 registers; at the 128-register cap it would spill hundreds of bytes)
         self.prefetch = min_ctas == 1
 
     @cute.jit
