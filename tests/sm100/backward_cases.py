@@ -90,7 +90,7 @@ def kernels():
     return {"chunk_wy_dqkg": launch.wy_dqkg_kernel,
             "chunk_bwd_dav": launch.dav_kernel,
             "chunk_bwd_intra": launch.intra_kernel,
-            "chunk_bwd_intra_tc": lambda: launch.intra_tc_kernel(*launch.INTRA_TC_CONFIG),
+            "chunk_bwd_intra_tc": launch.intra_tc_kernel,
             "chunk_bwd_dhu[dht, dh0]": lambda: launch.dhu_kernel(True, True),
             "chunk_bwd_dhu[no states]": lambda: launch.dhu_kernel(False, False),
             "chunk_bwd_dhu[dht, dh0, BV=32]": lambda: launch.dhu_kernel(True, True, 32),

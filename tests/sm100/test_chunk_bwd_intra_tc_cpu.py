@@ -1,7 +1,6 @@
 """CPU: chunk_bwd_intra_tc (the tensor-core intra-chunk backward, cula_sm100.backward.chunk_bwd_intra_tc) compiles
-for sm_90a and sm_100a with fake pointers (through cula_core.cute_runtime) in two configurations that cover its
-compile-time paths (2 CTAs per SM with bf16-pair B operands; 1 CTA per SM with the prefetch and single-bf16 B; the
-two archs side by side), its shared-memory plan keeps 2 CTAs per SM, launch.chunk_bwd_intra picks it (or the
+for sm_90a and sm_100a with fake pointers (through cula_core.cute_runtime; the two archs side by side), its
+shared-memory plan fits 2 CTAs per SM, launch.chunk_bwd_intra picks it (or the
 CUDA-core kernel) and passes the arguments in the compiled order (nothing runs), and the fp64 oracle of its GPU
 tests agrees with torch_stages.intra (the CUDA-core kernel's oracle) on the CPU."""
 
@@ -15,13 +14,11 @@ import pytest
 import torch
 
 ARCHS = ("sm_90a", "sm_100a")
-CONFIGS = ((2, True), (1, False))  # every code path: both launch bounds (prefetch off / on), both B precisions
 COMPILE = ("import sys\n"
            "from cula_sm100.backward.launch import intra_tc_kernel\n"
            "from cula_sm100.runtime import compile_kernel\n"
-           f"for mc, split in {CONFIGS!r}:\n"
-           "    compile_kernel(intra_tc_kernel(mc, split), sys.argv[1])\n"
-           "    print('compiled', mc, split, flush=True)\n")
+           "compile_kernel(intra_tc_kernel(), sys.argv[1])\n"
+           "print('compiled', flush=True)\n")
 
 needs_dsl = pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl not installed")
 
@@ -40,7 +37,7 @@ def compiled_by_arch():
 def test_kernel_compiles(arch, compiled_by_arch):
     rc, out = compiled_by_arch[arch]
     assert rc == 0, out[-6000:]
-    assert out.count("compiled ") == len(CONFIGS), out[-6000:]
+    assert out.count("compiled") == 1, out[-6000:]
 
 
 @needs_dsl
@@ -60,13 +57,12 @@ def test_shared_memory_plan():
 
 
 def test_launch_picks_the_kernel_and_passes_arguments_in_order(monkeypatch):
-    """launch.chunk_bwd_intra launches the tensor-core kernel compiled for `config` (INTRA_TC_CONFIG by default)
-    or, with tc=False, the CUDA-core kernel, with (q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG,
+    """launch.chunk_bwd_intra launches the tensor-core kernel (by default) or, with tc=False, the CUDA-core kernel, with (q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG,
     chunk table) and (TT, NC, HQK, HV, scale); nothing is launched without chunks."""
     from cula_sm100.backward import launch
 
     calls = []
-    monkeypatch.setattr(launch, "intra_tc_kernel", lambda mc, split: ("tc", mc, split))
+    monkeypatch.setattr(launch, "intra_tc_kernel", lambda: ("tc",))
     monkeypatch.setattr(launch, "intra_kernel", lambda: ("cuda-core",))
     monkeypatch.setattr(launch.fwd, "launch_kernel", lambda kern, dtypes, tensors, scalars: calls.append(
         (kern, dtypes, tensors, scalars)))
@@ -80,10 +76,10 @@ def test_launch_picks_the_kernel_and_passes_arguments_in_order(monkeypatch):
     ctab = torch.zeros(2, 2, dtype=torch.int32)
     args = (q, k, G, beta, dA, dL, dq, dk, db, dG)
     launch.chunk_bwd_intra(*args, ctab, scale=0.5)
-    launch.chunk_bwd_intra(*args, ctab, scale=0.5, tc=True, config=(2, False))
+    launch.chunk_bwd_intra(*args, ctab, scale=0.5, tc=True)
     launch.chunk_bwd_intra(*args, ctab, scale=0.5, tc=False)
     launch.chunk_bwd_intra(*args, ctab[:0], scale=0.5)
-    assert [c[0] for c in calls] == [("tc", *launch.INTRA_TC_CONFIG), ("tc", 2, False), ("cuda-core",)]
+    assert [c[0] for c in calls] == [("tc",), ("tc",), ("cuda-core",)]
     for _, dtypes, tensors, scalars in calls:
         assert dtypes == launch.INTRA_DTYPES
         assert len(tensors) == 11 and all(t is w for t, w in zip(tensors, (*args, ctab), strict=True))

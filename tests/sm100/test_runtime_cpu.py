@@ -201,7 +201,7 @@ def _stage_calls():
                           bwd.wy_dqkg_kernel()),
         "chunk_bwd_intra_tc": (lambda: bwd.chunk_bwd_intra(q, k, G, z(TT, HV), z(TT, HV, 64), z(TT, HV, 64),
                                                            *f32s, ctab, scale=0.1),
-                               bwd.intra_tc_kernel(*bwd.INTRA_TC_CONFIG)),
+                               bwd.intra_tc_kernel()),
         "chunk_bwd_intra": (lambda: bwd.chunk_bwd_intra(q, k, G, z(TT, HV), z(TT, HV, 64), z(TT, HV, 64), *f32s,
                                                         ctab, scale=0.1, tc=False), bwd.intra_kernel()),
         "gate_bwd": (lambda: bwd.finish(*f32s[:2], v, f32s[2], f32s[3], None, q.view(1, TT, HQK, 128),

@@ -1,5 +1,5 @@
-"""Benchmark of the sm100 backward's intra-chunk stage: the tensor-core kernel chunk_bwd_intra_tc (each of its
-configurations; the live one is launch.INTRA_TC_CONFIG) against the CUDA-core kernel chunk_bwd_intra
+"""Benchmark of the sm100 backward's intra-chunk stage: the tensor-core kernel chunk_bwd_intra_tc (the live one)
+against the CUDA-core kernel chunk_bwd_intra
 (launch.chunk_bwd_intra(tc=False)), and FLA 0.6.0's stage (chunk_kda_bwd_intra + its GVA sum +
 chunk_local_cumsum(reverse)) where FLA is installed.
 
@@ -12,8 +12,8 @@ problem: unit q / k, G = chunk cumsum of logsigmoid(randn) / 8, causal dAqk, str
 median of `triton.testing.do_bench` after warm-up (tools/bench/harness.measure, method auto). The kernels add
 in place; the repeated calls keep adding to the same buffers (the work per call does not depend on their values,
 though dG's repeated cumsums overflow to inf after a few dozen calls: no slower on the GPU). Before
-timing, each TC configuration's result on fresh buffers is compared with the CUDA-core kernel's (||tc - cc|| /
-||cc|| of the additions, the largest over dq, dk, dbeta, dG). speed-up = CUDA-core ms / TC ms.
+timing, the TC kernel's result on fresh buffers is compared with the CUDA-core kernel's (||tc - cc|| / ||cc||
+of the additions, the largest over dq, dk, dbeta, dG). speed-up = CUDA-core ms / TC ms.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ SHAPES = [dict(name="B=2 T=8192", B=2, T=8192, H=32, HV=32, lengths=None),
           dict(name="B=2 T=8192", B=2, T=8192, H=32, HV=64, lengths=None),
           dict(name="varlen random 10 seqs, 8192 tokens", B=1, T=8192, H=32, HV=32, lengths="random10")]
 SMOKE = [dict(name="B=1 T=1024", B=1, T=1024, H=4, HV=8, lengths=None)]
-CONFIGS = ((2, True), (1, True), (2, False), (1, False))  # (min_ctas, split_b)
 
 
 def random_lengths(n, total, seed=0):
@@ -59,22 +58,18 @@ def rel(a, b):
 
 
 def bench_shape(shape, timing, with_fla):
-    """(CUDA-core ms, [TC ms per configuration], FLA ms or None, [TC rel. diff per configuration]) of one shape."""
+    """(CUDA-core ms, TC ms, FLA ms or None, TC rel. diff) of one shape."""
     from cula_sm100.backward import launch
 
     (pargs, base, ctab, _ch, scale), lengths = make(shape)
     cc = [b.clone() for b in base]
     launch.chunk_bwd_intra(*pargs, *cc, ctab, scale=scale, tc=False)
-    diffs = []
-    for mc, sp in CONFIGS:
-        o = [b.clone() for b in base]
-        launch.chunk_bwd_intra(*pargs, *o, ctab, scale=scale, tc=True, config=(mc, sp))
-        diffs.append(max(rel(x - b0, c - b0) for x, c, b0 in zip(o, cc, base, strict=True)))
+    o = [b.clone() for b in base]
+    launch.chunk_bwd_intra(*pargs, *o, ctab, scale=scale, tc=True)
+    diff = max(rel(x - b0, c - b0) for x, c, b0 in zip(o, cc, base, strict=True))
     bufs = cc  # the timed calls keep adding to these
     ms_cc = measure(lambda: launch.chunk_bwd_intra(*pargs, *bufs, ctab, scale=scale, tc=False), [()], timing).median_ms
-    ms_tc = [measure(lambda mc=mc, sp=sp: launch.chunk_bwd_intra(*pargs, *bufs, ctab, scale=scale, tc=True,
-                                                                 config=(mc, sp)), [()], timing).median_ms
-             for mc, sp in CONFIGS]
+    ms_tc = measure(lambda: launch.chunk_bwd_intra(*pargs, *bufs, ctab, scale=scale, tc=True), [()], timing).median_ms
     ms_fla = None
     if with_fla:
         try:
@@ -84,7 +79,7 @@ def bench_shape(shape, timing, with_fla):
             ms_fla = measure(fla_stage(pargs, base, B, lengths, scale), [()], timing).median_ms
         except Exception as e:  # FLA absent or its API moved: the row says n/a
             print(f"FLA stage not timed: {type(e).__name__}: {e}", file=sys.stderr)
-    return ms_cc, ms_tc, ms_fla, diffs
+    return ms_cc, ms_tc, ms_fla, diff
 
 
 def main(argv=None) -> int:
@@ -96,28 +91,24 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bwd_intra: no CUDA device", file=sys.stderr)
         return 1
-    cfg_names = [f"TC {mc} CTA/SM{' B pair' if sp else ' B bf16'}" for mc, sp in CONFIGS]
-    head = (["shape", "H", "HV", "CUDA-core ms"] + [f"{c} ms" for c in cfg_names] + ["FLA ms", "best TC speed-up",
-                                                                                       "best vs FLA", "TC rel. diff"])
+    head = ["shape", "H", "HV", "CUDA-core ms", "TC ms", "FLA ms", "TC speed-up", "TC vs FLA", "TC rel. diff"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 3 + "---:|" * (len(head) - 3)]
     raw = []
     for shape in SMOKE if args.smoke else SHAPES:
-        ms_cc, ms_tc, ms_fla, diffs = bench_shape(shape, args.timing, not own.no_fla)
+        ms_cc, ms_tc, ms_fla, diff = bench_shape(shape, args.timing, not own.no_fla)
         torch.cuda.empty_cache()
-        best = min(ms_tc)
-        row = ([shape["name"], shape["H"], shape["HV"], f"{ms_cc:.3f}"] + [f"{m:.3f}" for m in ms_tc]
-               + ["n/a" if ms_fla is None else f"{ms_fla:.3f}", f"{ms_cc / best:.2f}x",
-                  "n/a" if ms_fla is None else f"{ms_fla / best:.2f}x", f"{max(diffs):.1e}"])
+        row = [shape["name"], shape["H"], shape["HV"], f"{ms_cc:.3f}", f"{ms_tc:.3f}",
+               "n/a" if ms_fla is None else f"{ms_fla:.3f}", f"{ms_cc / ms_tc:.2f}x",
+               "n/a" if ms_fla is None else f"{ms_fla / ms_tc:.2f}x", f"{diff:.1e}"]
         lines.append("| " + " | ".join(str(x) for x in row) + " |")
         print(lines[-1], flush=True)
-        raw.append(dict(shape=shape, cuda_core_ms=ms_cc, tc_ms=dict(zip(cfg_names, ms_tc, strict=True)),
-                        fla_ms=ms_fla, tc_rel_diff=dict(zip(cfg_names, diffs, strict=True))))
+        raw.append(dict(shape=shape, cuda_core_ms=ms_cc, tc_ms=ms_tc, fla_ms=ms_fla, tc_rel_diff=diff))
     env = environment("cuda")
     cmd = "python -m tools.bench.bwd_intra " + " ".join(argv if argv is not None else sys.argv[1:])
     text = (f"# sm100 backward intra stage: tensor-core kernel vs CUDA-core kernel (and FLA 0.6.0)\n\n"
             f"Device: {env.get('gpu', '?')} (torch {env.get('torch')}, CUDA {env.get('cuda')}). Command: `{cmd}`.\n"
-            f"Median of {args.timing.method} timing; speed-up = CUDA-core ms / best TC ms; TC rel. diff: the largest "
-            f"||tc - cc|| / ||cc|| over dq, dk, dbeta, dG of any TC configuration.\n\n" + "\n".join(lines) + "\n")
+            f"Median of {args.timing.method} timing; speed-up = CUDA-core ms / TC ms; TC rel. diff: the largest "
+            f"||tc - cc|| / ||cc|| over dq, dk, dbeta, dG.\n\n" + "\n".join(lines) + "\n")
     print(text)
     if own.out:
         own.out.write_text(text)

@@ -55,7 +55,7 @@ def backward_kernels() -> list[tuple[str, tuple]]:
 
     f32 = torch.float32
     out = [fwd.l2norm_kernel(QKV_DTYPE), bwd.l2norm_bwd_kernel(QKV_DTYPE), bwd.dav_kernel(), bwd.wy_dqkg_kernel(),
-           bwd.intra_tc_kernel(*bwd.INTRA_TC_CONFIG)]
+           bwd.intra_tc_kernel()]
     for (gate, params, lb), g in itertools.product(GATES, GATE_INPUT_DTYPES):
         out.append(fwd.gate_kernel(gate, g, f32, f32, params, params, lb))
     for beta, act in itertools.product(GATE_INPUT_DTYPES, BETA_ACTIVATIONS):

@@ -38,15 +38,17 @@ to the first adding the global dG (chunk_wy_dqkg's) and the running suffix sum, 
 the warp's channels into a per-(row, warp) partial, summed over the 8 warps in a fixed order at the end.
 Shared memory 103.7 KiB (2 CTAs per SM): q, k (bf16, rows padded to 136: conflict-free fragment loads), G
 (fp32 log2 units, rows of 132), dSq / dL (bf16, rows of 72: conflict-free ldmatrix), beta, the scratch and the
-dbeta partials. Launch bound: 1 CTA per SM (`min_ctas=1`, the live configuration, which also loads the dq / dk /
-dG a block adds to before its products) or 2 (spills).
+dbeta partials. Launch bound: 1 CTA per SM, so ptxas may take 255 registers (80 bytes of spills: ten 64-bit values
+reloaded once per row block); a block's dq / dk / dG targets are loaded before its products (latency hidden). At 2
+CTAs per SM the 128-register cap spills in the hot loops and the kernel was slower than the CUDA-core one
+(docs/benchmarks/bwd_intra.md).
 Pipeline per value head: G by cp.async; dAqk / dL as 16-byte loads converted to bf16 (masked to the lower /
 strictly lower triangle, dSq scaled); one barrier; G padded (rows >= n take row n - 1's: exponents stay
 bounded; q = k = dSq = dL = beta = 0 there, so padding adds exactly 0) and scaled to log2 units; one barrier;
 the 4 row blocks. Blocks wholly past the chunk end are skipped. Assumes K = 128, chunks that never cross a
 sequence (the chunk table), n >= 1 per chunk.
 
-On the live path in launch.INTRA_TC_CONFIG = (1, True). chunk_bwd_intra.py (CUDA cores, fp32 throughout) is its
+One configuration serves every size (sizes and the scale are runtime arguments). chunk_bwd_intra.py (CUDA cores, fp32 throughout) is its
 tests' oracle, reached with launch.chunk_bwd_intra(..., tc=False). Measurements: docs/benchmarks/bwd_intra.md;
 static resources: docs/kernel_report.md.
 """
@@ -84,19 +86,6 @@ class ChunkBwdIntraTC:
     SMEM = (2 * _BT * QK_STRIDE * 2 + _BT * G_STRIDE * 4 + 2 * _BT * A_STRIDE * 2
             + _BT * 4 + _BT * 8 * 4 + 8 * _BC * S_STRIDE * 4)
 
-    def __init__(self, min_ctas: int = 1, split_b: bool = True):
-        # CTAs per SM the launch asks for: 2 caps registers at 128 (sm_90a: 168 bytes of spills; 16 warps per SM),
-        # 1 lets ptxas take 255 (80 bytes of spills: 64-bit values reloaded once per row block; 8 warps per SM). The
-        # benchmark times both (tools/bench/bwd_intra.py)
-        self.min_ctas = min_ctas
-        # the decayed B operands as a bf16 pair (hi + lo: two MMAs each) instead of one bf16: their rounding is
-        # what dG's cancellation amplifies (a CPU emulation of this algorithm, fp64 reference, mild decay: dG rel.
-        # err. 6.5e-3 with one bf16, 1.8e-3 with the pair, the dSq / dL rounding left; dq, dk 2.3e-3 -> 1.7e-3)
-        self.split_b = split_b
-        # the global values a row block adds to loaded before its products (latency hidden) rather than after:
-        # on with 1 CTA per SM only (255 registers; at the 128-register cap it would spill hundreds of bytes)
-        self.prefetch = min_ctas == 1
-
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, G_ptr: cute.Pointer, beta_ptr: cute.Pointer,
                  dA_ptr: cute.Pointer, dL_ptr: cute.Pointer, dq_ptr: cute.Pointer, dk_ptr: cute.Pointer,
@@ -113,7 +102,7 @@ class ChunkBwdIntraTC:
         tensors = [cute.make_tensor(p, lay) for p, lay in zip(ptrs, lays, strict=True)]
         table = cute.make_tensor(table_ptr, cute.make_layout((NC, 2), stride=(2, 1)))
         self.kernel(*tensors, table, HV // HQK, scale).launch(
-            grid=[NC, HQK, 1], block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=self.min_ctas,
+            grid=[NC, HQK, 1], block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1,
             preferred_smem_carveout=100)
 
     @cute.kernel
@@ -158,7 +147,7 @@ class ChunkBwdIntraTC:
         accC = cute.make_rmem_tensor(thr.partition_shape_C((_BC, _BC)), f32)
         rB = cute.make_rmem_tensor(thr.partition_shape_B((_BC, _BC)), bf16)
         rB2 = cute.make_rmem_tensor(thr.partition_shape_B((_BC, _BC)), bf16)
-        rBl = cute.make_rmem_tensor(thr.partition_shape_B((_BC, _BC)), bf16)  # the low halves (split_b)
+        rBl = cute.make_rmem_tensor(thr.partition_shape_B((_BC, _BC)), bf16)  # the low halves (split)
         rB2l = cute.make_rmem_tensor(thr.partition_shape_B((_BC, _BC)), bf16)
         rA = cute.make_rmem_tensor(thr.partition_shape_A((_BC, _BC)), bf16)
         rA2 = cute.make_rmem_tensor(thr.partition_shape_A((_BC, _BC)), bf16)
@@ -241,12 +230,10 @@ class ChunkBwdIntraTC:
         strong = span >= self.MILD_LOG2
         # what this block adds to (dq, dk: the thread's fragment elements; dG: channel d0 + lane % 16, every row),
         # loaded before the products so that their latency hides behind them (rows clamped into the chunk)
-        # (only with `prefetch`: the 32 registers they hold spill at the 128-register cap of 2 CTAs per SM)
         oq = cute.make_rmem_tensor((cute.size(accQ),), f32)
         ok = cute.make_rmem_tensor((cute.size(accQ),), f32)
         gin = cute.make_rmem_tensor((_BC,), f32)
-        if cutlass.const_expr(self.prefetch):
-            self.load_targets(r0, n, d0, lane, coordC, oq, ok, gin, tDq, tDk, tDg)
+        self.load_targets(r0, n, d0, lane, coordC, oq, ok, gin, tDq, tDk, tDg)
         accQ.fill(0.0)
         accR.fill(0.0)
         accC.fill(0.0)
@@ -287,21 +274,14 @@ class ChunkBwdIntraTC:
             bi = sBeta[i]
             br = bi * accR[v]
             if i < n:
-                if cutlass.const_expr(self.prefetch):
-                    tDq[i, d] = oq[v] + accQ[v]
-                    tDk[i, d] = ok[v] + (br + accC[v])
-                else:  # loaded here, under the branch: ptxas keeps them short-lived (unconditional loads it hoists)
-                    tDq[i, d] = tDq[i, d] + accQ[v]
-                    tDk[i, d] = tDk[i, d] + (br + accC[v])
+                tDq[i, d] = oq[v] + accQ[v]
+                tDk[i, d] = ok[v] + (br + accC[v])
             scr[rr, cc] = (qi * accQ[v] + ki * br) - ki * accC[v]
             scr[rr, _BC + cc] = ki * accR[v]
         cute.arch.sync_warp()
         if lane < _BC:
             # the block's rows, last to first: dG (chunk_wy_dqkg's + this kernel's) into the running suffix sum
             d = d0 + lane
-            if cutlass.const_expr(not self.prefetch):
-                for rr in cutlass.range_constexpr(_BC):  # loads first (independent of the sum): latency overlapped
-                    gin[rr] = tDg[cutlass.min(r0 + rr, n - 1), d]
             for k in cutlass.range_constexpr(_BC):
                 rr = _BC - 1 - k
                 if r0 + rr < n:
@@ -340,7 +320,7 @@ class ChunkBwdIntraTC:
     def row_mma(self, blk: cutlass.Constexpr, jb: cutlass.Constexpr, d0, lane, mma, coordB, accQ, accR, rA, rA2, rB,
                 rBl, sK, sG, sSq, sSl):
         """accQ += dSq[blk, jb] @ B, accR += dL[blk, jb] @ B, B[d, j] = k_j exp2(G_r0 - G_j) over column block jb
-        (B = rB + rBl with split_b)."""
+        (B = rB + rBl)."""
         r0 = blk * _BC
         for e in cutlass.range_constexpr(cute.size(rB)):
             cc, jj = coordB[e]
@@ -351,9 +331,8 @@ class ChunkBwdIntraTC:
         self.load_a(mma, lane, cute.local_tile(sSl, (_BC, _BC), (blk, jb)), False, rA2)
         cute.gemm(mma, accQ, rA, rB, accQ)
         cute.gemm(mma, accR, rA2, rB, accR)
-        if cutlass.const_expr(self.split_b):
-            cute.gemm(mma, accQ, rA, rBl, accQ)
-            cute.gemm(mma, accR, rA2, rBl, accR)
+        cute.gemm(mma, accQ, rA, rBl, accQ)
+        cute.gemm(mma, accR, rA2, rBl, accR)
 
     @cute.jit
     def col_mma(self, blk: cutlass.Constexpr, ib: cutlass.Constexpr, d0, lane, mma, coordB, accC, rA, rA2, rB, rB2,
@@ -372,17 +351,17 @@ class ChunkBwdIntraTC:
         self.load_a(mma, lane, transposed(cute.local_tile(sSl, (_BC, _BC), (ib, blk)), _BC, _BC), True, rA2)
         cute.gemm(mma, accC, rA, rB, accC)
         cute.gemm(mma, accC, rA2, rB2, accC)
-        if cutlass.const_expr(self.split_b):
-            cute.gemm(mma, accC, rA, rBl, accC)
-            cute.gemm(mma, accC, rA2, rB2l, accC)
+        cute.gemm(mma, accC, rA, rBl, accC)
+        cute.gemm(mma, accC, rA2, rB2l, accC)
 
     @cute.jit
     def split(self, x, rhi, rlo, e):
-        """rhi[e] = bf16(x); with split_b also rlo[e] = bf16(x - rhi[e]) (x to ~16 bits in two bf16 operands)."""
+        """rhi[e] = bf16(x), rlo[e] = bf16(x - rhi[e]): x to ~16 bits in two bf16 operands (two MMAs each). Their
+        rounding is what dG's cancellation amplifies: a CPU emulation of this algorithm against fp64 (mild decay)
+        gives dG 6.5e-3 with one bf16 and 1.8e-3 with the pair, the dSq / dL rounding left."""
         h = x.to(cutlass.BFloat16)
         rhi[e] = h
-        if cutlass.const_expr(self.split_b):
-            rlo[e] = (x - h.to(cutlass.Float32)).to(cutlass.BFloat16)
+        rlo[e] = (x - h.to(cutlass.Float32)).to(cutlass.BFloat16)
 
     @cute.jit
     def exact_diagonal(self, blk: cutlass.Constexpr, d0, coordC, accQ, accR, accC, sK, sQ, sG, sSq, sSl, sBeta):

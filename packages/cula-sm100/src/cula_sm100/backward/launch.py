@@ -20,7 +20,7 @@ and their compile-time configurations (sizes and the scale are runtime arguments
     name (sm100.backward. + the kernel's module)  configuration
     chunk_bwd_dav, chunk_wy_dqkg                  ()
     chunk_bwd_dhu                                 (dht given, dh0 wanted, V slice width)
-    chunk_bwd_intra_tc                            (CTAs per SM, B split)
+    chunk_bwd_intra_tc                            ()
     chunk_bwd_intra                               ()    (the tensor-core kernel's fp32 oracle)
     gate_bwd                                      (gate, has A_log, has dt_bias, lower_bound, beta activation,
                                                   g dtype, beta dtype)
@@ -96,29 +96,24 @@ def intra_kernel() -> runtime.Kernel:
 
 
 # The intra-chunk backward runs on tensor cores (chunk_bwd_intra_tc.py: mma.sync through 16-row reference blocks,
-# exact CUDA-core diagonal under strong decay) in this (launch bound: CTAs per SM, B operand split into bf16 pairs)
-# configuration, the fastest measured (docs/benchmarks/bwd_intra.md). The CUDA-core kernel chunk_bwd_intra.py is
-# the fp32 oracle of its tests and benchmark, reached only through chunk_bwd_intra(tc=False).
-INTRA_TC_CONFIG = (1, True)
+# an exact CUDA-core diagonal under strong decay). The CUDA-core kernel chunk_bwd_intra.py is the fp32 oracle of its
+# tests and benchmark, reached only through chunk_bwd_intra(tc=False).
+def intra_tc_kernel() -> runtime.Kernel:
+    """chunk_bwd_intra_tc (one configuration serves every size)."""
+    return INTRA_TC, ()
 
 
-def intra_tc_kernel(min_ctas: int, split_b: bool) -> runtime.Kernel:
-    """chunk_bwd_intra_tc per (CTAs per SM, B split) (one configuration serves every size)."""
-    return INTRA_TC, (int(min_ctas), bool(split_b))
-
-
-def chunk_bwd_intra(q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab, *, scale, tc=True, config=None):
+def chunk_bwd_intra(q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab, *, scale, tc=True):
     """The intra-chunk backward, ADDED in place to dq, dk [TT, HQK, K], dbeta [TT, HV] and dG [TT, HV, K] (fp32,
     as chunk_wy_dqkg returns them); dG then holds its reverse chunk-local cumsum (the gradient of the raw log
     decay). q, k [TT, HQK, K] bf16; G [TT, HV, K] fp32; beta [TT, HV] fp32 (activated); dAqk (chunk_bwd_dav), dL
     (chunk_wy_dqkg) [TT, HV, 64] fp32. `tc`: the tensor-core kernel chunk_bwd_intra_tc.py (True) or the CUDA-core
-    chunk_bwd_intra.py (False, the tests' and benchmark's fp32 oracle). `config`: the tensor-core kernel's (CTAs per
-    SM, B split), INTRA_TC_CONFIG when None."""
+    chunk_bwd_intra.py (False, the tests' and benchmark's fp32 oracle)."""
     TT, HQK, _ = q.shape
     HV = G.shape[1]
     NC = ctab.shape[0]
     if NC:
-        kern = intra_tc_kernel(*(config or INTRA_TC_CONFIG)) if tc else intra_kernel()
+        kern = intra_tc_kernel() if tc else intra_kernel()
         fwd.launch_kernel(kern, INTRA_DTYPES, (q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab),
                           (TT, NC, HQK, HV, float(scale)))
 
@@ -232,7 +227,7 @@ def _build_intra(config):
 def _build_intra_tc(config):
     from cula_sm100.backward.chunk_bwd_intra_tc import ChunkBwdIntraTC
 
-    return ChunkBwdIntraTC(*config), runtime.fake_args(INTRA_DTYPES, 1, 1, 1, 1, 1.0)
+    return ChunkBwdIntraTC(), runtime.fake_args(INTRA_DTYPES, 1, 1, 1, 1, 1.0)
 
 
 def _build_dhu(config):
