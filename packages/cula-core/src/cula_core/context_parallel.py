@@ -12,19 +12,23 @@ count the slots they span before and after.
 The KDA state map over a piece of tokens is affine, ``S_out = M S_in + c`` (`cula_core.reference.context_parallel`),
 and so are the outputs, ``o = o(0) + R S_in``. Forward:
 
-1. every slot whose last sequence goes on runs it twice through `cula_core.chunk_kda` (the fastest installed
-   backend): from its local initial state, whose final state is ``c``, and with zero values from the identity
-   state (``V = K``), whose final state is ``M``;
-2. one all-gather of ``[M | c]`` (``HV * K * (K + V)`` fp32 per slot); each slot folds the maps of the slots its
-   first sequence came through (fp64, at most ``world_size - 1`` small matmuls) into its true initial state;
-3. the local `chunk_kda` reruns all local tokens from those initial states, under autograd.
+1. the local run: all local tokens through the `chunk_kda` op body (the fastest installed backend) from the local
+   initial states (zero for a first sequence that comes from before): ``o(0)``, the final states (``c`` of the
+   last sequence that goes on) and the backend's residuals when training;
+2. the identity run over each boundary sequence, with zero values from the identity state (``V = K``): its final
+   state is ``M``, its outputs ``R``;
+3. one all-gather of ``[M | c]`` (``HV * K * (K + V)`` fp32 per slot); each slot folds the maps of the slots its
+   first sequence came through (fp64, at most ``world_size - 1`` small matmuls) into its true initial state
+   ``S_in``, and that sequence's outputs get ``R S_in``, its final state ``M S_in``;
+4. when training, the outputs are attached to the local call from the true initial states (`_LocalOutputs`):
+   the backward is that call's, with no second forward.
 
 Backward: the gradient of the state entering a slot is ``D_p = e_p + M_p^T D_{p+1}``, where ``e_p = R^T do +
 M^T dht`` is what slot ``p``'s own first sequence contributes. ``R`` (the outputs of the identity run above,
 made in the forward for each slot whose first sequence came from before) turns ``do`` into ``e_p`` with one
 matmul, so no backward pass is needed to get it; one all-gather of ``e`` (``HV * K * V`` per slot), a fold
-over the next slots, and the local `chunk_kda` backward runs with the gradient of the boundary state added to
-its last sequence's ``dht``. Every gradient (q, k, v, g, beta, A_log, dt_bias, initial_state) comes from that
+over the next slots, and the local call's backward runs with the gradient of the boundary state added to its
+last sequence's ``dht``. Every gradient (q, k, v, g, beta, A_log, dt_bias, initial_state) comes from that
 local backward. Why all-gather and not a ring, and what it all costs: docs/context_parallel.md.
 
 Collectives run in the forward (always) and in the backward (when the call tracks gradients): every rank of
@@ -41,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from cula_core.fla_args import resolve_chunk_call, state_v_first_from
+from cula_core.ops.chunk_kda import _backward, _chunk_kda, _setup_context
 from cula_core.reference.context_parallel import apply_state_maps, apply_state_maps_adjoint
 
 __all__ = ["CPContext", "build_cp_context", "chunk_kda_cp"]
@@ -311,6 +316,23 @@ class _BoundaryGradients(torch.autograd.Function):
         return do, dht, None
 
 
+class _LocalOutputs(torch.autograd.Function):
+    """The local `chunk_kda` call's outputs, computed without autograd (the local run plus the entering states'
+    linear parts), attached to the inputs of the call from the true initial states: its backward is that call's
+    (`cula::chunk_kda`'s autograd formula). Arguments: the 18 inputs of `cula::chunk_kda`, then the outputs
+    o, final_state and the residuals Aqk, Akk (state-independent: the local run's serve)."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        inputs, (o, final_state, Aqk, Akk) = args[:18], args[18:]
+        _setup_context(ctx, inputs, (o, final_state, Aqk, Akk))
+        return o, final_state
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        return (*_backward(ctx, do, dht, None, None), None, None, None, None)
+
+
 def chunk_kda_cp(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -395,29 +417,30 @@ def chunk_kda_cp(
     state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     device = q.device
 
+    # the local run's initial states: the caller's rows, zero for first sequences that come from an earlier slot
+    # (their true state is known after the gather); present whenever the true call has one, so that both calls
+    # are served by the same backend (whose residuals the backward then reuses)
+    from_before = sorted(s.first_seq for s in slots if s.pre)
+    h0_local = initial_state
+    if from_before:
+        base = initial_state if initial_state is not None else q.new_zeros(N, HV, K, V, dtype=state_dtype)
+        idx = torch.tensor(from_before, dtype=torch.long).to(device, non_blocking=True)
+        h0_local = base.detach().index_fill(0, idx, 0.0)
+    local_args = (q, k, v, g, beta, A_log, dt_bias, h0_local, cu, cu_host, call.scale, True,
+                  bool(use_qk_l2norm_in_kernel), call.gate, call.lower_bound, call.beta_activation, needs_grad, False)
+
     with torch.no_grad():
-        # -- step 1: each going-on last sequence's [M | c]; each first sequence from before: R and its M
+        # -- step 1: all local tokens from the local initial states: the outputs o(0), every final state (c of
+        # each going-on last sequence) and, when training, the residuals the backward reuses
+        o, final_state, Aqk, Akk = _chunk_kda(*(x.detach() if isinstance(x, torch.Tensor) else x for x in local_args))
         summary = torch.zeros(len(slots), HV, K, K + V, dtype=state_dtype, device=device)
         going_on = [(p, s) for p, s in enumerate(slots) if s.post]
-        if going_on:
-            rows = []
-            for _, s in going_on:
-                from_before = s.pre and s.last_seq == s.first_seq   # its state comes from another slot
-                rows.append(None if from_before or initial_state is None else initial_state[s.last_seq])
-            h0 = None
-            if any(r is not None for r in rows):
-                zero = torch.zeros(HV, K, V, dtype=state_dtype, device=device)
-                h0 = torch.stack([zero if r is None else r.to(state_dtype) for r in rows])
-            ranges = [s.last_range for _, s in going_on]
-            dev, host = _offsets(ranges, device)
-            _, c = chunk_kda(*(_take(x, ranges) for x in (q, k, v, g, beta)), initial_state=h0,
-                             output_final_state=True, cu_seqlens=dev, cu_seqlens_cpu=host, **opts)
-            for i, (p, _) in enumerate(going_on):
-                summary[p, ..., K:] = c[i]
-        # identity runs: one per distinct boundary sequence whose M or R is needed
+        for p, s in going_on:
+            summary[p, ..., K:] = final_state[s.last_seq]
+        # identity runs over each distinct boundary sequence: its map M (the final state from the identity with
+        # zero values) and its response R (the outputs: o = o(0) + R S_in)
         wanted = {s.last_seq: s.last_range for _, s in going_on}
-        if needs_grad:
-            wanted.update({s.first_seq: s.first_range for s in slots if s.pre})
+        wanted.update({s.first_seq: s.first_range for s in slots if s.pre})
         if wanted:
             seqs = sorted(wanted)
             ranges = [wanted[i] for i in seqs]
@@ -440,16 +463,25 @@ def chunk_kda_cp(
                 before = chain_maps[s.pos - s.pre:s.pos].double()
                 entering[s.first_seq] = apply_state_maps([(m[..., :K], m[..., K:]) for m in before])
 
-    # -- step 3: rerun all local tokens from the true initial states (under autograd)
-    h0 = initial_state
-    if entering:
-        base = initial_state if initial_state is not None else q.new_zeros(N, HV, K, V, dtype=state_dtype)
-        idx = torch.tensor(sorted(entering), dtype=torch.long).to(device, non_blocking=True)
-        states = torch.stack([entering[i] for i in sorted(entering)]).to(base.dtype)
-        h0 = base.index_put((idx,), states)
-    o, final_state = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=output_final_state or needs_grad,
-                               cu_seqlens=cu, cu_seqlens_cpu=cu_host, **opts)
+        # -- step 3: the state entering each such sequence, added through its linear parts: o += R S_in on its
+        # tokens, final state += M S_in (the local run started it from zero)
+        for s in slots:
+            if s.pre:
+                S_in = entering[s.first_seq].to(state_dtype)
+                a, b = s.first_range
+                r = R[0, start[s.first_seq]:start[s.first_seq] + b - a].to(state_dtype)
+                o[0, a:b] = (o[0, a:b].to(state_dtype) + torch.einsum("thk,hkv->thv", r, S_in)).to(o.dtype)
+                final_state[s.first_seq] += M[row[s.first_seq]].to(state_dtype) @ S_in
+
     if needs_grad:
+        # the backward of the local call from the true initial states (the backend recomputes what it needs from
+        # the inputs and the residuals, which do not depend on the state)
+        h0 = initial_state
+        if from_before:
+            states = torch.stack([entering[i] for i in from_before]).to(state_dtype)
+            base = initial_state if initial_state is not None else q.new_zeros(N, HV, K, V, dtype=state_dtype)
+            h0 = base.index_put((idx,), states)
+        o, final_state = _LocalOutputs.apply(*local_args[:7], h0, *local_args[8:], o, final_state, Aqk, Akk)
         response, first_map = {}, {}
         for s in slots:
             if s.pre:
