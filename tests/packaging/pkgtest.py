@@ -16,6 +16,7 @@ Our wheels install with --no-deps or --no-index --find-links: only those third-p
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import os
@@ -186,3 +187,66 @@ class Venv:
                 "print(json.dumps({d.metadata['Name']: str(d.locate_file('')) for d in m.distributions()"
                 " if d.metadata['Name'].lower().startswith('cula')}))")
         return json.loads(self.run("-c", code).stdout)
+
+
+# ---------------------------------------------------------------- source scans (ast, nothing imported)
+
+def is_private(name: str) -> bool:
+    """An `_name` that is not a dunder."""
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def names_bound_by_imports(tree: ast.AST, is_wanted_module) -> set[str]:
+    """Local names a module binds (in any scope) to a module whose dotted path satisfies `is_wanted_module`, or to
+    an object imported from one (absolute imports only)."""
+    bound: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            bound.update(alias.asname or alias.name.split(".")[0] for alias in node.names
+                         if is_wanted_module(alias.name))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and is_wanted_module(node.module):
+            bound.update(alias.asname or alias.name for alias in node.names if alias.name != "*")
+    return bound
+
+
+def root_name(node: ast.expr) -> str | None:
+    """`a` for a pure chain `a.b.c`; None when the chain holds a call, subscript or anything else."""
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def private_imports(tree: ast.AST, is_wanted_module) -> list[tuple[ast.AST, str]]:
+    """(node, text) for each absolute import of a module satisfying `is_wanted_module` whose dotted path has a
+    private component (`import a._b`, `from a._b import c`), and each private name imported from one."""
+    found: list[tuple[ast.AST, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node, f"import {alias.name}") for alias in node.names
+                      if is_wanted_module(alias.name) and any(map(is_private, alias.name.split(".")))]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and is_wanted_module(node.module):
+            if any(map(is_private, node.module.split("."))):
+                found.append((node, f"from {node.module} import ..."))
+            found += [(node, f"from {node.module} import {alias.name}") for alias in node.names
+                      if is_private(alias.name)]
+    return found
+
+
+ATTRIBUTE_CALLS = {"getattr", "setattr", "hasattr", "delattr"}
+
+
+def private_attribute_uses(tree: ast.AST, bound: set[str]) -> list[tuple[ast.AST, str]]:
+    """(node, text) for each private attribute in a chain rooted at one of the names `bound`: `a.b._c`, and the
+    string form of getattr / setattr / hasattr / delattr, as functions or methods (monkeypatch.setattr(a, "_c"))."""
+    found: list[tuple[ast.AST, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and is_private(node.attr) and root_name(node.value) in bound:
+            found.append((node, ast.unparse(node)))
+        elif isinstance(node, ast.Call) and len(node.args) >= 2:
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            target, attr = node.args[0], node.args[1]
+            if (name in ATTRIBUTE_CALLS and root_name(target) in bound and isinstance(attr, ast.Constant)
+                    and isinstance(attr.value, str) and is_private(attr.value)):
+                found.append((node, f"{name}({ast.unparse(target)}, {attr.value!r})"))
+    return found

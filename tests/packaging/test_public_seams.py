@@ -13,15 +13,10 @@ import ast
 import re
 from pathlib import Path
 
-from pkgtest import REPO_ROOT
+from pkgtest import REPO_ROOT, is_private, names_bound_by_imports, private_attribute_uses, private_imports
 
 SCANNED = ("tools", "tests")
-ATTRIBUTE_CALLS = {"getattr", "setattr", "hasattr", "delattr"}
 DOTTED_CULA_PATH = re.compile(r"cula[a-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
-
-
-def is_private(name: str) -> bool:
-    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
 def is_cula(dotted: str) -> bool:
@@ -32,59 +27,17 @@ def private_part(dotted: str) -> str | None:
     return next((part for part in dotted.split(".") if is_private(part)), None)
 
 
-def imported_cula_names(tree: ast.AST) -> set[str]:
-    """Local names the file binds to a cula module or to an object imported from one (any scope)."""
-    bound: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                if is_cula(alias.name):
-                    bound.add(alias.asname or alias.name.split(".")[0])
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and is_cula(node.module):
-            bound.update(alias.asname or alias.name for alias in node.names if alias.name != "*")
-    return bound
-
-
-def root_name(node: ast.expr) -> str | None:
-    """`a` for a pure chain `a.b.c`; None when the chain holds a call, subscript or anything else."""
-    while isinstance(node, ast.Attribute):
-        node = node.value
-    return node.id if isinstance(node, ast.Name) else None
-
-
 def private_uses(path: Path) -> list[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
-    cula_names = imported_cula_names(tree)
+    cula_names = names_bound_by_imports(tree, is_cula)
     found: list[str] = []
 
     def report(node: ast.AST, what: str) -> None:
         found.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno}: {what}")
 
+    for node, what in private_imports(tree, is_cula) + private_attribute_uses(tree, cula_names):
+        report(node, what)
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                if is_cula(alias.name) and private_part(alias.name):
-                    report(node, f"import {alias.name}")
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and is_cula(node.module):
-            if private_part(node.module):
-                report(node, f"from {node.module} import ...")
-            for alias in node.names:
-                if is_private(alias.name):
-                    report(node, f"from {node.module} import {alias.name}")
-        elif isinstance(node, ast.Attribute) and is_private(node.attr) and root_name(node.value) in cula_names:
-            report(node, f"{ast.unparse(node)}")
-        elif isinstance(node, ast.Call) and len(node.args) >= 2:
-            func = node.func
-            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-            target, attr = node.args[0], node.args[1]
-            if (
-                name in ATTRIBUTE_CALLS
-                and root_name(target) in cula_names
-                and isinstance(attr, ast.Constant)
-                and isinstance(attr.value, str)
-                and is_private(attr.value)
-            ):
-                report(node, f"{name}({ast.unparse(target)}, {attr.value!r})")
         if (
             isinstance(node, ast.Constant)
             and isinstance(node.value, str)

@@ -279,7 +279,7 @@ def test_gate_dtypes_are_normalised():
 @pytest.mark.parametrize(("tc", "T", "K", "safe"), [(True, 4, 128, False), (True, 1, 64, True), (False, 9, 64, False),
                                                   (False, 6, 128, True)])
 def test_chunk_verify_compiles_for_sm90a(sm90a, tc, T, K, safe):
-    """The chunk-form verify, tensor-core (3xTF32 mma.sync through inline PTX: ptxas checks it) and SIMT: its
+    """The chunk-form verify, tensor-core (3xTF32 mma.sync: ptxas checks the MMA and its operands) and SIMT: its
     compiled signature is the recurrent kernel's (11 pointers, 9 scalars, the stream)."""
     from cula_sm90.decode import launch
 

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass import Float32, Int32, Int64, TFloat32
 
 #: eps inside the square root of the L2 norm (cula_core.reference.gates.L2NORM_EPS, FLA's value).
 L2NORM_EPS = 1e-6
@@ -103,32 +101,35 @@ def activate_beta(b: Float32, beta_sigmoid: Int32) -> Float32:
 
 # ---------------------------------------------------------------- TF32 tensor-core helpers (3xTF32 products)
 
-@dsl_user_op
-def tf32_split(x: Float32, *, loc=None, ip=None):
-    """x = hi + lo with hi = x rounded to TF32 and lo = (x - hi) rounded to TF32, both as the b32 registers mma
-    takes: hi*hi + hi*lo + lo*hi carries ~22 mantissa bits (3xTF32), what keeps the products at fp32 accuracy."""
-    xv = Float32(x).ir_value(loc=loc, ip=ip)
-    pair = llvm.inline_asm(
-        llvm.StructType.get_literal([T.i32(), T.i32()]), [xv],
-        "{\n\t.reg .f32 r;\n\tcvt.rna.tf32.f32 $0, $2;\n\tmov.b32 r, $0;\n\tsub.f32 r, $2, r;\n\t"
-        "cvt.rna.tf32.f32 $1, r;\n\t}",
-        "=r,=r,f", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return (llvm.extractvalue(T.i32(), pair, [0], loc=loc, ip=ip),
-            llvm.extractvalue(T.i32(), pair, [1], loc=loc, ip=ip))
+def tf32_split(x: Float32):
+    """x = hi + lo with hi = x rounded to TF32 and lo = (x - hi) rounded to TF32 (cvt.rna: to nearest, ties away
+    from zero), both as Int32 holding the TF32 bit patterns mma takes: hi*hi + hi*lo + lo*hi carries ~22 mantissa
+    bits (3xTF32), what keeps the products at fp32 accuracy."""
+    hi = Int32(cute.arch.cvt_f32_tf32(x))
+    lo = Int32(cute.arch.cvt_f32_tf32(x - hi.bitcast(Float32)))
+    return hi, lo
 
 
-@dsl_user_op
-def mma_tf32(a, b, c, *, loc=None, ip=None):
-    """D = A B + C on the tensor cores: mma.sync m16n8k8, TF32 operands (a: 4 b32 registers, b: 2, as from
-    tf32_split), fp32 accumulators c (4 Float32). Fragment layouts: PTX ISA, "mma.m16n8k8" for .tf32."""
-    ops = [*a, *b, *[Float32(x).ir_value(loc=loc, ip=ip) for x in c]]
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.f32()] * 4), ops,
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
-        "{$10, $11, $12, $13};",
-        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
+def _tf32_fragment(regs):
+    """The TF32 bit patterns `regs` (Int32, from tf32_split) as an MMA operand fragment (V, 1, 1) of TFloat32: a
+    register tensor of the patterns viewed as TFloat32, so the MMA takes them as they are (assigning fp32 values
+    to a TFloat32 tensor would pass their untouched fp32 bits, which the MMA truncates)."""
+    frag = cute.make_rmem_tensor(cute.make_layout((len(regs), 1, 1)), Int32)
+    for i in range(len(regs)):
+        frag[i] = regs[i]
+    return cute.recast_tensor(frag, TFloat32)
+
+
+def mma_tf32(a, b, c):
+    """D = A B + C on the tensor cores: mma.sync m16n8k8, TF32 operands (a: 4 Int32, b: 2, as from tf32_split),
+    fp32 accumulators c (4 Float32); returns D as 4 Float32. Element i of a, b, c, D is the instruction's fragment
+    register i (layouts: PTX ISA, "mma.m16n8k8" for .tf32)."""
+    atom = cute.make_mma_atom(cute.nvgpu.warp.MmaTF32Op((16, 8, 8)))
+    acc = cute.make_rmem_tensor(cute.make_layout((4, 1, 1)), Float32)
+    for i in range(4):
+        acc[i] = c[i]
+    cute.gemm(atom, acc, _tf32_fragment(a), _tf32_fragment(b), acc)
+    return [acc[i] for i in range(4)]
 
 
 # ---------------------------------------------------------------- state pieces in either pool layout
