@@ -478,9 +478,8 @@ def chunk_kda_cp(
         # the inputs and the residuals, which do not depend on the state)
         h0 = initial_state
         if from_before:
-            states = torch.stack([entering[i] for i in from_before]).to(state_dtype)
             base = initial_state if initial_state is not None else q.new_zeros(N, HV, K, V, dtype=state_dtype)
-            h0 = base.index_put((idx,), states)
+            h0 = base.index_put((idx,), torch.stack([entering[i] for i in from_before]).to(base.dtype))
         o, final_state = _LocalOutputs.apply(*local_args[:7], h0, *local_args[8:], o, final_state, Aqk, Akk)
         response, first_map = {}, {}
         for s in slots:
