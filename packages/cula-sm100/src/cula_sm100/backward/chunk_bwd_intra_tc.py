@@ -36,12 +36,12 @@ thread per k-block). dq / dk: read-add-write of global memory by the owning thre
 leave through a per-warp 16 x 33 scratch: the lanes 0..15 (one channel each) walk the block's rows from the last
 to the first adding the global dG (chunk_wy_dqkg's) and the running suffix sum, lanes 16..31 sum a row's k R over
 the warp's channels into a per-(row, warp) partial, summed over the 8 warps in a fixed order at the end.
-Shared memory 103.7 KiB (2 CTAs per SM): q, k (bf16, rows padded to 136: conflict-free fragment loads), G
-(fp32 log2 units, rows of 132), dSq / dL (bf16, rows of 72: conflict-free ldmatrix), beta, the scratch and the
-dbeta partials. Launch bound: 1 CTA per SM, so ptxas may take 255 registers (80 bytes of spills: ten 64-bit values
-reloaded once per row block); a block's dq / dk / dG targets are loaded before its products (latency hidden). At 2
-CTAs per SM the 128-register cap spills in the hot loops and the kernel was slower than the CUDA-core one
-(docs/benchmarks/bwd_intra.md).
+Shared memory 103.7 KiB (room for 2 CTAs per SM; the registers allow 1): q, k (bf16, rows padded to 136:
+conflict-free fragment loads), G (fp32 log2 units, rows of 132), dSq / dL (bf16, rows of 72: conflict-free
+ldmatrix), beta, the scratch and the dbeta partials. Launch bound: 1 CTA per SM, so ptxas may take 255 registers (80
+bytes of spills: ten 64-bit values reloaded once per row block); a block's dq / dk / dG targets are loaded before
+its products (latency hidden). At 2 CTAs per SM the 128-register cap spills in the hot loops and the kernel was
+slower than the CUDA-core one (docs/benchmarks/bwd_intra.md).
 Pipeline per value head: G by cp.async; dAqk / dL as 16-byte loads converted to bf16 (masked to the lower /
 strictly lower triangle, dSq scaled); one barrier; G padded (rows >= n take row n - 1's: exponents stay
 bounded; q = k = dSq = dL = beta = 0 there, so padding adds exactly 0) and scaled to log2 units; one barrier;
