@@ -4,11 +4,14 @@ against the CUDA-core kernel chunk_bwd_intra
 chunk_local_cumsum(reverse)) where FLA is installed.
 
     python -m tools.bench.bwd_intra [--out docs/benchmarks/bwd_intra.md] [--json FILE] [--smoke] [--no-fla]
+        [--decay D]
     (and tools/bench/harness.parse_args's options: --warmup / --repeats in ms for do_bench, --method)
 
 Shapes (the issue's): B=2 T=8192 H=32 with HV = 32 and 64, and varlen: 10 sequences of 8192 tokens in all
 (random lengths, seed 0), HV = 32. Inputs as the GPU tests make them (tests/sm100/chunk_bwd_intra_tc_memcheck_case.
-problem: unit q / k, G = chunk cumsum of logsigmoid(randn) / 8, causal dAqk, strictly lower dL). Timing: the
+problem: unit q / k, G = chunk cumsum of logsigmoid(randn) / D, causal dAqk, strictly lower dL). `--decay D`
+(default 8: mild, every diagonal block through the MMA; 0.25: strong, every one on the exact path, as under the
+training gates). Timing: the
 median of `triton.testing.do_bench` after warm-up (tools/bench/harness.measure, method auto). The kernels add
 in place; the repeated calls keep adding to the same buffers (the work per call does not depend on their values,
 though dG's repeated cumsums overflow to inf after a few dozen calls: no slower on the GPU). Before
@@ -43,11 +46,11 @@ def random_lengths(n, total, seed=0):
     return [b - a for a, b in zip([0, *cuts], [*cuts, total], strict=True)]
 
 
-def make(shape):
+def make(shape, decay):
     from chunk_bwd_intra_tc_memcheck_case import problem
 
     lengths = random_lengths(10, shape["T"]) if shape["lengths"] == "random10" else None
-    return problem(lengths, shape["H"], shape["HV"], 8.0, B=shape["B"], T=shape["T"], seed=0), lengths
+    return problem(lengths, shape["H"], shape["HV"], decay, B=shape["B"], T=shape["T"], seed=0), lengths
 
 
 def rel(a, b):
@@ -57,11 +60,11 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def bench_shape(shape, timing, with_fla):
+def bench_shape(shape, timing, with_fla, decay):
     """(CUDA-core ms, TC ms, FLA ms or None, TC rel. diff) of one shape."""
     from cula_sm100.backward import launch
 
-    (pargs, base, ctab, _ch, scale), lengths = make(shape)
+    (pargs, base, ctab, _ch, scale), lengths = make(shape, decay)
     cc = [b.clone() for b in base]
     launch.chunk_bwd_intra(*pargs, *cc, ctab, scale=scale, tc=False)
     o = [b.clone() for b in base]
@@ -86,6 +89,8 @@ def main(argv=None) -> int:
     extra = argparse.ArgumentParser(add_help=False)
     extra.add_argument("--out", type=Path, help="write the markdown report here")
     extra.add_argument("--no-fla", action="store_true", help="skip FLA's stage")
+    extra.add_argument("--decay", type=float, default=8.0,
+                       help="G = chunk cumsum of logsigmoid(randn) / DECAY (8: mild, 0.25: strong; default 8)")
     own, rest = extra.parse_known_args(argv)
     args = parse_args(__doc__.splitlines()[0], rest)  # --smoke, --warmup, --repeats, --method, --json
     if not torch.cuda.is_available():
@@ -95,7 +100,7 @@ def main(argv=None) -> int:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 3 + "---:|" * (len(head) - 3)]
     raw = []
     for shape in SMOKE if args.smoke else SHAPES:
-        ms_cc, ms_tc, ms_fla, diff = bench_shape(shape, args.timing, not own.no_fla)
+        ms_cc, ms_tc, ms_fla, diff = bench_shape(shape, args.timing, not own.no_fla, own.decay)
         torch.cuda.empty_cache()
         row = [shape["name"], shape["H"], shape["HV"], f"{ms_cc:.3f}", f"{ms_tc:.3f}",
                "n/a" if ms_fla is None else f"{ms_fla:.3f}", f"{ms_cc / ms_tc:.2f}x",
@@ -107,8 +112,9 @@ def main(argv=None) -> int:
     cmd = "python -m tools.bench.bwd_intra " + " ".join(argv if argv is not None else sys.argv[1:])
     text = (f"# sm100 backward intra stage: tensor-core kernel vs CUDA-core kernel (and FLA 0.6.0)\n\n"
             f"Device: {env.get('gpu', '?')} (torch {env.get('torch')}, CUDA {env.get('cuda')}). Command: `{cmd}`.\n"
-            f"Median of {args.timing.method} timing; speed-up = CUDA-core ms / TC ms; TC rel. diff: the largest "
-            f"||tc - cc|| / ||cc|| over dq, dk, dbeta, dG.\n\n" + "\n".join(lines) + "\n")
+            f"Inputs: G = chunk cumsum of logsigmoid(randn) / {own.decay:g}. Median of {args.timing.method} timing; "
+            f"speed-up = CUDA-core ms / TC ms; TC rel. diff: the largest ||tc - cc|| / ||cc|| over dq, dk, dbeta, "
+            f"dG.\n\n" + "\n".join(lines) + "\n")
     print(text)
     if own.out:
         own.out.write_text(text)
