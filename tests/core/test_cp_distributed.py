@@ -6,14 +6,23 @@ through `chunk_kda` from the previous slot's final state (checked equal to the u
 also yields the boundary states a rank returns for sequences that go on, so a loss on every output a rank
 returns (o and all its final-state rows) has an exact single-process counterpart. Every rank compares its
 outputs, final states and the gradients of q, k, v, g, beta, A_log, dt_bias and initial_state.
+
+With the test-only backend `cpusaver` (tests/fixtures/cula-testbackend: the reference math, residuals saved by its
+forward and recorded by its backward) the same checks run on a backend that hands residuals over, as the GPU
+training backend does, and each rank's CP call is also held to its plan: two forwards (the local run, asking for
+residuals, and the identity run) and one backward, which receives the local run's residuals.
 """
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import os
 import socket
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,13 +95,19 @@ def _leaves(x):
     return {n: t.clone().requires_grad_(True) for n, t in x.items()}
 
 
-def _worker(rank, world, port, lengths, layout, HQK, HV, K, V, check_no_grad, result_dir):
+def _worker(rank, world, port, lengths, layout, HQK, HV, K, V, check_no_grad, result_dir, saver_dir):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
+    saver = None
+    if saver_dir is not None:  # the test-only backends on this process's path, found by the registry
+        sys.path.insert(0, saver_dir)
+        importlib.invalidate_caches()
+        cula_core.registry.reload()
+        from cula_testbackend.backends import CpuSaver as saver
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        _check_rank(rank, world, lengths, layout, HQK, HV, K, V, check_no_grad)
+        _check_rank(rank, world, lengths, layout, HQK, HV, K, V, check_no_grad, saver)
         dist.barrier()  # no rank tears down its connections while a peer still uses them
     finally:
         dist.destroy_process_group()
@@ -102,7 +117,7 @@ def _worker(rank, world, port, lengths, layout, HQK, HV, K, V, check_no_grad, re
     os._exit(0)
 
 
-def _check_rank(rank, world, lengths, layout, HQK, HV, K, V, check_no_grad):
+def _check_rank(rank, world, lengths, layout, HQK, HV, K, V, check_no_grad, saver):
     x, w = _global_inputs(lengths, HQK, HV, K, V, seed=7)
     bounds = [0, *itertools.accumulate(lengths)]
     # -- single process: the unsplit call, and the same call slot by slot
@@ -157,11 +172,19 @@ def _check_rank(rank, world, lengths, layout, HQK, HV, K, V, check_no_grad):
             o, ht = call()
         torch.testing.assert_close(o, o_ref.detach(), rtol=TOL, atol=TOL)
         torch.testing.assert_close(ht, ht_ref.detach(), rtol=TOL, atol=TOL)
+    if saver is not None:
+        saver.forwards, saver.seen = [], []
     o, ht = call()
     torch.testing.assert_close(o, o_ref.detach(), rtol=TOL, atol=TOL)
     torch.testing.assert_close(ht, ht_ref.detach(), rtol=TOL, atol=TOL)
     loss = local_loss(o, ht, slots)
     grads = dict(zip(names, torch.autograd.grad(loss, [loc[n] for n in names]), strict=True))
+    if saver is not None:
+        # the local run (residuals asked) and the identity run, no rerun; the one backward gets the local run's
+        # residuals (cpusaver fills Aqk with the sum of the q it was given: this rank's q)
+        assert saver.forwards == [True, False], saver.forwards
+        assert len(saver.seen) == 1 and saver.seen[0] is not None, saver.seen
+        assert torch.all(saver.seen[0][0] == float(loc["q"].detach().sum()))
     for n in ("q", "k", "v", "g", "beta"):
         expect = torch.cat([ref_grads[n][:, a:b] for a, b in (ranges[s] for s in slots)], 1)
         torch.testing.assert_close(grads[n], expect, rtol=TOL, atol=TOL, msg=lambda m, n=n: f"d{n}: {m}")
@@ -175,9 +198,9 @@ def _check_rank(rank, world, lengths, layout, HQK, HV, K, V, check_no_grad):
     torch.testing.assert_close(grads["h0"], expect_h0, rtol=TOL, atol=TOL)
 
 
-def _spawn(world, lengths, layout, tmp_path, HQK=1, HV=2, K=8, V=8, check_no_grad=False):
-    mp.spawn(_worker, args=(world, _free_port(), lengths, layout, HQK, HV, K, V, check_no_grad, str(tmp_path)),
-             nprocs=world, join=True)
+def _spawn(world, lengths, layout, tmp_path, HQK=1, HV=2, K=8, V=8, check_no_grad=False, saver_dir=None):
+    mp.spawn(_worker, args=(world, _free_port(), lengths, layout, HQK, HV, K, V, check_no_grad, str(tmp_path),
+                            saver_dir), nprocs=world, join=True)
     assert sorted(os.listdir(tmp_path)) == [f"rank{r}.ok" for r in range(world)]
 
 
@@ -194,6 +217,16 @@ def test_four_ranks_one_sequence_through_a_middle_rank(tmp_path):
 def test_two_ranks_zigzag(tmp_path):
     # slots of 32: sequence 0 runs through slots 0, 1, 2 (ranks 0, 1, 1) and ends in slot 3 (rank 0's back part)
     _spawn(2, [100, 28], "zigzag", tmp_path)
+
+
+def test_ranks_on_a_backend_that_saves_residuals(tmp_path_factory):
+    # K = 8: served by cpusaver; rank 1 holds only the middle of sequence 1, which goes on into rank 2
+    target = tmp_path_factory.mktemp("testbackend")
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "cula-testbackend"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "--target",
+                    str(target), str(fixture)], check=True)
+    result_dir = tmp_path_factory.mktemp("ranks")
+    _spawn(4, [10, 250, 60, 64], "contiguous", result_dir, saver_dir=str(target))
 
 
 # ---------------------------------------------------------------------------------------------------------
