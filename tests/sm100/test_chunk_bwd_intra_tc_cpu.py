@@ -57,8 +57,9 @@ def test_shared_memory_plan():
 
 
 def test_launch_picks_the_kernel_and_passes_arguments_in_order(monkeypatch):
-    """launch.chunk_bwd_intra launches the tensor-core kernel (by default) or, with tc=False, the CUDA-core kernel, with (q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG,
-    chunk table) and (TT, NC, HQK, HV, scale); nothing is launched without chunks."""
+    """launch.chunk_bwd_intra launches the tensor-core kernel (by default) or, with tc=False, the CUDA-core kernel,
+    with (q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, chunk table) and (TT, NC, HQK, HV, scale); nothing is launched
+    without chunks."""
     from cula_sm100.backward import launch
 
     calls = []

@@ -423,6 +423,7 @@ def chunk_kda_cp(
     from_before = sorted(s.first_seq for s in slots if s.pre)
     h0_local = initial_state
     if from_before:
+        # the rows every state of this call starts from (the caller's, or zeros), and the rows that come from before
         base = initial_state if initial_state is not None else q.new_zeros(N, HV, K, V, dtype=state_dtype)
         idx = torch.tensor(from_before, dtype=torch.long).to(device, non_blocking=True)
         h0_local = base.detach().index_fill(0, idx, 0.0)
@@ -478,7 +479,6 @@ def chunk_kda_cp(
         # the inputs and the residuals, which do not depend on the state)
         h0 = initial_state
         if from_before:
-            base = initial_state if initial_state is not None else q.new_zeros(N, HV, K, V, dtype=state_dtype)
             h0 = base.index_put((idx,), torch.stack([entering[i] for i in from_before]).to(base.dtype))
         o, final_state = _LocalOutputs.apply(*local_args[:7], h0, *local_args[8:], o, final_state, Aqk, Akk)
         response, first_map = {}, {}

@@ -48,9 +48,9 @@ bounded; q = k = dSq = dL = beta = 0 there, so padding adds exactly 0) and scale
 the 4 row blocks. Blocks wholly past the chunk end are skipped. Assumes K = 128, chunks that never cross a
 sequence (the chunk table), n >= 1 per chunk.
 
-One configuration serves every size (sizes and the scale are runtime arguments). chunk_bwd_intra.py (CUDA cores, fp32 throughout) is its
-tests' oracle, reached with launch.chunk_bwd_intra(..., tc=False). Measurements: docs/benchmarks/bwd_intra.md;
-static resources: docs/kernel_report.md.
+One configuration serves every size (sizes and the scale are runtime arguments). chunk_bwd_intra.py (CUDA cores,
+fp32 throughout) is its tests' oracle, reached with launch.chunk_bwd_intra(..., tc=False). Measurements:
+docs/benchmarks/bwd_intra.md, docs/benchmarks/train_bwd.md; static resources: docs/kernel_report.md.
 """
 
 from __future__ import annotations
