@@ -32,15 +32,15 @@ its own decayed B operands: no sharing, no barrier between the warps inside a va
 (processed 3, 2, 1, 0 so the reverse cumsum of dG runs along), one 16 x 16 fp32 accumulator each for dq, R, C
 (24 registers): A = 16 x 16 tiles of dSq / dL (bf16, shared memory, ldmatrix; ldmatrix.trans for the column side),
 B = decayed k / q / beta k built element by element from shared memory straight into MMA fragments (8 exp2 per
-thread per k-block). dq / dk: read-add-write of global memory by the owning thread per value head; dG and dbeta
+thread per k-block). dq / dk: read-add-write of global memory by the owning thread per value head, as 64-bit pairs
+(the accumulator fragment holds channels cc, cc + 1 of a row in consecutive elements); dG and dbeta
 leave through a per-warp 16 x 33 scratch: the lanes 0..15 (one channel each) walk the block's rows from the last
 to the first adding the global dG (chunk_wy_dqkg's) and the running suffix sum, lanes 16..31 sum a row's k R over
 the warp's channels into a per-(row, warp) partial, summed over the 8 warps in a fixed order at the end.
 Shared memory 103.7 KiB (room for 2 CTAs per SM; the registers allow 1): q, k (bf16, rows padded to 136:
 conflict-free fragment loads), G (fp32 log2 units, rows of 132), dSq / dL (bf16, rows of 72: conflict-free
-ldmatrix), beta, the scratch and the dbeta partials. Launch bound: 1 CTA per SM, so ptxas may take 255 registers (80
-bytes of spills: ten 64-bit values reloaded once per row block); a block's dq / dk / dG targets are loaded before
-its products (latency hidden). At 2 CTAs per SM the 128-register cap spills in the hot loops and the kernel was
+ldmatrix), beta, the scratch and the dbeta partials. Launch bound: 1 CTA per SM, so ptxas may take 255 registers (no
+spills); a block's dq / dk / dG targets are loaded before its products (latency hidden). At 2 CTAs per SM the 128-register cap spills in the hot loops and the kernel was
 slower than the CUDA-core one (docs/benchmarks/bwd_intra.md).
 Pipeline per value head: G by cp.async; dAqk / dL as 16-byte loads converted to bf16 (masked to the lower /
 strictly lower triangle, dSq scaled); one barrier; G padded (rows >= n take row n - 1's: exponents stay
@@ -273,11 +273,19 @@ class ChunkBwdIntraTC:
             ki = sK[i, d].to(f32)
             bi = sBeta[i]
             br = bi * accR[v]
-            if i < n:
-                tDq[i, d] = oq[v] + accQ[v]
-                tDk[i, d] = ok[v] + (br + accC[v])
+            oq[v] = oq[v] + accQ[v]
+            ok[v] = ok[v] + (br + accC[v])
             scr[rr, cc] = (qi * accQ[v] + ki * br) - ki * accC[v]
             scr[rr, _BC + cc] = ki * accR[v]
+        # stored as 64-bit pairs (fragment elements 2 pr, 2 pr + 1: channels cc, cc + 1 of one row; see load_targets)
+        for pr in cutlass.range_constexpr(cute.size(oq) // 2):
+            rr, cc = coordC[2 * pr]
+            if r0 + rr < n:
+                col = (d0 + cc) // 2
+                cute.autovec_copy(cute.local_tile(oq, (2,), (pr,)),
+                                  cute.local_tile(tDq, (1, 2), (r0 + rr, col))[0, None])
+                cute.autovec_copy(cute.local_tile(ok, (2,), (pr,)),
+                                  cute.local_tile(tDk, (1, 2), (r0 + rr, col))[0, None])
         cute.arch.sync_warp()
         if lane < _BC:
             # the block's rows, last to first: dG (chunk_wy_dqkg's + this kernel's) into the running suffix sum
@@ -301,11 +309,12 @@ class ChunkBwdIntraTC:
     def load_targets(self, r0, n, d0, lane, coordC, oq, ok, gin, tDq, tDk, tDg):
         """The dq, dk (the thread's fragment elements) and dG (channel d0 + lane % 16, the block's 16 rows) this
         block adds to; rows clamped into the chunk (a padding row reads row n - 1, never stored)."""
-        for v in cutlass.range_constexpr(cute.size(oq)):
-            rr, cc = coordC[v]
+        for pr in cutlass.range_constexpr(cute.size(oq) // 2):
+            rr, cc = coordC[2 * pr]  # elements 2 pr, 2 pr + 1: channels cc, cc + 1 (cc even) of one row
             rs = cutlass.min(r0 + rr, n - 1)
-            oq[v] = tDq[rs, d0 + cc]
-            ok[v] = tDk[rs, d0 + cc]
+            col = (d0 + cc) // 2
+            cute.autovec_copy(cute.local_tile(tDq, (1, 2), (rs, col))[0, None], cute.local_tile(oq, (2,), (pr,)))
+            cute.autovec_copy(cute.local_tile(tDk, (1, 2), (rs, col))[0, None], cute.local_tile(ok, (2,), (pr,)))
         for rr in cutlass.range_constexpr(_BC):
             gin[rr] = tDg[cutlass.min(r0 + rr, n - 1), d0 + lane % _BC]
 
