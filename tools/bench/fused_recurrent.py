@@ -17,18 +17,27 @@ Tables:
      (1, 2, 4, 8, 16, 32, 64, 128).
   2. new state (FLA's layers): T = 1 with an fp32 initial state [N, H, K, V] and output_final_state=True, and
      outputs only (output_final_state=False) at T = 1 and 4; both sides through their public function.
+  3. speculative pool step as vLLM calls it (speculative decoding): N requests of T in (2, 4) draft tokens in one
+     row with cu_seqlens = arange(0, N * T + 1, T), a pool of P = N * T slots [P, H, K, V] in fp32 or bf16,
+     ssm_state_indices [N, T] (int32, a permutation of range(P): a slot per token, the state after token t written
+     to slot idx[n, t]) and num_accepted_tokens [N] (int32, seeded uniform in [1, T]: request n starts from the
+     state in slot idx[n, num_accepted_tokens[n] - 1]). cula: `cula.fused_recurrent_kda(..., initial_state=pool,
+     ssm_state_indices=idx, num_accepted_tokens=acc, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)` (sm90's slots mode);
+     FLA: `fused_recurrent_kda_fwd(..., inplace_final_state=True, ssm_state_indices=idx, num_accepted_tokens=acc,
+     cu_seqlens=cu)`. N as table 1.
 Columns: device ms per call (20 calls captured in one CUDA graph and replayed under triton's do_bench, median:
 tools/bench/mtp_decode.py's `graph_ms`; serving engines run decode steps this way), speed-up = FLA ms / cula ms,
-state GB/s = bytes of state read + written per call / device time and its share of the card's HBM peak (issue 21
-asks >= 80% for bf16 pools at N = 128), eager ms (Python calls timed by tools/bench/harness.py's `measure`, host cost
-included; not with --quick), and the error: max |cula - FLA| / max |FLA| over o and the pool (or final state) after
-the first call on the same inputs.
+state GB/s = bytes of state read + written per call / device time (table 3: one state read and T written per
+request and head) and its share of the card's HBM peak (issue 21 asks >= 80% for bf16 pools at N = 128), eager ms
+(Python calls timed by tools/bench/harness.py's `measure`, host cost included; not with --quick), and the error:
+max |cula - FLA| / max |FLA| over o and the pool slots written (or the final state) after one call of each on
+identical copies of the inputs. Under tables 1 and 3: the least and largest speed-up.
 
 FLA runs its own Triton kernels (FLA_FLASH_KDA=0, FLA_CULA=0), retuned in this process on each shape
 (tools/bench/fla_tuning.py). cula runs with CULA_BACKEND=sm90 (a declined call fails instead of timing the
 reference). The section for this run's card replaces
-that card's section of `--out` (one `## <card>` section per card). `--quick`: N in (1, 16, 128), new-state rows at
-H = 64 only; about two minutes on an H100, compilation included.
+that card's section of `--out` (one `## <card>` section per card). `--quick`: N in (1, 16, 128), new-state and
+speculative rows at H = 64 only; meant to take about three minutes on an H100, compilation included.
 """
 
 from __future__ import annotations
@@ -54,27 +63,42 @@ NS = (1, 2, 4, 8, 16, 32, 64, 128)
 HS = (32, 64)
 POOL_DTYPES = (torch.float32, torch.bfloat16)
 QUICK_NS = (1, 16, 128)
+SPEC_TS = (2, 4)  # draft tokens per request in the speculative pool step
 HEADER = ("# fused_recurrent_kda on Hopper: cula (sm90 decode kernels) vs FLA 0.6.0\n\n"
           "One section per card; inputs, timing and columns: `tools/bench/fused_recurrent.py`'s docstring. FLA "
           "runs its own Triton\nkernel (`FLA_FLASH_KDA=0`, `FLA_CULA=0`), autotuned in the timing process on each "
           "exact shape (no restored\ntuning); FlashKDA has no decode kernel, so it has no column here.\n")
 
 
-def make_inputs(N: int, H: int, T: int = 1, pool_dtype=torch.float32, seed: int = 0) -> dict:
-    """One input set on the GPU: the N sequences of T tokens in one row (cu_seqlens on the GPU and on the host), a
-    pool of N slots in `pool_dtype` and a permutation of its slots."""
+def make_inputs(N: int, H: int, T: int = 1, pool_dtype=torch.float32, seed: int = 0, *, device="cuda",
+                slot_per_token: bool = False) -> dict:
+    """One input set on `device`: the N sequences of T tokens in one row (cu_seqlens on `device` and on the host)
+    and a state pool in `pool_dtype` (its values drawn on `device`). Without `slot_per_token`: a pool of N slots
+    and `idx` [N] int32, a permutation of its slots. With it (the speculative step): a pool of N * T slots, `idx`
+    [N, T] int32, a permutation of range(N * T) (each request's T slots distinct), and `accepted` [N] int32 in
+    [1, T] (num_accepted_tokens)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
+    # the pool is drawn where it lives: up to 512 slots of H * K * V values, slow to draw on the host
+    pool_gen = torch.Generator(device=device).manual_seed(seed)
 
     def r(*s, scale=1.0):
-        return (torch.randn(*s, generator=gen) * scale).cuda()
+        return (torch.randn(*s, generator=gen) * scale).to(device)
 
     bf = torch.bfloat16
     L = N * T
+    P = L if slot_per_token else N
     cu = torch.arange(0, L + 1, T, dtype=torch.int32)
-    return dict(q=r(1, L, H, K).to(bf), k=r(1, L, H, K).to(bf), v=r(1, L, H, V).to(bf), g=r(1, L, H, K).to(bf),
-                beta=torch.sigmoid(r(1, L, H)).to(bf), A_log=torch.log(torch.rand(H, generator=gen) * 15 + 1).cuda(),
-                dt_bias=r(H * K, scale=0.5), cu=cu.cuda(), cu_cpu=cu, pool=r(N, H, K, V, scale=0.1).to(pool_dtype),
-                idx=torch.randperm(N, generator=gen).to(torch.int32).cuda())
+    x = dict(q=r(1, L, H, K).to(bf), k=r(1, L, H, K).to(bf), v=r(1, L, H, V).to(bf), g=r(1, L, H, K).to(bf),
+             beta=torch.sigmoid(r(1, L, H)).to(bf), A_log=torch.log(torch.rand(H, generator=gen) * 15 + 1).to(device),
+             dt_bias=r(H * K, scale=0.5), cu=cu.to(device), cu_cpu=cu,
+             pool=(torch.randn(P, H, K, V, generator=pool_gen, device=device) * 0.1).to(pool_dtype))
+    idx = torch.randperm(P, generator=gen).to(torch.int32)
+    if slot_per_token:
+        x["idx"] = idx.reshape(N, T).to(device)
+        x["accepted"] = torch.randint(1, T + 1, (N,), generator=gen, dtype=torch.int32).to(device)
+    else:
+        x["idx"] = idx.to(device)
+    return x
 
 
 def _gate(x: dict) -> dict:
@@ -86,15 +110,15 @@ def cula_pool(x: dict, pool: torch.Tensor):
 
     return cula.fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool,
                                     cu_seqlens=x["cu"], cu_seqlens_cpu=x["cu_cpu"], ssm_state_indices=x["idx"],
-                                    **_gate(x))[0]
+                                    num_accepted_tokens=x.get("accepted"), **_gate(x))[0]
 
 
 def fla_pool(x: dict, pool: torch.Tensor):
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
     return fused_recurrent_kda_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool,
-                                   inplace_final_state=True, ssm_state_indices=x["idx"], cu_seqlens=x["cu"],
-                                   **_gate(x))[0]
+                                   inplace_final_state=True, ssm_state_indices=x["idx"],
+                                   num_accepted_tokens=x.get("accepted"), cu_seqlens=x["cu"], **_gate(x))[0]
 
 
 def cula_new_state(x: dict, h0: torch.Tensor, final: bool):
@@ -118,19 +142,49 @@ def _bandwidth(row: dict, state_bytes: int, peak: float) -> None:
         row[f"{side}_gbs"], row[f"{side}_hbm_pct"] = gbs, gbs / peak * 100
 
 
-def pool_row(N: int, H: int, pool_dtype, timing: Timing, eager: bool, peak: float) -> dict:
-    x = make_inputs(N, H, pool_dtype=pool_dtype, seed=N + H)
+def rel_err(ours, reference) -> float:
+    """max |ours - ref| / max |ref| (0 / 0 counts as 0), the largest over pairs of same-shape tensors, reduced on
+    their device in fp32 (a pool holds GBs; tools/bench/harness.py's `errors` would copy it to the host in fp64).
+    A NaN or inf in either makes it NaN."""
+    worst = 0.0
+    for a, b in zip(ours, reference, strict=True):
+        a, b = a.float(), b.float()
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            return float("nan")
+        diff, scale = (a - b).abs().max().item(), b.abs().max().item()
+        worst = max(worst, diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf")))
+    return worst
+
+
+def _pool_step_row(x: dict, row: dict, state_bytes: int, timing: Timing, eager: bool, peak: float) -> dict:
+    """One row of a pool table: both sides called once on identical copies of the pool (the error over o and the
+    slots written), then timed, each on its own copy."""
     ours, theirs = x["pool"].clone(), x["pool"].clone()
     fla_tuning.retune()  # FLA's first call on this shape tunes on it
-    o_err = errors(cula_pool(x, ours).float(), fla_pool(x, theirs).float())[1]
-    row = dict(table="pool", H=H, N=N, pool=str(pool_dtype).replace("torch.", ""),
-               err=max(o_err, errors(ours.float(), theirs.float())[1]),
-               cula_ms=graph_ms(cula_pool, (x, ours), timing), fla_ms=graph_ms(fla_pool, (x, theirs), timing))
+    o_ours, o_theirs = cula_pool(x, ours), fla_pool(x, theirs)
+    written = x["idx"].flatten().long()
+    row["err"] = rel_err((o_ours, ours[written]), (o_theirs, theirs[written]))
+    del o_ours, o_theirs
+    row["cula_ms"], row["fla_ms"] = graph_ms(cula_pool, (x, ours), timing), graph_ms(fla_pool, (x, theirs), timing)
     if eager:
         row["cula_eager_ms"] = measure(cula_pool, [(x, ours)], timing).median_ms
         row["fla_eager_ms"] = measure(fla_pool, [(x, theirs)], timing).median_ms
-    _bandwidth(row, 2 * N * H * K * V * pool_dtype.itemsize, peak)
+    _bandwidth(row, state_bytes, peak)
     return row
+
+
+def pool_row(N: int, H: int, pool_dtype, timing: Timing, eager: bool, peak: float) -> dict:
+    x = make_inputs(N, H, pool_dtype=pool_dtype, seed=N + H)
+    row = dict(table="pool", H=H, N=N, pool=str(pool_dtype).replace("torch.", ""))
+    return _pool_step_row(x, row, 2 * N * H * K * V * pool_dtype.itemsize, timing, eager, peak)
+
+
+def spec_row(N: int, H: int, T: int, pool_dtype, timing: Timing, eager: bool, peak: float) -> dict:
+    """The speculative pool step: N requests of T draft tokens, a slot per token (see make_inputs)."""
+    x = make_inputs(N, H, T, pool_dtype=pool_dtype, seed=1000 + 10 * N + H + T, slot_per_token=True)
+    row = dict(table="spec", H=H, N=N, T=T, pool=str(pool_dtype).replace("torch.", ""))
+    # per request and head: the state after the last accepted token read, the state after each draft token written
+    return _pool_step_row(x, row, (1 + T) * N * H * K * V * pool_dtype.itemsize, timing, eager, peak)
 
 
 def new_state_row(N: int, H: int, T: int, final: bool, timing: Timing, eager: bool, peak: float) -> dict:
@@ -194,12 +248,27 @@ def render(rows: list[dict], env: dict, command: str) -> str:
             lines.append(f"| {r['H']} | {r['N']} | {r['T']} | {what} | {r['fla_ms']:.4f} | {r['cula_ms']:.4f} "
                          f"| {_x(r['fla_ms'], r['cula_ms'])} | {r['cula_hbm_pct']:.0f}% | {r['fla_hbm_pct']:.0f}% "
                          f"| {_eager(r)} {r['err']:.1e} |")
+    specs = [r for r in rows if r["table"] == "spec"]
+    if specs:
+        lines += ["", "### Speculative pool step (vLLM: T draft tokens per request, a slot per token, "
+                  "num_accepted_tokens)", "",
+                  "| H | N | T | pool | FLA ms | cula ms | speed-up | cula state GB/s | cula % of HBM | FLA % of HBM "
+                  "| FLA eager ms | cula eager ms | max rel err |",
+                  "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in specs:
+            lines.append(f"| {r['H']} | {r['N']} | {r['T']} | {r['pool']} | {r['fla_ms']:.4f} | {r['cula_ms']:.4f} "
+                         f"| {_x(r['fla_ms'], r['cula_ms'])} | {r['cula_gbs']:.0f} | {r['cula_hbm_pct']:.0f}% "
+                         f"| {r['fla_hbm_pct']:.0f}% | {_eager(r)} {r['err']:.1e} |")
+        sp = [r["fla_ms"] / r["cula_ms"] for r in specs]
+        lines += ["", f"speed-up over the speculative grid: min {min(sp):.2f}x, max {max(sp):.2f}x over {len(sp)} "
+                  "cells."]
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="N in (1, 16, 128), new-state rows at H = 64, no eager")
+    ap.add_argument("--quick", action="store_true",
+                    help="N in (1, 16, 128), new-state and speculative rows at H = 64, no eager")
     ap.add_argument("--out", type=Path, help="markdown file whose section for this card is rewritten")
     ap.add_argument("--json", type=Path)
     add_do_bench_args(ap)
@@ -232,6 +301,12 @@ def main(argv=None) -> int:
                 for T, final in ((1, True), (1, False), (4, False)):
                     keep(new_state_row(N, H, T, final, timing, not args.quick, peak))
                     torch.cuda.empty_cache()
+        for pool_dtype in POOL_DTYPES:
+            for H in (64,) if args.quick else HS:
+                for T in SPEC_TS:
+                    for N in ns:
+                        keep(spec_row(N, H, T, pool_dtype, timing, not args.quick, peak))
+                        torch.cuda.empty_cache()
     if args.out and not args.out.exists():
         args.out.write_text(HEADER)
     publish("fused_recurrent", rows, render, args, argv)
