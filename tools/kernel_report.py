@@ -80,6 +80,19 @@ def _decode_recurrent(mode: str, T: int):
     return build
 
 
+def _decode_stream(pool: str, v_first: bool = False):
+    def build():
+        import torch
+
+        from cula_core import cute_runtime
+        from cula_sm90.decode import launch
+
+        dtype = torch.bfloat16 if pool == "bf16" else torch.float32
+        config = launch.stream_config(128, 128, *_decode_inputs(), dtype, v_first)
+        return cute_runtime.compile_kernel(launch.STREAM, config)
+    return build
+
+
 def _decode_flush(T: int):
     def build():
         from cula_core import cute_runtime
@@ -148,6 +161,9 @@ def _sm100_backward(name: str):
 
 # (report name, family, builder): the main configuration of every kernel
 KERNELS: list[tuple[str, str, object]] = [
+    ("decode.stream[T=1]", "sm90 decode", _decode_stream("fp32")),
+    ("decode.stream[T=1,bf16 pool]", "sm90 decode", _decode_stream("bf16")),
+    ("decode.stream[T=1,bf16 pool,V-first]", "sm90 decode", _decode_stream("bf16", True)),
     ("decode.recurrent[final,T=1]", "sm90 decode", _decode_recurrent("final", 1)),
     ("decode.recurrent[final,T=4]", "sm90 decode", _decode_recurrent("final", 4)),
     ("decode.recurrent[states,T=4]", "sm90 decode", _decode_recurrent("states", 4)),

@@ -33,8 +33,7 @@ def test_decode_dispatch_resolves_to_shipped_configurations():
         family = (mode, T, K, K, qkv, g, beta, True, True, safe, True)
         assert set(launch.family_kernels(*family)) <= shipped, family
         for N, HV in itertools.product((1, 2, 8, 64, 256, 1024), (1, 4, 32, 64)):
-            variant = configs.verify_variant(N, T, HV) if mode == configs.MODE_KVBUFFER else configs.VERIFY_RECURRENT
-            picked = launch.variant_kernel(mode, variant, configs.recurrent_tiling(N, T, HV), *family[1:])
+            picked = launch.dispatched_kernel(N, HV, *family)
             assert picked in shipped, (family, N, HV)
             checked += 1
     for K, T, per_request in itertools.product(kernels.HEAD_DIMS, range(1, kernels.DECODE_T_MAX + 1), (False, True)):

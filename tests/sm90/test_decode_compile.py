@@ -73,8 +73,11 @@ def sm90a(monkeypatch, tmp_path_factory):
     pytest.importorskip("cutlass")
     pytest.importorskip("tvm_ffi")
     from cula_core import cute_runtime as rt
+    from cula_sm90.decode import launch
 
     monkeypatch.delenv("CUTE_DSL_ARCH", raising=False)  # the runtime names sm_90a itself
+    # the streamed decode launches a CTA count from the device's SMs: an H100's here (the tensors are host tensors)
+    monkeypatch.setattr(launch, "sm_count", lambda index: 132)
     monkeypatch.setenv("CULA_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cula-cache"))
     rt.reset()
     yield rt
@@ -188,6 +191,7 @@ def _record_launches(monkeypatch):
     """Replace kernel loading by a recorder: each loaded "kernel" appends (name, configuration, launch arguments)
     to the returned list when launched. Nothing compiles or runs."""
     from cula_core import cute_runtime
+    from cula_sm90.decode import launch
 
     launches = []
 
@@ -196,6 +200,7 @@ def _record_launches(monkeypatch):
 
     monkeypatch.setattr(cute_runtime, "get", get)
     monkeypatch.setattr(cute_runtime, "current_stream", lambda device=None: 0)
+    monkeypatch.setattr(launch, "sm_count", lambda index: 132)   # an H100's SMs (the streamed decode's CTAs)
     return launches
 
 
@@ -232,13 +237,14 @@ def test_gate_and_beta_are_runtime_arguments(monkeypatch, mode, precomputed, act
     assert configs.BETA_SIGMOID == {"none": 0, "sigmoid": 1, "2sigmoid": 2}
 
 
-def test_precomputed_gate_ignores_the_gate_parameters(monkeypatch):
+@pytest.mark.parametrize("T", [1, 2])   # T = 1: the streamed kernel; T = 2: the recurrent one
+def test_precomputed_gate_ignores_the_gate_parameters(monkeypatch, T):
     """A precomputed log decay with A_log, dt_bias and a lower_bound given: the same configuration and arguments as
     without them (FLA's use_gate_in_kernel=False ignores them too)."""
     from cula_sm90.decode import launch
 
     launches = _record_launches(monkeypatch)
-    q, k, v, g, beta, pool, cache_idx, A_log, dt_bias = _decode_inputs("final", 1, 64, BF16, F32, F32, True, True,
+    q, k, v, g, beta, pool, cache_idx, A_log, dt_bias = _decode_inputs("final", T, 64, BF16, F32, F32, True, True,
                                                                        HV=14)  # a shape no other test launches
     for gate in (dict(A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0), dict(A_log=None, dt_bias=None,
                                                                              lower_bound=None)):
@@ -246,7 +252,9 @@ def test_precomputed_gate_ignores_the_gate_parameters(monkeypatch):
                              precomputed_gate=True, **gate)
     (name0, config0, args0), (name1, config1, args1) = launches
     assert (name0, config0) == (name1, config1)
-    assert config0[7:10] == (torch.float32, torch.float32, False)  # A_log, dt_bias present; softplus
+    assert name0 == (launch.STREAM if T == 1 else launch.RECURRENT)
+    gate_at = 5 if T == 1 else 7   # stream_config / recurrent_config: A_log, dt_bias, safe
+    assert config0[gate_at:gate_at + 3] == (torch.float32, torch.float32, False)  # A_log, dt_bias present; softplus
     # the same arguments but o (argument 9, a new tensor each call); lower_bound (16) unused
     assert args0[:9] + args0[10:] == args1[:9] + args1[10:] and args0[16] == 0.0
 

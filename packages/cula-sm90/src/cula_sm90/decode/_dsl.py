@@ -24,6 +24,14 @@ def slot_in_use(slot, P, null_slot):
     return (slot >= 0) & (slot < P) & (slot != null_slot)
 
 
+def thread_coords(lanes_v: int):
+    """(tid, warp, lane, kr, vc) of this thread in the decode kernels' tiling: lane = kr * lanes_v + vc, vc along
+    V, kr along K."""
+    tid = cute.arch.thread_idx()[0]
+    lane = tid % 32
+    return tid, tid // 32, lane, lane // lanes_v, lane % lanes_v
+
+
 def load_vec(ptr: cute.Pointer, offset: Int64, n: int):
     """n consecutive elements at ptr + offset, as fp32 scalars. One vector load when the offset keeps the
     pointer's alignment (the compiler tracks divisibility of the offset)."""

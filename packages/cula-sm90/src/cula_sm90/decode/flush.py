@@ -24,7 +24,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from cula_sm90.decode._dsl import load_state_piece, load_vec, slot_in_use, state_piece_offset, store_state_piece
+from cula_sm90.decode._dsl import (load_state_piece, load_vec, slot_in_use, state_piece_offset, store_state_piece,
+                                   thread_coords)
 
 
 class FlushKVBuffer:
@@ -56,11 +57,7 @@ class FlushKVBuffer:
                accept_all: Int32, pool_offs, buf_offs, N: Int32, HV: Int32, P: Int32, null_slot: Int32):
         T, K, V, RK, CW = self.T, self.K, self.V, self.RK, self.CW
         W = 2 * K + V
-        tid = cute.arch.thread_idx()[0]
-        warp = tid // 32
-        lane = tid % 32
-        kr = lane // self.VL
-        vc = lane % self.VL
+        tid, warp, lane, kr, vc = thread_coords(self.VL)
         bid = cute.arch.block_idx()[0]
         vb = bid % self.NVB
         head = bid // self.NVB           # (layer * N + n) * HV + hv

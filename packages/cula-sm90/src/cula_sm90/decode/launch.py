@@ -13,6 +13,9 @@ lower_bound are runtime arguments, so one artifact serves every batch:
                            pool dtype, v_first)                                  kvbuffer_verify.ChunkVerify
     sm90.decode.flush      flush_config(T, K, V, layers, per_request, pool dtype, v_first)
                                                                                  flush.FlushKVBuffer
+    sm90.decode.stream     stream_config(K, V, qkv, g, beta, A_log, dt_bias, safe, l2norm, pool dtype, v_first)
+                           (T = 1 into the pool; one more runtime argument: the CTAs launched)
+                                                                                 stream.StreamDecode
 
 The pool dtype (fp32 or bf16) and layout (v_first: [V, K] per state) are compile-time; null_slot is a runtime
 argument (-1 when the engine has none), and so are the gate's source and the beta activation of the recurrent and
@@ -24,9 +27,10 @@ converted to fp32 on the host; A_log and dt_bias always fp32 (None when absent).
 fp32 as they load it, so these conversions change no result; they keep the configuration set small enough to be
 built ahead of time (cula_sm90.kernels.aot_configurations).
 
-Dispatch: `configs.recurrent_tiling` (the recurrent kernel's tiling) and `configs.verify_variant` (recurrent kernel
-or chunk form for the verify) pick by T and heads = N * HV; the measurements behind the tables are in
-docs/benchmarks/mtp_decode.md. On a family's first call (mode, T, head dims, dtypes, gate) every kernel the tables
+Dispatch: single-token decode into the pool (MODE_FINAL, T = 1) runs the streamed kernel (`configs.streams`;
+persistent CTAs, `configs.stream_ctas_per_sm` per SM); otherwise `configs.recurrent_tiling` (the recurrent kernel's
+tiling) and `configs.verify_variant` (recurrent kernel or chunk form for the verify) pick by T and heads = N * HV;
+the measurements behind the tables are in docs/benchmarks/mtp_decode.md. On a family's first call (mode, T, head dims, dtypes, gate) every kernel the tables
 can pick for it at any N is loaded, so that a later batch size never compiles or loads one (a CUDA-graph capture
 at a new N). A caller may name the kernel instead (`run_recurrent`'s `tiling` and `verify_variant`, for the tests
 that check every tiling and verify variant and the benchmark that times them): then only that kernel is loaded.
@@ -42,6 +46,7 @@ from cula_core import cute_runtime as rt
 from cula_sm90.decode import configs
 
 RECURRENT, VERIFY, FLUSH = "sm90.decode.recurrent", "sm90.decode.verify", "sm90.decode.flush"
+STREAM = "sm90.decode.stream"
 _ARCH, _DIST, _PKG = "sm_90a", "cula-sm90", "cula_sm90"
 _F32, _BF16, _I32 = torch.float32, torch.bfloat16, torch.int32
 #: dtypes of g and beta the kernels read directly; any other is converted to fp32 first
@@ -65,6 +70,13 @@ def verify_config(T: int, K: int, V: int, qkv: torch.dtype, g: torch.dtype, beta
     """Compile-time configuration of the chunk-form verify (tensor_cores: 3xTF32 products, else SIMT)."""
     return (T, K, V, qkv, g, beta, _F32 if has_A_log else None, _F32 if has_dt_bias else None, bool(safe),
             bool(l2norm), bool(tensor_cores), pool, bool(v_first))
+
+
+def stream_config(K: int, V: int, qkv: torch.dtype, g: torch.dtype, beta: torch.dtype, has_A_log: bool,
+                  has_dt_bias: bool, safe: bool, l2norm: bool, pool: torch.dtype = _F32, v_first: bool = False) -> tuple:
+    """Compile-time configuration of the streamed T = 1 decode (stream.StreamDecode, configs.STREAM_TILING)."""
+    return (K, V, qkv, g, beta, _F32 if has_A_log else None, _F32 if has_dt_bias else None, bool(safe), bool(l2norm),
+            pool, bool(v_first))
 
 
 def flush_config(T: int, K: int, V: int, layers: int, per_request: bool, pool: torch.dtype = _F32,
@@ -107,6 +119,18 @@ def _build_recurrent(config: tuple):
     return kern, (*args, rt.fake_stream())
 
 
+def _build_stream(config: tuple):
+    from cula_sm90.decode.stream import StreamDecode
+
+    K, V, qkv, gdt, bdt, adt, ddt, safe, l2norm, pool, v_first = config
+    bv, vl, nw = configs.STREAM_TILING
+    kern = StreamDecode(K=K, V=V, safe_gate=safe, has_A_log=adt is not None, has_dt_bias=ddt is not None,
+                        l2norm=l2norm, block_v=bv, lanes_v=vl, num_warps=nw, pool_bytes=pool.itemsize,
+                        state_v_first=v_first)
+    return kern, (*_gate_args(qkv, gdt, bdt, adt, ddt, pool, _F32), *_gate_scalars(), *_scalars("i"),
+                  rt.fake_stream())
+
+
 def _build_verify(config: tuple):
     from cula_sm90.decode.kvbuffer_verify import ChunkVerify
 
@@ -129,7 +153,7 @@ def _build_flush(config: tuple):
 
 _COMMON = ("cula_sm90.decode._dsl", "cula_sm90.decode.configs", "cula_sm90.decode.launch")
 for _name, _build, _source in ((RECURRENT, _build_recurrent, "recurrent"), (VERIFY, _build_verify, "kvbuffer_verify"),
-                               (FLUSH, _build_flush, "flush")):
+                               (FLUSH, _build_flush, "flush"), (STREAM, _build_stream, "stream")):
     rt.register(rt.KernelDef(_name, _DIST, _PKG, _ARCH, _build, (f"cula_sm90.decode.{_source}", *_COMMON)))
 
 
@@ -147,6 +171,8 @@ def variant_kernel(mode: str, variant: str, tiling, T: int, K: int, V: int, qkv,
 def family_kernels(mode: str, T: int, K: int, V: int, qkv, gdt, bdt, has_A_log: bool, has_dt_bias: bool,
                    safe: bool, l2norm: bool, pool=_F32, v_first: bool = False) -> list[tuple[str, tuple]]:
     """Every (kernel, configuration) the dispatch tables can pick for a family at any batch size."""
+    if configs.streams(mode, T, None, None):
+        return [(STREAM, stream_config(K, V, qkv, gdt, bdt, has_A_log, has_dt_bias, safe, l2norm, pool, v_first))]
     variants = configs.verify_variants_for(T) if mode == configs.MODE_KVBUFFER else (configs.VERIFY_RECURRENT,)
     out = []
     for variant in variants:
@@ -154,6 +180,15 @@ def family_kernels(mode: str, T: int, K: int, V: int, qkv, gdt, bdt, has_A_log: 
         out.extend(variant_kernel(mode, variant, t, T, K, V, qkv, gdt, bdt, has_A_log, has_dt_bias, safe, l2norm,
                                   pool, v_first) for t in tilings)
     return out
+
+
+def dispatched_kernel(N: int, HV: int, mode: str, T: int, *family) -> tuple[str, tuple]:
+    """(kernel name, configuration) the dispatch picks for a batch of N requests with HV value heads in a family
+    (mode, T, then family_kernels' other arguments)."""
+    if configs.streams(mode, T, None, None):
+        return STREAM, stream_config(*family)
+    variant = configs.verify_variant(N, T, HV) if mode == configs.MODE_KVBUFFER else configs.VERIFY_RECURRENT
+    return variant_kernel(mode, variant, configs.recurrent_tiling(N, T, HV), T, *family)
 
 
 _families: set[tuple] = set()
@@ -216,10 +251,10 @@ def recurrent_function(mode, N, T, K, V, HV, qkv, gdt, bdt, has_A_log, has_dt_bi
         family = (mode, T, K, V, qkv, gdt, bdt, has_A_log, has_dt_bias, safe, l2norm, pool, v_first)
         if tiling is None and verify_variant is None:
             _prepare_family(family)
-            variant = configs.verify_variant(N, T, HV) if mode == configs.MODE_KVBUFFER else configs.VERIFY_RECURRENT
+            fn = rt.get(*dispatched_kernel(N, HV, *family))
         else:
             variant = verify_variant or configs.VERIFY_RECURRENT
-        fn = rt.get(*variant_kernel(mode, variant, tiling or configs.recurrent_tiling(N, T, HV), *family[1:]))
+            fn = rt.get(*variant_kernel(mode, variant, tiling or configs.recurrent_tiling(N, T, HV), *family[1:]))
         _recurrent_fns[key] = fn
     return fn
 
@@ -298,12 +333,26 @@ def run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
             N, HQK, HV, state_pool.shape[0], float(scale), float(lower_bound) if safe else 0.0,
             -1 if null_slot is None else int(null_slot), int(bool(precomputed_gate)),
             configs.BETA_SIGMOID[beta_activation])
+    if configs.streams(mode, T, tiling, verify_variant):   # + the CTAs: as many as are resident at once
+        ctas_per_sm = configs.stream_ctas_per_sm(K, state_pool.element_size(), bool(state_v_first))
+        args += (min(N * HV * (V // configs.STREAM_TILING[0]), ctas_per_sm * sm_count(o.device.index)),)
     if mode == configs.MODE_SLOTS:
         acc = num_accepted_tokens
         args += (acc.data_ptr() if acc is not None else cache_idx.data_ptr(),  # never read without the counts
                  cache_idx.shape[1], int(acc is not None))
     fn(*args, rt.current_stream(o.device.index))
     return o, out
+
+
+_sm_counts: dict[int, int] = {}
+
+
+def sm_count(index: int) -> int:
+    """SMs of CUDA device `index` (memoised: read once per device)."""
+    n = _sm_counts.get(index)
+    if n is None:
+        n = _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return n
 
 
 def _check_slot_table(mode, cache_idx, num_accepted_tokens, N: int, T: int) -> None:

@@ -49,7 +49,7 @@ from cutlass import Float32, Int32, Int64
 
 from cula_sm90.decode._dsl import (activate_beta, gate_from_raw, l2_normalize, load_state_piece, load_vec,
                                    slot_in_use, state_piece_offset, store_state_piece, store_vec, store_zeros,
-                                   xor_sum)
+                                   thread_coords, xor_sum)
 
 from cula_sm90.decode.configs import MODE_FINAL, MODE_KVBUFFER, MODE_SLOTS, MODE_STATES
 
@@ -124,11 +124,7 @@ class RecurrentDecode:
                lower_bound: Float32, null_slot: Int32, precomputed_gate: Int32, beta_sigmoid: Int32,
                accepted: cute.Pointer, idx_cols: Int32, has_accepted: Int32):
         T, K, V, RK, CW, EPL = self.T, self.K, self.V, self.RK, self.CW, self.EPL
-        tid = cute.arch.thread_idx()[0]
-        warp = tid // 32
-        lane = tid % 32
-        kr = lane // self.VL
-        vc = lane % self.VL
+        tid, warp, lane, kr, vc = thread_coords(self.VL)
         bid = cute.arch.block_idx()[0]
         vb = bid % self.NVB
         head = bid // self.NVB          # n * HV + hv
