@@ -34,6 +34,8 @@ TILINGS = ((32, 4, 4, 0), (64, 4, 4, 0), (16, 4, 4, 0), (32, 4, 2, 0), (16, 4, 2
 
 #: the streamed T = 1 decode's tiling (stream.py): (BV columns per item, lanes along V, warps)
 STREAM_TILING = (64, 4, 4)
+#: its slice stages per CTA, by bytes of a pool element
+STREAM_STAGES = {4: 2, 2: 2}
 #: shared memory of a Hopper SM and what the hardware reserves per CTA (bytes); the stream kernel's copy unit
 SM_SMEM, CTA_RESERVED_SMEM, CHUNK_BYTES = 228 * 1024, 1024, 16
 
@@ -44,18 +46,23 @@ def streams(mode: str, T: int, tiling, verify_variant) -> bool:
     return mode == MODE_FINAL and T == 1 and tiling is None and verify_variant is None
 
 
-def stream_smem_bytes(K: int, pool_bytes: int, v_first: bool, block_v: int = STREAM_TILING[0]) -> int:
-    """Shared memory of one stream CTA: two stages of a K x block_v state slice in the pool's dtype, rows padded by
-    one 16-byte chunk ([K][BV] for [K, V] pools, [BV][K] for [V, K]), and three fp32 K-vectors."""
+def stream_stages(pool_bytes: int) -> int:
+    """Slice stages of a stream CTA (the current item's and stages - 1 ahead) for a pool element size."""
+    return STREAM_STAGES[pool_bytes]
+
+
+def stream_smem_bytes(K: int, pool_bytes: int, v_first: bool, stages: int, block_v: int = STREAM_TILING[0]) -> int:
+    """Shared memory of one stream CTA: `stages` stages of a K x block_v state slice in the pool's dtype, rows padded
+    by one 16-byte chunk ([K][BV] for [K, V] pools, [BV][K] for [V, K]), and three fp32 K-vectors."""
     rows, cols = (block_v, K) if v_first else (K, block_v)
-    return 2 * rows * (cols + CHUNK_BYTES // pool_bytes) * pool_bytes + 3 * K * 4
+    return stages * rows * (cols + CHUNK_BYTES // pool_bytes) * pool_bytes + 3 * K * 4
 
 
-def stream_ctas_per_sm(K: int, pool_bytes: int, v_first: bool, block_v: int = STREAM_TILING[0]) -> int:
+def stream_ctas_per_sm(K: int, pool_bytes: int, v_first: bool, stages: int, block_v: int = STREAM_TILING[0]) -> int:
     """Stream CTAs resident on one SM: as many as its shared memory holds (at most 8). The kernel's launch bound
     (min_blocks_per_mp) is the same number, so ptxas keeps the registers within it; the host launches this many
     CTAs per SM (persistent: each walks work items)."""
-    return min(8, SM_SMEM // (stream_smem_bytes(K, pool_bytes, v_first, block_v) + CTA_RESERVED_SMEM))
+    return min(8, SM_SMEM // (stream_smem_bytes(K, pool_bytes, v_first, stages, block_v) + CTA_RESERVED_SMEM))
 
 
 def recurrent_tiling(N: int, T: int, HV: int) -> tuple[int, int, int, int]:

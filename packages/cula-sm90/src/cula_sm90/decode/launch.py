@@ -126,7 +126,7 @@ def _build_stream(config: tuple):
     bv, vl, nw = configs.STREAM_TILING
     kern = StreamDecode(K=K, V=V, safe_gate=safe, has_A_log=adt is not None, has_dt_bias=ddt is not None,
                         l2norm=l2norm, block_v=bv, lanes_v=vl, num_warps=nw, pool_bytes=pool.itemsize,
-                        state_v_first=v_first)
+                        state_v_first=v_first, stages=configs.stream_stages(pool.itemsize))
     return kern, (*_gate_args(qkv, gdt, bdt, adt, ddt, pool, _F32), *_gate_scalars(), *_scalars("i"),
                   rt.fake_stream())
 
@@ -334,7 +334,8 @@ def run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
             -1 if null_slot is None else int(null_slot), int(bool(precomputed_gate)),
             configs.BETA_SIGMOID[beta_activation])
     if configs.streams(mode, T, tiling, verify_variant):   # + the CTAs: as many as are resident at once
-        ctas_per_sm = configs.stream_ctas_per_sm(K, state_pool.element_size(), bool(state_v_first))
+        pool_bytes = state_pool.element_size()
+        ctas_per_sm = configs.stream_ctas_per_sm(K, pool_bytes, bool(state_v_first), configs.stream_stages(pool_bytes))
         args += (min(N * HV * (V // configs.STREAM_TILING[0]), ctas_per_sm * sm_count(o.device.index)),)
     if mode == configs.MODE_SLOTS:
         acc = num_accepted_tokens

@@ -55,7 +55,7 @@ class StreamDecode:
 
     def __init__(self, *, K: int, V: int, safe_gate: bool, has_A_log: bool, has_dt_bias: bool, l2norm: bool,
                  block_v: int = 64, lanes_v: int = 4, num_warps: int = 4, pool_bytes: int = 4,
-                 state_v_first: bool = False):
+                 state_v_first: bool = False, stages: int = 2):
         if K % 32 or 32 % lanes_v or V % block_v or block_v % (num_warps * lanes_v) or pool_bytes not in (2, 4):
             raise ValueError(f"bad tiling: K={K} V={V} BV={block_v} VL={lanes_v} NW={num_warps} "
                              f"pool_bytes={pool_bytes}")
@@ -63,6 +63,7 @@ class StreamDecode:
         self.safe_gate, self.has_A_log, self.has_dt_bias, self.l2norm = safe_gate, has_A_log, has_dt_bias, l2norm
         self.BV, self.VL, self.NW = block_v, lanes_v, num_warps
         self.v_first = state_v_first
+        self.stages = stages                         # slices in flight per CTA: the current one and stages - 1 ahead
         self.KL = 32 // lanes_v                      # lanes along K
         self.RK = K // self.KL                       # state rows per lane
         self.CW = block_v // (num_warps * lanes_v)   # state columns per lane
@@ -79,10 +80,10 @@ class StreamDecode:
         self.chunks = self.rows * self.cols // self.vec
         if self.chunks % (32 * num_warps):
             raise ValueError(f"bad tiling: {self.chunks} chunks per slice for {32 * num_warps} threads")
-        self.smem_bytes = stream_smem_bytes(K, pool_bytes, state_v_first, block_v)
-        assert self.smem_bytes == 2 * self.stage_elems * pool_bytes + 3 * K * 4
+        self.smem_bytes = stream_smem_bytes(K, pool_bytes, state_v_first, stages, block_v)
+        assert self.smem_bytes == stages * self.stage_elems * pool_bytes + 3 * K * 4
         # the launch bound: as many CTAs per SM as the shared memory holds (the host launches that many per SM)
-        self.ctas_per_sm = stream_ctas_per_sm(K, pool_bytes, state_v_first, block_v)
+        self.ctas_per_sm = stream_ctas_per_sm(K, pool_bytes, state_v_first, stages, block_v)
 
     def row_of(self, kr, r: int):
         """State row (K index) of this lane's piece row r."""
@@ -118,7 +119,7 @@ class StreamDecode:
         n_items = (items - bid + ctas - 1) // ctas
 
         smem = cutlass.memory.SmemAllocator()
-        stages = smem.allocate_tensor(pool.dtype, cute.make_layout(2 * self.stage_elems), byte_alignment=16)
+        stages = smem.allocate_tensor(pool.dtype, cute.make_layout(self.stages * self.stage_elems), byte_alignment=16)
         vecs = smem.allocate_tensor(Float32, cute.make_layout(3 * K), byte_alignment=16)
         sst = stages.iterator
         sv = vecs.iterator
@@ -132,18 +133,20 @@ class StreamDecode:
         r_g = cute.make_rmem_tensor(EPL, g.dtype)       # warp 2: raw g (or the log decay)
         r_dtb = cute.make_rmem_tensor(EPL, Float32)     # warp 2: dt_bias
         r_alog = cute.make_rmem_tensor(1, Float32)      # warp 2: A_log
-        slots = cute.make_rmem_tensor(3, Int32)         # slots of items j, j + 1, j + 2
+        ST = self.stages
+        slots = cute.make_rmem_tensor(ST + 1, Int32)    # slots of items j .. j + ST
 
-        # ---- prologue: item 0's inputs and slice, the slot of item 1
-        slots[0] = self.slot_of(cache_idx, bid, HV)
-        slots[1] = Int32(-1)
-        if n_items > 1:
-            slots[1] = self.slot_of(cache_idx, bid + ctas, HV)
+        # ---- prologue: item 0's small inputs, the slices of items 0 .. ST - 2, the slot of item ST - 1
+        for i in cutlass.range_constexpr(ST):
+            slots[i] = Int32(-1)
+            if i < n_items:
+                slots[i] = self.slot_of(cache_idx, bid + i * ctas, HV)
         self.load_small(bid, q, k, v, g, beta, A_log, dt_bias, HQK, HV, warp, lcol0, e0, r_v, r_beta, r_qk, r_g,
                         r_dtb, r_alog)
-        if slot_in_use(slots[0], P, null_slot):
-            self.copy_slice(copy_atom, pool, sst, slots[0], bid, HV, 0, tid)
-        cute.arch.cp_async_commit_group()
+        for i in cutlass.range_constexpr(ST - 1):
+            if slot_in_use(slots[i], P, null_slot):
+                self.copy_slice(copy_atom, pool, sst, slots[i], bid + i * ctas, HV, i, tid)
+            cute.arch.cp_async_commit_group()
 
         for j in cutlass.range(n_items):
             item = bid + j * ctas
@@ -171,24 +174,26 @@ class StreamDecode:
                               EPL)
             vr = [r_v[c].to(Float32) for c in range(CW)]
             bt = activate_beta(r_beta[0].to(Float32), beta_sigmoid)
-            # 2. item j + 1's small inputs and slice, item j + 2's slot
+            # 2. item j + 1's small inputs, item j + ST - 1's slice, item j + ST's slot
             if j + 1 < n_items:
                 self.load_small(item + ctas, q, k, v, g, beta, A_log, dt_bias, HQK, HV, warp, lcol0, e0, r_v, r_beta,
                                 r_qk, r_g, r_dtb, r_alog)
-                if slot_in_use(slots[1], P, null_slot):
-                    self.copy_slice(copy_atom, pool, sst, slots[1], item + ctas, HV, (j + 1) % 2, tid)
+            if j + ST - 1 < n_items:
+                if slot_in_use(slots[ST - 1], P, null_slot):
+                    self.copy_slice(copy_atom, pool, sst, slots[ST - 1], item + (ST - 1) * ctas, HV,
+                                    (j + ST - 1) % ST, tid)
             cute.arch.cp_async_commit_group()
-            slots[2] = Int32(-1)
-            if j + 2 < n_items:
-                slots[2] = self.slot_of(cache_idx, item + 2 * ctas, HV)
+            slots[ST] = Int32(-1)
+            if j + ST < n_items:
+                slots[ST] = self.slot_of(cache_idx, item + ST * ctas, HV)
             # 3. item j: wait for its slice, run the token
-            cute.arch.cp_async_wait_group(1)
+            cute.arch.cp_async_wait_group(ST - 1)
             cute.arch.sync_threads()
             slot = slots[0]
             col0 = vb * self.BV + lcol0
             orow = Int64(n) * HV + hv
             if slot_in_use(slot, P, null_slot):
-                stage_off = (j % 2) * self.stage_elems
+                stage_off = (j % ST) * self.stage_elems
                 # pass 1: u = (D S)^T k, w = (D S)^T q over this lane's rows, k.q; butterflies over the K lanes.
                 # Rolled loops over row groups: the rows stay in shared memory, the registers hold accumulators.
                 acc = cute.make_rmem_tensor(2 * CW + 1, Float32)   # u[c], w[c], k.q
@@ -227,8 +232,8 @@ class StreamDecode:
                     store_zeros(o, orow * V + col0, CW)
             # 4. stage j % 2 and the vectors are free for the next item
             cute.arch.sync_threads()
-            slots[0] = slots[1]
-            slots[1] = slots[2]
+            for i in cutlass.range_constexpr(ST):
+                slots[i] = slots[i + 1]
         cute.arch.cp_async_wait_group(0)
 
     def gate(self, graw, r_dtb, r_alog, lower_bound):
