@@ -3,7 +3,8 @@
 batches N in {1, 5} with padded slots (-1) and an out-of-range slot (= P), T in {1, 3}, K = V in {64, 128}, GVA 2;
 every tiling the dispatch can pick and the chunk-form verify (every chunk variant, T in {1, 3, 9}), each named
 through the sm90 kernels' `tiling` / `verify_variant` keywords (K = V = 64 through the kernels directly as well);
-fused_recurrent_kda's slot mode (a slot per token, with and without num_accepted_tokens, padded rows, negative and
+the streamed single-token decode on K-first fp32 / bf16 pools at N = 129, HV = 8 (a batch it serves: many work
+items per CTA; V-first pools run it at any size); fused_recurrent_kda's slot mode (a slot per token, with and without num_accepted_tokens, padded rows, negative and
 out-of-range write slots, counts outside [1, T_idx]) on fp32 / bf16, K-first / V-first pools.
 Prints "cases ok" at the end; memcheck reports any out-of-bounds or misaligned access."""
 
@@ -61,10 +62,11 @@ def run_slots(N, T, pool_dtype, v_first, seed):
     cula_core.fused_recurrent_kda(**kw, num_accepted_tokens=counts.cuda())
 
 
-def main(parts=("all", "tilings", "verify", "pools", "slots")):
+def main(parts=("all", "tilings", "verify", "pools", "stream", "slots")):
     """parts: "all" (every kernel on odd batches), "tilings" (every dispatched tiling), "verify" (the chunk-form
-    verify, every chunk variant), "pools" (bf16 / V-first pools with a null slot), "slots" (fused_recurrent_kda's
-    slot mode); the test runs all five, a quick check may name some
+    verify, every chunk variant), "pools" (bf16 / V-first pools with a null slot), "stream" (the streamed
+    single-token decode on a batch it serves), "slots" (fused_recurrent_kda's slot mode); the test runs all six, a
+    quick check may name some
     (python decode_memcheck_case.py verify)."""
     n = 0
     with backend():
@@ -98,6 +100,17 @@ def main(parts=("all", "tilings", "verify", "pools", "slots")):
                 kw = serving_pool(kw, dtype, v_first, null_slot=free)
                 run_case(kw, T, N, public=True)
                 n += 1
+        # the streamed single-token decode on [K, V] pools at a batch it serves (N * HV >= STREAM_MIN_HEADS; the
+        # V-first pools above run it at any size), padded and out-of-range slots, K = V = 128 (public op) and 64
+        for dtype in ((torch.float32, torch.bfloat16) if "stream" in parts else ()):
+            for K in (64, 128):
+                kw = serving_pool(make_case(129, 1, 2, 8, K=K, V=K, out_of_range=True, extra_slots=1, seed=150), dtype)
+                assert configs.streams(configs.MODE_FINAL, 1, 129, 8, False)
+                if K == 128:
+                    cula_core.kda_decode_mtp(**kw)
+                else:
+                    kernel_call("kda_decode_mtp", kw, output_per_token_states=False)
+                n += 1
         # fused_recurrent_kda's slot mode, every pool variant, on odd batches
         for dtype, v_first in ((torch.float32, False), (torch.bfloat16, False), (torch.float32, True),
                                (torch.bfloat16, True)):
@@ -109,4 +122,4 @@ def main(parts=("all", "tilings", "verify", "pools", "slots")):
 
 
 if __name__ == "__main__":
-    main(tuple(sys.argv[1:]) or ("all", "tilings", "verify", "pools", "slots"))
+    main(tuple(sys.argv[1:]) or ("all", "tilings", "verify", "pools", "stream", "slots"))

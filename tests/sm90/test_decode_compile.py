@@ -237,7 +237,7 @@ def test_gate_and_beta_are_runtime_arguments(monkeypatch, mode, precomputed, act
     assert configs.BETA_SIGMOID == {"none": 0, "sigmoid": 1, "2sigmoid": 2}
 
 
-@pytest.mark.parametrize("T", [1, 2])   # T = 1: the streamed kernel; T = 2: the recurrent one
+@pytest.mark.parametrize("T", [1, 2])   # T = 1 with a [V, K] pool: the streamed kernel; T = 2: the recurrent one
 def test_precomputed_gate_ignores_the_gate_parameters(monkeypatch, T):
     """A precomputed log decay with A_log, dt_bias and a lower_bound given: the same configuration and arguments as
     without them (FLA's use_gate_in_kernel=False ignores them too)."""
@@ -249,7 +249,7 @@ def test_precomputed_gate_ignores_the_gate_parameters(monkeypatch, T):
     for gate in (dict(A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0), dict(A_log=None, dt_bias=None,
                                                                              lower_bound=None)):
         launch.run_recurrent("final", q, k, v, g, beta, pool, cache_idx, scale=0.125, use_qk_l2norm_in_kernel=True,
-                             precomputed_gate=True, **gate)
+                             precomputed_gate=True, state_v_first=T == 1, **gate)
     (name0, config0, args0), (name1, config1, args1) = launches
     assert (name0, config0) == (name1, config1)
     assert name0 == (launch.STREAM if T == 1 else launch.RECURRENT)
@@ -526,3 +526,28 @@ def test_slot_mode_arguments_are_checked_before_anything_runs(monkeypatch, mode,
         launch.run_recurrent(mode, q, k, v, g, beta, pool, tables[table], A_log, dt_bias, scale=0.125,
                              lower_bound=None, use_qk_l2norm_in_kernel=True, num_accepted_tokens=counts)
     assert torch.equal(pool, pool_before)
+
+
+def test_single_token_dispatch_streams_large_batches_and_v_first_pools(monkeypatch):
+    """kda_decode's kernel by batch: the recurrent kernel below configs.STREAM_MIN_HEADS request-heads of a [K, V]
+    pool, the streamed one from there on and for [V, K] pools at any size; the streamed launch passes the CTA count
+    (resident CTAs per SM times the device's SMs, at most the work items) as its last argument; a named tiling
+    always runs the recurrent kernel."""
+    from cula_sm90.decode import configs, launch
+
+    launches = _record_launches(monkeypatch)
+    K, HV = 64, 8
+    for N, v_first, tiling, expected in ((2, False, None, launch.RECURRENT), (2, True, None, launch.STREAM),
+                                         (128, False, None, launch.STREAM), (128, False, (64, 4, 4, 0),
+                                                                              launch.RECURRENT)):
+        assert (N * HV >= configs.STREAM_MIN_HEADS) == (N == 128)
+        inputs = _decode_inputs("final", 1, K, BF16, F32, F32, True, True, N=N, HV=HV)
+        launches.clear()
+        launch.run_recurrent("final", *inputs, scale=0.125, lower_bound=None, use_qk_l2norm_in_kernel=True,
+                             state_v_first=v_first, tiling=tiling)
+        (name, config, args), = launches
+        assert name == expected, (N, v_first, tiling)
+        if name == launch.STREAM:
+            items = N * HV * (K // configs.STREAM_TILING[0])
+            ctas = configs.stream_ctas_per_sm(K, 4, v_first, configs.stream_stages(4))
+            assert args[-2] == min(items, 132 * ctas) and len(args) == 22   # 20 kernel arguments, ctas, stream

@@ -327,6 +327,45 @@ def test_serving_pools(T, dtype, v_first, null):
             assert torch.equal(ours[6][kw["null_slot"]], kw["state_pool"][kw["null_slot"]])
 
 
+@pytest.mark.parametrize(("dtype", "v_first", "null"), [(torch.bfloat16, False, True), (torch.float32, False, False),
+                                                         (torch.bfloat16, True, False), (torch.float32, True, True)])
+def test_streamed_decode(dtype, v_first, null):
+    """Single-token decode at a batch the streamed kernel serves (N * HV >= configs.STREAM_MIN_HEADS: many work
+    items per persistent CTA), every pool form, padded, out-of-range and null slots: outputs and the pool against
+    the reference on the same pool and against the recurrent kernel (named through `tiling`); slots no live
+    request owns (the null slot included) bitwise untouched; padded requests get zeros."""
+    from cula_sm90.decode import configs
+
+    N, HV = 300, 2 * HQK
+    assert configs.streams(configs.MODE_FINAL, 1, N, HV, v_first)
+    state_tol = REL_TOL_BF16_STATE if dtype == torch.bfloat16 else REL_TOL
+    kw = make_case(N, 1, HQK, HV, safe=null, out_of_range=True, extra_slots=2, seed=900 + int(v_first))
+    free = sorted(set(range(kw["state_pool"].shape[0])) - set(kw["cache_idx"].tolist()))[0]
+    kw = serving_pool(kw, dtype, v_first, null_slot=free if null else None)
+    pool_before = kw["state_pool"].clone()
+    runs = {}
+    for name in ("reference", "sm90", "recurrent"):
+        case = dict(kw, state_pool=pool_before.clone())
+        if name == "recurrent":
+            o, _ = kernel_call("kda_decode_mtp", case, output_per_token_states=False, tiling=(64, 4, 4, 0))
+        else:
+            with backend(name):
+                o, _ = cula_core.kda_decode_mtp(**case)
+        runs[name] = (o, case["state_pool"])
+    (o_ref, pool_ref), (o, pool), (o_rec, pool_rec) = runs["reference"], runs["sm90"], runs["recurrent"]
+    assert rel_err(o, o_ref) < REL_TOL and rel_err(o, o_rec) < REL_TOL, (rel_err(o, o_ref), rel_err(o, o_rec))
+    assert rel_err(pool, pool_ref) < state_tol and rel_err(pool, pool_rec) < state_tol
+    rows = live_rows(kw)
+    if null:
+        rows = rows[kw["cache_idx"][rows] != kw["null_slot"]]
+    others = torch.ones(pool.shape[0], dtype=torch.bool, device=pool.device)
+    others[kw["cache_idx"][rows].long()] = False
+    assert torch.equal(pool[others], pool_before[others]), "a slot no live request owns changed"
+    dead = torch.ones(N, dtype=torch.bool, device=o.device)
+    dead[rows] = False
+    assert (o[dead] == 0).all(), "a padded / out-of-range / null-slot request must get zeros"
+
+
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not on PATH")
 def test_memcheck_clean_on_odd_batches():
     # exact allocations (overruns are visible); the arch named, so the DSL does not probe the driver for it

@@ -40,10 +40,20 @@ STREAM_STAGES = {4: 2, 2: 2}
 SM_SMEM, CTA_RESERVED_SMEM, CHUNK_BYTES = 228 * 1024, 1024, 16
 
 
-def streams(mode: str, T: int, tiling, verify_variant) -> bool:
-    """Whether a call runs the streamed decode (stream.py): single-token decode into the pool (MODE_FINAL, T = 1)
-    with the kernel left to the dispatch (a named tiling runs the recurrent kernel)."""
-    return mode == MODE_FINAL and T == 1 and tiling is None and verify_variant is None
+#: single-token decode streams (stream.py) from this many request-heads N * HV on (below, the recurrent kernel's
+#: one CTA per head and column block finishes sooner: fewer items than a few per stream CTA), and for [V, K] pools at
+#: any size (the recurrent kernel reads them by columns). Chosen by measurement: docs/benchmarks/mtp_decode.md.
+STREAM_MIN_HEADS = 1024
+
+
+def stream_serves(mode: str, T: int) -> bool:
+    """Whether the streamed decode serves a family: single-token decode into the pool (MODE_FINAL, T = 1)."""
+    return mode == MODE_FINAL and T == 1
+
+
+def streams(mode: str, T: int, N: int, HV: int, v_first: bool) -> bool:
+    """Whether the dispatch runs a batch on the streamed decode (a named tiling runs the recurrent kernel)."""
+    return stream_serves(mode, T) and (v_first or N * HV >= STREAM_MIN_HEADS)
 
 
 def stream_stages(pool_bytes: int) -> int:

@@ -27,8 +27,8 @@ converted to fp32 on the host; A_log and dt_bias always fp32 (None when absent).
 fp32 as they load it, so these conversions change no result; they keep the configuration set small enough to be
 built ahead of time (cula_sm90.kernels.aot_configurations).
 
-Dispatch: single-token decode into the pool (MODE_FINAL, T = 1) runs the streamed kernel (`configs.streams`;
-persistent CTAs, `configs.stream_ctas_per_sm` per SM); otherwise `configs.recurrent_tiling` (the recurrent kernel's
+Dispatch: single-token decode into the pool (MODE_FINAL, T = 1) of many request-heads or into a [V, K] pool runs
+the streamed kernel (`configs.streams`; persistent CTAs, `configs.stream_ctas_per_sm` per SM); otherwise `configs.recurrent_tiling` (the recurrent kernel's
 tiling) and `configs.verify_variant` (recurrent kernel or chunk form for the verify) pick by T and heads = N * HV;
 the measurements behind the tables are in docs/benchmarks/mtp_decode.md. On a family's first call (mode, T, head dims, dtypes, gate) every kernel the tables
 can pick for it at any N is loaded, so that a later batch size never compiles or loads one (a CUDA-graph capture
@@ -171,10 +171,10 @@ def variant_kernel(mode: str, variant: str, tiling, T: int, K: int, V: int, qkv,
 def family_kernels(mode: str, T: int, K: int, V: int, qkv, gdt, bdt, has_A_log: bool, has_dt_bias: bool,
                    safe: bool, l2norm: bool, pool=_F32, v_first: bool = False) -> list[tuple[str, tuple]]:
     """Every (kernel, configuration) the dispatch tables can pick for a family at any batch size."""
-    if configs.streams(mode, T, None, None):
-        return [(STREAM, stream_config(K, V, qkv, gdt, bdt, has_A_log, has_dt_bias, safe, l2norm, pool, v_first))]
-    variants = configs.verify_variants_for(T) if mode == configs.MODE_KVBUFFER else (configs.VERIFY_RECURRENT,)
     out = []
+    if configs.stream_serves(mode, T):
+        out.append((STREAM, stream_config(K, V, qkv, gdt, bdt, has_A_log, has_dt_bias, safe, l2norm, pool, v_first)))
+    variants = configs.verify_variants_for(T) if mode == configs.MODE_KVBUFFER else (configs.VERIFY_RECURRENT,)
     for variant in variants:
         tilings = configs.recurrent_tilings_for(T) if variant == configs.VERIFY_RECURRENT else (None,)
         out.extend(variant_kernel(mode, variant, t, T, K, V, qkv, gdt, bdt, has_A_log, has_dt_bias, safe, l2norm,
@@ -182,10 +182,12 @@ def family_kernels(mode: str, T: int, K: int, V: int, qkv, gdt, bdt, has_A_log: 
     return out
 
 
-def dispatched_kernel(N: int, HV: int, mode: str, T: int, *family) -> tuple[str, tuple]:
+def dispatched_kernel(N: int, HV: int, mode: str, T: int, K: int, V: int, qkv, gdt, bdt, has_A_log: bool,
+                      has_dt_bias: bool, safe: bool, l2norm: bool, pool=_F32, v_first: bool = False) -> tuple[str, tuple]:
     """(kernel name, configuration) the dispatch picks for a batch of N requests with HV value heads in a family
-    (mode, T, then family_kernels' other arguments)."""
-    if configs.streams(mode, T, None, None):
+    (family_kernels' arguments)."""
+    family = (K, V, qkv, gdt, bdt, has_A_log, has_dt_bias, safe, l2norm, pool, v_first)
+    if configs.streams(mode, T, N, HV, v_first):
         return STREAM, stream_config(*family)
     variant = configs.verify_variant(N, T, HV) if mode == configs.MODE_KVBUFFER else configs.VERIFY_RECURRENT
     return variant_kernel(mode, variant, configs.recurrent_tiling(N, T, HV), T, *family)
@@ -333,7 +335,8 @@ def run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
             N, HQK, HV, state_pool.shape[0], float(scale), float(lower_bound) if safe else 0.0,
             -1 if null_slot is None else int(null_slot), int(bool(precomputed_gate)),
             configs.BETA_SIGMOID[beta_activation])
-    if configs.streams(mode, T, tiling, verify_variant):   # + the CTAs: as many as are resident at once
+    if tiling is None and verify_variant is None and configs.streams(mode, T, N, HV, bool(state_v_first)):
+        # the streamed decode's one more argument: the CTAs launched, as many as are resident at once
         pool_bytes = state_pool.element_size()
         ctas_per_sm = configs.stream_ctas_per_sm(K, pool_bytes, bool(state_v_first), configs.stream_stages(pool_bytes))
         args += (min(N * HV * (V // configs.STREAM_TILING[0]), ctas_per_sm * sm_count(o.device.index)),)
