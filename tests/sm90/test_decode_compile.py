@@ -551,3 +551,17 @@ def test_single_token_dispatch_streams_large_batches_and_v_first_pools(monkeypat
             items = N * HV * (K // configs.STREAM_TILING[0])
             ctas = configs.stream_ctas_per_sm(K, 4, v_first, configs.stream_stages(4))
             assert args[-2] == min(items, 132 * ctas) and len(args) == 22   # 20 kernel arguments, ctas, stream
+
+
+def test_slots_mode_keeps_the_64_column_tiling_at_large_batches():
+    """The speculative pool step (MODE_SLOTS stores a state per token) runs 64 x 4 x 4 x 0 where the other T > 1
+    modes switch to the warp-local 32 x 2 x 2 x 1 (from 1024 request-heads; the H200 sweep behind it is in
+    docs/benchmarks/fused_recurrent.md), and that tiling is in the family every call prepares."""
+    from cula_sm90.decode import configs
+
+    for N, T, HV in ((16, 2, 64), (128, 4, 64), (300, 3, 8)):
+        assert N * HV >= 1024
+        assert configs.recurrent_tiling(N, T, HV, configs.MODE_SLOTS) == (64, 4, 4, 0)
+        assert configs.recurrent_tiling(N, T, HV) == (32, 2, 2, 1)
+        assert (64, 4, 4, 0) in configs.recurrent_tilings_for(T)
+    assert configs.recurrent_tiling(1, 2, 64, configs.MODE_SLOTS) == (32, 4, 4, 0)

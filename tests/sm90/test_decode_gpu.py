@@ -339,7 +339,9 @@ def test_streamed_decode(dtype, v_first, null):
     N, HV = 300, 2 * HQK
     assert configs.streams(configs.MODE_FINAL, 1, N, HV, v_first)
     state_tol = REL_TOL_BF16_STATE if dtype == torch.bfloat16 else REL_TOL
-    kw = make_case(N, 1, HQK, HV, safe=null, out_of_range=True, extra_slots=2, seed=900 + int(v_first))
+    # an out-of-range slot only where serving_pool points it at the null slot (the reference op refuses one;
+    # test_mtp_final_state_into_pool and the memcheck case give the streamed kernel out-of-range slots as they are)
+    kw = make_case(N, 1, HQK, HV, safe=null, out_of_range=null, extra_slots=2, seed=900 + int(v_first))
     free = sorted(set(range(kw["state_pool"].shape[0])) - set(kw["cache_idx"].tolist()))[0]
     kw = serving_pool(kw, dtype, v_first, null_slot=free if null else None)
     pool_before = kw["state_pool"].clone()

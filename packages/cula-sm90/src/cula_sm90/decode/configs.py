@@ -75,15 +75,16 @@ def stream_ctas_per_sm(K: int, pool_bytes: int, v_first: bool, stages: int, bloc
     return min(8, SM_SMEM // (stream_smem_bytes(K, pool_bytes, v_first, stages, block_v) + CTA_RESERVED_SMEM))
 
 
-def recurrent_tiling(N: int, T: int, HV: int) -> tuple[int, int, int, int]:
-    """(BV, lanes along V, warps, warp-local) of the recurrent kernel for a batch, by T and heads = N * HV (the
-    table was chosen by measurement: docs/benchmarks/mtp_decode.md)."""
+def recurrent_tiling(N: int, T: int, HV: int, mode: str = MODE_FINAL) -> tuple[int, int, int, int]:
+    """(BV, lanes along V, warps, warp-local) of the recurrent kernel for a batch, by T, heads = N * HV and the
+    mode (the table was chosen by measurement: docs/benchmarks/mtp_decode.md; MODE_SLOTS, which stores a state per
+    token into the pool, by the H200 sweep in docs/benchmarks/fused_recurrent.md)."""
     heads = N * HV
     if T == 1:
         return (64, 4, 4, 0)
     if heads <= 64:
         return (32, 4, 4, 0)
-    if heads < 1024:
+    if heads < 1024 or mode == MODE_SLOTS:
         return (64, 4, 4, 0)
     return (32, 2, 2, 1)
 

@@ -190,7 +190,7 @@ def dispatched_kernel(N: int, HV: int, mode: str, T: int, K: int, V: int, qkv, g
     if configs.streams(mode, T, N, HV, v_first):
         return STREAM, stream_config(*family)
     variant = configs.verify_variant(N, T, HV) if mode == configs.MODE_KVBUFFER else configs.VERIFY_RECURRENT
-    return variant_kernel(mode, variant, configs.recurrent_tiling(N, T, HV), T, *family)
+    return variant_kernel(mode, variant, configs.recurrent_tiling(N, T, HV, mode), T, *family)
 
 
 _families: set[tuple] = set()
@@ -256,7 +256,8 @@ def recurrent_function(mode, N, T, K, V, HV, qkv, gdt, bdt, has_A_log, has_dt_bi
             fn = rt.get(*dispatched_kernel(N, HV, *family))
         else:
             variant = verify_variant or configs.VERIFY_RECURRENT
-            fn = rt.get(*variant_kernel(mode, variant, tiling or configs.recurrent_tiling(N, T, HV), *family[1:]))
+            fn = rt.get(*variant_kernel(mode, variant, tiling or configs.recurrent_tiling(N, T, HV, mode),
+                                        *family[1:]))
         _recurrent_fns[key] = fn
     return fn
 
