@@ -126,3 +126,23 @@ def test_main_runs_the_speculative_grid(monkeypatch, quick):
     Hs, Ns = ((64,), bench.QUICK_NS) if quick else ((32, 64), bench.NS)
     assert sorted(calls, key=str) == sorted(((d, H, T, N, not quick) for d in (torch.float32, torch.bfloat16)
                                             for H in Hs for T in (2, 4) for N in Ns), key=str)
+
+
+def test_slots_tiling_sweep_table(monkeypatch):
+    """--slots-tilings: one row per (pool dtype, T, N), the dispatch's pick and every swept tiling as columns (the
+    timing stubbed: no GPU here)."""
+    calls = []
+
+    def fake_graph_ms(fn, args, timing):
+        calls.append(args[1])
+        return 0.25 if args[1] is None else 0.5
+
+    monkeypatch.setattr(bench, "graph_ms", fake_graph_ms)
+    monkeypatch.setattr(bench, "make_inputs", lambda *a, **k: {})
+    table = bench.slots_tiling_sweep(bench.Timing())
+    lines = table.strip().splitlines()
+    assert lines[0] == "| pool | T | N | dispatch | " + " | ".join(
+        "x".join(map(str, t)) for t in bench.SLOTS_SWEEP_TILINGS) + " |"
+    assert len(lines) == 2 + len(bench.POOL_DTYPES) * len(bench.SPEC_TS) * 2
+    assert lines[2].startswith("| float32 | 2 | 16 | 0.2500 | 0.5000 |")
+    assert calls[:1 + len(bench.SLOTS_SWEEP_TILINGS)] == [None, *bench.SLOTS_SWEEP_TILINGS]

@@ -3,6 +3,11 @@ on the same inputs in one process.
 
     python -m tools.bench.fused_recurrent [--quick] [--out docs/benchmarks/fused_recurrent.md] [--json FILE]
                                           [--warmup MS] [--rep MS]
+    python -m tools.bench.fused_recurrent --slots-tilings   # the speculative step per recurrent-kernel tiling
+
+`--slots-tilings` prints only the sweep behind the speculative step's tiling (configs.recurrent_tiling with
+MODE_SLOTS): cula's slots mode at each tiling of SLOTS_SWEEP_TILINGS and at the dispatch's pick, H = 64, fp32 and
+bf16 pools, T in (2, 4), N in (16, 128), graph-timed as the tables; no FLA.
 
 Inputs: K = V = 128, HQK = HV = H in (32, 64), bf16 q/k/v/g/beta (raw g with A_log and dt_bias: the softplus gate
 in kernel; q/k L2 norm in kernel; post-sigmoid beta), every sequence live.
@@ -265,12 +270,52 @@ def render(rows: list[dict], env: dict, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: tilings of the speculative-step sweep (`--slots-tilings`): those the recurrent kernel's dispatch table picks from
+#: and five others of configs.TILINGS
+SLOTS_SWEEP_TILINGS = ((32, 2, 2, 1), (64, 4, 4, 0), (32, 4, 4, 0), (32, 4, 2, 0), (64, 2, 4, 1), (32, 2, 4, 1),
+                       (16, 4, 2, 0), (64, 2, 4, 0))
+
+
+def slots_at_tiling(x: dict, tiling):
+    """The speculative pool step of `x` (make_inputs with slot_per_token) on the sm90 recurrent kernel's slots mode
+    at `tiling` (None: the dispatch's pick), through cula_sm90.decode.launch.run_recurrent."""
+    from cula_sm90.decode import configs, launch
+
+    N, T = x["idx"].shape
+    H = x["v"].shape[2]
+    q, k, v, g = (x[name].view(N, T, H, -1) for name in ("q", "k", "v", "g"))
+    return launch.run_recurrent(configs.MODE_SLOTS, q, k, v, g, x["beta"].view(N, T, H), x["pool"], x["idx"],
+                                x["A_log"], x["dt_bias"], scale=K ** -0.5, lower_bound=None,
+                                use_qk_l2norm_in_kernel=True, num_accepted_tokens=x["accepted"], tiling=tiling)[0]
+
+
+def slots_tiling_sweep(timing: Timing, H: int = 64) -> str:
+    """Device ms of the speculative pool step per tiling of the recurrent kernel (the table
+    configs.recurrent_tiling(..., MODE_SLOTS) comes from), fp32 and bf16 pools, T in SPEC_TS, N in (16, 128), as a
+    markdown table."""
+    keys = ("dispatch",) + tuple("x".join(map(str, t)) for t in SLOTS_SWEEP_TILINGS)
+    lines = [f"| pool | T | N | {' | '.join(keys)} |", "|---|---:|---:|" + "---:|" * len(keys)]
+    with torch.no_grad():
+        for pool_dtype in POOL_DTYPES:
+            for T in SPEC_TS:
+                for N in (16, 128):
+                    x = make_inputs(N, H, T, pool_dtype, slot_per_token=True)
+                    ms = [graph_ms(slots_at_tiling, (x, t), timing) for t in (None,) + SLOTS_SWEEP_TILINGS]
+                    lines.append(f"| {str(pool_dtype).replace('torch.', '')} | {T} | {N} | "
+                                 + " | ".join(f"{m:.4f}" for m in ms) + " |")
+                    print(lines[-1], flush=True)
+                    del x
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true",
                     help="N in (1, 16, 128), new-state and speculative rows at H = 64, no eager")
     ap.add_argument("--out", type=Path, help="markdown file whose section for this card is rewritten")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--slots-tilings", action="store_true",
+                    help="only the speculative step per tiling of the recurrent kernel (H = 64; no FLA), printed")
     add_do_bench_args(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -281,6 +326,9 @@ def main(argv=None) -> int:
     os.environ["CULA_BACKEND"] = "sm90"  # fail loudly rather than time the reference
 
     timing = Timing(warmup=args.warmup, repeats=args.rep, method="do_bench")
+    if args.slots_tilings:
+        print(slots_tiling_sweep(timing))
+        return 0
     peak = peak_hbm_gbs()
     ns = QUICK_NS if args.quick else NS
     rows = []

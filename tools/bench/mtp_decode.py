@@ -27,7 +27,8 @@ Timing: device time per call, from 20 calls captured in one CUDA graph and repla
 (median after warm-up, L2 flushed between replays); the eager columns time Python calls through the harness
 (tools/bench/harness.py; host cost included; cula's: the public ops, with the dispatch's pick).
 `--tilings` / `--only-tilings` add / run only the sweep over the recurrent kernel's tilings that the dispatch table
-(cula_sm90.decode.configs.recurrent_tiling) comes from: T = 1 decode and the T = 4 verify on the recurrent kernel,
+(cula_sm90.decode.configs.recurrent_tiling) comes from, beside the dispatch's pick (at T = 1 the streamed kernel where
+it serves the batch: configs.streams): T = 1 decode and the T = 4 verify on the recurrent kernel,
 each tiling named through the `tiling` keyword of the sm90 kernels (cula_sm90.decode.ops), on the pools that
 `--pool-dtype` / `--v-first` set.
 Table 1 times every verify variant (recurrent, chunk SIMT, chunk tensor cores); `cula ms` is the best of them.
@@ -251,8 +252,9 @@ def host_overhead(reps=2000):
 
 
 def tiling_sweep(timing, hs, ns=(1, 16, 128), cases=((1, decode_at_tiling), (4, verify_at_tiling)), tilings=None):
-    """Device ms of the recurrent kernel per tiling: plain decode (T = 1) and verify (T = 4); `cases`: (T, fn(x,
-    tiling)); `tilings`: a subset of configs.TILINGS (default all)."""
+    """Device ms of the recurrent kernel per tiling: plain decode (T = 1) and verify (T = 4), and of the dispatch's
+    pick (`dispatch`: tiling None; at T = 1 the streamed kernel where configs.streams serves the batch); `cases`: (T,
+    fn(x, tiling)); `tilings`: a subset of configs.TILINGS (default all)."""
     from cula_sm90.decode import configs
 
     timing = Timing(warmup=10, repeats=40, method=timing.method)  # many cells: shorter runs than the tables'
@@ -263,7 +265,7 @@ def tiling_sweep(timing, hs, ns=(1, 16, 128), cases=((1, decode_at_tiling), (4, 
             for N in ns:
                 for T, fn in cases:
                     x = make_inputs(N, T, H, seed=N)
-                    row = dict(H=H, N=N, T=T)
+                    row = dict(H=H, N=N, T=T, dispatch=graph_ms(fn, (x, None), timing))  # the dispatch's pick
                     for tiling in tilings or configs.TILINGS:
                         row[tiling] = graph_ms(fn, (x, tiling), timing)
                     out.append(row)
@@ -578,10 +580,11 @@ def render_tilings(rows) -> str:
     pool = f"{str(POOL['dtype']).replace('torch.', '')} {'V-first' if POOL['v_first'] else 'K-first'} pools"
     lines = ["", f"## Recurrent kernel per tiling ({pool}; device ms; tiling = BV x lanes along V x warps x "
              "warp-local)", "",
-             "| H | N | T | " + " | ".join(keys) + " | best |", "|" + "---:|" * (len(keys) + 4)]
+             "| H | N | T | dispatch | " + " | ".join(keys) + " | best tiling |", "|" + "---:|" * (len(keys) + 5)]
     for r in rows:
         best = min(keys, key=lambda k: r[k])
-        lines.append(f"| {r['H']} | {r['N']} | {r['T']} | " + " | ".join(f"{r[k]:.4f}" for k in keys) + f" | {best} |")
+        lines.append(f"| {r['H']} | {r['N']} | {r['T']} | {r['dispatch']:.4f} | "
+                     + " | ".join(f"{r[k]:.4f}" for k in keys) + f" | {best} |")
     return "\n".join(lines) + "\n"
 
 
