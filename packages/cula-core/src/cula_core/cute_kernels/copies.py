@@ -29,13 +29,18 @@ def head_rows(m: cute.Tensor, t0, h, rows: int, col0=None, cols: int | None = No
     return cute.make_tensor(m.iterator + off, cute.make_layout((rows, cols), stride=(ld, 1)))
 
 
+def g2s_atom(dtype=BFloat16):
+    """The cp.async copy atom of one 16-byte vector of `dtype` from global to shared memory (L2 only: .cg)."""
+    return cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
+                               num_bits_per_copy=COPY_BITS)
+
+
 def g2s_tiled_copy(cols: int, threads: int, dtype=BFloat16):
     """cp.async in 16-byte vectors of a row-major (rows, cols) tile by `threads` threads: cols / vector threads per
     row, each thread's rows `threads` / (cols / vector) apart."""
     vec = COPY_BITS // dtype.width
     per_row = cols // vec
-    atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
-                               num_bits_per_copy=COPY_BITS)
+    atom = g2s_atom(dtype)
     return cute.make_tiled_copy_tv(atom, cute.make_layout((threads // per_row, per_row), stride=(per_row, 1)),
                                    cute.make_layout((1, vec)))
 

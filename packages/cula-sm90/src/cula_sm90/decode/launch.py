@@ -152,9 +152,11 @@ def _build_flush(config: tuple):
 
 
 _COMMON = ("cula_sm90.decode._dsl", "cula_sm90.decode.configs", "cula_sm90.decode.launch")
-for _name, _build, _source in ((RECURRENT, _build_recurrent, "recurrent"), (VERIFY, _build_verify, "kvbuffer_verify"),
-                               (FLUSH, _build_flush, "flush"), (STREAM, _build_stream, "stream")):
-    rt.register(rt.KernelDef(_name, _DIST, _PKG, _ARCH, _build, (f"cula_sm90.decode.{_source}", *_COMMON)))
+for _name, _build, _sources in ((RECURRENT, _build_recurrent, ("recurrent",)),
+                                (VERIFY, _build_verify, ("kvbuffer_verify",)), (FLUSH, _build_flush, ("flush",)),
+                                (STREAM, _build_stream, ("stream", "cula_core.cute_kernels.copies"))):
+    _modules = tuple(m if "." in m else f"cula_sm90.decode.{m}" for m in _sources)
+    rt.register(rt.KernelDef(_name, _DIST, _PKG, _ARCH, _build, (*_modules, *_COMMON)))
 
 
 def variant_kernel(mode: str, variant: str, tiling, T: int, K: int, V: int, qkv, gdt, bdt, has_A_log: bool,

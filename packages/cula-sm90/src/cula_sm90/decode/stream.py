@@ -38,11 +38,14 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
-from cutlass.cute.nvgpu import cpasync
 
+from cula_core.cute_kernels.copies import COPY_BITS, g2s_atom
 from cula_sm90.decode._dsl import (L2NORM_EPS, activate_beta, load_vec, log_decay, slot_in_use, store_vec,
                                    store_zeros, thread_coords, xor_sum)
 from cula_sm90.decode.configs import CHUNK_BYTES, stream_ctas_per_sm, stream_smem_bytes
+
+# the shared-memory layout (configs.stream_smem_bytes) is sized for the copy atom's vector
+assert CHUNK_BYTES * 8 == COPY_BITS
 
 
 
@@ -123,8 +126,7 @@ class StreamDecode:
         vecs = smem.allocate_tensor(Float32, cute.make_layout(3 * K), byte_alignment=16)
         sst = stages.iterator
         sv = vecs.iterator
-        copy_atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), pool.dtype,
-                                        num_bits_per_copy=CHUNK_BYTES * 8)
+        copy_atom = g2s_atom(pool.dtype)   # one CHUNK_BYTES vector per copy
 
         # registers that carry an item's small inputs from their loads (one item ahead) to their use
         r_v = cute.make_rmem_tensor(CW, v.dtype)
