@@ -1,11 +1,12 @@
-"""Run under compute-sanitizer by test_decode_gpu.py::test_memcheck_clean_on_odd_batches: every decode kernel
-(final state, per-token states, verify, flush with a per-request and a broadcast m, all-layers flush) on odd
-batches N in {1, 5} with padded slots (-1) and an out-of-range slot (= P), T in {1, 3}, K = V in {64, 128}, GVA 2;
-every tiling the dispatch can pick and the chunk-form verify (every chunk variant, T in {1, 3, 9}), each named
-through the sm90 kernels' `tiling` / `verify_variant` keywords (K = V = 64 through the kernels directly as well);
-the streamed single-token decode on K-first fp32 / bf16 pools at N = 129, HV = 8 (a batch it serves: many work
-items per CTA; V-first pools run it at any size); fused_recurrent_kda's slot mode (a slot per token, with and without num_accepted_tokens, padded rows, negative and
-out-of-range write slots, counts outside [1, T_idx]) on fp32 / bf16, K-first / V-first pools.
+"""Run under compute-sanitizer by test_decode_gpu.py::test_memcheck_clean_on_odd_batches: every decode kernel (final
+state, per-token states, verify, flush with a per-request and a broadcast m, all-layers flush) on odd batches N in
+{1, 5} with padded slots (-1) and an out-of-range slot (= P), T in {1, 3}, K = V in {64, 128}, GVA 2; every tiling
+the dispatch can pick and the chunk-form verify (every chunk variant, T in {1, 3, 9}), each named through the sm90
+kernels' `tiling` / `verify_variant` keywords (K = V = 64 through the kernels directly as well); the streamed
+single-token decode on K-first fp32 / bf16 pools at N = 129, HV = 8 (a batch it serves: many work items per CTA;
+V-first pools run it at any size); fused_recurrent_kda's slot mode (a slot per token, with and without
+num_accepted_tokens, padded rows, negative and out-of-range write slots, counts outside [1, T_idx]) on fp32 / bf16,
+K-first / V-first pools.
 Prints "cases ok" at the end; memcheck reports any out-of-bounds or misaligned access."""
 
 import sys

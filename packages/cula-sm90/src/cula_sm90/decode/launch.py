@@ -27,13 +27,14 @@ converted to fp32 on the host; A_log and dt_bias always fp32 (None when absent).
 fp32 as they load it, so these conversions change no result; they keep the configuration set small enough to be
 built ahead of time (cula_sm90.kernels.aot_configurations).
 
-Dispatch: single-token decode into the pool (MODE_FINAL, T = 1) of many request-heads or into a [V, K] pool runs
-the streamed kernel (`configs.streams`; persistent CTAs, `configs.stream_ctas_per_sm` per SM); otherwise `configs.recurrent_tiling` (the recurrent kernel's
-tiling) and `configs.verify_variant` (recurrent kernel or chunk form for the verify) pick by T and heads = N * HV;
-the measurements behind the tables are in docs/benchmarks/mtp_decode.md. On a family's first call (mode, T, head dims, dtypes, gate) every kernel the tables
-can pick for it at any N is loaded, so that a later batch size never compiles or loads one (a CUDA-graph capture
-at a new N). A caller may name the kernel instead (`run_recurrent`'s `tiling` and `verify_variant`, for the tests
-that check every tiling and verify variant and the benchmark that times them): then only that kernel is loaded.
+Dispatch: single-token decode into the pool (MODE_FINAL, T = 1) of many request-heads or into a [V, K] pool runs the
+streamed kernel (`configs.streams`; persistent CTAs, `configs.stream_ctas_per_sm` per SM); otherwise
+`configs.recurrent_tiling` (the recurrent kernel's tiling) and `configs.verify_variant` (recurrent kernel or chunk
+form for the verify) pick by T and heads = N * HV; the measurements behind the tables are in
+docs/benchmarks/mtp_decode.md. On a family's first call (mode, T, head dims, dtypes, gate) every kernel the tables
+can pick for it at any N is loaded, so that a later batch size never compiles or loads one (a CUDA-graph capture at
+a new N). A caller may name the kernel instead (`run_recurrent`'s `tiling` and `verify_variant`, for the tests that
+check every tiling and verify variant and the benchmark that times them): then only that kernel is loaded.
 
 No host synchronisation: nothing here reads a device tensor; accept lengths are read by the flush kernel.
 """
@@ -73,7 +74,8 @@ def verify_config(T: int, K: int, V: int, qkv: torch.dtype, g: torch.dtype, beta
 
 
 def stream_config(K: int, V: int, qkv: torch.dtype, g: torch.dtype, beta: torch.dtype, has_A_log: bool,
-                  has_dt_bias: bool, safe: bool, l2norm: bool, pool: torch.dtype = _F32, v_first: bool = False) -> tuple:
+                  has_dt_bias: bool, safe: bool, l2norm: bool, pool: torch.dtype = _F32,
+                  v_first: bool = False) -> tuple:
     """Compile-time configuration of the streamed T = 1 decode (stream.StreamDecode, configs.STREAM_TILING)."""
     return (K, V, qkv, g, beta, _F32 if has_A_log else None, _F32 if has_dt_bias else None, bool(safe), bool(l2norm),
             pool, bool(v_first))
@@ -185,7 +187,8 @@ def family_kernels(mode: str, T: int, K: int, V: int, qkv, gdt, bdt, has_A_log: 
 
 
 def dispatched_kernel(N: int, HV: int, mode: str, T: int, K: int, V: int, qkv, gdt, bdt, has_A_log: bool,
-                      has_dt_bias: bool, safe: bool, l2norm: bool, pool=_F32, v_first: bool = False) -> tuple[str, tuple]:
+                      has_dt_bias: bool, safe: bool, l2norm: bool, pool=_F32,
+                      v_first: bool = False) -> tuple[str, tuple]:
     """(kernel name, configuration) the dispatch picks for a batch of N requests with HV value heads in a family
     (family_kernels' arguments)."""
     family = (K, V, qkv, gdt, bdt, has_A_log, has_dt_bias, safe, l2norm, pool, v_first)

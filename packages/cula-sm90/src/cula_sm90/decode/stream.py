@@ -12,22 +12,22 @@ along V with CW columns each, KL = 32 / VL lanes along K with RK = K / KL rows e
 of lane kr are G * kr + (r % G) + G * KL * (r // G) for r < RK: G = 1 for [K, V] pools, G = 8 bytes / element for
 [V, K] pools. With the padded shared rows below, every shared-memory read of a piece is free of bank conflicts.
 
-Pipeline per item j of a CTA (two stages of shared memory, s = j % 2):
+Pipeline per item j of a CTA (ST = `stages` slices of shared memory, configs.STREAM_STAGES: 2; s = j % ST):
   1. the per-item vectors of item j (q, k L2-normalised and q scaled, exp of the log decay; v and beta): from the
      registers that item j - 1 loaded them into (warps 0, 1, 2 prepare q, k, the gate; every lane its v, beta);
-  2. loads of item j + 1's small inputs into those registers; cp.async of item j + 1's state slice into stage
-     1 - s (its slot was read one item earlier still); the slot of item j + 2;
+  2. loads of item j + 1's small inputs into those registers; cp.async of item j + ST - 1's state slice into its
+     stage (its slot was read one item earlier still); the slot of item j + ST;
   3. wait for stage s, one barrier; each lane runs the token on its RK x CW piece in two passes over shared
      memory (registers hold accumulators, not the piece): u = (D S)^T k and w = (D S)^T q, two butterflies,
      delta = beta (v - u), o = w + delta (k.q) into its output columns; then D S + k delta^T, row group by row
      group, into the slot;
-  4. one barrier: stage s and the vectors are free for item j + 1.
+  4. one barrier: stage s and the vectors are free for the next items.
 
-Shared memory per CTA: two stages of the slice in the pool's dtype, rows padded by 16 bytes (K rows of BV for [K, V]
+Shared memory per CTA: ST stages of the slice in the pool's dtype, rows padded by 16 bytes (K rows of BV for [K, V]
 pools, BV rows of K for [V, K]), and the three K-vectors in fp32.
 
 Assumptions (checked on the host in launch.py): inputs contiguous, every pointer 16-byte aligned, K % 32 == 0,
-V % BV == 0, the slots of live requests distinct (a slot is read one item before the item that writes it runs).
+V % BV == 0, the slots of live requests distinct (a slot is read ST - 1 items before the item that writes it runs).
 N, HV, HQK, P, scale, lower_bound, null_slot, precomputed_gate, beta_sigmoid and ctas are runtime values (one
 compilation serves every batch); cache_idx < 0, >= P or == null_slot marks a padded request: zero output, its slot
 neither read nor written.
