@@ -73,11 +73,10 @@ def sm90a(monkeypatch, tmp_path_factory):
     pytest.importorskip("cutlass")
     pytest.importorskip("tvm_ffi")
     from cula_core import cute_runtime as rt
-    from cula_sm90.decode import launch
 
     monkeypatch.delenv("CUTE_DSL_ARCH", raising=False)  # the runtime names sm_90a itself
     # the streamed decode launches a CTA count from the device's SMs: an H100's here (the tensors are host tensors)
-    monkeypatch.setattr(launch, "sm_count", lambda index: 132)
+    monkeypatch.setattr(rt, "sm_count", lambda index: 132)
     monkeypatch.setenv("CULA_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "cula-cache"))
     rt.reset()
     yield rt
@@ -191,7 +190,6 @@ def _record_launches(monkeypatch):
     """Replace kernel loading by a recorder: each loaded "kernel" appends (name, configuration, launch arguments)
     to the returned list when launched. Nothing compiles or runs."""
     from cula_core import cute_runtime
-    from cula_sm90.decode import launch
 
     launches = []
 
@@ -200,7 +198,7 @@ def _record_launches(monkeypatch):
 
     monkeypatch.setattr(cute_runtime, "get", get)
     monkeypatch.setattr(cute_runtime, "current_stream", lambda device=None: 0)
-    monkeypatch.setattr(launch, "sm_count", lambda index: 132)   # an H100's SMs (the streamed decode's CTAs)
+    monkeypatch.setattr(cute_runtime, "sm_count", lambda index: 132)   # an H100's SMs (the streamed decode's CTAs)
     return launches
 
 
@@ -545,7 +543,7 @@ def test_single_token_dispatch_streams_large_batches_and_v_first_pools(monkeypat
         launches.clear()
         launch.run_recurrent("final", *inputs, scale=0.125, lower_bound=None, use_qk_l2norm_in_kernel=True,
                              state_v_first=v_first, tiling=tiling)
-        (name, config, args), = launches
+        (name, _, args), = launches
         assert name == expected, (N, v_first, tiling)
         if name == launch.STREAM:
             items = N * HV * (K // configs.STREAM_TILING[0])

@@ -99,7 +99,7 @@ def fwd(monkeypatch):
     monkeypatch.setattr(forward, "compile_intra", _intra_emulator)
     monkeypatch.setattr(forward, "compile_state", _state_emulator)
     monkeypatch.setattr(forward, "launch_stream", lambda: None)
-    monkeypatch.setattr(forward, "sm_count", lambda index: 132)
+    monkeypatch.setattr(forward.rt, "sm_count", lambda index: 132)
     forward.planned_device_tables.cache_clear()
     forward.uniform_launch_spec.cache_clear()  # holds the (emulated) kernels
     return forward

@@ -293,14 +293,14 @@ def slots_tiling_sweep(timing: Timing, H: int = 64) -> str:
     """Device ms of the speculative pool step per tiling of the recurrent kernel (the table
     configs.recurrent_tiling(..., MODE_SLOTS) comes from), fp32 and bf16 pools, T in SPEC_TS, N in (16, 128), as a
     markdown table."""
-    keys = ("dispatch",) + tuple("x".join(map(str, t)) for t in SLOTS_SWEEP_TILINGS)
+    keys = ("dispatch", *("x".join(map(str, t)) for t in SLOTS_SWEEP_TILINGS))
     lines = [f"| pool | T | N | {' | '.join(keys)} |", "|---|---:|---:|" + "---:|" * len(keys)]
     with torch.no_grad():
         for pool_dtype in POOL_DTYPES:
             for T in SPEC_TS:
                 for N in (16, 128):
                     x = make_inputs(N, H, T, pool_dtype, slot_per_token=True)
-                    ms = [graph_ms(slots_at_tiling, (x, t), timing) for t in (None,) + SLOTS_SWEEP_TILINGS]
+                    ms = [graph_ms(slots_at_tiling, (x, t), timing) for t in (None, *SLOTS_SWEEP_TILINGS)]
                     lines.append(f"| {str(pool_dtype).replace('torch.', '')} | {T} | {N} | "
                                  + " | ".join(f"{m:.4f}" for m in ms) + " |")
                     print(lines[-1], flush=True)

@@ -26,7 +26,8 @@ process, `JitCompileWarning`). `listing()` tells what is shipped and cached (`cu
 """
 
 from cula_core.cute_runtime.chunks import chunk_offsets, chunk_table, sequence_bounds, sequence_table
-from cula_core.cute_runtime.convert import aligned16, current_stream, data_ptr, dsl_dtype, fake_ptr, fake_stream
+from cula_core.cute_runtime.convert import (aligned16, current_stream, data_ptr, dsl_dtype, fake_ptr, fake_stream,
+                                           sm_count)
 from cula_core.cute_runtime.registry import (
     Artifact,
     JitCompileWarning,
@@ -72,5 +73,6 @@ __all__ = [
     "resolve",
     "sequence_bounds",
     "sequence_table",
+    "sm_count",
     "write_manifest",
 ]

@@ -8,6 +8,8 @@ handle (`current_stream`). Nothing here reads a device tensor (no host synchroni
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 #: the address passed for an absent optional tensor: never dereferenced by a kernel (its compile-time flag says the
@@ -64,6 +66,13 @@ def current_stream(device: torch.device | int | None = None) -> int:
 def data_ptr(t: torch.Tensor | None) -> int:
     """The address a kernel takes for `t`; DUMMY_ADDRESS for an absent optional tensor."""
     return DUMMY_ADDRESS if t is None else t.data_ptr()
+
+
+@functools.cache
+def sm_count(index: int) -> int:
+    """Streaming multiprocessors of CUDA device `index` (read once per device): what persistent grids and the CP
+    planner size themselves by."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def aligned16(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -90,12 +90,17 @@ def gate_from_raw(x, A_log: cute.Pointer, dt_bias: cute.Pointer, hv, e0, K: int,
     """The in-kernel gate (log_decay) of this lane's len(x) elements e0.. of raw g for value head hv: x +
     dt_bias[hv * K + e0 ..] when dt_bias is given, rate exp(A_log[hv]) (1 without A_log)."""
     n = len(x)
-    if has_dt_bias:
-        b = load_vec(dt_bias, Int64(hv) * K + e0, n)
-        x = [x[i] + b[i] for i in range(n)]
-    rate = Float32(1.0)
-    if has_A_log:
-        rate = cute.math.exp(cute.make_tensor(A_log + Int64(hv), cute.make_layout(1)).load().to(Float32)[0])
+    bias = load_vec(dt_bias, Int64(hv) * K + e0, n) if has_dt_bias else None
+    a_log = cute.make_tensor(A_log + Int64(hv), cute.make_layout(1)).load().to(Float32)[0] if has_A_log else None
+    return gate_values(x, bias, a_log, lower_bound, safe=safe)
+
+
+def gate_values(x, bias, a_log, lower_bound: Float32, *, safe: bool):
+    """log_decay of the raw elements x (a list) plus `bias` (their dt_bias values, or None) at rate exp(a_log) (1
+    when a_log is None): gate_from_raw's math on values already loaded."""
+    if bias is not None:
+        x = [x[i] + bias[i] for i in range(len(x))]
+    rate = Float32(1.0) if a_log is None else cute.math.exp(a_log)
     return [log_decay(xi, rate, lower_bound, safe) for xi in x]
 
 

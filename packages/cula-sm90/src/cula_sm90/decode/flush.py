@@ -57,7 +57,7 @@ class FlushKVBuffer:
                accept_all: Int32, pool_offs, buf_offs, N: Int32, HV: Int32, P: Int32, null_slot: Int32):
         T, K, V, RK, CW = self.T, self.K, self.V, self.RK, self.CW
         W = 2 * K + V
-        tid, warp, lane, kr, vc = thread_coords(self.VL)
+        tid, warp, _, kr, vc = thread_coords(self.VL)
         bid = cute.arch.block_idx()[0]
         vb = bid % self.NVB
         head = bid // self.NVB           # (layer * N + n) * HV + hv

@@ -345,24 +345,13 @@ def run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
         # the streamed decode's one more argument: the CTAs launched, as many as are resident at once
         pool_bytes = state_pool.element_size()
         ctas_per_sm = configs.stream_ctas_per_sm(K, pool_bytes, bool(state_v_first), configs.stream_stages(pool_bytes))
-        args += (min(N * HV * (V // configs.STREAM_TILING[0]), ctas_per_sm * sm_count(o.device.index)),)
+        args += (min(N * HV * (V // configs.STREAM_TILING[0]), ctas_per_sm * rt.sm_count(o.device.index)),)
     if mode == configs.MODE_SLOTS:
         acc = num_accepted_tokens
         args += (acc.data_ptr() if acc is not None else cache_idx.data_ptr(),  # never read without the counts
                  cache_idx.shape[1], int(acc is not None))
     fn(*args, rt.current_stream(o.device.index))
     return o, out
-
-
-_sm_counts: dict[int, int] = {}
-
-
-def sm_count(index: int) -> int:
-    """SMs of CUDA device `index` (memoised: read once per device)."""
-    n = _sm_counts.get(index)
-    if n is None:
-        n = _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return n
 
 
 def _check_slot_table(mode, cache_idx, num_accepted_tokens, N: int, T: int) -> None:

@@ -124,7 +124,7 @@ class RecurrentDecode:
                lower_bound: Float32, null_slot: Int32, precomputed_gate: Int32, beta_sigmoid: Int32,
                accepted: cute.Pointer, idx_cols: Int32, has_accepted: Int32):
         T, K, V, RK, CW, EPL = self.T, self.K, self.V, self.RK, self.CW, self.EPL
-        tid, warp, lane, kr, vc = thread_coords(self.VL)
+        _, warp, lane, kr, vc = thread_coords(self.VL)
         bid = cute.arch.block_idx()[0]
         vb = bid % self.NVB
         head = bid // self.NVB          # n * HV + hv

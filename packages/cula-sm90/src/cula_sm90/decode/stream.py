@@ -40,7 +40,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from cula_core.cute_kernels.copies import COPY_BITS, g2s_atom
-from cula_sm90.decode._dsl import (L2NORM_EPS, activate_beta, load_vec, log_decay, slot_in_use, store_vec,
+from cula_sm90.decode._dsl import (activate_beta, gate_values, l2_normalize, load_vec, slot_in_use, store_vec,
                                    store_zeros, thread_coords, xor_sum)
 from cula_sm90.decode.configs import CHUNK_BYTES, stream_ctas_per_sm, stream_smem_bytes
 
@@ -160,11 +160,7 @@ class StreamDecode:
             if warp < 2:
                 x = [r_qk[i].to(Float32) for i in range(EPL)]
                 if cutlass.const_expr(self.l2norm):
-                    ss = Float32(0.0)
-                    for i in cutlass.range_constexpr(EPL):
-                        ss = ss + x[i] * x[i]
-                    inv = cute.math.rsqrt(xor_sum(ss, 1) + Float32(L2NORM_EPS))
-                    x = [xi * inv for xi in x]
+                    x = l2_normalize(x, EPL)
                 sc = cutlass.select_(warp == 0, scale, Float32(1.0))   # q is scaled, k is not
                 store_vec(sv, warp * K + e0, [xi * sc for xi in x], EPL)
             if warp == 2:
@@ -172,8 +168,9 @@ class StreamDecode:
                 if precomputed_gate != 0:   # g is the log decay: dt_bias and A_log are not used
                     store_vec(sv, 2 * K + e0, [cute.math.exp(x) for x in graw], EPL)
                 else:
-                    store_vec(sv, 2 * K + e0, [cute.math.exp(x) for x in self.gate(graw, r_dtb, r_alog, lower_bound)],
-                              EPL)
+                    gl = gate_values(graw, [r_dtb[i] for i in range(EPL)] if self.has_dt_bias else None,
+                                     r_alog[0] if self.has_A_log else None, lower_bound, safe=self.safe_gate)
+                    store_vec(sv, 2 * K + e0, [cute.math.exp(x) for x in gl], EPL)
             vr = [r_v[c].to(Float32) for c in range(CW)]
             bt = activate_beta(r_beta[0].to(Float32), beta_sigmoid)
             # 2. item j + 1's small inputs, item j + ST - 1's slice, item j + ST's slot
@@ -237,16 +234,6 @@ class StreamDecode:
             for i in cutlass.range_constexpr(ST):
                 slots[i] = slots[i + 1]
         cute.arch.cp_async_wait_group(0)
-
-    def gate(self, graw, r_dtb, r_alog, lower_bound):
-        """The log decay of this lane's elements from raw g (recurrent.py's gate_from_raw on carried registers)."""
-        x = graw
-        if self.has_dt_bias:
-            x = [x[i] + r_dtb[i] for i in range(len(x))]
-        rate = Float32(1.0)
-        if self.has_A_log:
-            rate = cute.math.exp(r_alog[0])
-        return [log_decay(xi, rate, lower_bound, self.safe_gate) for xi in x]
 
     @cute.jit
     def load_small(self, item, q, k, v, g, beta, A_log, dt_bias, HQK, HV, warp, lcol0, e0, r_v, r_beta, r_qk, r_g,

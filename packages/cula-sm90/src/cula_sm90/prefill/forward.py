@@ -137,12 +137,6 @@ def compile_state(affine: bool, o_dtype: torch.dtype):
     return rt.get(STATE, state_config(affine, o_dtype))
 
 
-@functools.cache
-def sm_count(index: int) -> int:
-    """Streaming multiprocessors of CUDA device `index` (the CP planner's input)."""
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _host_lengths(B, T, cu_seqlens, cu_seqlens_cpu):
     if cu_seqlens is None:
         return (T,) * B
@@ -220,7 +214,7 @@ def planned_device_tables(lengths, num_heads, num_sms, mode, device, has_h0, wan
 
 def host_length_tables(lengths, num_heads, device, mode, has_h0, want_ht, cp_pieces):
     """planned_device_tables for host-known lengths on `device`, with the planner's arguments of `cp_pieces`."""
-    return planned_device_tables(lengths, num_heads, sm_count(device.index or 0), mode, device, has_h0, want_ht,
+    return planned_device_tables(lengths, num_heads, rt.sm_count(device.index or 0), mode, device, has_h0, want_ht,
                                  tuple(sorted(planner_kwargs(cp_pieces).items())))
 
 
