@@ -2,6 +2,8 @@
 how keys tell scalar types apart, and that reloading the backends or resetting the fallback warnings forgets
 every plan. The plans' use by the ops is checked on a GPU (test_plans_gpu.py)."""
 
+import os
+
 import pytest
 import torch
 
@@ -44,6 +46,30 @@ def test_keys_tell_types_and_environment_apart(monkeypatch):
     monkeypatch.delenv("CULA_BACKEND")
     monkeypatch.setenv("CULA_STRICT", "1")
     assert plans.signature("op", (), (1,)) != one_int
+    monkeypatch.delenv("CULA_STRICT")
+    assert plans.signature("op", (), (1,)) == one_int
+
+
+def test_keys_follow_os_environ_between_calls(monkeypatch):
+    """Assignments, updates and deletions through os.environ between two calls reach the next key (the reader
+    goes through the C library's environment, which os.environ writes through to): no stale plan runs."""
+    monkeypatch.delenv("CULA_BACKEND", raising=False)
+    unset = plans.signature("op", (), (1,))
+    monkeypatch.setenv("CULA_BACKEND", "sm90")  # restores the variable after the test
+    sm90 = plans.signature("op", (), (1,))
+    os.environ["CULA_BACKEND"] = "reference"
+    reference = plans.signature("op", (), (1,))
+    assert len({unset, sm90, reference}) == 3
+    os.environ.update(CULA_BACKEND="sm90")
+    assert plans.signature("op", (), (1,)) == sm90
+    del os.environ["CULA_BACKEND"]
+    assert plans.signature("op", (), (1,)) == unset
+    os.environ["CULA_CHECK_DEVICE_VALUES"] = "1"
+    try:
+        assert plans.signature("op", (), (1,)) is None
+    finally:
+        del os.environ["CULA_CHECK_DEVICE_VALUES"]
+    assert plans.signature("op", (), (1,)) == unset
 
 
 def test_reload_and_warning_reset_forget_plans():

@@ -21,6 +21,7 @@ a plan that runs the reference was made by a call that warned).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from collections.abc import Callable
@@ -30,8 +31,32 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _SCALAR_TYPES = frozenset((int, float, bool, str, type(None)))
+_is_compiling = torch.compiler.is_compiling
 #: environment variables whose values change what a call runs (cula_core.dispatch)
 DISPATCH_ENVIRONMENT = ("CULA_BACKEND", "CULA_STRICT")
+
+
+def _environment_reader() -> Callable[[bytes], bytes | None]:
+    """A function from a variable's name (bytes) to its value in the process environment (bytes, None when unset).
+
+    It reads the C library's environment (getenv), which holds what os.environ holds: every assignment or deletion
+    through os.environ writes through to it (putenv / unsetenv), so a change made between two calls is seen by the
+    next one. os.environ.get costs four times as much for an unset variable (it raises and catches a KeyError), and
+    a signature reads three. Called through ctypes.PyDLL, which keeps the GIL, so no Python thread changes the
+    environment during the read. Where the C library cannot be loaded: os.environ."""
+    try:
+        getenv = ctypes.PyDLL(None).getenv
+    except (OSError, AttributeError, TypeError):
+        def read(name: bytes) -> bytes | None:
+            value = os.environ.get(name.decode())
+            return None if value is None else value.encode()
+
+        return read
+    getenv.restype, getenv.argtypes = ctypes.c_char_p, (ctypes.c_char_p,)
+    return getenv
+
+
+_getenv = _environment_reader()
 #: plans kept at most; past it the oldest half is dropped (a process that never repeats a signature)
 MAX_PLANS = 4096
 
@@ -44,15 +69,15 @@ def signature(op: str, tensors: tuple, scalars: tuple) -> tuple | None:
 
     `tensors`: every tensor argument (None for an absent optional one); `scalars`: every other argument that
     changes what the call does. Scalars enter the key with their types (``1``, ``1.0`` and ``True`` differ)."""
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+    if _is_compiling() or _get_current_dispatch_mode() is not None:
         return None
-    env = os.environ
-    if env.get("CULA_CHECK_DEVICE_VALUES", "") not in ("", "0"):
+    check_values = _getenv(b"CULA_CHECK_DEVICE_VALUES")
+    if check_values and check_values != b"0":
         return None
     types = tuple(map(type, scalars))
     if not _SCALAR_TYPES.issuperset(types):
         return None
-    parts = [op, env.get("CULA_BACKEND"), env.get("CULA_STRICT"), scalars, types]
+    parts = [op, _getenv(b"CULA_BACKEND"), _getenv(b"CULA_STRICT"), scalars, types]
     for t in tensors:
         if t is None:
             parts.append(None)

@@ -296,9 +296,12 @@ def run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
     Any other value is a ValueError naming the argument, raised before anything is allocated or launched. A named
     kernel is loaded alone on its first call (the dispatch's pick loads its whole family, so that later batch
     sizes only launch)."""
-    checked_choice(mode, tiling, verify_variant)
-    _check_slot_table(mode, cache_idx, num_accepted_tokens, q.shape[0], q.shape[1])
-    if beta_activation not in configs.BETA_SIGMOID:
+    if tiling is not None or verify_variant is not None:
+        checked_choice(mode, tiling, verify_variant)
+    if num_accepted_tokens is not None or mode == configs.MODE_SLOTS:
+        _check_slot_table(mode, cache_idx, num_accepted_tokens, q.shape[0], q.shape[1])
+    beta_sigmoid = configs.BETA_SIGMOID.get(beta_activation)
+    if beta_sigmoid is None:
         raise ValueError(f"beta_activation must be one of {tuple(configs.BETA_SIGMOID)}, got {beta_activation!r}")
     N, T, HQK, K = q.shape
     _, _, HV, V = v.shape
@@ -311,47 +314,81 @@ def run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
         out = None
     if N == 0:
         return o, out
-    if q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16:
+    q_addr, k_addr, v_addr = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    if (q_addr | k_addr | v_addr) & 15:
         q, k, v = (rt.aligned16(t) for t in (q, k, v))
+        q_addr, k_addr, v_addr = q.data_ptr(), k.data_ptr(), v.data_ptr()
     if g.dtype not in NATIVE_GATE_DTYPES:
         g = g.float()
-    if g.data_ptr() % 16:
+    g_addr = g.data_ptr()
+    if g_addr & 15:
         g = g.clone()
+        g_addr = g.data_ptr()
     if beta.dtype not in NATIVE_GATE_DTYPES:
         beta = beta.float()
-    if precomputed_gate:
-        A_log = dt_bias = lower_bound = None
-        has_A_log = has_dt_bias = True   # the prebuilt configuration; the kernel skips its gate code
-    else:
-        if A_log is not None and A_log.dtype != _F32:
-            A_log = A_log.float()
-        if dt_bias is not None and (dt_bias.dtype != _F32 or dt_bias.data_ptr() % 16):
-            dt_bias = rt.aligned16(dt_bias.float())
-        has_A_log, has_dt_bias = A_log is not None, dt_bias is not None
-    safe = lower_bound is not None
-    fn = recurrent_function(mode, N, T, K, V, HV, q.dtype, g.dtype, beta.dtype, has_A_log, has_dt_bias, safe,
-                            bool(use_qk_l2norm_in_kernel), state_pool.dtype, bool(state_v_first), tiling,
-                            verify_variant)
     pool_addr = state_pool.data_ptr()
-    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
-            A_log.data_ptr() if A_log is not None else pool_addr,      # never read without A_log (or precomputed)
-            dt_bias.data_ptr() if dt_bias is not None else pool_addr,  # never read without dt_bias (or precomputed)
-            pool_addr, cache_idx.data_ptr(), o.data_ptr(),
-            out.data_ptr() if out is not None else pool_addr,          # never written in MODE_FINAL / MODE_SLOTS
-            N, HQK, HV, state_pool.shape[0], float(scale), float(lower_bound) if safe else 0.0,
-            -1 if null_slot is None else int(null_slot), int(bool(precomputed_gate)),
-            configs.BETA_SIGMOID[beta_activation])
-    if tiling is None and verify_variant is None and configs.streams(mode, T, N, HV, bool(state_v_first)):
-        # the streamed decode's one more argument: the CTAs launched, as many as are resident at once
-        pool_bytes = state_pool.element_size()
-        ctas_per_sm = configs.stream_ctas_per_sm(K, pool_bytes, bool(state_v_first), configs.stream_stages(pool_bytes))
-        args += (min(N * HV * (V // configs.STREAM_TILING[0]), ctas_per_sm * rt.sm_count(o.device.index)),)
+    if precomputed_gate:
+        # the prebuilt configuration with A_log and dt_bias, whose gate code the kernel skips: their addresses are
+        # stand-ins, never read
+        a_addr = d_addr = pool_addr
+        has_A_log = has_dt_bias = True
+        lower_bound = None
+    else:
+        has_A_log, has_dt_bias = A_log is not None, dt_bias is not None
+        if has_A_log:
+            if A_log.dtype != _F32:
+                A_log = A_log.float()
+            a_addr = A_log.data_ptr()
+        else:
+            a_addr = pool_addr  # never read without A_log
+        if has_dt_bias:
+            d_addr = dt_bias.data_ptr()
+            if dt_bias.dtype != _F32 or d_addr & 15:
+                dt_bias = rt.aligned16(dt_bias.float())
+                d_addr = dt_bias.data_ptr()
+        else:
+            d_addr = pool_addr  # never read without dt_bias
+    device = q.get_device()
+    fn, scalars = _launch(mode, N, T, HQK, K, HV, V, state_pool.shape[0], q.dtype, g.dtype, beta.dtype, has_A_log,
+                          has_dt_bias, scale, lower_bound, bool(use_qk_l2norm_in_kernel), state_pool.dtype,
+                          bool(state_v_first), null_slot, bool(precomputed_gate), beta_sigmoid, tiling, verify_variant,
+                          device)
+    out_addr = out.data_ptr() if out is not None else pool_addr  # never written in MODE_FINAL / MODE_SLOTS
     if mode == configs.MODE_SLOTS:
         acc = num_accepted_tokens
-        args += (acc.data_ptr() if acc is not None else cache_idx.data_ptr(),  # never read without the counts
-                 cache_idx.shape[1], int(acc is not None))
-    fn(*args, rt.current_stream(o.device.index))
+        scalars += (acc.data_ptr() if acc is not None else cache_idx.data_ptr(),  # never read without the counts
+                    cache_idx.shape[1], int(acc is not None))
+    fn(q_addr, k_addr, v_addr, g_addr, beta.data_ptr(), a_addr, d_addr, pool_addr, cache_idx.data_ptr(),
+       o.data_ptr(), out_addr, *scalars, rt.current_stream(device))
     return o, out
+
+
+_launches: dict[tuple, tuple] = {}
+
+
+def _launch(mode, N, T, HQK, K, HV, V, P, qkv, gdt, bdt, has_A_log, has_dt_bias, scale, lower_bound, l2norm, pool,
+            v_first, null_slot, precomputed, beta_sigmoid, tiling, verify_variant, device) -> tuple:
+    """(loaded kernel, its scalar arguments after the eleven addresses) of a batch (`run_recurrent`'s arguments,
+    normalised), memoised by every argument: a repeated batch shape only looks it up."""
+    key = (mode, N, T, HQK, K, HV, V, P, qkv, gdt, bdt, has_A_log, has_dt_bias, scale, lower_bound, l2norm, pool,
+           v_first, null_slot, precomputed, beta_sigmoid, tiling, verify_variant, device)
+    hit = _launches.get(key)
+    if hit is not None:
+        return hit
+    safe = lower_bound is not None
+    fn = recurrent_function(mode, N, T, K, V, HV, qkv, gdt, bdt, has_A_log, has_dt_bias, safe, l2norm, pool, v_first,
+                            tiling, verify_variant)
+    scalars = (N, HQK, HV, P, float(scale), float(lower_bound) if safe else 0.0,
+               -1 if null_slot is None else int(null_slot), int(precomputed), beta_sigmoid)
+    if tiling is None and verify_variant is None and configs.streams(mode, T, N, HV, v_first):
+        # the streamed decode's one more argument: the CTAs launched, as many as are resident at once
+        pool_bytes = pool.itemsize
+        ctas_per_sm = configs.stream_ctas_per_sm(K, pool_bytes, v_first, configs.stream_stages(pool_bytes))
+        scalars += (min(N * HV * (V // configs.STREAM_TILING[0]), ctas_per_sm * rt.sm_count(device)),)
+    if len(_launches) >= 1024:  # a process that never repeats a batch shape
+        _launches.clear()
+    _launches[key] = hit = (fn, scalars)
+    return hit
 
 
 def _check_slot_table(mode, cache_idx, num_accepted_tokens, N: int, T: int) -> None:
