@@ -49,6 +49,8 @@ def forward_kernel(call, sizes: dict, **flags):
     layout = layout_kwargs(native)
 
     bound = functools.partial(kernel, **flags, **layout)
+    if not copy_layout and not call.options.get("initial_state"):  # new outputs in the caller's layout already
+        return bound
 
     def run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu):
         if not copy_layout and initial_state is None:  # new outputs in the caller's layout already
@@ -142,11 +144,15 @@ def chunk_states(call: ChunkCall, *, output_final_state: bool, use_qk_l2norm_in_
     return o, (final_state if output_final_state else None), h
 
 
-def prefill_plan(call: ChunkCall, output_final_state: bool, use_qk_l2norm_in_kernel: bool, intracard_cp: str):
+def prefill_plan(call: ChunkCall, output_final_state: bool, use_qk_l2norm_in_kernel: bool, intracard_cp: str,
+                 use_gate_in_kernel: bool, A_log: Tensor | None, dt_bias: Tensor | None):
     """The plan (cula_core.plans) of a `kda_prefill` call resolved into `call`: its `forward_kernel`, run without
-    an autograd graph. The plan takes (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
-    cu_seqlens_cpu), A_log / dt_bias 1-D, and returns [o, final_state or None]."""
-    q, k, v, g, beta, A_log, dt_bias, initial_state = call.tensors
+    an autograd graph. The plan takes the call's own (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+    cu_seqlens_cpu), checks the host lengths of `cu_seqlens_cpu` (values, so on every call), hands the kernel
+    A_log / dt_bias as `call` has them (1-D views, or None without `use_gate_in_kernel`), and returns `kda_prefill`'s
+    ``(o, final_state or None)``. `A_log` and `dt_bias`: the call's own, whose shapes (part of the signature) say
+    whether they need the 1-D view."""
+    q, k, v, g, beta, _A_log, _dt_bias, initial_state = call.tensors
     config = _prefill_call("kda_prefill", q, v, call.cu_seqlens, gate=call.gate,
                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, beta_activation=call.beta_activation,
                            initial_state=initial_state, output_final_state=output_final_state,
@@ -155,12 +161,30 @@ def prefill_plan(call: ChunkCall, output_final_state: bool, use_qk_l2norm_in_ker
         config, forward_indexed_sizes(q, k, v, g, beta, initial_state, call.cu_seqlens, output_final_state),
         scale=call.scale, output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         gate=call.gate, lower_bound=call.lower_bound, beta_activation=call.beta_activation, intracard_cp=intracard_cp)
+    check_lengths = call.cu_seqlens_cpu is not None
+    B, T = q.shape[:2]
+    flatten = use_gate_in_kernel and ((A_log is not None and A_log.dim() != 1) or
+                                      (dt_bias is not None and dt_bias.dim() != 1))
+    is_grad_enabled = torch.is_grad_enabled
 
-    def run(*tensors):
-        if not torch.is_grad_enabled():
-            return kernel(*tensors)
-        with torch.no_grad():  # an inference op: no graph, whichever backend runs it
-            return kernel(*tensors)
+    def run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu):
+        if check_lengths:
+            validate_cu_seqlens(cu_seqlens, cu_seqlens_cpu, B, T)
+        if not use_gate_in_kernel:
+            A_log = dt_bias = None
+        elif flatten:
+            A_log = None if A_log is None else A_log.reshape(-1)
+            dt_bias = None if dt_bias is None else dt_bias.reshape(-1)
+        # an inference op: no graph, whichever backend runs it (without an input that requires grad, none is made)
+        if is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or g.requires_grad
+                                  or beta.requires_grad or (A_log is not None and A_log.requires_grad)
+                                  or (dt_bias is not None and dt_bias.requires_grad)
+                                  or (initial_state is not None and initial_state.requires_grad)):
+            with torch.no_grad():
+                o, final_state = kernel(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu)
+        else:
+            o, final_state = kernel(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu)
+        return o, (final_state if output_final_state else None)
 
     return run
 
@@ -220,17 +244,7 @@ def kda_prefill(
     if key is not None:
         plan = plans.lookup(key)
         if plan is not None:
-            if cu_seqlens_cpu is not None:  # host values: checked on every call
-                validate_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q.shape[0], q.shape[1])
-            if not use_gate_in_kernel:
-                A_log = dt_bias = None
-            else:  # FLA's any-shape gate parameters (their sizes were checked with the plan), 1-D
-                if A_log is not None and A_log.dim() != 1:
-                    A_log = A_log.reshape(-1)
-                if dt_bias is not None and dt_bias.dim() != 1:
-                    dt_bias = dt_bias.reshape(-1)
-            o, final_state = plan(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu)
-            return o, (final_state if output_final_state else None)
+            return plan(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu)
     call = resolve_chunk_call(
         "kda_prefill", q, k, v, g, beta, scale=scale, initial_state=initial_state,
         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
@@ -251,9 +265,9 @@ def kda_prefill(
         return chunk_states(call, output_final_state=bool(output_final_state),
                             use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel))
     if key is not None:
-        plan = plans.remember(key, prefill_plan(call, bool(output_final_state), bool(use_qk_l2norm_in_kernel), cp))
-        o, final_state = plan(*call.tensors, call.cu_seqlens, call.cu_seqlens_cpu)
-        return o, (final_state if output_final_state else None)
+        plan = plans.remember(key, prefill_plan(call, bool(output_final_state), bool(use_qk_l2norm_in_kernel), cp,
+                                                bool(use_gate_in_kernel), A_log, dt_bias))
+        return plan(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu)
     with torch.no_grad():
         o, final_state = torch.ops.cula.kda_prefill(
             *call.tensors, call.cu_seqlens, call.cu_seqlens_cpu, call.scale, bool(output_final_state),

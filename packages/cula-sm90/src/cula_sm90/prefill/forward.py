@@ -247,6 +247,8 @@ class Launch(NamedTuple):
     intra: Callable           # stage 1
     state: Callable           # stage 2 (normal mode)
     tables: dict              # device tables (planned_device_tables / _device_tables), held here
+    table_addrs: tuple        # addresses of tables["cu"], tables["co"], tables["seg"]
+    split: bool               # the tables' CP plan splits a sequence: the affine-map pass and the scan run
     nbytes: int               # scratch_layout
     offsets: tuple[int, ...]
     intra_sizes: tuple        # TT, N, NC, scan steps, HQK, G, scale, lower bound
@@ -265,10 +267,13 @@ def launch_spec(B, T, HQK, HV, N, tables, qkv_dtype, g_dtype, beta_dtype, has_a_
     kind = intra_kind(gate, lb)
     intra = compile_intra(gate, beta_activation, bool(l2norm), has_a_log, has_dt_bias, qkv_dtype, g_dtype,
                           beta_dtype, kind)
-    S = tables["seg"].shape[0]
-    return Launch(intra, compile_state(False, qkv_dtype), tables, nbytes, offsets,
+    seg = tables["seg"]
+    plan = tables["plan"]
+    return Launch(intra, compile_state(False, qkv_dtype), tables,
+                  (tables["cu"].data_ptr(), tables["co"].data_ptr(), seg.data_ptr()),
+                  plan is not None and plan.split, nbytes, offsets,
                   (TT, N, NC, search_steps(N), HQK, HV // HQK, float(scale), lb),
-                  (TT, NC, S, HV, max(h0_rows, 1), N if want_ht else 1),
+                  (TT, NC, seg.shape[0], HV, max(h0_rows, 1), N if want_ht else 1),
                   (N, HV, DK, DK) if want_ht else None, kind == "tc")
 
 
@@ -324,32 +329,41 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     # stage 1's outputs live in one scratch allocation, addressed by offset (scratch_layout); its base also
     # stands for every absent optional tensor (a kernel never reads one)
     scratch = torch.empty(spec.nbytes, dtype=torch.uint8, device=device)
-    base = scratch.data_ptr()
-    w, u, qg, kg, aqk, gl = (base + off for off in spec.offsets)
     o = torch.empty_like(v)
     final = None if spec.final_shape is None else torch.empty(spec.final_shape, dtype=torch.float32, device=device)
-    if A_log is not None and A_log.dtype != torch.float32:
-        A_log = A_log.float()
-    if dt_bias is not None and dt_bias.dtype != torch.float32:
-        dt_bias = dt_bias.float()
+    w = base = scratch.data_ptr()
+    _, u_off, qg_off, kg_off, aqk_off, gl_off = spec.offsets
+    u, qg, kg, aqk, gl = base + u_off, base + qg_off, base + kg_off, base + aqk_off, base + gl_off
+    if A_log is None:
+        a_addr = base
+    else:
+        if A_log.dtype != torch.float32:
+            A_log = A_log.float()
+        a_addr = A_log.data_ptr()
+    if dt_bias is None:
+        d_addr = base
+    else:
+        if dt_bias.dtype != torch.float32:
+            dt_bias = dt_bias.float()
+        d_addr = dt_bias.data_ptr()
+    q_addr, k_addr, v_addr, g_addr = q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr()
     # views at odd offsets are copied where stage 1 loads 16-byte vectors
-    if spec.aligned and (q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16 or g.data_ptr() % 16):
+    if spec.aligned and (q_addr | k_addr | v_addr | g_addr) & 15:
         q, k, v, g = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (q, k, v, g))
+        q_addr, k_addr, v_addr, g_addr = q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr()
     stream = launch_stream()
-    tables = spec.tables
-    spec.intra(q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
-               base if A_log is None else A_log.data_ptr(), base if dt_bias is None else dt_bias.data_ptr(),
-               tables["cu"].data_ptr(), tables["co"].data_ptr(), w, u, qg, kg, aqk, gl, *spec.intra_sizes, stream)
+    cu_addr, co_addr, seg_addr = spec.table_addrs
+    spec.intra(q_addr, k_addr, v_addr, g_addr, beta.data_ptr(), a_addr, d_addr, cu_addr, co_addr, w, u, qg, kg, aqk,
+               gl, *spec.intra_sizes, stream)
     ht = base if final is None else final.data_ptr()
-    plan = tables["plan"]
-    if plan is None or not plan.split:
-        spec.state(w, u, qg, kg, aqk, gl, tables["seg"].data_ptr(), initial_state.data_ptr() if has_h0 else base,
-                   ht, o.data_ptr(), *spec.state_sizes, stream)
+    if not spec.split:
+        spec.state(w, u, qg, kg, aqk, gl, seg_addr, initial_state.data_ptr() if has_h0 else base, ht, o.data_ptr(),
+                   *spec.state_sizes, stream)
         return o, final
 
     # ---- context parallel: maps of the pieces, a scan, then every piece at once
     TT, NC, S = spec.state_sizes[:3]
-    seg = tables["seg"]
+    tables = spec.tables
     map_seg = tables["map_seg"]
     R = map_seg.shape[0]
     maps = torch.empty(R, HV, K, 2 * K, dtype=torch.float32, device=device)
@@ -374,6 +388,6 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     if has_h0:
         reached = composed[..., :K] @ initial_state[tables["scan_seq"]].double() + reached
     starts[tables["scan_dst"]] = reached.float()
-    spec.state(w, u, qg, kg, aqk, gl, seg.data_ptr(), starts.data_ptr(), ht, o.data_ptr(),
+    spec.state(w, u, qg, kg, aqk, gl, seg_addr, starts.data_ptr(), ht, o.data_ptr(),
                TT, NC, S, HV, S, N if final is not None else 1, stream)
     return o, final
