@@ -334,18 +334,10 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     w = base = scratch.data_ptr()
     _, u_off, qg_off, kg_off, aqk_off, gl_off = spec.offsets
     u, qg, kg, aqk, gl = base + u_off, base + qg_off, base + kg_off, base + aqk_off, base + gl_off
-    if A_log is None:
-        a_addr = base
-    else:
-        if A_log.dtype != torch.float32:
-            A_log = A_log.float()
-        a_addr = A_log.data_ptr()
-    if dt_bias is None:
-        d_addr = base
-    else:
-        if dt_bias.dtype != torch.float32:
-            dt_bias = dt_bias.float()
-        d_addr = dt_bias.data_ptr()
+    if A_log is not None and A_log.dtype != torch.float32:
+        A_log = A_log.float()
+    if dt_bias is not None and dt_bias.dtype != torch.float32:
+        dt_bias = dt_bias.float()
     q_addr, k_addr, v_addr, g_addr = q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr()
     # views at odd offsets are copied where stage 1 loads 16-byte vectors
     if spec.aligned and (q_addr | k_addr | v_addr | g_addr) & 15:
@@ -353,8 +345,9 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
         q_addr, k_addr, v_addr, g_addr = q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr()
     stream = launch_stream()
     cu_addr, co_addr, seg_addr = spec.table_addrs
-    spec.intra(q_addr, k_addr, v_addr, g_addr, beta.data_ptr(), a_addr, d_addr, cu_addr, co_addr, w, u, qg, kg, aqk,
-               gl, *spec.intra_sizes, stream)
+    spec.intra(q_addr, k_addr, v_addr, g_addr, beta.data_ptr(), base if A_log is None else A_log.data_ptr(),
+               base if dt_bias is None else dt_bias.data_ptr(), cu_addr, co_addr, w, u, qg, kg, aqk, gl,
+               *spec.intra_sizes, stream)
     ht = base if final is None else final.data_ptr()
     if not spec.split:
         spec.state(w, u, qg, kg, aqk, gl, seg_addr, initial_state.data_ptr() if has_h0 else base, ht, o.data_ptr(),
