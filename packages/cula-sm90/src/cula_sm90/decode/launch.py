@@ -306,10 +306,11 @@ def run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
     N, T, HQK, K = q.shape
     _, _, HV, V = v.shape
     o = torch.empty_like(v)
+    # sizes as separate arguments: torch.empty parses them faster than a shape tuple
     if mode == configs.MODE_STATES:  # per-token states in the pool's layout and dtype
-        out = state_pool.new_empty((N, T, *state_pool.shape[1:]))
+        out = torch.empty(N, T, *state_pool.shape[1:], dtype=state_pool.dtype, device=v.device)
     elif mode == configs.MODE_KVBUFFER:
-        out = v.new_empty((N, T, HV, 2 * K + V), dtype=_F32)
+        out = torch.empty(N, T, HV, 2 * K + V, dtype=_F32, device=v.device)
     else:
         out = None
     if N == 0:
@@ -349,10 +350,10 @@ def run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
         else:
             d_addr = pool_addr  # never read without dt_bias
     device = q.get_device()
-    fn, scalars = _launch(mode, N, T, HQK, K, HV, V, state_pool.shape[0], q.dtype, g.dtype, beta.dtype, has_A_log,
-                          has_dt_bias, scale, lower_bound, bool(use_qk_l2norm_in_kernel), state_pool.dtype,
-                          bool(state_v_first), null_slot, bool(precomputed_gate), beta_sigmoid, tiling, verify_variant,
-                          device)
+    key = (mode, N, T, HQK, K, HV, V, state_pool.shape[0], q.dtype, g.dtype, beta.dtype, has_A_log, has_dt_bias,
+           scale, lower_bound, use_qk_l2norm_in_kernel, state_pool.dtype, state_v_first, null_slot, precomputed_gate,
+           beta_sigmoid, tiling, verify_variant, device)
+    fn, scalars = _launches.get(key) or _launch(key)
     out_addr = out.data_ptr() if out is not None else pool_addr  # never written in MODE_FINAL / MODE_SLOTS
     if mode == configs.MODE_SLOTS:
         acc = num_accepted_tokens
@@ -363,23 +364,22 @@ def run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
     return o, out
 
 
+#: (kernel, scalar arguments) of the batches run so far, by run_recurrent's key (`_launch`)
 _launches: dict[tuple, tuple] = {}
 
 
-def _launch(mode, N, T, HQK, K, HV, V, P, qkv, gdt, bdt, has_A_log, has_dt_bias, scale, lower_bound, l2norm, pool,
-            v_first, null_slot, precomputed, beta_sigmoid, tiling, verify_variant, device) -> tuple:
-    """(loaded kernel, its scalar arguments after the eleven addresses) of a batch (`run_recurrent`'s arguments,
-    normalised), memoised by every argument: a repeated batch shape only looks it up."""
-    key = (mode, N, T, HQK, K, HV, V, P, qkv, gdt, bdt, has_A_log, has_dt_bias, scale, lower_bound, l2norm, pool,
-           v_first, null_slot, precomputed, beta_sigmoid, tiling, verify_variant, device)
-    hit = _launches.get(key)
-    if hit is not None:
-        return hit
-    safe = lower_bound is not None
-    fn = recurrent_function(mode, N, T, K, V, HV, qkv, gdt, bdt, has_A_log, has_dt_bias, safe, l2norm, pool, v_first,
-                            tiling, verify_variant)
+def _launch(key: tuple) -> tuple:
+    """(loaded kernel, its scalar arguments after the eleven addresses) of a batch: `key` is run_recurrent's
+    (mode, N, T, HQK, K, HV, V, P, q/k/v dtype, g dtype, beta dtype, has A_log, has dt_bias, scale, lower_bound,
+    l2norm, pool dtype, v_first, null_slot, precomputed gate, beta activation code, tiling, verify_variant, device
+    index), its arguments after normalisation; kept in `_launches`, so that a repeated batch only looks it up."""
+    (mode, N, T, HQK, K, HV, V, P, qkv, gdt, bdt, has_A_log, has_dt_bias, scale, lower_bound, l2norm, pool, v_first,
+     null_slot, precomputed, beta_sigmoid, tiling, verify_variant, device) = key
+    safe, v_first = lower_bound is not None, bool(v_first)
+    fn = recurrent_function(mode, N, T, K, V, HV, qkv, gdt, bdt, has_A_log, has_dt_bias, safe, bool(l2norm), pool,
+                            v_first, tiling, verify_variant)
     scalars = (N, HQK, HV, P, float(scale), float(lower_bound) if safe else 0.0,
-               -1 if null_slot is None else int(null_slot), int(precomputed), beta_sigmoid)
+               -1 if null_slot is None else int(null_slot), int(bool(precomputed)), beta_sigmoid)
     if tiling is None and verify_variant is None and configs.streams(mode, T, N, HV, v_first):
         # the streamed decode's one more argument: the CTAs launched, as many as are resident at once
         pool_bytes = pool.itemsize
@@ -387,8 +387,8 @@ def _launch(mode, N, T, HQK, K, HV, V, P, qkv, gdt, bdt, has_A_log, has_dt_bias,
         scalars += (min(N * HV * (V // configs.STREAM_TILING[0]), ctas_per_sm * rt.sm_count(device)),)
     if len(_launches) >= 1024:  # a process that never repeats a batch shape
         _launches.clear()
-    _launches[key] = hit = (fn, scalars)
-    return hit
+    _launches[key] = launch = (fn, scalars)
+    return launch
 
 
 def _check_slot_table(mode, cache_idx, num_accepted_tokens, N: int, T: int) -> None:

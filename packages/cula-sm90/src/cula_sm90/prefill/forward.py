@@ -330,7 +330,7 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     # stands for every absent optional tensor (a kernel never reads one)
     scratch = torch.empty(spec.nbytes, dtype=torch.uint8, device=device)
     o = torch.empty_like(v)
-    final = None if spec.final_shape is None else torch.empty(spec.final_shape, dtype=torch.float32, device=device)
+    final = None if spec.final_shape is None else torch.empty(*spec.final_shape, dtype=torch.float32, device=device)
     w = base = scratch.data_ptr()
     _, u_off, qg_off, kg_off, aqk_off, gl_off = spec.offsets
     u, qg, kg, aqk, gl = base + u_off, base + qg_off, base + kg_off, base + aqk_off, base + gl_off
