@@ -128,3 +128,17 @@ def test_prefill_plan_checks_host_lengths_every_call():
     short[-1] -= 1
     with pytest.raises(ValueError, match="must end at T"):
         _prefill(x, dict(kw, cu_seqlens_cpu=short))
+
+
+def test_prefill_plan_makes_no_graph_and_matches_without_grad():
+    """An input that requires grad (grad mode on): the plan's outputs require none and equal a call whose inputs
+    require none, bitwise, on the first call (which makes the plan) and the next (which runs it)."""
+    plans.forget()
+    x, kw = _prefill_inputs()
+    o_ref, s_ref = _prefill(x, kw)
+    grad_q = x["q"].clone().requires_grad_(True)
+    for _ in range(2):
+        o, s = _prefill(x, kw, q=grad_q)
+        assert o.grad_fn is None and not o.requires_grad and s.grad_fn is None and not s.requires_grad
+        assert torch.equal(o, o_ref) and torch.equal(s, s_ref)
+    assert plans.count() == 1  # requires_grad is not part of the signature: one plan serves both
