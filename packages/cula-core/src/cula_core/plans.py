@@ -41,9 +41,9 @@ def _environment_reader() -> Callable[[bytes], bytes | None]:
 
     It reads the C library's environment (getenv), which holds what os.environ holds: every assignment or deletion
     through os.environ writes through to it (putenv / unsetenv), so a change made between two calls is seen by the
-    next one. os.environ.get costs four times as much for an unset variable (it raises and catches a KeyError), and
-    a signature reads three. Called through ctypes.PyDLL, which keeps the GIL, so no Python thread changes the
-    environment during the read. Where the C library cannot be loaded: os.environ."""
+    next one. Not os.environ.get: for an unset variable, the usual case, it raises and catches a KeyError, on every
+    call and for each of the three variables. Called through ctypes.PyDLL, which keeps the GIL, so no Python thread
+    changes the environment during the read. Where the C library cannot be loaded: os.environ."""
     try:
         getenv = ctypes.PyDLL(None).getenv
     except (OSError, AttributeError, TypeError):
@@ -57,6 +57,7 @@ def _environment_reader() -> Callable[[bytes], bytes | None]:
 
 
 _getenv = _environment_reader()
+
 #: plans kept at most; past it the oldest half is dropped (a process that never repeats a signature)
 MAX_PLANS = 4096
 

@@ -152,7 +152,8 @@ def prefill_plan(call: ChunkCall, output_final_state: bool, use_qk_l2norm_in_ker
     A_log / dt_bias as `call` has them (1-D views, or None without `use_gate_in_kernel`), and returns `kda_prefill`'s
     ``(o, final_state or None)``. `A_log` and `dt_bias`: the call's own, whose shapes (part of the signature) say
     whether they need the 1-D view."""
-    q, k, v, g, beta, _A_log, _dt_bias, initial_state = call.tensors
+    q, k, v, g, beta = call.tensors[:5]
+    initial_state = call.tensors[7]
     config = _prefill_call("kda_prefill", q, v, call.cu_seqlens, gate=call.gate,
                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, beta_activation=call.beta_activation,
                            initial_state=initial_state, output_final_state=output_final_state,
