@@ -53,13 +53,27 @@ def test_stage1_kind():
     assert forward.intra_kind("precomputed", -5.0) == "simt"
 
 
+@pytest.mark.parametrize("cols", [128, 64])
 @pytest.mark.parametrize("affine", [False, True], ids=["main", "affine-map"])
-def test_stage2_compiles(affine):
+def test_stage2_compiles(affine, cols):
     from cula_sm90.prefill import forward
 
-    fn = forward.compile_state(affine, torch.bfloat16)
+    fn = forward.compile_state(affine, torch.bfloat16, cols)
     with pytest.raises(TypeError, match="Expects 17 parameters"):  # 10 addresses, 6 sizes, the stream
         fn(1)
+
+
+def test_stage2_width_fills_the_sms():
+    """128 state columns per CTA unless 64-column CTAs still fit in one wave; the CP planner is told the CTAs per
+    (segment, head) that width gives."""
+    from cula_sm90.prefill import forward
+
+    assert forward.state_cols(64, 132) == 64  # B = 1, H = 64: 128 CTAs of 64 columns fill one wave
+    assert forward.state_cols(66, 132) == 64
+    assert forward.state_cols(67, 132) == 128
+    assert forward.state_cols(128, 132) == 128  # B = 2, H = 64
+    assert forward.planner_kwargs(None, 64) == {"slices": 2}
+    assert forward.planner_kwargs(3, 128) == {"slices": 1, "force_pieces": 3}
 
 
 def _call(**kw):

@@ -210,7 +210,8 @@ def pieces(lens, H, sms, mode) -> int:
 
     from cula_sm90.prefill import forward
 
-    return max(cp_planner.plan(tuple(lens), H, sms, mode, **forward.planner_kwargs()).pieces)
+    cols = forward.state_cols(len(lens) * H, sms)
+    return max(cp_planner.plan(tuple(lens), H, sms, mode, **forward.planner_kwargs(None, cols)).pieces)
 
 
 def describe(lens) -> str:

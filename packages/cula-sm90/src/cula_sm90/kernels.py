@@ -4,8 +4,9 @@ artifacts cula_core.cute_runtime loads without compiling.
 The set is every configuration the dispatch can pick for the served setups below: per setup, each op's kernels
 at every tiling / variant its dispatch tables choose from (decode: `launch.family_kernels`, which is also what a
 call loads on its family's first call; prefill: both stage-1 kinds `forward.intra_kind` picks from and both
-stage-2 modes). Anything outside the served setups (other dtypes, head dims, T, layer counts of the all-layers
-flush, gate options) still runs: compiled on its first call and cached on disk (cula_core.cute_runtime).
+stage-2 modes at both CTA widths `forward.state_cols` picks from). Anything outside the served setups (other
+dtypes, head dims, T, layer counts of the all-layers flush, gate options) still runs: compiled on its first call
+and cached on disk (cula_core.cute_runtime).
 
 Served setups (a KDA serving / prefill deployment of Kimi Linear's shape):
   q/k/v bf16; head dims K = V = 128; q/k L2-normalised in the kernel;
@@ -61,8 +62,8 @@ def prefill_configurations() -> list[tuple[str, tuple]]:
     for qkv, g, beta, act, (gate, params, kind) in itertools.product(QKV_DTYPES, GATE_INPUT_DTYPES, GATE_INPUT_DTYPES,
                                                                      PREFILL_BETA_ACTIVATIONS, gates):
         out.append((forward.INTRA, forward.intra_config(gate, act, True, params, params, qkv, g, beta, kind)))
-    for qkv, affine in itertools.product(QKV_DTYPES, (False, True)):
-        out.append((forward.STATE, forward.state_config(affine, qkv)))
+    for qkv, affine, cols in itertools.product(QKV_DTYPES, (False, True), (64, 128)):
+        out.append((forward.STATE, forward.state_config(affine, qkv, cols)))
     return out
 
 

@@ -5,9 +5,6 @@ Convention: a GEMM computes ``acc[M, N] += A[M, K] @ B[N, K]^T`` where A and B a
 *logical* shapes are (M, K) and (N, K). An operand stored the other way round (its contraction dim strided, e.g. a
 state h stored [K, V] used as B = h^T) is passed as `transposed(s, rows, cols)` with its `*_trans` flag set, and
 read with ldmatrix.trans.
-
-fp32 operands that must keep more than bf16's accuracy are split as x = hi + lo with hi = bf16(x) and
-lo = bf16(x - hi) (`store_split`) and multiplied as both halves (`gemm_split`): about 16 mantissa bits.
 """
 
 from __future__ import annotations
@@ -72,17 +69,9 @@ def gemm(mma: cute.TiledMma, acc: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor,
     k-block, which bounds the registers the product holds (for kernels that keep large register-resident state
     across it)."""
     if const_expr(unroll_k):
-        _gemm_unrolled(mma, acc, sA, sB, sB, tidx, a_trans, b_trans, False)
+        _gemm_unrolled(mma, acc, sA, sB, tidx, a_trans, b_trans)
     else:
         _gemm_rolled(mma, acc, sA, sB, tidx, a_trans, b_trans)
-
-
-@cute.jit
-def gemm_split(mma: cute.TiledMma, acc: cute.Tensor, sA: cute.Tensor, sB_hi: cute.Tensor, sB_lo: cute.Tensor, tidx,
-               a_trans: cutlass.Constexpr, b_trans: cutlass.Constexpr):
-    """acc += sA @ (sB_hi + sB_lo)^T: `gemm` (unrolled) against an operand split by `store_split`, each k-block of
-    A read once for both halves."""
-    _gemm_unrolled(mma, acc, sA, sB_hi, sB_lo, tidx, a_trans, b_trans, True)
 
 
 def _ldmatrix_operands(mma: cute.TiledMma, sA: cute.Tensor, sB: cute.Tensor, tidx, a_trans: bool, b_trans: bool,
@@ -105,26 +94,14 @@ def _ldmatrix_operands(mma: cute.TiledMma, sA: cute.Tensor, sB: cute.Tensor, tid
 
 
 @cute.jit
-def _gemm_unrolled(mma: cute.TiledMma, acc: cute.Tensor, sA: cute.Tensor, sB_hi: cute.Tensor, sB_lo: cute.Tensor,
-                   tidx, a_trans: cutlass.Constexpr, b_trans: cutlass.Constexpr, split: cutlass.Constexpr):
-    """The compile-time k-loop of `gemm` (split False: sB_lo is not read) and `gemm_split`."""
-    thr, tB, ldA, ldB, rA, rH, srcA, srcH, dstA, dstH = _ldmatrix_operands(mma, sA, sB_hi, tidx, a_trans, b_trans,
-                                                                           False)
-    rL = rH
-    srcL = srcH
-    dstL = dstH
-    if const_expr(split):
-        rL = thr.make_fragment_B(thr.partition_B(sB_lo))
-        srcL = tB.partition_S(sB_lo)
-        dstL = tB.retile(rL)
+def _gemm_unrolled(mma: cute.TiledMma, acc: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor, tidx,
+                   a_trans: cutlass.Constexpr, b_trans: cutlass.Constexpr):
+    """The compile-time k-loop of `gemm`: register fragments of every k-block."""
+    _, _, ldA, ldB, rA, rB, srcA, srcB, dstA, dstB = _ldmatrix_operands(mma, sA, sB, tidx, a_trans, b_trans, False)
     for kb in cutlass.range_constexpr(cute.size(rA.shape[2])):
         cute.copy(ldA, srcA[None, None, kb], dstA[None, None, kb])
-        cute.copy(ldB, srcH[None, None, kb], dstH[None, None, kb])
-        if const_expr(split):
-            cute.copy(ldB, srcL[None, None, kb], dstL[None, None, kb])
-        cute.gemm(mma, acc, rA[None, None, kb], rH[None, None, kb], acc)
-        if const_expr(split):
-            cute.gemm(mma, acc, rA[None, None, kb], rL[None, None, kb], acc)
+        cute.copy(ldB, srcB[None, None, kb], dstB[None, None, kb])
+        cute.gemm(mma, acc, rA[None, None, kb], rB[None, None, kb], acc)
 
 
 @cute.jit
@@ -136,17 +113,6 @@ def _gemm_rolled(mma: cute.TiledMma, acc: cute.Tensor, sA: cute.Tensor, sB: cute
         cute.copy(ldA, srcA[None, None, kb], dstA[None, None, 0])
         cute.copy(ldB, srcB[None, None, kb], dstB[None, None, 0])
         cute.gemm(mma, acc, rA[None, None, 0], rB[None, None, 0], acc)
-
-
-@cute.jit
-def store_split(acc: cute.Tensor, s_hi: cute.Tensor, s_lo: cute.Tensor):
-    """fp32 values -> two bf16 tensors of the same layout, hi = bf16(x) and lo = bf16(x - hi) (`acc` and the
-    destinations partitioned alike, e.g. an accumulator fragment and `partition_C` of two shared tiles)."""
-    for i in cutlass.range_constexpr(cute.size(acc)):
-        x = acc[i]
-        hi = x.to(BFloat16)
-        s_hi[i] = hi
-        s_lo[i] = (x - hi.to(Float32)).to(BFloat16)
 
 
 @cute.jit

@@ -254,7 +254,9 @@ def compile_kernel(name: str, config: tuple):
 
     kdef = kernel_def(name)
     kernel, args = kdef.build(config)
-    return cute.compile[cute.GPUArch(kdef.arch)](kernel, *args, options="--enable-tvm-ffi")
+    # the arch as a compile option also reaches the trace: arch-specific atoms (wgmma) check it there, and the
+    # environment (CUTE_DSL_ARCH, the GPU present) may name another
+    return cute.compile[cute.GPUArch(kdef.arch)](kernel, *args, options=f"--enable-tvm-ffi --gpu-arch {kdef.arch}")
 
 
 def _export_object(name: str, config: tuple, path: Path) -> None:

@@ -10,7 +10,7 @@ of its q/k head, so q and k are read and L2-normalised once per group (GVA). Per
     qg     scale * q * exp(G)        kg = k * exp(G_last - G)      gl = G_last (the chunk's total log decay)
 
 and writes w, u, qg, kg, Aqk (token layout [TT, HV, *], bf16) and gl ([NC, HV, K], fp32) for stage 2
-(`chunk_state_tc.py`), which walks the chunks of a segment serially.
+(`chunk_state_wg.py`), which walks the chunks of a segment serially.
 
 Numerics: every decay is exp of a difference of cumulative log gates that is <= 0 (for g <= 0). The score
 matrices go in 16-row blocks: inside a diagonal 16x16 block the decays are pairwise; a block p reaches the

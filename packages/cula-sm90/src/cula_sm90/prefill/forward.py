@@ -5,8 +5,8 @@ cula_core; the math is in the kernels.
     stage 1  chunk_intra_tc.ChunkIntraTCKernel   chunk-parallel: gate, cumsum, l2norm, Akk, w/u, Aqk, qg, kg, on
              tensor cores, for the safe gate with lower_bound >= TC_LOWER_BOUND_MIN (intra_kind);
              chunk_intra.ChunkIntraKernel for every other gate
-    stage 2  chunk_state_tc.ChunkStateTCKernel   per (segment, head, STATE_BV state columns): the serial recurrence
-             and o
+    stage 2  chunk_state_wg.ChunkStateWGKernel   per (segment, head, state_cols state columns): the serial
+             recurrence and o, on wgmma
 
 CP (cula_core.cp_planner decides from host lengths): stage 2 in affine mode gives every piece's map (M, c),
 a scan over the pieces of each sequence (batched fp64 matmuls on the device, immune to a global TF32 setting;
@@ -29,8 +29,6 @@ from cula_core import cute_runtime as rt
 BT = 64
 DK = 128
 
-# state columns per CTA of stage 2: 8 warps, each chunk's tiles loaded once for 64 columns
-STATE_BV = 64
 # the safe gate's lower bound down to which the TC stage 1 serves: its factorised score operands reach
 # e^(8 |lower_bound|) (e^64 here), far from fp32 / bf16 overflow (e^88)
 TC_LOWER_BOUND_MIN = -8.0
@@ -94,21 +92,28 @@ def _build_intra(config: tuple):
                   rt.fake_stream())
 
 
-def state_config(affine: bool, o_dtype: torch.dtype) -> tuple:
-    """Compile-time configuration of stage 2 (chunk_state_tc, STATE_BV state columns per CTA)."""
-    return (bool(affine), o_dtype, STATE_BV)
+def state_cols(seq_heads: int, num_sms: int) -> int:
+    """Stage 2's state columns per CTA for `seq_heads` (sequence, value head) pairs: 128 (each chunk's tiles loaded
+    once for the whole state width) unless 64-column CTAs would still fit in one wave, where 64 spreads the serial
+    walk over twice the SMs."""
+    return 64 if 2 * seq_heads <= num_sms else 128
+
+
+def state_config(affine: bool, o_dtype: torch.dtype, cols: int) -> tuple:
+    """Compile-time configuration of stage 2 (chunk_state_wg, `cols` state columns per CTA)."""
+    return (bool(affine), o_dtype, int(cols))
 
 
 def _build_state(config: tuple):
     import cutlass
 
-    from cula_sm90.prefill.chunk_state_tc import ChunkStateTCKernel
+    from cula_sm90.prefill.chunk_state_wg import ChunkStateWGKernel
 
-    affine, o_dtype, bv = config
+    affine, o_dtype, cols = config
     p, f32 = rt.fake_ptr, torch.float32
-    return ChunkStateTCKernel(affine, bv), (
+    return ChunkStateWGKernel(affine, cols), (
         *(p(torch.bfloat16, 16) for _ in range(5)), p(f32, None), p(torch.int32, None), p(f32, None), p(f32, None),
-        p(o_dtype, None), *(cutlass.Int32(1) for _ in range(6)), rt.fake_stream())
+        p(o_dtype, 16), *(cutlass.Int32(1) for _ in range(6)), rt.fake_stream())
 
 
 _COMMON = ("cula_sm90.prefill.common", "cula_core.cute_kernels.copies", "cula_core.cute_kernels.warp_mma",
@@ -116,7 +121,8 @@ _COMMON = ("cula_sm90.prefill.common", "cula_core.cute_kernels.copies", "cula_co
 rt.register(rt.KernelDef(INTRA, "cula-sm90", "cula_sm90", "sm_90a", _build_intra,
                          ("cula_sm90.prefill.chunk_intra", "cula_sm90.prefill.chunk_intra_tc", *_COMMON)))
 rt.register(rt.KernelDef(STATE, "cula-sm90", "cula_sm90", "sm_90a", _build_state,
-                         ("cula_sm90.prefill.chunk_state_tc", *_COMMON)))
+                         ("cula_sm90.prefill.chunk_state_wg", "cula_core.cute_kernels.wgmma",
+                          "cula_core.cute_kernels.copies", "cula_sm90.prefill.forward")))
 
 
 @functools.cache
@@ -132,9 +138,9 @@ def compile_intra(gate: str, beta_activation: str, l2norm: bool, has_a_log: bool
 
 
 @functools.cache
-def compile_state(affine: bool, o_dtype: torch.dtype):
-    """Stage 2's launchable function (normal or affine-map mode)."""
-    return rt.get(STATE, state_config(affine, o_dtype))
+def compile_state(affine: bool, o_dtype: torch.dtype, cols: int):
+    """Stage 2's launchable function (normal or affine-map mode, `cols` state columns per CTA: state_cols)."""
+    return rt.get(STATE, state_config(affine, o_dtype, cols))
 
 
 def _host_lengths(B, T, cu_seqlens, cu_seqlens_cpu):
@@ -146,10 +152,11 @@ def _host_lengths(B, T, cu_seqlens, cu_seqlens_cpu):
     return tuple(b - a for a, b in itertools.pairwise(c))
 
 
-def planner_kwargs(cp_pieces: int | None = None) -> dict:
-    """What the CP planner needs to know of stage 2 (CTAs per (segment, head) of the main pass), and `cp_pieces`
-    (benchmarks: pieces per long sequence, whatever the planner's rule says; None: the rule decides)."""
-    kw = {"slices": DK // STATE_BV}
+def planner_kwargs(cp_pieces: int | None, cols: int) -> dict:
+    """What the CP planner needs to know of stage 2 (CTAs per (segment, head) of the main pass at `cols` state
+    columns per CTA), and `cp_pieces` (benchmarks: pieces per long sequence, whatever the planner's rule says;
+    None: the rule decides)."""
+    kw = {"slices": DK // cols}
     if cp_pieces is not None:
         kw["force_pieces"] = int(cp_pieces)
     return kw
@@ -158,10 +165,14 @@ def planner_kwargs(cp_pieces: int | None = None) -> dict:
 @functools.lru_cache(maxsize=64)
 def host_tables(lengths: tuple[int, ...], num_heads: int, num_sms: int, mode: str, pk: tuple | None = None):
     """cu_seqlens, chunk offsets and the CP plan for host-known lengths (cached by lengths and the planner's
-    arguments `pk`, planner_kwargs() as items; None: planner_kwargs() now)."""
+    arguments `pk`, planner_kwargs(...) as items; None: those of this many (sequence, head) pairs, no forced
+    pieces)."""
     from cula_core import cp_planner
 
-    kw = planner_kwargs() if pk is None else dict(pk)
+    if pk is None:
+        kw = planner_kwargs(None, state_cols(len(lengths) * num_heads, num_sms))
+    else:
+        kw = dict(pk)
     p = cp_planner.plan(lengths, num_heads, num_sms, mode, chunk_size=BT, **kw)
     cu = list(itertools.accumulate(lengths, initial=0))
     co = list(rt.chunk_offsets(tuple(cu), BT))
@@ -174,11 +185,13 @@ def _device_int32(values, device) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def planned_device_tables(lengths, num_heads, num_sms, mode, device, has_h0, want_ht, pk):
-    """The launch tables on `device` for host-known lengths (host_tables' plan; cached by every argument)."""
+def planned_device_tables(lengths, num_heads, num_sms, mode, device, has_h0, want_ht, pk, cols):
+    """The launch tables on `device` for host-known lengths (host_tables' plan; cached by every argument), with
+    stage 2's `cols` (state_cols)."""
     cu, co, p = host_tables(lengths, num_heads, num_sms, mode, pk)
     N = len(lengths)
-    tables = {"cu": _device_int32(cu, device), "co": _device_int32(co, device), "plan": p, "NC": co[-1]}
+    tables = {"cu": _device_int32(cu, device), "co": _device_int32(co, device), "plan": p, "NC": co[-1],
+              "state_cols": cols}
     if not p.split:
         tables["seg"] = _device_int32(
             [[cu[n], cu[n + 1], co[n], n if has_h0 else -1, n if want_ht else -1] for n in range(N)], device)
@@ -213,9 +226,12 @@ def planned_device_tables(lengths, num_heads, num_sms, mode, device, has_h0, wan
 
 
 def host_length_tables(lengths, num_heads, device, mode, has_h0, want_ht, cp_pieces):
-    """planned_device_tables for host-known lengths on `device`, with the planner's arguments of `cp_pieces`."""
-    return planned_device_tables(lengths, num_heads, rt.sm_count(device.index or 0), mode, device, has_h0, want_ht,
-                                 tuple(sorted(planner_kwargs(cp_pieces).items())))
+    """planned_device_tables for host-known lengths on `device`, with the planner's arguments of `cp_pieces` and
+    stage 2's columns per CTA for this many (sequence, head) pairs."""
+    sms = rt.sm_count(device.index or 0)
+    cols = state_cols(len(lengths) * num_heads, sms)
+    return planned_device_tables(lengths, num_heads, sms, mode, device, has_h0, want_ht,
+                                 tuple(sorted(planner_kwargs(cp_pieces, cols).items())), cols)
 
 
 def scratch_layout(TT: int, HV: int, NC: int) -> tuple[int, tuple[int, ...]]:
@@ -228,7 +244,7 @@ def scratch_layout(TT: int, HV: int, NC: int) -> tuple[int, tuple[int, ...]]:
     return offsets[-1] + NC * HV * DK * 4, offsets
 
 
-def _device_tables(B, T, N, cu_seqlens, device, has_h0, want_ht):
+def _device_tables(B, T, N, HV, cu_seqlens, device, has_h0, want_ht):
     """Tables from device data only (varlen without cu_seqlens_cpu): no host synchronisation, no CP."""
     cu = cu_seqlens.to(torch.int32)
     n_chunks = (cu[1:] - cu[:-1] + BT - 1) // BT
@@ -238,7 +254,8 @@ def _device_tables(B, T, N, cu_seqlens, device, has_h0, want_ht):
     none = torch.full_like(ar, -1)
     seg = torch.stack([cu[:-1], cu[1:], co[:-1], ar if has_h0 else none, ar if want_ht else none], 1).contiguous()
     # a chunk-count bound the host knows: every sequence adds at most one partial chunk
-    return {"cu": cu, "co": co, "seg": seg, "NC": -(-(B * T) // BT) + N, "plan": None}
+    return {"cu": cu, "co": co, "seg": seg, "NC": -(-(B * T) // BT) + N, "plan": None,
+            "state_cols": state_cols(N * HV, rt.sm_count(device.index or 0))}
 
 
 class Launch(NamedTuple):
@@ -269,7 +286,7 @@ def launch_spec(B, T, HQK, HV, N, tables, qkv_dtype, g_dtype, beta_dtype, has_a_
                           beta_dtype, kind)
     seg = tables["seg"]
     plan = tables["plan"]
-    return Launch(intra, compile_state(False, qkv_dtype), tables,
+    return Launch(intra, compile_state(False, qkv_dtype, tables["state_cols"]), tables,
                   (tables["cu"].data_ptr(), tables["co"].data_ptr(), seg.data_ptr()),
                   plan is not None and plan.split, nbytes, offsets,
                   (TT, N, NC, search_steps(N), HQK, HV // HQK, float(scale), lb),
@@ -321,7 +338,7 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
         if lengths is not None:
             tables = host_length_tables(lengths, HV, device, intracard_cp, has_h0, want_ht, cp_pieces)
         else:
-            tables = _device_tables(B, T, N, cu_seqlens, device, has_h0, want_ht)
+            tables = _device_tables(B, T, N, HV, cu_seqlens, device, has_h0, want_ht)
         spec = launch_spec(B, T, HQK, HV, N, tables, q.dtype, g.dtype, beta.dtype, A_log is not None,
                            dt_bias is not None, h0_rows, want_ht, scale, use_qk_l2norm_in_kernel, gate, lower_bound,
                            beta_activation)
@@ -360,8 +377,8 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     map_seg = tables["map_seg"]
     R = map_seg.shape[0]
     maps = torch.empty(R, HV, K, 2 * K, dtype=torch.float32, device=device)
-    compile_state(True, v.dtype)(w, u, qg, kg, aqk, gl, map_seg.data_ptr(), base, maps.data_ptr(), o.data_ptr(),
-                                 TT, NC, R, HV, 1, R, stream)
+    compile_state(True, v.dtype, tables["state_cols"])(w, u, qg, kg, aqk, gl, map_seg.data_ptr(), base,
+                                                       maps.data_ptr(), o.data_ptr(), TT, NC, R, HV, 1, R, stream)
     starts = torch.empty(S, HV, K, K, dtype=torch.float32, device=device)
     if has_h0:
         starts[tables["firsts"]] = initial_state

@@ -1,0 +1,276 @@
+"""KDA prefill, stage 2 on Hopper warpgroup MMA (wgmma): the serial state recurrence over the chunks of a segment,
+and o.
+
+One CTA per (segment, value head, C state columns), C = 128 or 64, two warpgroups of 128 threads; warpgroup j owns
+the columns [j C / 2, (j + 1) C / 2) of the CTA's slice and runs the recurrence on them alone, the CTA's two
+warpgroups sharing each chunk's loads. Per chunk of 64 tokens, with h a warpgroup's fp32 state slice
+[K = 128, N = C / 2] (registers, wgmma accumulator layout) and the stage-1 intermediates (chunk_intra*.py; bf16):
+
+    v_new = u - w @ h                    [64 x 128] @ [128 x N]
+    o     = qg @ h + Aqk @ v_new         (qg carries scale)
+    h     = diag(exp(gl)) h + kg^T @ v_new
+
+Products: wgmma m64nNk16, bf16 operands from shared memory, fp32 accumulation. The two that feed the state
+(w @ h, kg^T @ v_new) take h and v_new split as hi + lo bf16 pairs (~16 bits: the state does not drift with its
+own rounding, and the CP path matches the serial walk closely); the output products take the hi halves (o is bf16;
+its rounding does not feed back). Operand tiles (swizzled, the swizzle on the shared-memory pointer as wgmma
+descriptors need): w, qg, Aqk K-major (token rows, contiguous along the contraction); kg read as kg^T, M-major;
+h and v_new stored [contraction][column], N-major; no operand is transposed through registers.
+
+Pipeline per chunk, per warpgroup: h (split) into shared memory, the chunk's copies waited for, a proxy fence and a
+CTA barrier; w @ h then qg @ h issued as two wgmma groups; once the first lands, v_new = u - w @ h is written over
+the warpgroup's u tile (hi) and a lo tile, a proxy fence and a warpgroup barrier; then the next chunk's copies
+(cp.async into the other stage: w, qg, kg, Aqk by the CTA, each u slice by its warpgroup; rows past the segment
+end zero-filled) are issued, after the fences, which would otherwise wait for them; Aqk @ v_new and the decayed
+update kg^T @ v_new issued, one wait; o goes out through the u tile in 16-byte rows; a CTA barrier (every reader
+of this stage is done before its next copies). Each chunk's log decay is read one chunk ahead. Shared memory:
+2 stages x (w, qg, kg 16 KiB, Aqk 8 KiB, u C / 8 KiB) + h hi / lo C / 2 KiB + v_new lo C / 8 KiB: 224.5 KiB at
+C = 128, 168.5 KiB at C = 64; one CTA (8 warps) per SM.
+
+Modes (compile time): normal (h0_idx / ht_idx from the segment table, o written) or affine (the CP map pass over
+the augmented state [M | c], K + V = 256 columns: the M columns start from the identity with u = 0, the c
+columns from zero; no qg, Aqk or o). Segment table `seg` [S, 5] int32: (first token, end token, first global
+chunk, h0_idx, ht_idx). Assumes K = V = 128 and 16-byte aligned intermediates and o (allocated by forward.py).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, const_expr
+from cutlass.cute.nvgpu import warpgroup
+
+from cula_core.cute_kernels.copies import copy_rows_g2s, g2s_tiled_copy, head_rows, store_rows_s2g
+from cula_core.cute_kernels.wgmma import (K_MAJOR, MN_MAJOR, alloc_operand_tile, gemm, rows_view, store_split,
+                                         tiled_mma)
+
+BT = 64
+DK = 128
+WARPGROUPS = 2
+WG_THREADS = 128
+
+
+@cute.jit
+def _subtract_from(acc: cute.Tensor, s: cute.Tensor):
+    """acc = s - acc, with `s` a shared bf16 tile partitioned like `acc` (read through a register fragment)."""
+    frag = cute.make_fragment_like(acc, BFloat16)
+    cute.autovec_copy(s, frag)
+    for i in cutlass.range_constexpr(cute.size(acc)):
+        acc[i] = frag[i].to(Float32) - acc[i]
+
+
+class ChunkStateWGKernel:
+    """`cols`: state columns per CTA, 128 (each chunk's w, qg, kg, Aqk loaded once for 128 columns) or 64 (twice
+    the CTAs, for grids that would not fill the SMs at 128)."""
+
+    def __init__(self, affine: bool, cols: int):
+        assert cols in (64, 128)
+        self.affine = affine
+        self.cols = cols
+        self.wg_cols = cols // WARPGROUPS
+        self.threads = WG_THREADS * WARPGROUPS
+
+    @cute.jit
+    def __call__(self, w_ptr: cute.Pointer, u_ptr: cute.Pointer, qg_ptr: cute.Pointer, kg_ptr: cute.Pointer,
+                 aqk_ptr: cute.Pointer, gl_ptr: cute.Pointer, seg_ptr: cute.Pointer, h0_ptr: cute.Pointer,
+                 ht_ptr: cute.Pointer, o_ptr: cute.Pointer, TT: Int32, NC: Int32, S: Int32, HV: Int32,
+                 NH0: Int32, NHT: Int32, stream):
+        tok = cute.make_layout((TT, HV, DK), stride=(HV * DK, DK, 1))
+        w = cute.make_tensor(w_ptr, tok)
+        u = cute.make_tensor(u_ptr, tok)
+        qg = cute.make_tensor(qg_ptr, tok)
+        kg = cute.make_tensor(kg_ptr, tok)
+        o = cute.make_tensor(o_ptr, tok)
+        aqk = cute.make_tensor(aqk_ptr, cute.make_layout((TT, HV, BT), stride=(HV * BT, BT, 1)))
+        gl = cute.make_tensor(gl_ptr, cute.make_layout((NC, HV, DK), stride=(HV * DK, DK, 1)))
+        seg = cute.make_tensor(seg_ptr, cute.make_layout((S, 5), stride=(5, 1)))
+        h0 = cute.make_tensor(h0_ptr, cute.make_layout((NH0, HV, DK, DK), stride=(HV * DK * DK, DK * DK, DK, 1)))
+        width = DK
+        if const_expr(self.affine):
+            width = 2 * DK
+        ht = cute.make_tensor(ht_ptr, cute.make_layout((NHT, HV, DK, width),
+                                                       stride=(HV * DK * width, DK * width, width, 1)))
+        self.kernel(w, u, qg, kg, aqk, gl, seg, h0, ht, o).launch(
+            grid=[S, HV, width // self.cols], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, w: cute.Tensor, u: cute.Tensor, qg: cute.Tensor, kg: cute.Tensor, aqk: cute.Tensor,
+               gl: cute.Tensor, seg: cute.Tensor, h0: cute.Tensor, ht: cute.Tensor, o: cute.Tensor):
+        tid, _, _ = cute.arch.thread_idx()
+        s, hv, vs = cute.arch.block_idx()
+        wg = tid // WG_THREADS
+        wtid = tid % WG_THREADS
+        K_SW128 = warpgroup.SmemLayoutAtomKind.K_SW128
+        MN_SW128 = warpgroup.SmemLayoutAtomKind.MN_SW128
+        MN_COLS = MN_SW128  # the N-major tiles of this warpgroup's columns: one swizzle row spans them
+        if const_expr(self.wg_cols == 32):
+            MN_COLS = warpgroup.SmemLayoutAtomKind.MN_SW64
+
+        smem = cutlass.memory.SmemAllocator()
+        # per stage, shared by the warpgroups: w, qg (A, K-major), kg^T (A, M-major), Aqk (A, K-major)
+        sW2 = alloc_operand_tile(smem, K_SW128, (BT, DK, 2))
+        sKt2 = alloc_operand_tile(smem, MN_SW128, (DK, BT, 2))
+        sQg2 = sW2
+        sA2 = sW2
+        if const_expr(not self.affine):
+            sQg2 = alloc_operand_tile(smem, K_SW128, (BT, DK, 2))
+            sA2 = alloc_operand_tile(smem, K_SW128, (BT, BT, 2))
+        # per stage and warpgroup: the u slice, overwritten by v_new's hi half (B, N-major: [token][column])
+        sU2 = alloc_operand_tile(smem, MN_COLS, (self.wg_cols, BT, 2, WARPGROUPS))
+        # per warpgroup: h hi / lo (B, N-major: [k][column]) and v_new lo
+        sHh = alloc_operand_tile(smem, MN_COLS, (self.wg_cols, DK, WARPGROUPS))
+        sHl = alloc_operand_tile(smem, MN_COLS, (self.wg_cols, DK, WARPGROUPS))
+        sVl = alloc_operand_tile(smem, MN_COLS, (self.wg_cols, BT, WARPGROUPS))
+        sDecay = smem.allocate_tensor(Float32, cute.make_layout(DK), 16)
+
+        start = seg[s, 0]
+        end = seg[s, 1]
+        chunk0 = seg[s, 2]
+        h0_idx = seg[s, 3]
+        ht_idx = seg[s, 4]
+
+        col0 = vs * self.cols + wg * self.wg_cols  # this warpgroup's first column of the state (or of [M | c])
+        is_m = False
+        ucol0 = col0
+        if const_expr(self.affine):
+            is_m = col0 < DK
+            ucol0 = col0 - DK
+
+        mma_k = tiled_mma(K_MAJOR, MN_MAJOR, self.wg_cols)  # w @ h, qg @ h, Aqk @ v_new
+        mma_mn = tiled_mma(MN_MAJOR, MN_MAJOR, self.wg_cols)  # kg^T @ v_new
+        thr_k = mma_k.get_slice(wtid)
+        thr_mn = mma_mn.get_slice(wtid)
+        sHh_w = sHh[None, None, wg]
+        sHl_w = sHl[None, None, wg]
+        sVl_w = sVl[None, None, wg]
+        rW2 = thr_k.make_fragment_A(thr_k.partition_A(sW2))
+        rQg2 = thr_k.make_fragment_A(thr_k.partition_A(sQg2))
+        rA2 = thr_k.make_fragment_A(thr_k.partition_A(sA2))
+        rKt2 = thr_mn.make_fragment_A(thr_mn.partition_A(sKt2))
+        rHh = thr_k.make_fragment_B(thr_k.partition_B(sHh_w))
+        rHl = thr_k.make_fragment_B(thr_k.partition_B(sHl_w))
+        rVl = thr_k.make_fragment_B(thr_k.partition_B(sVl_w))
+        # accumulator-layout views of the tiles written from registers (both MMAs share the C layout)
+        pHh = thr_mn.partition_C(rows_view(sHh_w, DK, self.wg_cols))
+        pHl = thr_mn.partition_C(rows_view(sHl_w, DK, self.wg_cols))
+        pVl = thr_k.partition_C(rows_view(sVl_w, BT, self.wg_cols))
+
+        acc_h = cute.make_rmem_tensor(thr_mn.partition_shape_C((DK, self.wg_cols)), Float32)
+        at_h = thr_mn.partition_C(cute.make_identity_tensor((DK, self.wg_cols)))
+        acc_v = cute.make_rmem_tensor(thr_k.partition_shape_C((BT, self.wg_cols)), Float32)
+        acc_o = cute.make_rmem_tensor(thr_k.partition_shape_C((BT, self.wg_cols)), Float32)
+        at_v = thr_k.partition_C(cute.make_identity_tensor((BT, self.wg_cols)))
+
+        for i in cutlass.range_constexpr(cute.size(acc_h)):
+            kr, c = at_h[i]
+            x = Float32(0.0)
+            if const_expr(self.affine):
+                if is_m:
+                    if kr == col0 + c:
+                        x = Float32(1.0)
+            else:
+                if h0_idx >= 0:
+                    x = h0[h0_idx, hv, kr, col0 + c]
+            acc_h[i] = x
+
+        n_chunks = (end - start + BT - 1) // BT
+        # the log decay of a chunk's last token is read one chunk ahead: its load never stalls the chunk's math
+        gl_next = Float32(0.0)
+        if tid < DK and n_chunks > 0:
+            gl_next = gl[chunk0, hv, tid]
+        if n_chunks > 0:
+            self.load_chunk(w, u, qg, kg, aqk, sW2, sKt2, sQg2, sA2, sU2, start, end, hv, ucol0, is_m, 0, tid, wg,
+                            wtid)
+        cute.arch.cp_async_commit_group()
+        for ci in cutlass.range(n_chunks, unroll=1):
+            t0 = start + ci * BT
+            n = cutlass.min(end - t0, BT)
+            st = ci % 2
+            if tid < DK:
+                sDecay[tid] = cute.math.exp(gl_next, fastmath=True)
+                if ci + 1 < n_chunks:
+                    gl_next = gl[chunk0 + ci + 1, hv, tid]
+            store_split(acc_h, pHh, pHl)  # h into this warpgroup's B tiles
+            cute.arch.cp_async_wait_group(0)  # chunk ci has landed (the only group in flight)
+            cute.arch.fence_proxy("async.shared", space="cta")  # generic-proxy writes -> wgmma's operand reads
+            cute.arch.sync_threads()
+
+            sU_w = sU2[None, None, st, wg]
+            rVh = thr_k.make_fragment_B(thr_k.partition_B(sU_w))
+            pU = thr_k.partition_C(rows_view(sU_w, BT, self.wg_cols))
+
+            # group 1: v_new's product w @ h (split h); group 2: o's first product qg @ h
+            warpgroup.fence()
+            gemm(mma_k, acc_v, rW2[None, None, None, st], rHh, False)
+            gemm(mma_k, acc_v, rW2[None, None, None, st], rHl, True)
+            warpgroup.commit_group()
+            if const_expr(not self.affine):
+                gemm(mma_k, acc_o, rQg2[None, None, None, st], rHh, False)
+                warpgroup.commit_group()
+                warpgroup.wait_group(1)
+            else:
+                warpgroup.wait_group(0)
+            if const_expr(self.affine):
+                if is_m:  # u = 0 on the M columns
+                    for i in cutlass.range_constexpr(cute.size(acc_v)):
+                        acc_v[i] = -acc_v[i]
+                else:
+                    _subtract_from(acc_v, pU)
+            else:
+                _subtract_from(acc_v, pU)
+            store_split(acc_v, pU, pVl)  # rows past the end: u = w = 0 there, so v_new = 0
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=1 + wg, number_of_threads=WG_THREADS)
+            # the next chunk's copies start only now: the proxy fences above wait for every memory access of
+            # the thread still in flight (copies included), so copies issued earlier would be waited for here
+            if ci + 1 < n_chunks:
+                self.load_chunk(w, u, qg, kg, aqk, sW2, sKt2, sQg2, sA2, sU2, t0 + BT, end, hv, ucol0, is_m, 1 - st,
+                                tid, wg, wtid)
+            cute.arch.cp_async_commit_group()
+
+            if const_expr(not self.affine):
+                gemm(mma_k, acc_o, rA2[None, None, None, st], rVh, True)
+                warpgroup.commit_group()
+            for i in cutlass.range_constexpr(cute.size(acc_h)):
+                kr, _ = at_h[i]
+                acc_h[i] = acc_h[i] * sDecay[kr]
+            warpgroup.fence()
+            gemm(mma_mn, acc_h, rKt2[None, None, None, st], rVh, True)
+            gemm(mma_mn, acc_h, rKt2[None, None, None, st], rVl, True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+
+            if const_expr(not self.affine):
+                # o leaves through the (now free) v_new tile in whole 16-byte rows
+                o_frag = cute.make_fragment_like(acc_o, BFloat16)
+                for i in cutlass.range_constexpr(cute.size(acc_o)):
+                    o_frag[i] = acc_o[i].to(BFloat16)
+                cute.autovec_copy(o_frag, pU)
+                cute.arch.barrier(barrier_id=1 + wg, number_of_threads=WG_THREADS)
+                store_rows_s2g(rows_view(sU_w, BT, self.wg_cols), head_rows(o, t0, hv, BT, col0, self.wg_cols), n,
+                               wtid, WG_THREADS)
+            cute.arch.sync_threads()  # every reader of this stage is done before the next copies into it
+
+        if ht_idx >= 0:
+            for i in cutlass.range_constexpr(cute.size(acc_h)):
+                kr, c = at_h[i]
+                ht[ht_idx, hv, kr, col0 + c] = acc_h[i]
+
+    @cute.jit
+    def load_chunk(self, w, u, qg, kg, aqk, sW2, sKt2, sQg2, sA2, sU2, t0, end, hv, ucol0, is_m, st, tid, wg, wtid):
+        """cp.async of one chunk's tiles into stage `st` (rows past `end` zero-filled, never read): the shared
+        tiles by every thread, each warpgroup's u slice by that warpgroup."""
+        n = cutlass.min(end - t0, BT)
+        cp_k = g2s_tiled_copy(DK, self.threads)
+        copy_rows_g2s(cp_k, head_rows(w, t0, hv, BT), sW2[None, None, st], n, tid)
+        copy_rows_g2s(cp_k, head_rows(kg, t0, hv, BT), rows_view(sKt2[None, None, st], BT, DK), n, tid)
+        cp_u = g2s_tiled_copy(self.wg_cols, WG_THREADS)
+        sU = rows_view(sU2[None, None, st, wg], BT, self.wg_cols)
+        if const_expr(not self.affine):
+            copy_rows_g2s(cp_k, head_rows(qg, t0, hv, BT), sQg2[None, None, st], n, tid)
+            copy_rows_g2s(g2s_tiled_copy(BT, self.threads), head_rows(aqk, t0, hv, BT), sA2[None, None, st], n,
+                          tid)
+            copy_rows_g2s(cp_u, head_rows(u, t0, hv, BT, ucol0, self.wg_cols), sU, n, wtid)
+        else:
+            if not is_m:  # the M columns see u = 0 (values [0 | v] of the augmented state)
+                copy_rows_g2s(cp_u, head_rows(u, t0, hv, BT, ucol0, self.wg_cols), sU, n, wtid)
