@@ -18,7 +18,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32
-from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.cute.nvgpu import OperandMajorMode, warp, warpgroup
 
 K_MAJOR = OperandMajorMode.K
 MN_MAJOR = OperandMajorMode.MN
@@ -57,11 +57,28 @@ def gemm(mma: cute.TiledMma, acc: cute.Tensor, rA: cute.Tensor, rB: cute.Tensor,
         atom.set(warpgroup.Field.ACCUMULATE, True)
 
 
+def _stmatrix(mma: cute.TiledMma, tidx):
+    """This thread's slice of the stmatrix (four 8 x 8 bf16 matrices per warp instruction) copy of `mma`'s
+    accumulator into a row-major shared tile."""
+    atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), BFloat16)
+    return cute.make_tiled_copy_C(atom, mma).get_slice(tidx)
+
+
 @cute.jit
-def store_split(acc: cute.Tensor, s_hi: cute.Tensor, s_lo: cute.Tensor):
-    """fp32 accumulator values -> hi = bf16(x), lo = bf16(x - hi) into two shared tiles partitioned like `acc`
-    (`partition_C` of the tiles' accumulator-shaped views), through register fragments so that adjacent columns
-    leave in vector stores."""
+def store_acc(mma: cute.TiledMma, acc: cute.Tensor, s: cute.Tensor, tidx):
+    """This thread's fp32 accumulator fragment of `mma`, rounded to bf16, into the shared tile `s` of the
+    accumulator's (M, N) shape, columns contiguous in 16-byte groups (a `rows_view`), by stmatrix."""
+    thr = _stmatrix(mma, tidx)
+    frag = cute.make_fragment_like(acc, BFloat16)
+    for i in cutlass.range_constexpr(cute.size(acc)):
+        frag[i] = acc[i].to(BFloat16)
+    cute.copy(thr, thr.retile(frag), thr.partition_D(s))
+
+
+@cute.jit
+def store_split(mma: cute.TiledMma, acc: cute.Tensor, s_hi: cute.Tensor, s_lo: cute.Tensor, tidx):
+    """`store_acc` of hi = bf16(x) into `s_hi` and lo = bf16(x - hi) into `s_lo`."""
+    thr = _stmatrix(mma, tidx)
     hi = cute.make_fragment_like(acc, BFloat16)
     lo = cute.make_fragment_like(acc, BFloat16)
     for i in cutlass.range_constexpr(cute.size(acc)):
@@ -69,5 +86,5 @@ def store_split(acc: cute.Tensor, s_hi: cute.Tensor, s_lo: cute.Tensor):
         h = x.to(BFloat16)
         hi[i] = h
         lo[i] = (x - h.to(Float32)).to(BFloat16)
-    cute.autovec_copy(hi, s_hi)
-    cute.autovec_copy(lo, s_lo)
+    cute.copy(thr, thr.retile(hi), thr.partition_D(s_hi))
+    cute.copy(thr, thr.retile(lo), thr.partition_D(s_lo))

@@ -41,8 +41,8 @@ from cutlass import BFloat16, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from cula_core.cute_kernels.copies import copy_rows_g2s, g2s_tiled_copy, head_rows, store_rows_s2g
-from cula_core.cute_kernels.wgmma import (K_MAJOR, MN_MAJOR, alloc_operand_tile, gemm, rows_view, store_split,
-                                         tiled_mma)
+from cula_core.cute_kernels.wgmma import (K_MAJOR, MN_MAJOR, alloc_operand_tile, gemm, rows_view, store_acc,
+                                         store_split, tiled_mma)
 
 BT = 64
 DK = 128
@@ -150,16 +150,15 @@ class ChunkStateWGKernel:
         rHh = thr_k.make_fragment_B(thr_k.partition_B(sHh_w))
         rHl = thr_k.make_fragment_B(thr_k.partition_B(sHl_w))
         rVl = thr_k.make_fragment_B(thr_k.partition_B(sVl_w))
-        # accumulator-layout views of the tiles written from registers (both MMAs share the C layout)
-        pHh = thr_mn.partition_C(rows_view(sHh_w, DK, self.wg_cols))
-        pHl = thr_mn.partition_C(rows_view(sHl_w, DK, self.wg_cols))
-        pVl = thr_k.partition_C(rows_view(sVl_w, BT, self.wg_cols))
+        # accumulator-shaped (rows, columns) views of the tiles written from registers
+        sHh_rows = rows_view(sHh_w, DK, self.wg_cols)
+        sHl_rows = rows_view(sHl_w, DK, self.wg_cols)
+        sVl_rows = rows_view(sVl_w, BT, self.wg_cols)
 
         acc_h = cute.make_rmem_tensor(thr_mn.partition_shape_C((DK, self.wg_cols)), Float32)
         at_h = thr_mn.partition_C(cute.make_identity_tensor((DK, self.wg_cols)))
         acc_v = cute.make_rmem_tensor(thr_k.partition_shape_C((BT, self.wg_cols)), Float32)
         acc_o = cute.make_rmem_tensor(thr_k.partition_shape_C((BT, self.wg_cols)), Float32)
-        at_v = thr_k.partition_C(cute.make_identity_tensor((BT, self.wg_cols)))
 
         for i in cutlass.range_constexpr(cute.size(acc_h)):
             kr, c = at_h[i]
@@ -190,7 +189,7 @@ class ChunkStateWGKernel:
                 sDecay[tid] = cute.math.exp(gl_next, fastmath=True)
                 if ci + 1 < n_chunks:
                     gl_next = gl[chunk0 + ci + 1, hv, tid]
-            store_split(acc_h, pHh, pHl)  # h into this warpgroup's B tiles
+            store_split(mma_mn, acc_h, sHh_rows, sHl_rows, wtid)  # h into this warpgroup's B tiles
             cute.arch.cp_async_wait_group(0)  # chunk ci has landed (the only group in flight)
             cute.arch.fence_proxy("async.shared", space="cta")  # generic-proxy writes -> wgmma's operand reads
             cute.arch.sync_threads()
@@ -218,7 +217,8 @@ class ChunkStateWGKernel:
                     _subtract_from(acc_v, pU)
             else:
                 _subtract_from(acc_v, pU)
-            store_split(acc_v, pU, pVl)  # rows past the end: u = w = 0 there, so v_new = 0
+            # rows past the end: u = w = 0 there, so v_new = 0
+            store_split(mma_k, acc_v, rows_view(sU_w, BT, self.wg_cols), sVl_rows, wtid)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=1 + wg, number_of_threads=WG_THREADS)
             # the next chunk's copies start only now: the proxy fences above wait for every memory access of
@@ -242,10 +242,7 @@ class ChunkStateWGKernel:
 
             if const_expr(not self.affine):
                 # o leaves through the (now free) v_new tile in whole 16-byte rows
-                o_frag = cute.make_fragment_like(acc_o, BFloat16)
-                for i in cutlass.range_constexpr(cute.size(acc_o)):
-                    o_frag[i] = acc_o[i].to(BFloat16)
-                cute.autovec_copy(o_frag, pU)
+                store_acc(mma_k, acc_o, rows_view(sU_w, BT, self.wg_cols), wtid)
                 cute.arch.barrier(barrier_id=1 + wg, number_of_threads=WG_THREADS)
                 store_rows_s2g(rows_view(sU_w, BT, self.wg_cols), head_rows(o, t0, hv, BT, col0, self.wg_cols), n,
                                wtid, WG_THREADS)
