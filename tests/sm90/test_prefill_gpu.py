@@ -155,6 +155,32 @@ def test_cp_on_equals_off(lens, HV):
         check(o_on, ht_on, o_r, ht_r, "cp")
 
 
+@pytest.mark.parametrize("cp", [False, True], ids=["serial", "cp"])
+def test_stage2_widths_agree(monkeypatch, cp):
+    """Stage 2 at 64 and at 128 state columns per CTA (forward.state_cols picks one from the grid's size) on one
+    varlen batch with odd lengths and an initial state, with and without CP: both within the reference bound, and
+    the same o and final state (each state column's products are the same; only the CTA running them differs)."""
+    from cula_sm90.prefill import forward
+
+    lens = [130, 0, 1, 63, 65, 3000 if cp else 700]
+    HQK, HV = 2, 8
+    q, k, v, g, beta, A_log, dt_bias = make_raw(1, sum(lens), HQK, HV, gate="safe", seed=7)
+    gkw = gate_kwargs("safe", A_log, dt_bias)
+    cu_cpu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    h0 = torch.randn(len(lens), HV, 128, 128, device="cuda")
+    kw = dict(initial_state=h0, cu_seqlens=cu_cpu.cuda())
+    o_r, ht_r = reference(q, k, v, g, beta, gate_kw=gkw, **kw)
+    outs = {}
+    for cols in (64, 128):
+        monkeypatch.setattr(forward, "state_cols", lambda seq_heads, num_sms, cols=cols: cols)
+        outs[cols] = run_ours(q, k, v, g, beta, gkw, cu_seqlens_cpu=cu_cpu, intracard_cp=cp, **kw)
+        check(*outs[cols], o_r, ht_r, f"{cols} columns, cp={cp}")
+    (o64, ht64), (o128, ht128) = outs[64], outs[128]
+    e_o, e_ht = rel_err(o128, o64), rel_err(ht128, ht64)
+    print(f"WIDTH_ERR cp={cp} o={e_o:.3e} ht={e_ht:.3e}")
+    assert e_o <= CP_TOL_O and e_ht <= CP_TOL_STATE, (e_o, e_ht)
+
+
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not installed")
 def test_memcheck_clean_on_odd_shapes():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
