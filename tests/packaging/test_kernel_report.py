@@ -1,6 +1,6 @@
-"""tools/kernel_report.py reads real numbers out of real cubins (CPU only): it compiles one decode kernel and one
-tensor-core kernel for sm_90a and its parsed fields agree with what the kernel classes declare. Plus its parsers
-on fixed text (widths, the host IR's launch config, the occupancy rules). Skips only where cuobjdump is missing
+"""tools/kernel_report.py reads real numbers out of real cubins (CPU only): it compiles one decode kernel and two
+tensor-core kernels (mma.sync, wgmma) for sm_90a and its parsed fields agree with what the kernel classes declare.
+Plus its parsers on fixed text (widths, the host IR's launch config, the occupancy rules). Skips only where cuobjdump is missing
 (it ships in the CUDA toolkit and in the `nvidia-cuda-cuobjdump` wheel) or CuTe DSL is not installed."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ sys.path.insert(0, str(ROOT))
 from tools import kernel_report as kr  # noqa: E402
 
 DECODE, MMA = "decode.recurrent[final,T=4]", "fwd.fwd_o"
+WGMMA = "prefill.chunk_state_wg[128 cols] (stage 2)"
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def reports():
     if why:
         pytest.skip(f"kernel_report needs a CUDA binary tool: {why}")
     proc = subprocess.run([sys.executable, "-m", "tools.kernel_report", "--kernel", DECODE, "--kernel", MMA,
-                           "--json"], cwd=ROOT, capture_output=True, text=True, timeout=55)
+                           "--kernel", WGMMA, "--json"], cwd=ROOT, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return {r["name"]: r for r in json.loads(proc.stdout)}
 
@@ -48,6 +49,20 @@ def test_decode_kernel_fields(reports):
     assert r["sass_total"] > 100 and r["mix"]["LDG"] > 0 and r["mix"]["STG"] > 0
     assert r["mix"]["HMMA"] == 0                          # a SIMT kernel
     assert r["spill_stores"] in (None, 0)
+
+
+def test_wgmma_kernel_fields(reports):
+    """The sm90 prefill's stage 2 at 128 columns per CTA: its products on wgmma only (w @ h and kg^T @ v_new split
+    hi + lo, qg @ h, Aqk @ v_new: 16 + 16 + 8 + 4 instructions of m64n64k16), stmatrix stores, no spills, and the
+    shared memory its docstring states (two stages of w, qg, kg, Aqk and the u slices; h hi / lo; v_new lo; the
+    decay row): one CTA per SM."""
+    r = reports[WGMMA]
+    assert not r["error"] and r["threads"] == 256 and 0 < r["regs"] <= 255
+    assert r["mix"]["HGMMA"] == 44 and r["mix"]["HMMA"] == 0 and r["mix"]["STSM"] > 0
+    assert r["spill_stores"] in (None, 0) and r["local"] == 0
+    tile = 64 * 128 * 2
+    assert r["dynamic_smem"] == 2 * (3 * tile + 64 * 64 * 2 + tile) + 2 * 2 * tile + tile + 128 * 4
+    assert r["ctas_per_sm"] == 1
 
 
 def test_mma_kernel_fields(reports):
