@@ -1,7 +1,8 @@
 """tools/kernel_report.py reads real numbers out of real cubins (CPU only): it compiles one decode kernel and two
 tensor-core kernels (mma.sync, wgmma) for sm_90a and its parsed fields agree with what the kernel classes declare.
-Plus its parsers on fixed text (widths, the host IR's launch config, the occupancy rules). Skips only where cuobjdump is missing
-(it ships in the CUDA toolkit and in the `nvidia-cuda-cuobjdump` wheel) or CuTe DSL is not installed."""
+Plus its parsers on fixed text (widths, the host IR's launch config, the occupancy rules). Skips only where
+cuobjdump is missing (it ships in the CUDA toolkit and in the `nvidia-cuda-cuobjdump` wheel) or CuTe DSL is not
+installed."""
 
 from __future__ import annotations
 
