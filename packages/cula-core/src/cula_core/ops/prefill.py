@@ -53,8 +53,6 @@ def forward_kernel(call, sizes: dict, **flags):
         return bound
 
     def run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu):
-        if not copy_layout and initial_state is None:  # new outputs in the caller's layout already
-            return bound(q, k, v, g, beta, A_log, dt_bias, None, cu_seqlens, cu_seqlens_cpu)
         out = list(bound(q, k, v, g, beta, A_log, dt_bias,
                          swap_state_layout(initial_state) if copy_layout else initial_state, cu_seqlens,
                          cu_seqlens_cpu))

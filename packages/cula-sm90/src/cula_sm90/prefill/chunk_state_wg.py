@@ -195,8 +195,9 @@ class ChunkStateWGKernel:
             cute.arch.sync_threads()
 
             sU_w = sU2[None, None, st, wg]
+            sU_rows = rows_view(sU_w, BT, self.wg_cols)  # u, then v_new's hi half, then o: (token, column)
             rVh = thr_k.make_fragment_B(thr_k.partition_B(sU_w))
-            pU = thr_k.partition_C(rows_view(sU_w, BT, self.wg_cols))
+            pU = thr_k.partition_C(sU_rows)
 
             # group 1: v_new's product w @ h (split h); group 2: o's first product qg @ h
             warpgroup.fence()
@@ -218,7 +219,7 @@ class ChunkStateWGKernel:
             else:
                 _subtract_from(acc_v, pU)
             # rows past the end: u = w = 0 there, so v_new = 0
-            store_split(mma_k, acc_v, rows_view(sU_w, BT, self.wg_cols), sVl_rows, wtid)
+            store_split(mma_k, acc_v, sU_rows, sVl_rows, wtid)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=1 + wg, number_of_threads=WG_THREADS)
             # the next chunk's copies start only now: the proxy fences above wait for every memory access of
@@ -242,10 +243,9 @@ class ChunkStateWGKernel:
 
             if const_expr(not self.affine):
                 # o leaves through the (now free) v_new tile in whole 16-byte rows
-                store_acc(mma_k, acc_o, rows_view(sU_w, BT, self.wg_cols), wtid)
+                store_acc(mma_k, acc_o, sU_rows, wtid)
                 cute.arch.barrier(barrier_id=1 + wg, number_of_threads=WG_THREADS)
-                store_rows_s2g(rows_view(sU_w, BT, self.wg_cols), head_rows(o, t0, hv, BT, col0, self.wg_cols), n,
-                               wtid, WG_THREADS)
+                store_rows_s2g(sU_rows, head_rows(o, t0, hv, BT, col0, self.wg_cols), n, wtid, WG_THREADS)
             cute.arch.sync_threads()  # every reader of this stage is done before the next copies into it
 
         if ht_idx >= 0:

@@ -185,10 +185,10 @@ def _device_int32(values, device) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def planned_device_tables(lengths, num_heads, num_sms, mode, device, has_h0, want_ht, pk, cols):
-    """The launch tables on `device` for host-known lengths (host_tables' plan; cached by every argument), with
-    stage 2's `cols` (state_cols)."""
-    cu, co, p = host_tables(lengths, num_heads, num_sms, mode, pk)
+def planned_device_tables(lengths, num_heads, num_sms, mode, device, has_h0, want_ht, cp_pieces, cols):
+    """The launch tables on `device` for host-known lengths (host_tables' plan with the planner's arguments of
+    `cp_pieces` and stage 2's `cols`, state_cols; cached by every argument)."""
+    cu, co, p = host_tables(lengths, num_heads, num_sms, mode, tuple(sorted(planner_kwargs(cp_pieces, cols).items())))
     N = len(lengths)
     tables = {"cu": _device_int32(cu, device), "co": _device_int32(co, device), "plan": p, "NC": co[-1],
               "state_cols": cols}
@@ -229,9 +229,8 @@ def host_length_tables(lengths, num_heads, device, mode, has_h0, want_ht, cp_pie
     """planned_device_tables for host-known lengths on `device`, with the planner's arguments of `cp_pieces` and
     stage 2's columns per CTA for this many (sequence, head) pairs."""
     sms = rt.sm_count(device.index or 0)
-    cols = state_cols(len(lengths) * num_heads, sms)
-    return planned_device_tables(lengths, num_heads, sms, mode, device, has_h0, want_ht,
-                                 tuple(sorted(planner_kwargs(cp_pieces, cols).items())), cols)
+    return planned_device_tables(lengths, num_heads, sms, mode, device, has_h0, want_ht, cp_pieces,
+                                 state_cols(len(lengths) * num_heads, sms))
 
 
 def scratch_layout(TT: int, HV: int, NC: int) -> tuple[int, tuple[int, ...]]:
