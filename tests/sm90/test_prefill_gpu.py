@@ -155,6 +155,54 @@ def test_cp_on_equals_off(lens, HV):
         check(o_on, ht_on, o_r, ht_r, "cp")
 
 
+@pytest.mark.parametrize("lens", [None, [700, 1, 0, 2000, 65]], ids=["B2-T1000", "varlen"])
+def test_vs_flashkda(lens):
+    """cula and FlashKDA (MoonshotAI's CUTLASS forward) on the same bf16 inputs, in FlashKDA's setup: safe gate
+    (lower_bound -5) from raw g with A_log / dt_bias, q/k L2 norm and sigmoid(beta) in kernel, K = V = 128, no GVA.
+    Both against the fp64 reference: cula within REL_TOL and no further from it than FlashKDA (o and the final
+    state), and the two within FLA_TOL of each other."""
+    flash_kda = pytest.importorskip("flash_kda")
+    H, K = 4, 128
+    B, T = (2, 1000) if lens is None else (1, sum(lens))
+    N = B if lens is None else len(lens)
+    q, k, v, g, beta, A_log, dt_bias = make_raw(B, T, H, H, gate="safe", seed=11)
+    gkw = gate_kwargs("safe", A_log, dt_bias)
+    cu_cpu = None if lens is None else torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu = None if cu_cpu is None else cu_cpu.cuda()
+    o, ht = run_ours(q, k, v, g, beta, gkw, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+    o_fk = torch.empty_like(v)
+    ht_fk = torch.empty(N, H, K, K, dtype=torch.float32, device="cuda")  # FlashKDA's state is [N, H, V, K]
+    flash_kda.fwd(q, k, v, g, beta, K ** -0.5, o_fk, A_log=A_log, dt_bias=dt_bias.view(H, K), lower_bound=-5.0,
+                  initial_state=None, final_state=ht_fk, cu_seqlens=None if cu is None else cu.long())
+    ht_fk = ht_fk.transpose(-1, -2)
+    o_r, ht_r = reference(q, k, v, g, beta, gate_kw=gkw, cu_seqlens=cu)
+    errs = {"o": rel_err(o, o_r), "ht": rel_err(ht, ht_r), "o_fk": rel_err(o_fk, o_r), "ht_fk": rel_err(ht_fk, ht_r),
+            "o_vs_fk": rel_err(o, o_fk), "ht_vs_fk": rel_err(ht, ht_fk)}
+    print("FLASHKDA_ERR " + " ".join(f"{n}={e:.3e}" for n, e in errs.items()))
+    assert errs["o"] <= REL_TOL and errs["ht"] <= REL_TOL, errs
+    assert errs["o"] <= errs["o_fk"] and errs["ht"] <= errs["ht_fk"], errs
+    assert errs["o_vs_fk"] <= FLA_TOL and errs["ht_vs_fk"] <= FLA_TOL, errs
+
+
+@pytest.mark.parametrize("gate", ["safe", "precomputed"])
+def test_long_sequence_strong_decay_vs_reference(gate):
+    """One 65536-token sequence with a strong decay (the safe gate at its TC stage 1 limit, lower_bound -8, on raw g
+    pushed towards the bound; or a precomputed log decay of ~-0.8 per channel and token), CP as the planner picks it:
+    o and the final state finite and within REL_TOL of the fp64 reference."""
+    T, H = 65536, 2
+    q, k, v, g, beta, A_log, dt_bias = make_raw(1, T, H, H, gate=gate, seed=5)
+    if gate == "safe":
+        g = (g.float() + 4.0).to(g.dtype)  # sigmoid(A (g + dt_bias)) near 1: decays near lower_bound per token
+        gkw = dict(gate_kwargs("safe", A_log, dt_bias), lower_bound=-8.0)
+    else:
+        g = (g.float() * 4).to(g.dtype)  # make_raw's logsigmoid(x) / 4 times 4: mean ~-0.8 per channel and token
+        gkw = gate_kwargs("precomputed", A_log, dt_bias)
+    o, ht = run_ours(q, k, v, g, beta, gkw, intracard_cp="auto")
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    o_r, ht_r = reference(q, k, v, g, beta, gate_kw=gkw)
+    check(o, ht, o_r, ht_r, f"T=65536 strong {gate}")
+
+
 @pytest.mark.parametrize("cp", [False, True], ids=["serial", "cp"])
 def test_stage2_widths_agree(monkeypatch, cp):
     """Stage 2 at 64 and at 128 state columns per CTA (forward.state_cols picks one from the grid's size) on one
