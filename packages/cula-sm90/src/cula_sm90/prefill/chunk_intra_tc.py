@@ -42,16 +42,15 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, const_expr
 
 from cula_core.cute_kernels.copies import copy_rows_g2s, g2s_tiled_copy, head_rows, vec_copy
-from cula_core.cute_kernels.warp_mma import gemm, smem_tile_layout, tiled_mma, transposed
+from cula_core.cute_kernels.warp_mma import gemm, mma_atom, smem_tile_layout, tiled_mma, transposed
 from cula_sm90.prefill import common
 
 BT = 64
 DK = 128
 BC = 16
-LPAD = BT + 1  # fp32 row stride of L: the inverse reads one L element per row across a warp's rows
+LPAD = BT + 4  # fp32 row stride of L: 16-byte rows; the inverse's B fragments land in 32 banks, A fragments in pairs
 THREADS = 256
 SCAN_ROWS = BT // (THREADS // DK)  # rows of G's column each scanning thread sums
-INV_ROWS = BC // 4  # rows of an off-diagonal inverse block per thread (2 warps x 2 half-warps per block)
 
 
 class ChunkIntraTCKernel(common.Stage1Launch):
@@ -323,11 +322,12 @@ class ChunkIntraTCKernel(common.Stage1Launch):
     @cute.jit
     def inverse(self, sL, warp, lane):
         """X = (I + L)^-1 in place of L (L strictly lower, fp32; its upper blocks are already 0), blocked by 16.
-        Warp b < 4 inverts the diagonal block b by substitution (lane j: column j). Then, row block by row block
-        (b = 1..3), warps c and c + 4 (c < b) compute X_bc = -X_bb T, T = sum_{c <= m < b} L_bm X_mc, each for 8
-        of its rows (lane: 4 rows of column j): T in registers, a barrier (every warp has read L's row block b),
-        T staged in X_bc's place, a barrier, the product with X_bb, a barrier (T is read), X_bc written, a barrier
-        (the next row block reads it)."""
+        Warp b < 4 inverts the diagonal block b by substitution in fp32 (lane j: column j). Then, row block by row
+        block (b = 1..3), warp c + 4 h (c < b, h < 2) computes columns [8 h, 8 h + 8) of X_bc = -X_bb T,
+        T = sum_{c <= m < b} L_bm X_mc, on tensor cores: mma.sync m16n8k16 with every fp32 operand split into
+        bf16 hi + lo (hi hi + hi lo + lo hi: ~16 bits per product, fp32 accumulation). T is staged in X_bc's
+        place (one warp writes and reads it back: warp barriers); one CTA barrier per row block (the next one
+        reads X_bc)."""
         b0 = (warp % 4) * BC
         j = lane % BC
         if warp < 4:
@@ -346,33 +346,62 @@ class ChunkIntraTCKernel(common.Stage1Launch):
                 if lane < BC:
                     sL[b0 + i, b0 + j] = xi
         cute.arch.sync_threads()
-        rsub = (warp // 4) * 8 + (lane // BC) * INV_ROWS
-        col = b0 + j
-        t = cute.make_rmem_tensor(cute.make_layout(INV_ROWS), Float32)
+        mma = cute.make_tiled_mma(mma_atom(), (1, 1, 1))  # one warp, a 16 x 8 output per product
+        thr = mma.get_slice(lane)
+        cA = thr.partition_A(cute.make_identity_tensor((BC, BC)))  # (row, k)
+        cB = thr.partition_B(cute.make_identity_tensor((8, BC)))  # (column, k)
+        cC = thr.partition_C(cute.make_identity_tensor((BC, 8)))  # (row, column)
+        a_hi = cute.make_rmem_tensor(thr.partition_shape_A((BC, BC)), BFloat16)
+        a_lo = cute.make_rmem_tensor(thr.partition_shape_A((BC, BC)), BFloat16)
+        b_hi = cute.make_rmem_tensor(thr.partition_shape_B((8, BC)), BFloat16)
+        b_lo = cute.make_rmem_tensor(thr.partition_shape_B((8, BC)), BFloat16)
+        acc = cute.make_rmem_tensor(thr.partition_shape_C((BC, 8)), Float32)
+        c = warp % 4
+        col0 = c * BC + (warp // 4) * 8  # this warp's 8 columns of X_bc
         for bb in cutlass.range_constexpr(1, BT // BC):
-            r0 = bb * BC + rsub
-            active = b0 < bb * BC
-            for r in cutlass.range_constexpr(INV_ROWS):
-                t[r] = Float32(0.0)
-            if active:
-                for m in cutlass.range(b0, bb * BC, unroll=4):
-                    xm = sL[m, col]
-                    for r in cutlass.range_constexpr(INV_ROWS):
-                        t[r] += sL[r0 + r, m] * xm
+            r0 = bb * BC
+            if c < bb:
+                # T = sum_m L_bm X_mc (X_mc = 0 for m < c)
+                acc.fill(0.0)
+                for m in cutlass.range_constexpr(bb):
+                    if c <= m:
+                        self.load_split(sL, cA, a_hi, a_lo, r0, m * BC, False)
+                        self.load_split(sL, cB, b_hi, b_lo, m * BC, col0, True)
+                        self.mma_split(mma, acc, a_hi, a_lo, b_hi, b_lo)
+                for e in cutlass.range_constexpr(cute.size(acc)):
+                    i, n = cC[e]
+                    sL[r0 + i, col0 + n] = acc[e]
+                cute.arch.sync_warp()
+                # X_bc = -X_bb T
+                acc.fill(0.0)
+                self.load_split(sL, cA, a_hi, a_lo, r0, r0, False)
+                self.load_split(sL, cB, b_hi, b_lo, r0, col0, True)
+                self.mma_split(mma, acc, a_hi, a_lo, b_hi, b_lo)
+                cute.arch.sync_warp()  # every lane has read T before X_bc takes its place
+                for e in cutlass.range_constexpr(cute.size(acc)):
+                    i, n = cC[e]
+                    sL[r0 + i, col0 + n] = -acc[e]
             cute.arch.sync_threads()
-            if active:
-                for r in cutlass.range_constexpr(INV_ROWS):
-                    sL[r0 + r, col] = t[r]
-            cute.arch.sync_threads()
-            if active:
-                for r in cutlass.range_constexpr(INV_ROWS):
-                    t[r] = Float32(0.0)
-                for m in cutlass.range_constexpr(BC):
-                    tm = sL[bb * BC + m, col]
-                    for r in cutlass.range_constexpr(INV_ROWS):
-                        t[r] += sL[r0 + r, bb * BC + m] * tm
-            cute.arch.sync_threads()
-            if active:
-                for r in cutlass.range_constexpr(INV_ROWS):
-                    sL[r0 + r, col] = -t[r]
-            cute.arch.sync_threads()
+
+    @cute.jit
+    def load_split(self, sL, coords, hi, lo, row0, col0, k_rows: cutlass.Constexpr):
+        """An operand fragment from the fp32 tile sL, split into bf16 hi + lo. `coords` holds each fragment
+        element's (outer, k) coordinate: the element is sL[row0 + outer, col0 + k], or (`k_rows`, a B operand
+        read from its [k][column] storage) sL[row0 + k, col0 + outer]."""
+        for e in cutlass.range_constexpr(cute.size(hi)):
+            o, kk = coords[e]
+            x = Float32(0.0)
+            if const_expr(k_rows):
+                x = sL[row0 + kk, col0 + o]
+            else:
+                x = sL[row0 + o, col0 + kk]
+            h = x.to(BFloat16)
+            hi[e] = h
+            lo[e] = (x - h.to(Float32)).to(BFloat16)
+
+    @cute.jit
+    def mma_split(self, mma, acc, a_hi, a_lo, b_hi, b_lo):
+        """acc += A B^T from split operands: hi hi + hi lo + lo hi (lo lo is below fp32 rounding of the sum)."""
+        cute.gemm(mma, acc, a_hi, b_hi, acc)
+        cute.gemm(mma, acc, a_hi, b_lo, acc)
+        cute.gemm(mma, acc, a_lo, b_hi, acc)
