@@ -48,8 +48,10 @@ from cula_sm90.prefill import common
 BT = 64
 DK = 128
 BC = 16
-LPAD = BT + 4  # fp32 row stride of L: 16-byte rows; the inverse's B fragments land in 32 banks, A fragments in pairs
+LPAD = BT + 1  # fp32 row stride of L (odd: the score and inverse fragments' columns spread over the banks)
 THREADS = 256
+R_BYTES = 6 * BC * DK * 2  # the region R: the score operands (96 bf16 rows)
+L_BYTES = BT * LPAD * 4
 SCAN_ROWS = BT // (THREADS // DK)  # rows of G's column each scanning thread sums
 
 
@@ -72,20 +74,22 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         hv = h * G + (chunk_j - chunk * G)
 
         smem = cutlass.memory.SmemAllocator()
+        # q, then v (cp.async once qg is out), then the u staging; k, then k e^G (in place), then the w staging
         sQ = smem.allocate_tensor(BFloat16, smem_tile_layout(BT, DK), 128)
         sK = smem.allocate_tensor(BFloat16, smem_tile_layout(BT, DK), 128)
-        sG = smem.allocate_tensor(Float32, cute.make_layout((BT, DK), stride=(DK, 1)), 128)
-        # the 24 KiB region R, in turn: g (bf16); the score operands (96 rows: q_r, k_r, then the column operand);
-        # v (first 16 KiB, cp.async during the inverse) and Akk diag(beta) (bf16, last 8 KiB)
-        r_raw = smem.allocate(6 * BC * DK * 2, 128)
+        # the region R (24 KiB) and the L tile (fp32) back to back; before the scores both hold G (fp32, 32 KiB)
+        # on its way from the scan's column layout to the registers of the row layout
+        r_raw = smem.allocate(R_BYTES + L_BYTES, 128)
         r_bf = cute.recast_ptr(r_raw, dtype=BFloat16)
-        sOp = cute.make_tensor(r_bf, smem_tile_layout(6 * BC, DK))
-        sV = cute.make_tensor(r_bf, smem_tile_layout(BT, DK))
-        sAk = cute.make_tensor(r_bf + BT * DK, smem_tile_layout(BT, BT))
-        # the L region: L (fp32), the inverse X in place, then k e^G (bf16)
-        l_raw = smem.allocate(BT * LPAD * 4, 128)
-        sL = cute.make_tensor(cute.recast_ptr(l_raw, dtype=Float32), cute.make_layout((BT, BT), stride=(LPAD, 1)))
-        sKe = cute.make_tensor(cute.recast_ptr(l_raw, dtype=BFloat16), smem_tile_layout(BT, DK))
+        sGin = cute.make_tensor(r_bf, smem_tile_layout(BT, DK))  # raw g (bf16), first 16 KiB of R
+        sOp = cute.make_tensor(r_bf, smem_tile_layout(6 * BC, DK))  # score operands: 96 rows
+        sAk = cute.make_tensor(r_bf, smem_tile_layout(BT, BT))  # Akk diag(beta), bf16
+        sG = cute.make_tensor(cute.recast_ptr(r_raw, dtype=Float32), cute.make_layout((BT, DK), stride=(DK, 1)))
+        sL = cute.make_tensor(cute.recast_ptr(r_raw + R_BYTES, dtype=Float32),
+                              cute.make_layout((BT, BT), stride=(LPAD, 1)))
+        # G's rows the scores reference (16 p + 8, p < 4) and the chunk's last row; row 4 first carries the scan's
+        # first-half totals
+        sRef = smem.allocate_tensor(Float32, cute.make_layout((5, DK), stride=(DK, 1)), 128)
         sB = smem.allocate_tensor(Float32, cute.make_layout(BT), 16)
 
         _, t0, L, valid = common.find_chunk(cu, co, chunk, N, search_steps)
@@ -94,14 +98,14 @@ class ChunkIntraTCKernel(common.Stage1Launch):
             copy_rows_g2s(cp, head_rows(q, t0, h, BT), sQ, L, tid)
             copy_rows_g2s(cp, head_rows(k, t0, h, BT), sK, L, tid)
             if const_expr(self.g_smem):  # g in the same round trip
-                copy_rows_g2s(cp, head_rows(g, t0, hv, BT), sV, L, tid)
+                copy_rows_g2s(cp, head_rows(g, t0, hv, BT), sGin, L, tid)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
             if const_expr(self.l2norm):
                 self.l2norm_rows(sQ, tid)
                 self.l2norm_rows(sK, tid)
-            self.head(hv, chunk, t0, L, sQ, sK, sG, sOp, sV, sAk, sL, sKe, sB, v, g, beta, alog, dtb, w, u, qg,
+            self.head(hv, chunk, t0, L, sQ, sK, sGin, sOp, sAk, sG, sL, sRef, sB, v, g, beta, alog, dtb, w, u, qg,
                       kg, aqk, gl, scale, lower_bound, tid)
 
     @cute.jit
@@ -127,12 +131,13 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         cute.arch.sync_threads()
 
     @cute.jit
-    def head(self, hv: Int32, chunk: Int32, t0: Int32, L: Int32, sQ, sK, sG, sOp, sV, sAk, sL, sKe, sB, v, g, beta, alog, dtb, w, u, qg, kg, aqk, gl, scale: Float32, lower_bound: Float32, tid):
+    def head(self, hv: Int32, chunk: Int32, t0: Int32, L: Int32, sQ, sK, sGin, sOp, sAk, sG, sL, sRef, sB, v, g, beta, alog, dtb, w, u, qg, kg, aqk, gl, scale: Float32, lower_bound: Float32, tid):
         warp = tid // 32
         lane = tid % 32
         # ---- the log gate and its chunk-local cumulative sum: thread (half, d) scans rows [32 half, 32 half + 32)
-        # of column d, the second half then adds the first half's total; rows past the end add nothing (identity
-        # transitions). bf16 g came by cp.async into R with q and k, fp32 g by loads coalesced across the warp
+        # of column d in registers, the second half then adds the first half's total; rows past the end add
+        # nothing (identity transitions). bf16 g came by cp.async with q and k, fp32 g by loads coalesced across
+        # the warp
         d = tid % DK
         half = tid // DK
         a_rate = Float32(1.0)
@@ -143,81 +148,89 @@ class ChunkIntraTCKernel(common.Stage1Launch):
             bias = dtb[hv, d].to(Float32)
         acc = Float32(0.0)
         part = cute.make_rmem_tensor(cute.make_layout(SCAN_ROWS), Float32)
-        for mb in cutlass.range_constexpr(SCAN_ROWS // 16):
-            gv = cute.make_rmem_tensor(cute.make_layout(16), Float32)
-            for mm in cutlass.range_constexpr(16):
-                row = half * SCAN_ROWS + mb * 16 + mm
-                x = Float32(0.0)
-                if const_expr(self.g_smem):
-                    x = sV[row, d].to(Float32)  # zero-filled past the end
-                elif row < L:
-                    x = g[t0 + row, hv, d].to(Float32)
-                gv[mm] = x
-            for mm in cutlass.range_constexpr(16):
-                # lower_bound * sigmoid(y) through rcp.approx (2^-23 relative): an IEEE division would add a
-                # slow-path check and branch per element
-                y = a_rate * (gv[mm] + bias)
-                step = lower_bound * cute.arch.rcp_approx(1.0 + cute.math.exp(-y, fastmath=True))
-                if half * SCAN_ROWS + mb * 16 + mm < L:
-                    acc += step
-                part[mb * 16 + mm] = acc
+        for mm in cutlass.range_constexpr(SCAN_ROWS):
+            row = half * SCAN_ROWS + mm
+            x = Float32(0.0)
+            if const_expr(self.g_smem):
+                x = sGin[row, d].to(Float32)  # zero-filled past the end
+            elif row < L:
+                x = g[t0 + row, hv, d].to(Float32)
+            part[mm] = x
+        for mm in cutlass.range_constexpr(SCAN_ROWS):
+            # lower_bound * sigmoid(y) through rcp.approx (2^-23 relative): an IEEE division would add a slow-path
+            # check and branch per element
+            y = a_rate * (part[mm] + bias)
+            step = lower_bound * cute.arch.rcp_approx(1.0 + cute.math.exp(-y, fastmath=True))
+            if half * SCAN_ROWS + mm < L:
+                acc += step
+            part[mm] = acc
         if half == 0:
-            for mm in cutlass.range_constexpr(SCAN_ROWS):
-                sG[mm, d] = part[mm]
+            sRef[4, d] = acc
         if tid < BT:
             b = Float32(0.0)
             if tid < L:
                 b = common.activate_beta(beta[t0 + tid, hv].to(Float32), self.beta_activation)
             sB[tid] = b
-        cute.arch.sync_threads()
+        cute.arch.sync_threads()  # g is read (G may take its place) and the first half's totals are written
+        base = Float32(0.0)
         if half == 1:
-            base = sG[SCAN_ROWS - 1, d]
-            for mm in cutlass.range_constexpr(SCAN_ROWS):
-                sG[SCAN_ROWS + mm, d] = base + part[mm]
+            base = sRef[4, d]
+        for mm in cutlass.range_constexpr(SCAN_ROWS):
+            sG[half * SCAN_ROWS + mm, d] = base + part[mm]
         cute.arch.sync_threads()
 
-        # ---- scores, one 16-row block p at a time: operands built by all threads; then warp (which, c), c = warp
-        # % 4, which = warp // 4, computes column block c <= p of Aqk (which 0) or of L (which 1)
+        # ---- G into registers in the row layout of the 16-byte vector copies (thread: columns c0 .. c0 + 7 of
+        # rows 16 m + tid // 16): every row block's operands and qg / kg read only the thread's own rows; the
+        # reference rows and the last row go to sRef for every thread
         vb = vec_copy(DK, self.threads)
         vf = vec_copy(DK, self.threads, Float32)
         tb = vb.get_slice(tid)
         tf = vf.get_slice(tid)
+        pG = tf.partition_S(sG)
+        rG = cute.make_fragment_like(pG)
+        cute.copy(vf, pG, rG)
+        for i in cutlass.range_constexpr((5 * DK + self.threads - 1) // self.threads):
+            idx = i * self.threads + tid
+            if idx < 5 * DK:
+                which_row = idx // DK
+                src_row = which_row * BC + 8
+                if which_row == 4:
+                    src_row = BT - 1  # rows past a partial chunk's end add nothing to G
+                sRef[which_row, idx % DK] = sG[src_row, idx % DK]
+        cute.arch.sync_threads()  # G's staging area is free: the score operands and L take it
+
+        # ---- scores, one 16-row block p at a time: operands built by all threads; then warp (which, c), c = warp
+        # % 4, which = warp // 4, computes column block c <= p of Aqk (which 0) or of L (which 1)
         pQ = tb.partition_S(sQ)
         pK = tb.partition_S(sK)
-        pG = tf.partition_S(sG)
         pOp = tb.partition_D(sOp)
         cI = tb.partition_S(cute.make_identity_tensor((BT, DK)))
         c0 = cI[0, 0, 0][1]
         fx = cute.make_fragment_like(pQ[None, 0, None])
         fo = cute.make_fragment_like(pQ[None, 0, None])
-        fg = cute.make_fragment_like(pG[None, 0, None])
         gr = cute.make_rmem_tensor(cute.make_layout(8), Float32)
         mma1 = tiled_mma(1)
         thr1 = mma1.get_slice(lane)
         cC = thr1.partition_C(cute.make_identity_tensor((BC, BC)))
         which = warp // 4
         cb = warp % 4
-        ppb = BC // (self.threads // (DK // 8))  # vector passes per 16-row block
         for p in cutlass.range_constexpr(BT // BC):
-            rref = p * BC + 8
             for e in cutlass.range_constexpr(8):
-                gr[e] = sG[rref, c0 + e]
+                gr[e] = sRef[p, c0 + e]
             # operand row blocks: 0 q e^(G - G_r) of block p, 1 k e^(G - G_r) of block p, 2 + c k_j e^(G_r - G_j)
-            # of block c <= p
-            for m in cutlass.range_constexpr((p + 3) * ppb):
-                blk = m // ppb
+            # of block c <= p (one vector pass of the copy covers one 16-row block)
+            for m in cutlass.range_constexpr(p + 3):
                 src = pQ
-                sm = p * ppb + m % ppb
-                if const_expr(blk >= 1):
+                sm = p
+                if const_expr(m >= 1):
                     src = pK
-                if const_expr(blk >= 2):
-                    sm = (blk - 2) * ppb + m % ppb
+                if const_expr(m >= 2):
+                    sm = m - 2
                 cute.copy(vb, src[None, sm, None], fx)
-                cute.copy(vf, pG[None, sm, None], fg)
                 for e in cutlass.range_constexpr(8):
-                    ex = fg[e] - gr[e]
-                    if const_expr(blk >= 2):
-                        ex = gr[e] - fg[e]
+                    ex = rG[e, sm, 0] - gr[e]
+                    if const_expr(m >= 2):
+                        ex = gr[e] - rG[e, sm, 0]
                     fo[e] = (fx[e].to(Float32) * cute.math.exp(ex, fastmath=True)).to(BFloat16)
                 cute.copy(vb, fo, pOp[None, m, None])
             cute.arch.sync_threads()
@@ -225,7 +238,7 @@ class ChunkIntraTCKernel(common.Stage1Launch):
             acc_s.fill(0.0)
             if cb <= p:
                 gemm(mma1, acc_s, cute.local_tile(sOp, (BC, DK), (which, 0)),
-                        cute.local_tile(sOp, (BC, DK), (2 + cb, 0)), lane, False, False)
+                     cute.local_tile(sOp, (BC, DK), (2 + cb, 0)), lane, False, False, False)
             if which == 0:
                 for e in cutlass.range_constexpr(cute.size(acc_s)):
                     i, jj = cC[e]
@@ -247,8 +260,35 @@ class ChunkIntraTCKernel(common.Stage1Launch):
                     sL[row, col] = lv
             cute.arch.sync_threads()  # the operands are read: the next block may overwrite them
 
-        # ---- v in flight (cp.async into R: the operands are dead) while the inverse runs
-        copy_rows_g2s(g2s_tiled_copy(DK, self.threads), head_rows(v, t0, hv, BT), sV, L, tid)
+        # ---- qg, kg out; k e^G (the right-hand side of w) in place of k; gl out. Each thread reads and writes
+        # only its own vectors
+        gq = tb.partition_D(head_rows(qg, t0, hv, BT))
+        gk = tb.partition_D(head_rows(kg, t0, hv, BT))
+        pKe = tb.partition_D(sK)
+        for e in cutlass.range_constexpr(8):
+            gr[e] = sRef[4, c0 + e]
+        fk = cute.make_fragment_like(pQ[None, 0, None])
+        for m in cutlass.range_constexpr(cute.size(pQ.shape[1])):
+            row = cI[0, m, 0][0]
+            cute.copy(vb, pQ[None, m, None], fx)
+            cute.copy(vb, pK[None, m, None], fk)
+            for e in cutlass.range_constexpr(8):
+                eg = cute.math.exp(rG[e, m, 0], fastmath=True)
+                fo[e] = (fx[e].to(Float32) * scale * eg).to(BFloat16)
+                fx[e] = (fk[e].to(Float32) * eg).to(BFloat16)
+            if row < L:
+                cute.copy(vb, fo, gq[None, m, None])
+            cute.copy(vb, fx, pKe[None, m, None])
+            for e in cutlass.range_constexpr(8):
+                fo[e] = (fk[e].to(Float32) * cute.math.exp(gr[e] - rG[e, m, 0], fastmath=True)).to(BFloat16)
+            if row < L:
+                cute.copy(vb, fo, gk[None, m, None])
+        if tid < DK:
+            gl[chunk, hv, tid] = sRef[4, tid]
+        cute.arch.sync_threads()  # q is read: v may take its place
+
+        # ---- v in flight (cp.async) while the inverse runs
+        copy_rows_g2s(g2s_tiled_copy(DK, self.threads), head_rows(v, t0, hv, BT), sQ, L, tid)
         cute.arch.cp_async_commit_group()
         self.inverse(sL, warp, lane)
 
@@ -257,66 +297,33 @@ class ChunkIntraTCKernel(common.Stage1Launch):
             i = m * (self.threads // BT) + tid // BT
             jj = tid % BT
             sAk[i, jj] = (sL[i, jj] * sB[jj]).to(BFloat16)
-        cute.arch.sync_threads()  # X is dead: k e^G may take its place
-
-        # ---- qg, kg out; k e^G (the right-hand side of w) into the L region; gl out
-        pKe = tb.partition_D(sKe)
-        gq = tb.partition_D(head_rows(qg, t0, hv, BT))
-        gk = tb.partition_D(head_rows(kg, t0, hv, BT))
-        glast = cute.make_rmem_tensor(cute.make_layout(8), Float32)
-        for e in cutlass.range_constexpr(8):
-            glast[e] = sG[BT - 1, c0 + e]  # rows past a partial chunk's end add nothing to G
-        fk = cute.make_fragment_like(pQ[None, 0, None])
-        for m in cutlass.range_constexpr(cute.size(pQ.shape[1])):
-            row = cI[0, m, 0][0]
-            cute.copy(vf, pG[None, m, None], fg)
-            cute.copy(vb, pQ[None, m, None], fx)
-            cute.copy(vb, pK[None, m, None], fk)
-            for e in cutlass.range_constexpr(8):
-                eg = cute.math.exp(fg[e], fastmath=True)
-                fo[e] = (fx[e].to(Float32) * scale * eg).to(BFloat16)
-                fx[e] = (fk[e].to(Float32) * eg).to(BFloat16)
-            if row < L:
-                cute.copy(vb, fo, gq[None, m, None])
-            cute.copy(vb, fx, pKe[None, m, None])
-            for e in cutlass.range_constexpr(8):
-                fo[e] = (fk[e].to(Float32) * cute.math.exp(glast[e] - fg[e], fastmath=True)).to(BFloat16)
-            if row < L:
-                cute.copy(vb, fo, gk[None, m, None])
-        if tid < DK:
-            gl[chunk, hv, tid] = sG[BT - 1, tid]
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
 
         # ---- w = Akk diag(beta) @ (k e^G), u = Akk diag(beta) @ v (8 warps: 4 along M x 2 along N), one
-        # accumulator in turn, staged as bf16 in G's space (G is dead), then out in 16-byte vectors
+        # accumulator in turn; each result is staged as bf16 in the place of its right-hand side once every warp
+        # has read it, then both go out in 16-byte vectors
         mma8 = tiled_mma(4, 2)
         thr8 = mma8.get_slice(tid)
-        g_bf = cute.recast_ptr(sG.iterator, dtype=BFloat16)
-        sWo = cute.make_tensor(g_bf, smem_tile_layout(BT, DK))
-        sUo = cute.make_tensor(g_bf + BT * DK, smem_tile_layout(BT, DK))
         acc_o = cute.make_rmem_tensor(thr8.partition_shape_C((BT, DK)), Float32)
         for out in cutlass.range_constexpr(2):
-            rhs = sKe
-            dst = sWo
+            rhs = sK
             if const_expr(out == 1):
-                rhs = sV
-                dst = sUo
+                rhs = sQ
             acc_o.fill(0.0)
             gemm(mma8, acc_o, sAk, transposed(rhs, BT, DK), tid, False, True)
-            pd = thr8.partition_C(dst)
+            cute.arch.sync_threads()
+            pd = thr8.partition_C(rhs)
             for e in cutlass.range_constexpr(cute.size(acc_o)):
                 pd[e] = acc_o[e].to(BFloat16)
         cute.arch.sync_threads()
-        pw_s = tb.partition_S(sWo)
-        pu_s = tb.partition_S(sUo)
         gw = tb.partition_D(head_rows(w, t0, hv, BT))
         gu = tb.partition_D(head_rows(u, t0, hv, BT))
         for m in cutlass.range_constexpr(cute.size(pQ.shape[1])):
             if cI[0, m, 0][0] < L:
-                cute.copy(vb, pw_s[None, m, None], fx)
+                cute.copy(vb, pK[None, m, None], fx)
                 cute.copy(vb, fx, gw[None, m, None])
-                cute.copy(vb, pu_s[None, m, None], fk)
+                cute.copy(vb, pQ[None, m, None], fk)
                 cute.copy(vb, fk, gu[None, m, None])
 
     @cute.jit
