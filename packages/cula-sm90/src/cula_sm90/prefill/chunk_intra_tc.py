@@ -52,7 +52,7 @@ LPAD = BT + 1  # fp32 row stride of L (odd: the score and inverse fragments' col
 THREADS = 256
 R_BYTES = 6 * BC * DK * 2  # the region R: the score operands (96 bf16 rows)
 L_BYTES = BT * LPAD * 4
-SCAN_ROWS = BT // (THREADS // DK)  # rows of G's column each scanning thread sums
+SCAN_ROWS = BT // (2 * THREADS // DK)  # rows of G's two columns each scanning thread sums
 
 
 class ChunkIntraTCKernel(common.Stage1Launch):
@@ -81,7 +81,7 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         # on its way from the scan's column layout to the registers of the row layout
         r_raw = smem.allocate(R_BYTES + L_BYTES, 128)
         r_bf = cute.recast_ptr(r_raw, dtype=BFloat16)
-        sGin = cute.make_tensor(r_bf, smem_tile_layout(BT, DK))  # raw g (bf16), first 16 KiB of R
+        sGin = cute.make_tensor(r_bf, cute.make_layout((BT, DK), stride=(DK, 1)))  # raw g (bf16), R's first 16 KiB
         sOp = cute.make_tensor(r_bf, smem_tile_layout(6 * BC, DK))  # score operands: 96 rows
         sAk = cute.make_tensor(r_bf, smem_tile_layout(BT, BT))  # Akk diag(beta), bf16
         sG = cute.make_tensor(cute.recast_ptr(r_raw, dtype=Float32), cute.make_layout((BT, DK), stride=(DK, 1)))
@@ -100,13 +100,26 @@ class ChunkIntraTCKernel(common.Stage1Launch):
             if const_expr(self.g_smem):  # g in the same round trip
                 copy_rows_g2s(cp, head_rows(g, t0, hv, BT), sGin, L, tid)
             cute.arch.cp_async_commit_group()
+            # the gate's parameters and beta load while the copies fly
+            pair = tid % (DK // 2)
+            a_rate = Float32(1.0)
+            if const_expr(self.has_a_log):
+                a_rate = cute.math.exp(alog[hv].to(Float32), fastmath=True)
+            bias0 = Float32(0.0)
+            bias1 = Float32(0.0)
+            if const_expr(self.has_dt_bias):
+                bias0 = dtb[hv, 2 * pair].to(Float32)
+                bias1 = dtb[hv, 2 * pair + 1].to(Float32)
+            b = Float32(0.0)
+            if tid < L:
+                b = common.activate_beta(beta[t0 + tid, hv].to(Float32), self.beta_activation)
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
             if const_expr(self.l2norm):
                 self.l2norm_rows(sQ, tid)
                 self.l2norm_rows(sK, tid)
-            self.head(hv, chunk, t0, L, sQ, sK, sGin, sOp, sAk, sG, sL, sRef, sB, v, g, beta, alog, dtb, w, u, qg,
-                      kg, aqk, gl, scale, lower_bound, tid)
+            self.head(hv, chunk, t0, L, sQ, sK, sGin, sOp, sAk, sG, sL, sRef, sB, v, g, w, u, qg, kg, aqk, gl,
+                      a_rate, bias0, bias1, b, scale, lower_bound, tid)
 
     @cute.jit
     def l2norm_rows(self, s: cute.Tensor, tid):
@@ -131,52 +144,66 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         cute.arch.sync_threads()
 
     @cute.jit
-    def head(self, hv: Int32, chunk: Int32, t0: Int32, L: Int32, sQ, sK, sGin, sOp, sAk, sG, sL, sRef, sB, v, g, beta, alog, dtb, w, u, qg, kg, aqk, gl, scale: Float32, lower_bound: Float32, tid):
+    def head(self, hv: Int32, chunk: Int32, t0: Int32, L: Int32, sQ, sK, sGin, sOp, sAk, sG, sL, sRef, sB, v, g, w, u, qg, kg, aqk, gl, a_rate: Float32, bias0: Float32, bias1: Float32, b: Float32, scale: Float32, lower_bound: Float32, tid):
         warp = tid // 32
         lane = tid % 32
-        # ---- the log gate and its chunk-local cumulative sum: thread (half, d) scans rows [32 half, 32 half + 32)
-        # of column d in registers, the second half then adds the first half's total; rows past the end add
-        # nothing (identity transitions). bf16 g came by cp.async with q and k, fp32 g by loads coalesced across
-        # the warp
-        d = tid % DK
-        half = tid // DK
-        a_rate = Float32(1.0)
-        if const_expr(self.has_a_log):
-            a_rate = cute.math.exp(alog[hv].to(Float32), fastmath=True)
-        bias = Float32(0.0)
-        if const_expr(self.has_dt_bias):
-            bias = dtb[hv, d].to(Float32)
-        acc = Float32(0.0)
-        part = cute.make_rmem_tensor(cute.make_layout(SCAN_ROWS), Float32)
+        # ---- the log gate and its chunk-local cumulative sum: thread (quarter, pair) scans rows
+        # [16 quarter, 16 quarter + 16) of columns 2 pair and 2 pair + 1 in registers (one 4-byte load and one
+        # 8-byte store per row); each quarter then adds the totals of the quarters before it. Rows past the end
+        # add nothing (identity transitions). bf16 g came by cp.async with q and k, fp32 g by loads coalesced
+        # across the warp
+        pair = tid % (DK // 2)
+        quarter = tid // (DK // 2)
+        col = 2 * pair
+        acc0 = Float32(0.0)
+        acc1 = Float32(0.0)
+        part = cute.make_rmem_tensor(cute.make_layout((2, SCAN_ROWS), stride=(1, 2)), Float32)
+        gin = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
         for mm in cutlass.range_constexpr(SCAN_ROWS):
-            row = half * SCAN_ROWS + mm
-            x = Float32(0.0)
-            if const_expr(self.g_smem):
-                x = sGin[row, d].to(Float32)  # zero-filled past the end
-            elif row < L:
-                x = g[t0 + row, hv, d].to(Float32)
-            part[mm] = x
+            row = quarter * SCAN_ROWS + mm
+            if const_expr(self.g_smem):  # zero-filled past the end
+                off = cute.assume(row * DK + col, divby=2)
+                cute.autovec_copy(cute.make_tensor(sGin.iterator + off, cute.make_layout(2)), gin)
+                part[0, mm] = gin[0].to(Float32)
+                part[1, mm] = gin[1].to(Float32)
+            else:
+                x0 = Float32(0.0)
+                x1 = Float32(0.0)
+                if row < L:
+                    x0 = g[t0 + row, hv, col].to(Float32)
+                    x1 = g[t0 + row, hv, col + 1].to(Float32)
+                part[0, mm] = x0
+                part[1, mm] = x1
         for mm in cutlass.range_constexpr(SCAN_ROWS):
             # lower_bound * sigmoid(y) through rcp.approx (2^-23 relative): an IEEE division would add a slow-path
             # check and branch per element
-            y = a_rate * (part[mm] + bias)
-            step = lower_bound * cute.arch.rcp_approx(1.0 + cute.math.exp(-y, fastmath=True))
-            if half * SCAN_ROWS + mm < L:
-                acc += step
-            part[mm] = acc
-        if half == 0:
-            sRef[4, d] = acc
+            y0 = a_rate * (part[0, mm] + bias0)
+            y1 = a_rate * (part[1, mm] + bias1)
+            s0 = lower_bound * cute.arch.rcp_approx(1.0 + cute.math.exp(-y0, fastmath=True))
+            s1 = lower_bound * cute.arch.rcp_approx(1.0 + cute.math.exp(-y1, fastmath=True))
+            if quarter * SCAN_ROWS + mm < L:
+                acc0 += s0
+                acc1 += s1
+            part[0, mm] = acc0
+            part[1, mm] = acc1
+        if quarter < 3:  # sRef's rows 0 - 2 carry the quarter totals until the reference rows take them
+            sRef[quarter, col] = acc0
+            sRef[quarter, col + 1] = acc1
         if tid < BT:
-            b = Float32(0.0)
-            if tid < L:
-                b = common.activate_beta(beta[t0 + tid, hv].to(Float32), self.beta_activation)
             sB[tid] = b
-        cute.arch.sync_threads()  # g is read (G may take its place) and the first half's totals are written
-        base = Float32(0.0)
-        if half == 1:
-            base = sRef[4, d]
+        cute.arch.sync_threads()  # g is read (G may take its place) and the quarter totals are written
+        base0 = Float32(0.0)
+        base1 = Float32(0.0)
+        for qq in cutlass.range_constexpr(3):
+            if qq < quarter:
+                base0 += sRef[qq, col]
+                base1 += sRef[qq, col + 1]
+        gout = cute.make_rmem_tensor(cute.make_layout(2), Float32)
         for mm in cutlass.range_constexpr(SCAN_ROWS):
-            sG[half * SCAN_ROWS + mm, d] = base + part[mm]
+            gout[0] = base0 + part[0, mm]
+            gout[1] = base1 + part[1, mm]
+            off = cute.assume((quarter * SCAN_ROWS + mm) * DK + col, divby=2)
+            cute.autovec_copy(gout, cute.make_tensor(sG.iterator + off, cute.make_layout(2)))
         cute.arch.sync_threads()
 
         # ---- G into registers in the row layout of the 16-byte vector copies (thread: columns c0 .. c0 + 7 of
@@ -208,15 +235,15 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         c0 = cI[0, 0, 0][1]
         fx = cute.make_fragment_like(pQ[None, 0, None])
         fo = cute.make_fragment_like(pQ[None, 0, None])
-        gr = cute.make_rmem_tensor(cute.make_layout(8), Float32)
+        gr = cute.make_fragment_like(self.ref_row(sRef, 0, tf))
+        a_pair = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
         mma1 = tiled_mma(1)
         thr1 = mma1.get_slice(lane)
         cC = thr1.partition_C(cute.make_identity_tensor((BC, BC)))
         which = warp // 4
         cb = warp % 4
         for p in cutlass.range_constexpr(BT // BC):
-            for e in cutlass.range_constexpr(8):
-                gr[e] = sRef[p, c0 + e]
+            cute.copy(vf, self.ref_row(sRef, p, tf), gr)
             # operand row blocks: 0 q e^(G - G_r) of block p, 1 k e^(G - G_r) of block p, 2 + c k_j e^(G_r - G_j)
             # of block c <= p (one vector pass of the copy covers one 16-row block)
             for m in cutlass.range_constexpr(p + 3):
@@ -240,15 +267,19 @@ class ChunkIntraTCKernel(common.Stage1Launch):
                 gemm(mma1, acc_s, cute.local_tile(sOp, (BC, DK), (which, 0)),
                      cute.local_tile(sOp, (BC, DK), (2 + cb, 0)), lane, False, False, False)
             if which == 0:
-                for e in cutlass.range_constexpr(cute.size(acc_s)):
-                    i, jj = cC[e]
+                # accumulator values 2 e' and 2 e' + 1 are adjacent columns of one row: one 4-byte store each
+                for e2 in cutlass.range_constexpr(cute.size(acc_s) // 2):
+                    i, jj = cC[2 * e2]
                     row = p * BC + i
                     col = cb * BC + jj
-                    a = Float32(0.0)
-                    if col <= row:
-                        a = acc_s[e] * scale
+                    for x in cutlass.range_constexpr(2):
+                        a = Float32(0.0)
+                        if col + x <= row:
+                            a = acc_s[2 * e2 + x] * scale
+                        a_pair[x] = a.to(BFloat16)
                     if row < L:
-                        aqk[t0 + row, hv, col] = a.to(aqk.element_type)
+                        off = cute.assume(((t0 + row) * aqk.shape[1] + hv) * BT + col, divby=2)
+                        cute.autovec_copy(a_pair, cute.make_tensor(aqk.iterator + off, cute.make_layout(2)))
             else:
                 for e in cutlass.range_constexpr(cute.size(acc_s)):
                     i, jj = cC[e]
@@ -265,8 +296,7 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         gq = tb.partition_D(head_rows(qg, t0, hv, BT))
         gk = tb.partition_D(head_rows(kg, t0, hv, BT))
         pKe = tb.partition_D(sK)
-        for e in cutlass.range_constexpr(8):
-            gr[e] = sRef[4, c0 + e]
+        cute.copy(vf, self.ref_row(sRef, 4, tf), gr)
         fk = cute.make_fragment_like(pQ[None, 0, None])
         for m in cutlass.range_constexpr(cute.size(pQ.shape[1])):
             row = cI[0, m, 0][0]
@@ -325,6 +355,13 @@ class ChunkIntraTCKernel(common.Stage1Launch):
                 cute.copy(vb, fx, gw[None, m, None])
                 cute.copy(vb, pQ[None, m, None], fk)
                 cute.copy(vb, fk, gu[None, m, None])
+
+    @cute.jit
+    def ref_row(self, sRef, r: cutlass.Constexpr, thr):
+        """Row r of sRef as this thread's 8 columns (c0 .. c0 + 7) in the vector copies' layout: the row seen as
+        a (16, DK) tile with row stride 0, partitioned like the 16 rows of one vector pass."""
+        view = cute.make_tensor(sRef.iterator + r * DK, cute.make_layout((BC, DK), stride=(0, 1)))
+        return thr.partition_S(view)[None, 0, None]
 
     @cute.jit
     def inverse(self, sL, warp, lane):
