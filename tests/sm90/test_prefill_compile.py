@@ -53,31 +53,25 @@ def test_stage1_kind():
     assert forward.intra_kind("precomputed", -5.0) == "simt"
 
 
-@pytest.mark.parametrize(("cols", "stages"), [(128, 2), (64, 2), (64, 1)])
+@pytest.mark.parametrize("cols", [128, 64])
 @pytest.mark.parametrize("affine", [False, True], ids=["main", "affine-map"])
-def test_stage2_compiles(affine, cols, stages):
+def test_stage2_compiles(affine, cols):
     from cula_sm90.prefill import forward
 
-    fn = forward.compile_state(affine, torch.bfloat16, cols, stages)
+    fn = forward.compile_state(affine, torch.bfloat16, cols)
     with pytest.raises(TypeError, match="Expects 17 parameters"):  # 10 addresses, 6 sizes, the stream
         fn(1)
 
 
-def test_stage2_shape_rule():
-    """128 state columns per CTA unless 64-column CTAs still fit in one wave, or every sequence is short (64
-    columns, one stage); the CP planner is told the CTAs per (segment, head) that width gives."""
+def test_stage2_width_fills_the_sms():
+    """128 state columns per CTA unless 64-column CTAs still fit in one wave; the CP planner is told the CTAs per
+    (segment, head) that width gives."""
     from cula_sm90.prefill import forward
 
-    short = forward.SHORT_SEQUENCE_CHUNKS
-    assert forward.state_shape(64, 132) == (64, 2)  # B = 1, H = 64: 128 CTAs of 64 columns fill one wave
-    assert forward.state_shape(66, 132, 1) == (64, 2)
-    assert forward.state_shape(67, 132) == (128, 2)
-    assert forward.state_shape(128, 132, 128) == (128, 2)  # B = 2, T = 8192, H = 64
-    assert forward.state_shape(128, 132, short) == (64, 1)
-    assert forward.state_shape(128, 132, short + 1) == (128, 2)
-    assert forward.state_shape(4096, 132) == (128, 2)  # lengths only on the device
-    assert forward.longest_chunks([1, 0, 64, 65]) == 2
-    assert forward.longest_chunks([]) == 0
+    assert forward.state_cols(64, 132) == 64  # B = 1, H = 64: 128 CTAs of 64 columns fill one wave
+    assert forward.state_cols(66, 132) == 64
+    assert forward.state_cols(67, 132) == 128
+    assert forward.state_cols(128, 132) == 128  # B = 2, H = 64
     assert forward.planner_kwargs(None, 64) == {"slices": 2}
     assert forward.planner_kwargs(3, 128) == {"slices": 1, "force_pieces": 3}
 

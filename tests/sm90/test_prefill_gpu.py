@@ -205,10 +205,9 @@ def test_long_sequence_strong_decay_vs_reference(gate):
 
 @pytest.mark.parametrize("cp", [False, True], ids=["serial", "cp"])
 def test_stage2_widths_agree(monkeypatch, cp):
-    """Stage 2 in each shape forward.state_shape picks from (64 or 128 state columns per CTA, two pipeline stages;
-    64 columns, one stage) on one varlen batch with odd lengths and an initial state, with and without CP: each
-    within the reference bound, and the same o and final state (each state column's products are the same; only
-    the CTA running them and the order of the copies differ)."""
+    """Stage 2 at 64 and at 128 state columns per CTA (forward.state_cols picks one from the grid's size) on one
+    varlen batch with odd lengths and an initial state, with and without CP: both within the reference bound, and
+    the same o and final state (each state column's products are the same; only the CTA running them differs)."""
     from cula_sm90.prefill import forward
 
     lens = [130, 0, 1, 63, 65, 3000 if cp else 700]
@@ -220,15 +219,14 @@ def test_stage2_widths_agree(monkeypatch, cp):
     kw = dict(initial_state=h0, cu_seqlens=cu_cpu.cuda())
     o_r, ht_r = reference(q, k, v, g, beta, gate_kw=gkw, **kw)
     outs = {}
-    for shape in ((64, 2), (128, 2), (64, 1)):
-        monkeypatch.setattr(forward, "state_shape", lambda seq_heads, num_sms, longest=None, shape=shape: shape)
-        outs[shape] = run_ours(q, k, v, g, beta, gkw, cu_seqlens_cpu=cu_cpu, intracard_cp=cp, **kw)
-        check(*outs[shape], o_r, ht_r, f"stage 2 {shape}, cp={cp}")
-    o64, ht64 = outs[(64, 2)]
-    for shape in ((128, 2), (64, 1)):
-        e_o, e_ht = rel_err(outs[shape][0], o64), rel_err(outs[shape][1], ht64)
-        print(f"WIDTH_ERR {shape} cp={cp} o={e_o:.3e} ht={e_ht:.3e}")
-        assert e_o <= CP_TOL_O and e_ht <= CP_TOL_STATE, (shape, e_o, e_ht)
+    for cols in (64, 128):
+        monkeypatch.setattr(forward, "state_cols", lambda seq_heads, num_sms, cols=cols: cols)
+        outs[cols] = run_ours(q, k, v, g, beta, gkw, cu_seqlens_cpu=cu_cpu, intracard_cp=cp, **kw)
+        check(*outs[cols], o_r, ht_r, f"{cols} columns, cp={cp}")
+    (o64, ht64), (o128, ht128) = outs[64], outs[128]
+    e_o, e_ht = rel_err(o128, o64), rel_err(ht128, ht64)
+    print(f"WIDTH_ERR cp={cp} o={e_o:.3e} ht={e_ht:.3e}")
+    assert e_o <= CP_TOL_O and e_ht <= CP_TOL_STATE, (e_o, e_ht)
 
 
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not installed")

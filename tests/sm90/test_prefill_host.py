@@ -59,7 +59,7 @@ def _intra_emulator(gate, beta_activation, l2norm, has_a_log, has_dt_bias, qkv_d
     return run
 
 
-def _state_emulator(affine, o_dtype, cols, stages=2):
+def _state_emulator(affine, o_dtype, cols):
     def run(w, u, qg, kg, aqk, gl, seg, h0, ht, o, TT, NC, S, HV, NH0, NHT, _s):
         d = torch.float64
         w, u, qg, kg = (_at(a, bf16, TT, HV, K) for a in (w, u, qg, kg))
@@ -159,9 +159,9 @@ def test_cp_mode_and_pieces_come_from_the_arguments_not_the_environment(fwd, mon
     monkeypatch.setenv("CULA_SM90_CP_PIECES", "2")
     map_rows = []
 
-    def state(affine, o_dtype, cols, stages=2):
-        assert cols == 64  # 2 (sequence, head) pairs: 64-column CTAs (forward.state_shape)
-        run = _state_emulator(affine, o_dtype, cols, stages)
+    def state(affine, o_dtype, cols):
+        assert cols == 64  # 2 (sequence, head) pairs: 64-column CTAs (forward.state_cols)
+        run = _state_emulator(affine, o_dtype, cols)
 
         def record(*args):
             if affine:

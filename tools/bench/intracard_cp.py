@@ -210,7 +210,7 @@ def pieces(lens, H, sms, mode) -> int:
 
     from cula_sm90.prefill import forward
 
-    cols = forward.state_shape(len(lens) * H, sms, forward.longest_chunks(lens))[0]
+    cols = forward.state_cols(len(lens) * H, sms)
     return max(cp_planner.plan(tuple(lens), H, sms, mode, **forward.planner_kwargs(None, cols)).pieces)
 
 

@@ -4,7 +4,7 @@ artifacts cula_core.cute_runtime loads without compiling.
 The set is every configuration the dispatch can pick for the served setups below: per setup, each op's kernels
 at every tiling / variant its dispatch tables choose from (decode: `launch.family_kernels`, which is also what a
 call loads on its family's first call; prefill: both stage-1 kinds `forward.intra_kind` picks from and both
-stage-2 modes at both CTA widths, and the single-stage main pass, `forward.state_shape` picks from). Anything outside the served setups (other
+stage-2 modes at both CTA widths `forward.state_cols` picks from). Anything outside the served setups (other
 dtypes, head dims, T, layer counts of the all-layers flush, gate options) still runs: compiled on its first call
 and cached on disk (cula_core.cute_runtime).
 
@@ -64,8 +64,6 @@ def prefill_configurations() -> list[tuple[str, tuple]]:
         out.append((forward.INTRA, forward.intra_config(gate, act, True, params, params, qkv, g, beta, kind)))
     for qkv, affine, cols in itertools.product(QKV_DTYPES, (False, True), (64, 128)):
         out.append((forward.STATE, forward.state_config(affine, qkv, cols)))
-    for qkv in QKV_DTYPES:
-        out.append((forward.STATE, forward.state_config(False, qkv, 64, 1)))
     return out
 
 

@@ -23,11 +23,9 @@ the warpgroup's u tile (hi) and a lo tile, a proxy fence and a warpgroup barrier
 (cp.async into the other stage: w, qg, kg, Aqk by the CTA, each u slice by its warpgroup; rows past the segment
 end zero-filled) are issued, after the fences, which would otherwise wait for them; Aqk @ v_new and the decayed
 update kg^T @ v_new issued, one wait; o goes out through the u tile in 16-byte rows; a CTA barrier (every reader
-of this stage is done before its next copies). With one stage (`stages` 1) the next chunk's copies are issued
-after that barrier instead. Each chunk's log decay is read one chunk ahead; the final state leaves in 8-byte pairs.
-Shared memory: stages x (w, qg, kg 16 KiB, Aqk 8 KiB, u C / 8 KiB) + h hi / lo C / 2 KiB + v_new lo C / 8 KiB:
-224.5 KiB at C = 128 and 168.5 KiB at C = 64 with two stages (one CTA, 8 warps, per SM); 104.5 KiB at C = 64 with
-one stage (two CTAs per SM).
+of this stage is done before its next copies). Each chunk's log decay is read one chunk ahead; the final state
+leaves in 8-byte pairs. Shared memory: 2 stages x (w, qg, kg 16 KiB, Aqk 8 KiB, u C / 8 KiB) + h hi / lo C / 2 KiB
++ v_new lo C / 8 KiB: 224.5 KiB at C = 128, 168.5 KiB at C = 64; one CTA (8 warps) per SM.
 
 Modes (compile time): normal (h0_idx / ht_idx from the segment table, o written) or affine (the CP map pass over
 the augmented state [M | c], K + V = 256 columns: the M columns start from the identity with u = 0, the c
@@ -63,15 +61,12 @@ def _subtract_from(acc: cute.Tensor, s: cute.Tensor):
 
 class ChunkStateWGKernel:
     """`cols`: state columns per CTA, 128 (each chunk's w, qg, kg, Aqk loaded once for 128 columns) or 64 (twice
-    the CTAs, for grids that would not fill the SMs at 128). `stages`: 2 (the next chunk's copies overlap this
-    chunk's products) or 1 (copied after them: at 64 columns 104.5 KiB, two CTAs per SM, for segments of a few
-    chunks, where the pipeline has little to overlap and a second CTA hides one's prologue and epilogue)."""
+    the CTAs, for grids that would not fill the SMs at 128)."""
 
-    def __init__(self, affine: bool, cols: int, stages: int = 2):
-        assert cols in (64, 128) and stages in (1, 2)
+    def __init__(self, affine: bool, cols: int):
+        assert cols in (64, 128)
         self.affine = affine
         self.cols = cols
-        self.stages = stages
         self.wg_cols = cols // WARPGROUPS
         self.threads = WG_THREADS * WARPGROUPS
 
@@ -95,14 +90,8 @@ class ChunkStateWGKernel:
             width = 2 * DK
         ht = cute.make_tensor(ht_ptr, cute.make_layout((NHT, HV, DK, width),
                                                        stride=(HV * DK * width, DK * width, width, 1)))
-        if const_expr(self.stages == 1):
-            # two CTAs per SM: registers capped for it (ptxas), the largest shared-memory carveout asked for
-            self.kernel(w, u, qg, kg, aqk, gl, seg, h0, ht, o).launch(
-                grid=[S, HV, width // self.cols], block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=2,
-                preferred_smem_carveout=100)
-        else:
-            self.kernel(w, u, qg, kg, aqk, gl, seg, h0, ht, o).launch(
-                grid=[S, HV, width // self.cols], block=[self.threads, 1, 1], stream=stream)
+        self.kernel(w, u, qg, kg, aqk, gl, seg, h0, ht, o).launch(
+            grid=[S, HV, width // self.cols], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, w: cute.Tensor, u: cute.Tensor, qg: cute.Tensor, kg: cute.Tensor, aqk: cute.Tensor,
@@ -119,15 +108,15 @@ class ChunkStateWGKernel:
 
         smem = cutlass.memory.SmemAllocator()
         # per stage, shared by the warpgroups: w, qg (A, K-major), kg^T (A, M-major), Aqk (A, K-major)
-        sW2 = alloc_operand_tile(smem, K_SW128, (BT, DK, self.stages))
-        sKt2 = alloc_operand_tile(smem, MN_SW128, (DK, BT, self.stages))
+        sW2 = alloc_operand_tile(smem, K_SW128, (BT, DK, 2))
+        sKt2 = alloc_operand_tile(smem, MN_SW128, (DK, BT, 2))
         sQg2 = sW2
         sA2 = sW2
         if const_expr(not self.affine):
-            sQg2 = alloc_operand_tile(smem, K_SW128, (BT, DK, self.stages))
-            sA2 = alloc_operand_tile(smem, K_SW128, (BT, BT, self.stages))
+            sQg2 = alloc_operand_tile(smem, K_SW128, (BT, DK, 2))
+            sA2 = alloc_operand_tile(smem, K_SW128, (BT, BT, 2))
         # per stage and warpgroup: the u slice, overwritten by v_new's hi half (B, N-major: [token][column])
-        sU2 = alloc_operand_tile(smem, MN_COLS, (self.wg_cols, BT, self.stages, WARPGROUPS))
+        sU2 = alloc_operand_tile(smem, MN_COLS, (self.wg_cols, BT, 2, WARPGROUPS))
         # per warpgroup: h hi / lo (B, N-major: [k][column]) and v_new lo
         sHh = alloc_operand_tile(smem, MN_COLS, (self.wg_cols, DK, WARPGROUPS))
         sHl = alloc_operand_tile(smem, MN_COLS, (self.wg_cols, DK, WARPGROUPS))
@@ -195,7 +184,7 @@ class ChunkStateWGKernel:
         for ci in cutlass.range(n_chunks, unroll=1):
             t0 = start + ci * BT
             n = cutlass.min(end - t0, BT)
-            st = ci % self.stages
+            st = ci % 2
             if tid < DK:
                 sDecay[tid] = cute.math.exp(gl_next, fastmath=True)
                 if ci + 1 < n_chunks:
@@ -235,11 +224,10 @@ class ChunkStateWGKernel:
             cute.arch.barrier(barrier_id=1 + wg, number_of_threads=WG_THREADS)
             # the next chunk's copies start only now: the proxy fences above wait for every memory access of
             # the thread still in flight (copies included), so copies issued earlier would be waited for here
-            if const_expr(self.stages == 2):
-                if ci + 1 < n_chunks:
-                    self.load_chunk(w, u, qg, kg, aqk, sW2, sKt2, sQg2, sA2, sU2, t0 + BT, end, hv, ucol0, is_m,
-                                    1 - st, tid, wg, wtid)
-                cute.arch.cp_async_commit_group()
+            if ci + 1 < n_chunks:
+                self.load_chunk(w, u, qg, kg, aqk, sW2, sKt2, sQg2, sA2, sU2, t0 + BT, end, hv, ucol0, is_m, 1 - st,
+                                tid, wg, wtid)
+            cute.arch.cp_async_commit_group()
 
             if const_expr(not self.affine):
                 gemm(mma_k, acc_o, rA2[None, None, None, st], rVh, True)
@@ -259,11 +247,6 @@ class ChunkStateWGKernel:
                 cute.arch.barrier(barrier_id=1 + wg, number_of_threads=WG_THREADS)
                 store_rows_s2g(sU_rows, head_rows(o, t0, hv, BT, col0, self.wg_cols), n, wtid, WG_THREADS)
             cute.arch.sync_threads()  # every reader of this stage is done before the next copies into it
-            if const_expr(self.stages == 1):
-                if ci + 1 < n_chunks:
-                    self.load_chunk(w, u, qg, kg, aqk, sW2, sKt2, sQg2, sA2, sU2, t0 + BT, end, hv, ucol0, is_m, 0,
-                                    tid, wg, wtid)
-                cute.arch.cp_async_commit_group()
 
         if ht_idx >= 0:
             # accumulator values 2 i and 2 i + 1 are adjacent columns of one state row: 8-byte stores, so every

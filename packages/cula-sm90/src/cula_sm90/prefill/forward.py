@@ -5,7 +5,7 @@ cula_core; the math is in the kernels.
     stage 1  chunk_intra_tc.ChunkIntraTCKernel   chunk-parallel: gate, cumsum, l2norm, Akk, w/u, Aqk, qg, kg, on
              tensor cores, for the safe gate with lower_bound >= TC_LOWER_BOUND_MIN (intra_kind);
              chunk_intra.ChunkIntraKernel for every other gate
-    stage 2  chunk_state_wg.ChunkStateWGKernel   per (segment, head, state columns of state_shape): the serial
+    stage 2  chunk_state_wg.ChunkStateWGKernel   per (segment, head, state_cols state columns): the serial
              recurrence and o, on wgmma
 
 CP (cula_core.cp_planner decides from host lengths): stage 2 in affine mode gives every piece's map (M, c),
@@ -92,27 +92,16 @@ def _build_intra(config: tuple):
                   rt.fake_stream())
 
 
-SHORT_SEQUENCE_CHUNKS = 8  # stage 2 runs single-stage CTAs, two per SM, when no sequence has more chunks
+def state_cols(seq_heads: int, num_sms: int) -> int:
+    """Stage 2's state columns per CTA for `seq_heads` (sequence, value head) pairs: 128 (each chunk's tiles loaded
+    once for the whole state width) unless 64-column CTAs would still fit in one wave, where 64 spreads the serial
+    walk over twice the SMs."""
+    return 64 if 2 * seq_heads <= num_sms else 128
 
 
-def state_shape(seq_heads: int, num_sms: int, longest_chunks: int | None = None) -> tuple[int, int]:
-    """Stage 2's (state columns per CTA, pipeline stages) for `seq_heads` (sequence, value head) pairs whose
-    longest sequence has `longest_chunks` chunks (None: not known on the host). (64, 2) where 64-column CTAs still
-    fit in one wave (64 spreads the serial walk over twice the SMs); (64, 1) where every sequence is short (at
-    most SHORT_SEQUENCE_CHUNKS chunks: a CTA's prologue and epilogue weigh as much as its few chunks, and two
-    single-stage CTAs per SM overlap them); (128, 2) otherwise (each chunk's tiles loaded once for the whole
-    state width)."""
-    if 2 * seq_heads <= num_sms:
-        return 64, 2
-    if longest_chunks is not None and longest_chunks <= SHORT_SEQUENCE_CHUNKS:
-        return 64, 1
-    return 128, 2
-
-
-def state_config(affine: bool, o_dtype: torch.dtype, cols: int, stages: int = 2) -> tuple:
-    """Compile-time configuration of stage 2 (chunk_state_wg, `cols` state columns per CTA, `stages` pipeline
-    stages)."""
-    return (bool(affine), o_dtype, int(cols), int(stages))
+def state_config(affine: bool, o_dtype: torch.dtype, cols: int) -> tuple:
+    """Compile-time configuration of stage 2 (chunk_state_wg, `cols` state columns per CTA)."""
+    return (bool(affine), o_dtype, int(cols))
 
 
 def _build_state(config: tuple):
@@ -120,9 +109,9 @@ def _build_state(config: tuple):
 
     from cula_sm90.prefill.chunk_state_wg import ChunkStateWGKernel
 
-    affine, o_dtype, cols, stages = config
+    affine, o_dtype, cols = config
     p, f32 = rt.fake_ptr, torch.float32
-    return ChunkStateWGKernel(affine, cols, stages), (
+    return ChunkStateWGKernel(affine, cols), (
         *(p(torch.bfloat16, 16) for _ in range(5)), p(f32, None), p(torch.int32, None), p(f32, None), p(f32, None),
         p(o_dtype, 16), *(cutlass.Int32(1) for _ in range(6)), rt.fake_stream())
 
@@ -149,10 +138,9 @@ def compile_intra(gate: str, beta_activation: str, l2norm: bool, has_a_log: bool
 
 
 @functools.cache
-def compile_state(affine: bool, o_dtype: torch.dtype, cols: int, stages: int = 2):
-    """Stage 2's launchable function (normal or affine-map mode; `cols` state columns per CTA and `stages`
-    pipeline stages: state_shape)."""
-    return rt.get(STATE, state_config(affine, o_dtype, cols, stages))
+def compile_state(affine: bool, o_dtype: torch.dtype, cols: int):
+    """Stage 2's launchable function (normal or affine-map mode, `cols` state columns per CTA: state_cols)."""
+    return rt.get(STATE, state_config(affine, o_dtype, cols))
 
 
 def _host_lengths(B, T, cu_seqlens, cu_seqlens_cpu):
@@ -182,7 +170,7 @@ def host_tables(lengths: tuple[int, ...], num_heads: int, num_sms: int, mode: st
     from cula_core import cp_planner
 
     if pk is None:
-        kw = planner_kwargs(None, state_shape(len(lengths) * num_heads, num_sms, longest_chunks(lengths))[0])
+        kw = planner_kwargs(None, state_cols(len(lengths) * num_heads, num_sms))
     else:
         kw = dict(pk)
     p = cp_planner.plan(lengths, num_heads, num_sms, mode, chunk_size=BT, **kw)
@@ -196,20 +184,14 @@ def _device_int32(values, device) -> torch.Tensor:
         if torch.cuda.is_available() else torch.tensor(values, dtype=torch.int32, device=device)
 
 
-def longest_chunks(lengths) -> int:
-    """Chunks of the longest of `lengths` (0 for none)."""
-    return -(-max(lengths, default=0) // BT)
-
-
 @functools.lru_cache(maxsize=64)
-def planned_device_tables(lengths, num_heads, num_sms, mode, device, has_h0, want_ht, cp_pieces, cols, stages=2):
+def planned_device_tables(lengths, num_heads, num_sms, mode, device, has_h0, want_ht, cp_pieces, cols):
     """The launch tables on `device` for host-known lengths (host_tables' plan with the planner's arguments of
-    `cp_pieces` and stage 2's `cols`; stage 2's shape (cols, stages) from state_shape; cached by every
-    argument)."""
+    `cp_pieces` and stage 2's `cols`, state_cols; cached by every argument)."""
     cu, co, p = host_tables(lengths, num_heads, num_sms, mode, tuple(sorted(planner_kwargs(cp_pieces, cols).items())))
     N = len(lengths)
     tables = {"cu": _device_int32(cu, device), "co": _device_int32(co, device), "plan": p, "NC": co[-1],
-              "state_shape": (cols, stages)}
+              "state_cols": cols}
     if not p.split:
         tables["seg"] = _device_int32(
             [[cu[n], cu[n + 1], co[n], n if has_h0 else -1, n if want_ht else -1] for n in range(N)], device)
@@ -245,10 +227,10 @@ def planned_device_tables(lengths, num_heads, num_sms, mode, device, has_h0, wan
 
 def host_length_tables(lengths, num_heads, device, mode, has_h0, want_ht, cp_pieces):
     """planned_device_tables for host-known lengths on `device`, with the planner's arguments of `cp_pieces` and
-    stage 2's shape for these lengths and heads (state_shape)."""
+    stage 2's columns per CTA for this many (sequence, head) pairs."""
     sms = rt.sm_count(device.index or 0)
     return planned_device_tables(lengths, num_heads, sms, mode, device, has_h0, want_ht, cp_pieces,
-                                 *state_shape(len(lengths) * num_heads, sms, longest_chunks(lengths)))
+                                 state_cols(len(lengths) * num_heads, sms))
 
 
 def scratch_layout(TT: int, HV: int, NC: int) -> tuple[int, tuple[int, ...]]:
@@ -272,7 +254,7 @@ def _device_tables(B, T, N, HV, cu_seqlens, device, has_h0, want_ht):
     seg = torch.stack([cu[:-1], cu[1:], co[:-1], ar if has_h0 else none, ar if want_ht else none], 1).contiguous()
     # a chunk-count bound the host knows: every sequence adds at most one partial chunk
     return {"cu": cu, "co": co, "seg": seg, "NC": -(-(B * T) // BT) + N, "plan": None,
-            "state_shape": state_shape(N * HV, rt.sm_count(device.index or 0))}
+            "state_cols": state_cols(N * HV, rt.sm_count(device.index or 0))}
 
 
 class Launch(NamedTuple):
@@ -303,7 +285,7 @@ def launch_spec(B, T, HQK, HV, N, tables, qkv_dtype, g_dtype, beta_dtype, has_a_
                           beta_dtype, kind)
     seg = tables["seg"]
     plan = tables["plan"]
-    return Launch(intra, compile_state(False, qkv_dtype, *tables["state_shape"]), tables,
+    return Launch(intra, compile_state(False, qkv_dtype, tables["state_cols"]), tables,
                   (tables["cu"].data_ptr(), tables["co"].data_ptr(), seg.data_ptr()),
                   plan is not None and plan.split, nbytes, offsets,
                   (TT, N, NC, search_steps(N), HQK, HV // HQK, float(scale), lb),
@@ -394,7 +376,7 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     map_seg = tables["map_seg"]
     R = map_seg.shape[0]
     maps = torch.empty(R, HV, K, 2 * K, dtype=torch.float32, device=device)
-    compile_state(True, v.dtype, tables["state_shape"][0])(w, u, qg, kg, aqk, gl, map_seg.data_ptr(), base,
+    compile_state(True, v.dtype, tables["state_cols"])(w, u, qg, kg, aqk, gl, map_seg.data_ptr(), base,
                                                        maps.data_ptr(), o.data_ptr(), TT, NC, R, HV, 1, R, stream)
     starts = torch.empty(S, HV, K, K, dtype=torch.float32, device=device)
     if has_h0:
