@@ -116,35 +116,39 @@ class ChunkIntraTCKernel(common.Stage1Launch):
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
             if const_expr(self.l2norm):
-                self.l2norm_rows(sQ, tid)
-                self.l2norm_rows(sK, tid)
+                self.l2norm_rows(sQ, L, tid)
+                self.l2norm_rows(sK, L, tid)
             self.head(hv, chunk, t0, L, sQ, sK, sGin, sOp, sAk, sG, sL, sRef, sB, v, g, w, u, qg, kg, aqk, gl,
                       a_rate, bias0, bias1, b, scale, lower_bound, tid)
 
     @cute.jit
-    def l2norm_rows(self, s: cute.Tensor, tid):
-        """x / sqrt(sum x^2 + 1e-6) per row, in place (bf16, as FLA's l2norm output); 16 threads per row."""
+    def l2norm_rows(self, s: cute.Tensor, L: Int32, tid):
+        """x / sqrt(sum x^2 + 1e-6) per row, in place (bf16, as FLA's l2norm output); 16 threads per row, 16 rows
+        per pass; passes wholly past the chunk's end are skipped (their rows are zero)."""
         vc = vec_copy(DK, self.threads)
         thr = vc.get_slice(tid)
         ps = thr.partition_S(s)
         pd = thr.partition_D(s)
         f = cute.make_fragment_like(ps[None, 0, None])
         for m in cutlass.range_constexpr(cute.size(ps.shape[1])):
-            cute.copy(vc, ps[None, m, None], f)
-            ss = Float32(0.0)
-            for e in cutlass.range_constexpr(8):
-                x = f[e].to(Float32)
-                ss += x * x
-            for off in cutlass.range_constexpr(4):
-                ss += cute.arch.shuffle_sync_bfly(ss, offset=8 >> off)
-            rs = cute.math.rsqrt(ss + 1e-6)
-            for e in cutlass.range_constexpr(8):
-                f[e] = (f[e].to(Float32) * rs).to(BFloat16)
-            cute.copy(vc, f, pd[None, m, None])
+            if m * BC < L:
+                cute.copy(vc, ps[None, m, None], f)
+                ss = Float32(0.0)
+                for e in cutlass.range_constexpr(8):
+                    x = f[e].to(Float32)
+                    ss += x * x
+                for off in cutlass.range_constexpr(4):
+                    ss += cute.arch.shuffle_sync_bfly(ss, offset=8 >> off)
+                rs = cute.math.rsqrt(ss + 1e-6)
+                for e in cutlass.range_constexpr(8):
+                    f[e] = (f[e].to(Float32) * rs).to(BFloat16)
+                cute.copy(vc, f, pd[None, m, None])
         cute.arch.sync_threads()
 
     @cute.jit
-    def head(self, hv: Int32, chunk: Int32, t0: Int32, L: Int32, sQ, sK, sGin, sOp, sAk, sG, sL, sRef, sB, v, g, w, u, qg, kg, aqk, gl, a_rate: Float32, bias0: Float32, bias1: Float32, b: Float32, scale: Float32, lower_bound: Float32, tid):
+    def head(self, hv: Int32, chunk: Int32, t0: Int32, L: Int32, sQ, sK, sGin, sOp, sAk, sG, sL, sRef, sB, v, g, w,
+             u, qg, kg, aqk, gl, a_rate: Float32, bias0: Float32, bias1: Float32, b: Float32, scale: Float32,
+             lower_bound: Float32, tid):
         warp = tid // 32
         lane = tid % 32
         # ---- the log gate and its chunk-local cumulative sum: thread (quarter, pair) scans rows
@@ -159,33 +163,35 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         acc1 = Float32(0.0)
         part = cute.make_rmem_tensor(cute.make_layout((2, SCAN_ROWS), stride=(1, 2)), Float32)
         gin = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
-        for mm in cutlass.range_constexpr(SCAN_ROWS):
-            row = quarter * SCAN_ROWS + mm
-            if const_expr(self.g_smem):  # zero-filled past the end
-                off = cute.assume(row * DK + col, divby=2)
-                cute.autovec_copy(cute.make_tensor(sGin.iterator + off, cute.make_layout(2)), gin)
-                part[0, mm] = gin[0].to(Float32)
-                part[1, mm] = gin[1].to(Float32)
-            else:
-                x0 = Float32(0.0)
-                x1 = Float32(0.0)
-                if row < L:
-                    x0 = g[t0 + row, hv, col].to(Float32)
-                    x1 = g[t0 + row, hv, col + 1].to(Float32)
-                part[0, mm] = x0
-                part[1, mm] = x1
-        for mm in cutlass.range_constexpr(SCAN_ROWS):
-            # lower_bound * sigmoid(y) through rcp.approx (2^-23 relative): an IEEE division would add a slow-path
-            # check and branch per element
-            y0 = a_rate * (part[0, mm] + bias0)
-            y1 = a_rate * (part[1, mm] + bias1)
-            s0 = lower_bound * cute.arch.rcp_approx(1.0 + cute.math.exp(-y0, fastmath=True))
-            s1 = lower_bound * cute.arch.rcp_approx(1.0 + cute.math.exp(-y1, fastmath=True))
-            if quarter * SCAN_ROWS + mm < L:
-                acc0 += s0
-                acc1 += s1
-            part[0, mm] = acc0
-            part[1, mm] = acc1
+        part.fill(0.0)
+        if quarter * SCAN_ROWS < L:  # a quarter wholly past the end adds nothing: no loads, no exps
+            for mm in cutlass.range_constexpr(SCAN_ROWS):
+                row = quarter * SCAN_ROWS + mm
+                if const_expr(self.g_smem):  # zero-filled past the end
+                    off = cute.assume(row * DK + col, divby=2)
+                    cute.autovec_copy(cute.make_tensor(sGin.iterator + off, cute.make_layout(2)), gin)
+                    part[0, mm] = gin[0].to(Float32)
+                    part[1, mm] = gin[1].to(Float32)
+                else:
+                    x0 = Float32(0.0)
+                    x1 = Float32(0.0)
+                    if row < L:
+                        x0 = g[t0 + row, hv, col].to(Float32)
+                        x1 = g[t0 + row, hv, col + 1].to(Float32)
+                    part[0, mm] = x0
+                    part[1, mm] = x1
+            for mm in cutlass.range_constexpr(SCAN_ROWS):
+                # lower_bound * sigmoid(y) through rcp.approx (2^-23 relative): an IEEE division would add a
+                # slow-path check and branch per element
+                y0 = a_rate * (part[0, mm] + bias0)
+                y1 = a_rate * (part[1, mm] + bias1)
+                s0 = lower_bound * cute.arch.rcp_approx(1.0 + cute.math.exp(-y0, fastmath=True))
+                s1 = lower_bound * cute.arch.rcp_approx(1.0 + cute.math.exp(-y1, fastmath=True))
+                if quarter * SCAN_ROWS + mm < L:
+                    acc0 += s0
+                    acc1 += s1
+                part[0, mm] = acc0
+                part[1, mm] = acc1
         if quarter < 3:  # sRef's rows 0 - 2 carry the quarter totals until the reference rows take them
             sRef[quarter, col] = acc0
             sRef[quarter, col + 1] = acc1
@@ -232,7 +238,6 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         pK = tb.partition_S(sK)
         pOp = tb.partition_D(sOp)
         cI = tb.partition_S(cute.make_identity_tensor((BT, DK)))
-        c0 = cI[0, 0, 0][1]
         fx = cute.make_fragment_like(pQ[None, 0, None])
         fo = cute.make_fragment_like(pQ[None, 0, None])
         gr = cute.make_fragment_like(self.ref_row(sRef, 0, tf))
@@ -243,53 +248,54 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         which = warp // 4
         cb = warp % 4
         for p in cutlass.range_constexpr(BT // BC):
-            cute.copy(vf, self.ref_row(sRef, p, tf), gr)
-            # operand row blocks: 0 q e^(G - G_r) of block p, 1 k e^(G - G_r) of block p, 2 + c k_j e^(G_r - G_j)
-            # of block c <= p (one vector pass of the copy covers one 16-row block)
-            for m in cutlass.range_constexpr(p + 3):
-                src = pQ
-                sm = p
-                if const_expr(m >= 1):
-                    src = pK
-                if const_expr(m >= 2):
-                    sm = m - 2
-                cute.copy(vb, src[None, sm, None], fx)
-                for e in cutlass.range_constexpr(8):
-                    ex = rG[e, sm, 0] - gr[e]
+            if p * BC < L:  # row blocks wholly past the end: no scores (their rows of L, X are never read)
+                cute.copy(vf, self.ref_row(sRef, p, tf), gr)
+                # operand row blocks: 0 q e^(G - G_r) of block p, 1 k e^(G - G_r) of block p,
+                # 2 + c k_j e^(G_r - G_j) of block c <= p (one vector pass of the copy covers one 16-row block)
+                for m in cutlass.range_constexpr(p + 3):
+                    src = pQ
+                    sm = p
+                    if const_expr(m >= 1):
+                        src = pK
                     if const_expr(m >= 2):
-                        ex = gr[e] - rG[e, sm, 0]
-                    fo[e] = (fx[e].to(Float32) * cute.math.exp(ex, fastmath=True)).to(BFloat16)
-                cute.copy(vb, fo, pOp[None, m, None])
-            cute.arch.sync_threads()
-            acc_s = cute.make_rmem_tensor(thr1.partition_shape_C((BC, BC)), Float32)
-            acc_s.fill(0.0)
-            if cb <= p:
-                gemm(mma1, acc_s, cute.local_tile(sOp, (BC, DK), (which, 0)),
-                     cute.local_tile(sOp, (BC, DK), (2 + cb, 0)), lane, False, False, False)
-            if which == 0:
-                # accumulator values 2 e' and 2 e' + 1 are adjacent columns of one row: one 4-byte store each
-                for e2 in cutlass.range_constexpr(cute.size(acc_s) // 2):
-                    i, jj = cC[2 * e2]
-                    row = p * BC + i
-                    col = cb * BC + jj
-                    for x in cutlass.range_constexpr(2):
-                        a = Float32(0.0)
-                        if col + x <= row:
-                            a = acc_s[2 * e2 + x] * scale
-                        a_pair[x] = a.to(BFloat16)
-                    if row < L:
-                        off = cute.assume(((t0 + row) * aqk.shape[1] + hv) * BT + col, divby=2)
-                        cute.autovec_copy(a_pair, cute.make_tensor(aqk.iterator + off, cute.make_layout(2)))
-            else:
-                for e in cutlass.range_constexpr(cute.size(acc_s)):
-                    i, jj = cC[e]
-                    row = p * BC + i
-                    col = cb * BC + jj
-                    lv = Float32(0.0)
-                    if col < row:
-                        lv = acc_s[e] * sB[row]
-                    sL[row, col] = lv
-            cute.arch.sync_threads()  # the operands are read: the next block may overwrite them
+                        sm = m - 2
+                    cute.copy(vb, src[None, sm, None], fx)
+                    for e in cutlass.range_constexpr(8):
+                        ex = rG[e, sm, 0] - gr[e]
+                        if const_expr(m >= 2):
+                            ex = gr[e] - rG[e, sm, 0]
+                        fo[e] = (fx[e].to(Float32) * cute.math.exp(ex, fastmath=True)).to(BFloat16)
+                    cute.copy(vb, fo, pOp[None, m, None])
+                cute.arch.sync_threads()
+                acc_s = cute.make_rmem_tensor(thr1.partition_shape_C((BC, BC)), Float32)
+                acc_s.fill(0.0)
+                if cb <= p:
+                    gemm(mma1, acc_s, cute.local_tile(sOp, (BC, DK), (which, 0)),
+                         cute.local_tile(sOp, (BC, DK), (2 + cb, 0)), lane, False, False, False)
+                if which == 0:
+                    # accumulator values 2 e' and 2 e' + 1 are adjacent columns of one row: one 4-byte store each
+                    for e2 in cutlass.range_constexpr(cute.size(acc_s) // 2):
+                        i, jj = cC[2 * e2]
+                        row = p * BC + i
+                        col = cb * BC + jj
+                        for x in cutlass.range_constexpr(2):
+                            a = Float32(0.0)
+                            if col + x <= row:
+                                a = acc_s[2 * e2 + x] * scale
+                            a_pair[x] = a.to(BFloat16)
+                        if row < L:
+                            off = cute.assume(((t0 + row) * aqk.shape[1] + hv) * BT + col, divby=2)
+                            cute.autovec_copy(a_pair, cute.make_tensor(aqk.iterator + off, cute.make_layout(2)))
+                else:
+                    for e in cutlass.range_constexpr(cute.size(acc_s)):
+                        i, jj = cC[e]
+                        row = p * BC + i
+                        col = cb * BC + jj
+                        lv = Float32(0.0)
+                        if col < row:
+                            lv = acc_s[e] * sB[row]
+                        sL[row, col] = lv
+                cute.arch.sync_threads()  # the operands are read: the next block may overwrite them
 
         # ---- qg, kg out; k e^G (the right-hand side of w) in place of k; gl out. Each thread reads and writes
         # only its own vectors
@@ -320,7 +326,7 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         # ---- v in flight (cp.async) while the inverse runs
         copy_rows_g2s(g2s_tiled_copy(DK, self.threads), head_rows(v, t0, hv, BT), sQ, L, tid)
         cute.arch.cp_async_commit_group()
-        self.inverse(sL, warp, lane)
+        self.inverse(sL, L, warp, lane)
 
         # ---- Akk diag(beta) in bf16 (as FLA's solve_tril output) for the w / u GEMMs
         for m in cutlass.range(BT * BT // self.threads, unroll=4):
@@ -364,17 +370,17 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         return thr.partition_S(view)[None, 0, None]
 
     @cute.jit
-    def inverse(self, sL, warp, lane):
+    def inverse(self, sL, L: Int32, warp, lane):
         """X = (I + L)^-1 in place of L (L strictly lower, fp32; its upper blocks are already 0), blocked by 16.
         Warp b < 4 inverts the diagonal block b by substitution in fp32 (lane j: column j). Then, row block by row
         block (b = 1..3), warp c + 4 h (c < b, h < 2) computes columns [8 h, 8 h + 8) of X_bc = -X_bb T,
         T = sum_{c <= m < b} L_bm X_mc, on tensor cores: mma.sync m16n8k16 with every fp32 operand split into
         bf16 hi + lo (hi hi + hi lo + lo hi: ~16 bits per product, fp32 accumulation). T is staged in X_bc's
         place (one warp writes and reads it back: warp barriers); one CTA barrier per row block (the next one
-        reads X_bc)."""
+        reads X_bc). Row blocks wholly past the chunk's end are skipped (their rows of X are never read)."""
         b0 = (warp % 4) * BC
         j = lane % BC
-        if warp < 4:
+        if warp < 4 and b0 < L:
             x = cute.make_rmem_tensor(cute.make_layout(BC), Float32)
             for i in cutlass.range_constexpr(BC):
                 acc = Float32(0.0)
@@ -404,28 +410,35 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         col0 = c * BC + (warp // 4) * 8  # this warp's 8 columns of X_bc
         for bb in cutlass.range_constexpr(1, BT // BC):
             r0 = bb * BC
-            if c < bb:
-                # T = sum_m L_bm X_mc (X_mc = 0 for m < c)
-                acc.fill(0.0)
-                for m in cutlass.range_constexpr(bb):
-                    if c <= m:
-                        self.load_split(sL, cA, a_hi, a_lo, r0, m * BC, False)
-                        self.load_split(sL, cB, b_hi, b_lo, m * BC, col0, True)
-                        self.mma_split(mma, acc, a_hi, a_lo, b_hi, b_lo)
-                for e in cutlass.range_constexpr(cute.size(acc)):
-                    i, n = cC[e]
-                    sL[r0 + i, col0 + n] = acc[e]
-                cute.arch.sync_warp()
-                # X_bc = -X_bb T
-                acc.fill(0.0)
-                self.load_split(sL, cA, a_hi, a_lo, r0, r0, False)
-                self.load_split(sL, cB, b_hi, b_lo, r0, col0, True)
-                self.mma_split(mma, acc, a_hi, a_lo, b_hi, b_lo)
-                cute.arch.sync_warp()  # every lane has read T before X_bc takes its place
-                for e in cutlass.range_constexpr(cute.size(acc)):
-                    i, n = cC[e]
-                    sL[r0 + i, col0 + n] = -acc[e]
-            cute.arch.sync_threads()
+            if r0 < L:
+                self.inverse_row_block(sL, mma, cA, cB, cC, a_hi, a_lo, b_hi, b_lo, acc, c, col0, bb)
+
+    @cute.jit
+    def inverse_row_block(self, sL, mma, cA, cB, cC, a_hi, a_lo, b_hi, b_lo, acc, c, col0, bb: cutlass.Constexpr):
+        """Row block bb of the inverse's off-diagonal part (see inverse); ends with a CTA barrier."""
+        r0 = bb * BC
+        if c < bb:
+            # T = sum_m L_bm X_mc (X_mc = 0 for m < c)
+            acc.fill(0.0)
+            for m in cutlass.range_constexpr(bb):
+                if c <= m:
+                    self.load_split(sL, cA, a_hi, a_lo, r0, m * BC, False)
+                    self.load_split(sL, cB, b_hi, b_lo, m * BC, col0, True)
+                    self.mma_split(mma, acc, a_hi, a_lo, b_hi, b_lo)
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                i, n = cC[e]
+                sL[r0 + i, col0 + n] = acc[e]
+            cute.arch.sync_warp()
+            # X_bc = -X_bb T
+            acc.fill(0.0)
+            self.load_split(sL, cA, a_hi, a_lo, r0, r0, False)
+            self.load_split(sL, cB, b_hi, b_lo, r0, col0, True)
+            self.mma_split(mma, acc, a_hi, a_lo, b_hi, b_lo)
+            cute.arch.sync_warp()  # every lane has read T before X_bc takes its place
+            for e in cutlass.range_constexpr(cute.size(acc)):
+                i, n = cC[e]
+                sL[r0 + i, col0 + n] = -acc[e]
+        cute.arch.sync_threads()
 
     @cute.jit
     def load_split(self, sL, coords, hi, lo, row0, col0, k_rows: cutlass.Constexpr):
