@@ -21,7 +21,10 @@ Where each number comes from:
                    counted in the DSL's SASS.
   CTAs / SM        the CUDA occupancy calculator's rules on an H100 / B200 SM: 65536 registers (allocated per
                    warp in units of 256, per quarter SM), 228 KiB shared memory (1 KiB reserved per CTA, 128 B
-                   granularity, at most 227 KiB per CTA), 2048 threads, 32 CTAs.
+                   granularity, at most 227 KiB per CTA), 2048 threads, 32 CTAs. The shared memory counted is
+                   the dynamic size: the DSL's 1 KiB .nv.shared padding is not allocated at launch (ncu on an
+                   H100 / H200: 0 B static shared memory per block, and three CTAs per SM of the prefill's stage 1
+                   at 75 KiB dynamic, which would not fit with that padding added).
   instruction mix  `cuobjdump -sass`: STATIC counts of instructions in the code (an unrolled loop counts every
                    copy, a rolled loop once): they show what kind of code it is, not how often it runs.
 
@@ -368,7 +371,7 @@ def occupancy(rep: Report) -> None:
     if rep.regs and warps:
         per_warp = -(-rep.regs * 32 // REG_UNIT) * REG_UNIT
         limits["registers"] = ((SM_REGS // 4) // per_warp) * 4 // warps
-    smem = rep.static_smem + (rep.dynamic_smem or 0)
+    smem = rep.dynamic_smem or 0  # the static section is the dynamic region's alignment padding (module docstring)
     if smem > CTA_SMEM_MAX:
         limits["smem"] = 0
     else:

@@ -187,8 +187,8 @@ def test_vs_flashkda(lens):
 @pytest.mark.parametrize("gate", ["safe", "precomputed"])
 def test_long_sequence_strong_decay_vs_reference(gate):
     """One 65536-token sequence with a strong decay (the safe gate at the lowest bound the public op accepts,
-    lower_bound -5, on raw g pushed towards the bound; or a precomputed log decay of ~-0.8 per channel and token), CP as the planner picks it:
-    o and the final state finite and within REL_TOL of the fp64 reference."""
+    lower_bound -5, on raw g pushed towards the bound; or a precomputed log decay of ~-0.8 per channel and token),
+    CP as the planner picks it: o and the final state finite and within REL_TOL of the fp64 reference."""
     T, H = 65536, 2
     q, k, v, g, beta, A_log, dt_bias = make_raw(1, T, H, H, gate=gate, seed=5)
     if gate == "safe":

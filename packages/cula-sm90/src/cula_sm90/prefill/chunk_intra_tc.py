@@ -8,10 +8,13 @@ its middle token. The other gates (softplus, precomputed: unbounded decays) stay
 One CTA (256 threads, 8 warps) per (chunk of 64 tokens, value head): grid x = NC * G chunk-major, so the G value
 heads of a q/k head's group run in adjacent CTAs and re-read q, k from L2 (q, k are L2-normalised in place as bf16,
 as FLA's l2norm output). One head per CTA keeps the kernel loop-free: a loop over the group would hold every
-swizzled shared-memory address live across it. Per CTA:
+swizzled shared-memory address live across it. Per CTA, in order:
 
-    G      chunk-local cumulative log gate in fp32 (threads d and 128 + d scan rows 0-31 and 32-63 of column d;
-           the second half then adds the first half's total)
+    G      chunk-local cumulative log gate in fp32: thread (quarter, pair) scans 16 rows of two columns in
+           registers, each quarter then adds the totals of the quarters before it; G passes through shared memory
+           once, into registers in the row layout of the 16-byte vector copies (each thread's 4 rows x 8 columns:
+           every operand row and qg / kg row a thread builds is its own), and the reference rows below and G_last
+           into a small table
     scores per row block p (16 rows), reference r = 16 p + 8 (the block's middle token):
            Aqk[i, j] = scale (q_i e^(G_i - G_r)) . (k_j e^(G_r - G_j))     (j <= i)
            L[i, j]   = beta_i (k_i e^(G_i - G_r)) . (k_j e^(G_r - G_j))    (j < i)
@@ -20,19 +23,25 @@ swizzled shared-memory address live across it. Per CTA:
            factorisation is exact per term: no cancellation), masked entries are selected away, never multiplied.
            Decays are differences of cumulative log gates; nothing divides by a decay.
            warp (which, c) = (warp // 4, warp % 4) computes column block c <= p of Aqk (which 0) or L (which 1)
-    Akk    (I + L)^-1 in fp32 FFMA, blocked by 16 and in place of L: the four diagonal blocks by substitution (warps
-           0-3, one each), then row block by row block X_bc = -X_bb sum_m L_bm X_mc (warps c and c + 4: 8 rows each)
+    qg = scale q e^G, kg = k e^(G_last - G) out, k e^G in place of k, gl = G_last out
+    Akk    (I + L)^-1 in place of L, blocked by 16: the four diagonal blocks by substitution in fp32 (warps 0-3,
+           one each), then row block by row block X_bc = -X_bb sum_m L_bm X_mc on tensor cores, every fp32
+           operand split into bf16 hi + lo (three mma.sync passes: ~16 bits per product, fp32 accumulation;
+           FLA's solve_tril runs these products in TF32)
     w, u   (Akk diag(beta)) @ [k e^G | v] on tensor cores (Akk diag(beta) in bf16, as FLA's solve_tril output;
            8 warps, 4 along M x 2 along N, one accumulator at a time)
-    qg = scale q e^G, kg = k e^(G_last - G), gl = G_last
+Row blocks wholly past a partial chunk's end skip their scores, inverse rows, L2 norm and gate-scan quarter
+(branches uniform across the CTA or the warp); what they would have written is never read.
 
-Pipeline and memory: q, k (and a bf16 g) by 16-byte cp.async in one round trip, v by cp.async while the inverse
-runs; qg, kg, w, u out with 16-byte stores (w, u staged through shared memory), Aqk from the accumulators.
-Shared memory 104.5 KiB: q, k bf16 tiles (32 KiB), G fp32 (32 KiB; then the w / u
-staging), a 24 KiB region R (g; the score operands; v and Akk), the L tile (fp32, 16.25 KiB; the inverse in
-place, then k e^G). Assumes contiguous, 16-byte aligned q/k/v/g (forward.py copies a misaligned view), K = V =
-128, chunks starting at every sequence start (varlen through cu_seqlens and the chunk offsets: a binary search,
-no host synchronisation); a chunk index past the last chunk exits.
+Pipeline and memory: q, k (and a bf16 g) by 16-byte cp.async in one round trip (the gate's parameters and beta
+load meanwhile), v by cp.async into q's place while the inverse runs; qg, kg, w, u out with 16-byte stores (w and
+u staged in the places of their right-hand sides k e^G and v), Aqk from the accumulators in 4-byte pairs. Shared
+memory 75 KiB, so three CTAs (24 warps) share an SM: q (then v, then u) and k (then k e^G, then w) bf16 tiles
+(32 KiB), a 24 KiB region R (raw g; the score operands; Akk diag(beta)) and the L tile (fp32, 16.25 KiB; the
+inverse in place) back to back (before the scores, R and L carry G from the scan to the registers), the reference
+table (2.5 KiB) and beta; 80 registers. Assumes contiguous, 16-byte aligned q/k/v/g (forward.py copies a
+misaligned view), K = V = 128, chunks starting at every sequence start (varlen through cu_seqlens and the chunk
+offsets: a binary search, no host synchronisation); a chunk index past the last chunk exits.
 """
 
 from __future__ import annotations
