@@ -2,8 +2,8 @@
 (`flash_kda.fwd`, MoonshotAI's CUTLASS forward) and FLA 0.6.0 (`fla.ops.kda.chunk_kda`, its own Triton kernels),
 on the same bf16 inputs in one process.
 
-    python -m tools.bench.prefill [--smoke] [--no-fla] [--out docs/benchmarks/prefill.md] [--json FILE]
-                                  [--warmup MS] [--rep MS] [--profile B,T,H]
+    python -m tools.bench.prefill [--smoke] [--no-fla | --fla-subset] [--out docs/benchmarks/prefill.md]
+                                  [--json FILE] [--warmup MS] [--rep MS] [--profile B,T,H]
 
 Every call does what FlashKDA does: safe gate (lower_bound = -5) from raw g with A_log / dt_bias, q/k L2 norm and
 sigmoid(beta) in kernel (beta passed as logits), K = V = 128, no initial state, the final state returned.
@@ -16,7 +16,9 @@ cula through the public op (validation, dispatch, `intracard_cp="auto"`, `cu_seq
 outputs allocated in the call, FLA under `torch.no_grad` with `FLA_FLASH_KDA=0` (its own kernels) and autotuned in
 this process on each exact shape (tools/bench/fla_tuning.py). Columns: `vs FlashKDA` = FlashKDA ms / cula ms,
 `vs FLA` = FLA ms / cula ms; `err vs FlashKDA` = max |cula - FlashKDA| / max |FlashKDA| over o and the final state.
-The table for this run's card replaces that card's section of `--out` (one section per card).
+FLA's tuning takes about a minute per shape in a fresh process, so `--fla-subset` times FLA on FLA_SUBSET only (six
+shapes, one of each kind; "-" elsewhere, its geomean over those). The table for this run's card replaces that
+card's section of `--out` (one section per card).
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ VARLEN = [dict(B=1, N=n, T=t, H=64, lens=kind) for n in (10, 20, 64) for t in (4
           for kind in ("uniform", "random", "skewed")]
 EXTRA = [dict(B=4, T=2048, H=32), dict(B=1, T=32768, H=32), dict(B=1, T=65536, H=16)]
 SMOKE = [dict(B=1, T=100, H=64), dict(B=1, T=4096, H=64), dict(B=1, N=10, T=4096, H=64, lens="skewed")]
+# one shape of each kind: a single sequence, a batch, varlen with few / many sequences, fewer heads, CP
+FLA_SUBSET = [dict(B=1, T=8192, H=64), dict(B=2, T=8192, H=64), dict(B=1, N=20, T=8192, H=64, lens="uniform"),
+              dict(B=1, N=64, T=8192, H=64, lens="random"), dict(B=4, T=2048, H=32), dict(B=1, T=65536, H=16)]
 
 
 def lengths(N: int, T: int, kind: str, seed: int = 0) -> list[int]:
@@ -153,7 +158,8 @@ def geomean(xs):
     return math.exp(sum(math.log(v) for v in xs) / len(xs)) if xs else None
 
 
-def run(shapes, timing: Timing, with_fla: bool) -> list[dict]:
+def run(shapes, timing: Timing, fla_shapes) -> list[dict]:
+    """Time every shape; FLA only on `fla_shapes` (a list of shapes; None: every shape)."""
     rows = []
     for shape in shapes:
         x = make_inputs(shape)
@@ -162,6 +168,7 @@ def run(shapes, timing: Timing, with_fla: bool) -> list[dict]:
         del ref_o, ref_state
         row["cula_ms"] = measure(cula_prefill, [(x,)], timing).median_ms
         row["flashkda_ms"] = measure(flashkda_prefill, [(x,)], timing).median_ms
+        with_fla = fla_shapes is None or shape in fla_shapes
         if with_fla:
             fla_tuning.retune()
             fla_prefill(x)  # tunes on this shape
@@ -176,7 +183,7 @@ def run(shapes, timing: Timing, with_fla: bool) -> list[dict]:
 
 
 def render(rows: list[dict], env: dict, command: str) -> str:
-    with_fla = all("fla_ms" in r for r in rows)
+    with_fla = any("fla_ms" in r for r in rows)
     head = "| shape | cula ms | FlashKDA ms | " + ("FLA ms | " if with_fla else "") + "vs FlashKDA | " + \
         ("vs FLA | " if with_fla else "") + "err vs FlashKDA |"
     lines = [f"## {env.get('gpu', '?')}", "",
@@ -184,15 +191,18 @@ def render(rows: list[dict], env: dict, command: str) -> str:
              f"FLA {env.get('fla-core', '?')}, cula-sm90 {env.get('cula-sm90', '?')}.", "",
              f"Command: `{command}`", "", head, "|" + "---|" * (head.count("|") - 1)]
     vs_fk = [r["flashkda_ms"] / r["cula_ms"] for r in rows]
-    vs_fla = [r["fla_ms"] / r["cula_ms"] for r in rows] if with_fla else []
+    vs_fla = [r["fla_ms"] / r["cula_ms"] for r in rows if "fla_ms" in r]
     for i, r in enumerate(rows):
         cells = [r["shape"], f"{r['cula_ms']:.3f}", f"{r['flashkda_ms']:.3f}"]
-        cells += [f"{r['fla_ms']:.3f}"] if with_fla else []
-        cells += [f"{vs_fk[i]:.2f}x"] + ([f"{vs_fla[i]:.2f}x"] if with_fla else []) + [f"{r['err_flashkda']:.1e}"]
+        has = "fla_ms" in r
+        cells += ([f"{r['fla_ms']:.3f}"] if has else ["-"]) if with_fla else []
+        cells += [f"{vs_fk[i]:.2f}x"]
+        cells += ([f"{r['fla_ms'] / r['cula_ms']:.2f}x"] if has else ["-"]) if with_fla else []
+        cells += [f"{r['err_flashkda']:.1e}"]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"vs FlashKDA: geomean {geomean(vs_fk):.2f}x, min {min(vs_fk):.2f}x over {len(rows)} shapes."]
     if with_fla:
-        lines.append(f"vs FLA: geomean {geomean(vs_fla):.2f}x, min {min(vs_fla):.2f}x.")
+        lines.append(f"vs FLA: geomean {geomean(vs_fla):.2f}x, min {min(vs_fla):.2f}x over {len(vs_fla)} shapes.")
     return "\n".join(lines) + "\n"
 
 
@@ -223,7 +233,9 @@ def publish(module: str, rows: list[dict], render_fn, args, argv) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="three shapes")
-    ap.add_argument("--no-fla", action="store_true", help="cula and FlashKDA only")
+    fla = ap.add_mutually_exclusive_group()
+    fla.add_argument("--no-fla", action="store_true", help="cula and FlashKDA only")
+    fla.add_argument("--fla-subset", action="store_true", help="FLA timed on FLA_SUBSET's six shapes only")
     ap.add_argument("--out", type=Path, help="markdown file whose section for this card is rewritten")
     ap.add_argument("--json", type=Path)
     add_do_bench_args(ap)
@@ -239,11 +251,11 @@ def main(argv=None) -> int:
         B, T, H = (int(v) for v in args.profile.split(","))
         profile_kernels(dict(B=B, T=T, H=H))
         return 0
-    with_fla = not args.no_fla
-    if with_fla:
+    fla_shapes = [] if args.no_fla else FLA_SUBSET if args.fla_subset else None
+    if fla_shapes != []:
         fla_tuning.prepare()
     shapes = SMOKE if args.smoke else FIXED + VARLEN + EXTRA
-    rows = run(shapes, Timing(warmup=args.warmup, repeats=args.rep, method="do_bench"), with_fla)
+    rows = run(shapes, Timing(warmup=args.warmup, repeats=args.rep, method="do_bench"), fla_shapes)
     publish("prefill", rows, render, args, argv)
     return 0
 
