@@ -57,7 +57,7 @@ from cula_sm90.prefill import common
 BT = 64
 DK = 128
 BC = 16
-LPAD = BT + 1  # fp32 row stride of L (odd: the score and inverse fragments' columns spread over the banks)
+LPAD = BT + 1  # fp32 row stride of L: odd, so accesses down a column (solve, fragments) spread over the banks
 THREADS = 256
 R_BYTES = 6 * BC * DK * 2  # the region R: the score operands (96 bf16 rows)
 L_BYTES = BT * LPAD * 4
