@@ -1,5 +1,6 @@
-"""The CPU side of tools/bench/prefill.py: the rendering of a card's table from synthetic rows (no GPU, no FLA),
-with FLA timed on every shape, on a subset (`--fla-subset`) or on none (`--no-fla`)."""
+"""The CPU side of tools/bench/prefill.py and tools/bench/fla_dispatch.py: the rendering of a card's table from
+synthetic rows (no GPU, no FLA), with FLA timed on every shape, on a subset (`--fla-subset`) or on none
+(`--no-fla`); fla_dispatch's check that each call reached the backend it was sent to."""
 
 from __future__ import annotations
 
@@ -60,3 +61,34 @@ def test_the_fla_subset_is_part_of_the_grid():
 def test_no_fla_and_fla_subset_exclude_each_other():
     with pytest.raises(SystemExit):
         bench.main(["--no-fla", "--fla-subset"])
+
+
+# --- tools/bench/fla_dispatch.py (the same table machinery): rendering and the reached-backend check
+
+def test_fla_dispatch_render_flags_calls_that_missed_their_backend():
+    import torch
+
+    from tools.bench import fla_dispatch
+
+    rows = [{"shape": "a", "flashkda_ms": 2.0, "cula_ms": 1.0, "diff_flashkda": 0.0, "diff_cula": 1e-6},
+            {"shape": "b", "flashkda_ms": 1.0, "cula_ms": 2.0, "diff_flashkda": 2e-2, "diff_cula": 0.0}]
+    text = fla_dispatch.render(rows, ENV, "cmd")
+    assert "| a | 2.000 | 1.000 | 2.00x | yes |" in text
+    assert "| b | 1.000 | 2.000 | 0.50x | no (differences 2.0e-02 / 0.0e+00 from the direct calls) |" in text
+    assert "geomean 1.00x, min 0.50x, max 2.00x over 2 shapes." in text
+    o = torch.tensor([1.0, -2.0])
+    assert fla_dispatch.max_diff((o, o), (o, o)) == 0.0
+    assert fla_dispatch.max_diff((o + 0.2, o), (o, o)) == pytest.approx(0.1)  # 0.2 / max |o|
+    assert all(s in bench.FIXED + bench.VARLEN + bench.EXTRA for s in fla_dispatch.SHAPES + fla_dispatch.SMOKE)
+
+
+def test_a_new_table_file_starts_with_its_benchmarks_header(tmp_path):
+    from tools.bench import fla_dispatch
+
+    out = tmp_path / "t.md"
+    bench.write_section(out, "## Card A\n\nrows\n", fla_dispatch.HEADER)
+    bench.write_section(out, "## Card B\n\nrows\n", fla_dispatch.HEADER)
+    bench.write_section(out, "## Card A\n\nnew rows\n", fla_dispatch.HEADER)
+    text = out.read_text()
+    assert text.startswith("# FLA's chunk_kda dispatched to cula or to FlashKDA")
+    assert text.count("## Card A") == 1 and "new rows" in text and "## Card B" in text

@@ -206,26 +206,30 @@ def render(rows: list[dict], env: dict, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: Path, section: str) -> None:
-    """Replace this card's `## <card>` section of `path` (or append it), keeping the other cards' sections."""
+HEADER = ("# KDA prefill on Hopper: cula vs FlashKDA and FLA 0.6.0\n\n"
+          "One section per card; inputs, timing and columns: `tools/bench/prefill.py`'s docstring.\n")
+
+
+def write_section(path: Path, section: str, header: str = HEADER) -> None:
+    """Replace this card's `## <card>` section of `path` (or append it), keeping the other cards' sections; a new
+    file starts with `header`."""
     title = section.splitlines()[0]
-    text = path.read_text() if path.exists() else "# KDA prefill on Hopper: cula vs FlashKDA and FLA 0.6.0\n\n" \
-        "One section per card; inputs, timing and columns: `tools/bench/prefill.py`'s docstring.\n"
+    text = path.read_text() if path.exists() else header
     parts = text.split("\n## ")
     kept = [parts[0].rstrip("\n")] + ["## " + p.rstrip("\n") for p in parts[1:] if ("## " + p).splitlines()[0] != title]
     path.write_text("\n\n".join(kept + [section.rstrip("\n")]) + "\n")
 
 
-def publish(module: str, rows: list[dict], render_fn, args, argv) -> None:
-    """Print this card's section (`render_fn(rows, environment, command)`), write it into `args.out` and the rows
-    to `args.json` when given."""
+def publish(module: str, rows: list[dict], render_fn, args, argv, header: str = HEADER) -> None:
+    """Print this card's section (`render_fn(rows, environment, command)`), write it into `args.out` (a new file
+    starts with `header`) and the rows to `args.json` when given."""
     import json
 
     command = f"python -m tools.bench.{module} " + " ".join(argv if argv is not None else sys.argv[1:])
     section = render_fn(rows, environment("cuda"), command.strip())
     print(section)
     if args.out:
-        write_section(args.out, section)
+        write_section(args.out, section, header)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 
