@@ -65,42 +65,43 @@ def max_diff(a, b) -> float:
     return max(((x.float() - y.float()).abs().max() / y.float().abs().max()).item() for x, y in zip(a, b, strict=True))
 
 
-def run(shapes, timing: Timing) -> list[dict]:
+def time_shape(shape: dict, timing: Timing) -> dict:
+    """One row: both dispatches of FLA's call timed, each checked against its backend's direct call."""
     import cula.fla
 
+    x = pb.make_inputs(shape)
+    direct_fk = pb.flashkda_prefill(x)
+    o, ht = pb.cula_prefill(x, intracard_cp=False)
+    direct_cula = (o, ht.transpose(-1, -2))
     table = cula.fla.PREFERENCE_VS_FLASH_KDA
-    prefer_cula = (cula.fla.PreferenceRow(0, "cula", "docs/benchmarks/fla_dispatch.md"),)
+    row = {"shape": pb.label(shape)}
+    try:
+        os.environ["FLA_CULA"] = "0"
+        row["diff_flashkda"] = max_diff(fla_call(x), direct_fk)
+        row["flashkda_ms"] = measure(fla_call, [(x,)], timing).median_ms
+        os.environ.pop("FLA_CULA")
+        cula.fla.PREFERENCE_VS_FLASH_KDA = (cula.fla.PreferenceRow(0, "cula", "docs/benchmarks/fla_dispatch.md"),)
+        row["diff_cula"] = max_diff(fla_call(x), direct_cula)
+        row["cula_ms"] = measure(fla_call, [(x,)], timing).median_ms
+    finally:
+        os.environ.pop("FLA_CULA", None)
+        cula.fla.PREFERENCE_VS_FLASH_KDA = table
+    return row
+
+
+def run(shapes, timing: Timing) -> list[dict]:
     rows = []
     for shape in shapes:
-        x = pb.make_inputs(shape)
-        direct_fk = pb.flashkda_prefill(x)
-        o, ht = pb.cula_prefill(x, intracard_cp=False)
-        direct_cula = (o, ht.transpose(-1, -2))
-        row = {"shape": pb.label(shape)}
-        try:
-            os.environ["FLA_CULA"] = "0"
-            row["diff_flashkda"] = max_diff(fla_call(x), direct_fk)
-            row["flashkda_ms"] = measure(fla_call, [(x,)], timing).median_ms
-            os.environ.pop("FLA_CULA")
-            cula.fla.PREFERENCE_VS_FLASH_KDA = prefer_cula
-            row["diff_cula"] = max_diff(fla_call(x), direct_cula)
-            row["cula_ms"] = measure(fla_call, [(x,)], timing).median_ms
-        finally:
-            os.environ.pop("FLA_CULA", None)
-            cula.fla.PREFERENCE_VS_FLASH_KDA = table
-        rows.append(row)
-        print(f"{row['shape']:<48} FLA->FlashKDA {row['flashkda_ms']:.3f}  FLA->cula {row['cula_ms']:.3f}  "
-              f"diffs {row['diff_flashkda']:.1e} / {row['diff_cula']:.1e}", flush=True)
-        del x
-        torch.cuda.empty_cache()
+        r = time_shape(shape, timing)
+        print(f"{r['shape']:<48} FLA->FlashKDA {r['flashkda_ms']:.3f}  FLA->cula {r['cula_ms']:.3f}  "
+              f"diffs {r['diff_flashkda']:.1e} / {r['diff_cula']:.1e}", flush=True)
+        rows.append(r)
+        torch.cuda.empty_cache()  # the shape's inputs are gone with time_shape's frame
     return rows
 
 
 def render(rows: list[dict], env: dict, command: str) -> str:
-    lines = [f"## {env.get('gpu', '?')}", "",
-             f"torch {env.get('torch')}, CUDA {env.get('cuda')}, triton {env.get('triton', '?')}, "
-             f"FLA {env.get('fla-core', '?')}, cula-sm90 {env.get('cula-sm90', '?')}.", "",
-             f"Command: `{command}`", "",
+    lines = [*pb.card_header(env, command),
              "| shape | FLA -> FlashKDA ms | FLA -> cula ms | cula vs FlashKDA | reached the intended backend |",
              "|---|---|---|---|---|"]
     ratios = []

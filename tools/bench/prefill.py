@@ -182,14 +182,19 @@ def run(shapes, timing: Timing, fla_shapes) -> list[dict]:
     return rows
 
 
+def card_header(env: dict, command: str) -> list[str]:
+    """The lines that open a card's section: the card, the software, the command."""
+    return [f"## {env.get('gpu', '?')}", "",
+            f"torch {env.get('torch')}, CUDA {env.get('cuda')}, triton {env.get('triton', '?')}, "
+            f"FLA {env.get('fla-core', '?')}, cula-sm90 {env.get('cula-sm90', '?')}.", "",
+            f"Command: `{command}`", ""]
+
+
 def render(rows: list[dict], env: dict, command: str) -> str:
     with_fla = any("fla_ms" in r for r in rows)
     head = "| shape | cula ms | FlashKDA ms | " + ("FLA ms | " if with_fla else "") + "vs FlashKDA | " + \
         ("vs FLA | " if with_fla else "") + "err vs FlashKDA |"
-    lines = [f"## {env.get('gpu', '?')}", "",
-             f"torch {env.get('torch')}, CUDA {env.get('cuda')}, triton {env.get('triton', '?')}, "
-             f"FLA {env.get('fla-core', '?')}, cula-sm90 {env.get('cula-sm90', '?')}.", "",
-             f"Command: `{command}`", "", head, "|" + "---|" * (head.count("|") - 1)]
+    lines = [*card_header(env, command), head, "|" + "---|" * (head.count("|") - 1)]
     vs_fk = [r["flashkda_ms"] / r["cula_ms"] for r in rows]
     vs_fla = [r["fla_ms"] / r["cula_ms"] for r in rows if "fla_ms" in r]
     for i, r in enumerate(rows):
