@@ -96,8 +96,8 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         sG = cute.make_tensor(cute.recast_ptr(r_raw, dtype=Float32), cute.make_layout((BT, DK), stride=(DK, 1)))
         sL = cute.make_tensor(cute.recast_ptr(r_raw + R_BYTES, dtype=Float32),
                               cute.make_layout((BT, BT), stride=(LPAD, 1)))
-        # G's rows the scores reference (16 p + 8, p < 4) and the chunk's last row; row 4 first carries the scan's
-        # first-half totals
+        # G's rows the scores reference (16 p + 8, p < 4) and the chunk's last row; rows 0 - 2 first carry the
+        # scan's quarter totals
         sRef = smem.allocate_tensor(Float32, cute.make_layout((5, DK), stride=(DK, 1)), 128)
         sB = smem.allocate_tensor(Float32, cute.make_layout(BT), 16)
 
@@ -257,7 +257,7 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         which = warp // 4
         cb = warp % 4
         for p in cutlass.range_constexpr(BT // BC):
-            if p * BC < L:  # row blocks wholly past the end: no scores (their rows of L, X are never read)
+            if p * BC < L:  # row blocks wholly past the end: no scores (nothing stored depends on their rows)
                 cute.copy(vf, self.ref_row(sRef, p, tf), gr)
                 # operand row blocks: 0 q e^(G - G_r) of block p, 1 k e^(G - G_r) of block p,
                 # 2 + c k_j e^(G_r - G_j) of block c <= p (one vector pass of the copy covers one 16-row block)
