@@ -33,6 +33,10 @@ if str(ROOT) not in sys.path:
 from tools.bench import fla_tuning  # noqa: E402
 from tools.bench.prefill import lengths, publish  # noqa: E402
 
+# how a new --out file starts
+HEADER = ("# KDA training on Hopper: cula `chunk_kda` vs FLA 0.6.0, whole op\n\n"
+          "One section per card; inputs, timing, memory and columns: `tools/bench/train.py`'s docstring.\n")
+
 K = V = 128
 LOWER_BOUND = -5.0
 TOKENS = 8192
@@ -189,7 +193,7 @@ def main(argv=None) -> int:
     fla_tuning.prepare()
     shapes = SMOKE if args.smoke else QUICK if args.quick else GRID
     rows = [run_shape(s, args.warmup, args.rep) for s in shapes]
-    publish("train", rows, render, args, argv)
+    publish("train", rows, render, args, argv, header=HEADER)
     return 0
 
 
