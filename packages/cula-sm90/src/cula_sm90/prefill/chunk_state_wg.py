@@ -23,9 +23,9 @@ the warpgroup's u tile (hi) and a lo tile, a proxy fence and a warpgroup barrier
 (cp.async into the other stage: w, qg, kg, Aqk by the CTA, each u slice by its warpgroup; rows past the segment
 end zero-filled) are issued, after the fences, which would otherwise wait for them; Aqk @ v_new and the decayed
 update kg^T @ v_new issued, one wait; o goes out through the u tile in 16-byte rows; a CTA barrier (every reader
-of this stage is done before its next copies). Each chunk's log decay is read one chunk ahead; the final state
-leaves in 8-byte pairs. Shared memory: 2 stages x (w, qg, kg 16 KiB, Aqk 8 KiB, u C / 8 KiB) + h hi / lo C / 2 KiB
-+ v_new lo C / 8 KiB: 224.5 KiB at C = 128, 168.5 KiB at C = 64; one CTA (8 warps) per SM.
+of this stage is done before its next copies). Each chunk's log decay is read one chunk ahead. Shared memory:
+2 stages x (w, qg, kg 16 KiB, Aqk 8 KiB, u C / 8 KiB) + h hi / lo C / 2 KiB + v_new lo C / 8 KiB: 224.5 KiB at
+C = 128, 168.5 KiB at C = 64; one CTA (8 warps) per SM.
 
 Modes (compile time): normal (h0_idx / ht_idx from the segment table, o written) or affine (the CP map pass over
 the augmented state [M | c], K + V = 256 columns: the M columns start from the identity with u = 0, the c
@@ -249,15 +249,9 @@ class ChunkStateWGKernel:
             cute.arch.sync_threads()  # every reader of this stage is done before the next copies into it
 
         if ht_idx >= 0:
-            # accumulator values 2 i and 2 i + 1 are adjacent columns of one state row: 8-byte stores, so every
-            # 32-byte sector a warp writes is whole
-            pair = cute.make_rmem_tensor(cute.make_layout(2), Float32)
-            for i2 in cutlass.range_constexpr(cute.size(acc_h) // 2):
-                kr, c = at_h[2 * i2]
-                pair[0] = acc_h[2 * i2]
-                pair[1] = acc_h[2 * i2 + 1]
-                off = cute.assume(cute.crd2idx((ht_idx, hv, kr, col0 + c), ht.layout), divby=2)
-                cute.autovec_copy(pair, cute.make_tensor(ht.iterator + off, cute.make_layout(2)))
+            for i in cutlass.range_constexpr(cute.size(acc_h)):
+                kr, c = at_h[i]
+                ht[ht_idx, hv, kr, col0 + c] = acc_h[i]
 
     @cute.jit
     def load_chunk(self, w, u, qg, kg, aqk, sW2, sKt2, sQg2, sA2, sU2, t0, end, hv, ucol0, is_m, st, tid, wg, wtid):
