@@ -177,8 +177,7 @@ class ChunkIntraTCKernel(common.Stage1Launch):
             for mm in cutlass.range_constexpr(SCAN_ROWS):
                 row = quarter * SCAN_ROWS + mm
                 if const_expr(self.g_smem):  # zero-filled past the end
-                    off = cute.assume(row * DK + col, divby=2)
-                    cute.autovec_copy(cute.make_tensor(sGin.iterator + off, cute.make_layout(2)), gin)
+                    cute.autovec_copy(cute.local_tile(sGin, (1, 2), (row, pair))[0, None], gin)
                     part[0, mm] = gin[0].to(Float32)
                     part[1, mm] = gin[1].to(Float32)
                 else:
@@ -217,8 +216,7 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         for mm in cutlass.range_constexpr(SCAN_ROWS):
             gout[0] = base0 + part[0, mm]
             gout[1] = base1 + part[1, mm]
-            off = cute.assume((quarter * SCAN_ROWS + mm) * DK + col, divby=2)
-            cute.autovec_copy(gout, cute.make_tensor(sG.iterator + off, cute.make_layout(2)))
+            cute.autovec_copy(gout, cute.local_tile(sG, (1, 2), (quarter * SCAN_ROWS + mm, pair))[0, None])
         cute.arch.sync_threads()
 
         # ---- G into registers in the row layout of the 16-byte vector copies (thread: columns c0 .. c0 + 7 of
@@ -293,7 +291,8 @@ class ChunkIntraTCKernel(common.Stage1Launch):
                                 a = acc_s[2 * e2 + x] * scale
                             a_pair[x] = a.to(BFloat16)
                         if row < L:
-                            off = cute.assume(((t0 + row) * aqk.shape[1] + hv) * BT + col, divby=2)
+                            # aqk's strides are runtime values: the pair's 4-byte alignment is asserted, not inferred
+                            off = cute.assume(cute.crd2idx((t0 + row, hv, col), aqk.layout), divby=2)
                             cute.autovec_copy(a_pair, cute.make_tensor(aqk.iterator + off, cute.make_layout(2)))
                 else:
                     for e in cutlass.range_constexpr(cute.size(acc_s)):
