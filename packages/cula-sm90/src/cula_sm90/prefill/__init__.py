@@ -1,6 +1,6 @@
 """cula_sm90.prefill: Hopper KDA prefill (`kda_prefill`, and `chunk_kda` when no gradient is needed), with
 intra-card context parallel. Kernels: chunk_intra_tc.py (stage 1, chunk-parallel, tensor cores: the safe gate with
-lower_bound >= -8) and chunk_intra.py (stage 1 for every other gate), chunk_state_wg.py (stage 2, the serial
+lower_bound >= -5) and chunk_intra.py (stage 1 for every other gate), chunk_state_wg.py (stage 2, the serial
 recurrence on tensor cores; also the CP affine-map pass), with common.py
 (chunk search, beta activation) and cula_core.cute_kernels (mma.sync, row copies); host side: forward.py. See
 docs/sm90_prefill.md.

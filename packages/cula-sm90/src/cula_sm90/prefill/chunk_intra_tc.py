@@ -1,9 +1,10 @@
 """KDA prefill, stage 1 of 2, tensor-core version: the chunk-parallel kernel for the safe gate (bounded decay).
 
 Same contract as `chunk_intra.py` (writes w, u, qg, kg, Aqk in token layout [TT, HV, *] bf16 and gl [NC, HV, K]
-fp32 for stage 2). It serves the safe gate with lower_bound >= forward.TC_LOWER_BOUND_MIN (-8): every per-token
-log decay lies in (lower_bound, 0), so a 16-token block spans at most 8 |lower_bound| (<= 64) on either side of
-its middle token. The other gates (softplus, precomputed: unbounded decays) stay on `chunk_intra.py`.
+fp32 for stage 2). It serves the safe gate with lower_bound >= forward.TC_LOWER_BOUND_MIN (-5, FLA's safe range):
+every per-token log decay lies in (lower_bound, 0), so G changes by less than 16 |lower_bound| <= 80 across a
+16-token block and every factor below stays within e^(+-80) (fp32 / bf16 overflow at e^88.7). The other gates
+(softplus, precomputed: unbounded decays) stay on `chunk_intra.py`.
 
 One CTA (256 threads, 8 warps) per (chunk of 64 tokens, value head): grid x = NC * G chunk-major, so the G value
 heads of a q/k head's group run in adjacent CTAs and re-read q, k from L2 (q, k are L2-normalised in place as bf16,
@@ -13,17 +14,18 @@ swizzled shared-memory address live across it. Per CTA, in order:
     G      chunk-local cumulative log gate in fp32: thread (quarter, pair) scans 16 rows of two columns in
            registers, each quarter then adds the totals of the quarters before it; G passes through shared memory
            once, into registers in the row layout of the 16-byte vector copies (each thread's 4 rows x 8 columns:
-           every operand row and qg / kg row a thread builds is its own), and the reference rows below and G_last
-           into a small table
-    scores per row block p (16 rows), reference r = 16 p + 8 (the block's middle token):
-           Aqk[i, j] = scale (q_i e^(G_i - G_r)) . (k_j e^(G_r - G_j))     (j <= i)
-           L[i, j]   = beta_i (k_i e^(G_i - G_r)) . (k_j e^(G_r - G_j))    (j < i)
-           the factorised operands are bf16 tiles and one mma.sync GEMM per (p, 16-column block); each factor is
-           at most e^(8 |lower_bound|) (no overflow), each product keeps bf16's relative precision (the
-           factorisation is exact per term: no cancellation), masked entries are selected away, never multiplied.
-           Decays are differences of cumulative log gates; nothing divides by a decay.
-           warp (which, c) = (warp // 4, warp % 4) computes column block c <= p of Aqk (which 0) or L (which 1)
-    qg = scale q e^G, kg = k e^(G_last - G) out, k e^G in place of k, gl = G_last out
+           every operand row and qg / kg row a thread builds is its own). The block boundaries B_0 = 0,
+           B_m = G[16 m - 1] (m = 1..3), B_4 = G_last go to a small table, with S_pc = e^(B_p - B_{c+1}) per channel
+           for the 10 blocks (p, c), c <= p
+    build  one pass over the thread's rows (row i in block m), two exps per element plus three for qg / kg / k e^G:
+           q e^(G_i - B_m) in place of q and k e^(G_i - B_m) (row operands, <= 1), k e^(B_{m+1} - G_i) (column
+           operand, <= 1); qg = scale q e^G and kg = k e^(G_last - G) out, k e^G in place of k, gl = G_last out
+    scores Aqk[i, j] = scale (q_i e^(G_i - B_p)) . (k_j e^(B_{c+1} - G_j) S_pc)   (i in block p, j in block c, j <= i)
+           L[i, j]   = beta_i (k_i e^(G_i - B_p)) . (k_j e^(B_{c+1} - G_j) S_pc)  (j < i)
+           exact per term (the exponents add up to G_i - G_j; no cancellation, nothing divides by a decay); the
+           column fragment is scaled by S_pc in registers after its ldmatrix (fp32 multiply, one more bf16
+           rounding). 20 mma.sync blocks (10 of Aqk, 10 of L, 16 x 16 x 128) spread over the 8 warps in three
+           slots (block_of); Aqk leaves from the accumulators, L waits in registers until its region is free
     Akk    (I + L)^-1 in place of L, blocked by 16: the four diagonal blocks by substitution in fp32 (warps 0-3,
            one each), then row block by row block X_bc = -X_bb sum_m L_bm X_mc on tensor cores, every fp32
            operand split into bf16 hi + lo (three mma.sync passes: ~16 bits per product, fp32 accumulation;
@@ -35,13 +37,15 @@ Row blocks wholly past a partial chunk's end skip their scores, inverse rows, L2
 
 Pipeline and memory: q, k (and a bf16 g) by 16-byte cp.async in one round trip (the gate's parameters and beta
 load meanwhile), v by cp.async into q's place while the inverse runs; qg, kg, w, u out with 16-byte stores (w and
-u staged in the places of their right-hand sides k e^G and v), Aqk from the accumulators in 4-byte pairs. Shared
-memory 75 KiB, so three CTAs (24 warps) share an SM: q (then v, then u) and k (then k e^G, then w) bf16 tiles
-(32 KiB), a 24 KiB region R (raw g; the score operands; Akk diag(beta)) and the L tile (fp32, 16.25 KiB; the
-inverse in place) back to back (before the scores, R and L carry G from the scan to the registers), the reference
-table (2.5 KiB) and beta; 80 registers. Assumes contiguous, 16-byte aligned q/k/v/g (forward.py copies a
-misaligned view), K = V = 128, chunks starting at every sequence start (varlen through cu_seqlens and the chunk
-offsets: a binary search, no host synchronisation); a chunk index past the last chunk exits.
+u staged in the places of their right-hand sides k e^G and v), Aqk in 4-byte pairs (its blocks above the diagonal
+as zeros). Shared memory 72 KiB: q (then its row operand, v, the u staging) and k (then k e^G, the w staging) bf16
+tiles (32 KiB), a 16 KiB region R (raw g; the column operands; Akk diag(beta)) and the L tile (fp32, 16.25 KiB:
+the row operands of k, then L and the inverse in place) back to back (before the build, R and L carry G from the
+scan to the registers), the boundary table (2.5 KiB), the S table (5 KiB) and beta. Three CTAs (24 warps) per
+SM: launched with a three-CTA register bound (80 registers). Assumes contiguous, 16-byte aligned q/k/v/g
+(forward.py copies a misaligned view), K = V = 128, chunks starting at every sequence start (varlen through
+cu_seqlens and the chunk offsets: a binary search, no host synchronisation); a chunk index past the last chunk
+exits.
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, const_expr
 
 from cula_core.cute_kernels.copies import copy_rows_g2s, g2s_tiled_copy, head_rows, vec_copy
-from cula_core.cute_kernels.warp_mma import gemm, mma_atom, smem_tile_layout, tiled_mma, transposed
+from cula_core.cute_kernels.warp_mma import (gemm, ldmatrix_copy_A, ldmatrix_copy_B, mma_atom, smem_tile_layout,
+                                             tiled_mma, transposed)
 from cula_sm90.prefill import common
 
 BT = 64
@@ -59,7 +64,8 @@ DK = 128
 BC = 16
 LPAD = BT + 1  # fp32 row stride of L: odd, so accesses down a column (solve, fragments) spread over the banks
 THREADS = 256
-R_BYTES = 6 * BC * DK * 2  # the region R: the score operands (96 bf16 rows)
+R_BYTES = BT * DK * 2  # the region R: raw g, then the column operands k e^(B_{c+1} - G), then Akk diag(beta)
+PAIRS = 10  # (p, c) blocks with c <= p
 L_BYTES = BT * LPAD * 4
 SCAN_ROWS = BT // (2 * THREADS // DK)  # rows of G's two columns each scanning thread sums
 
@@ -70,6 +76,7 @@ class ChunkIntraTCKernel(common.Stage1Launch):
 
     threads = THREADS
     cta_per_value_head = True
+    min_ctas_per_sm = 3  # 80 registers: the 72 KiB of shared memory already fit three CTAs
     g_smem = True  # g is bf16: loaded by cp.async (forward.py sets it from g's dtype)
 
     @cute.kernel
@@ -86,20 +93,22 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         # q, then v (cp.async once qg is out), then the u staging; k, then k e^G (in place), then the w staging
         sQ = smem.allocate_tensor(BFloat16, smem_tile_layout(BT, DK), 128)
         sK = smem.allocate_tensor(BFloat16, smem_tile_layout(BT, DK), 128)
-        # the region R (24 KiB) and the L tile (fp32) back to back; before the scores both hold G (fp32, 32 KiB)
+        # the region R (16 KiB) and the L tile (fp32) back to back; before the build both hold G (fp32, 32 KiB)
         # on its way from the scan's column layout to the registers of the row layout
         r_raw = smem.allocate(R_BYTES + L_BYTES, 128)
         r_bf = cute.recast_ptr(r_raw, dtype=BFloat16)
-        sGin = cute.make_tensor(r_bf, cute.make_layout((BT, DK), stride=(DK, 1)))  # raw g (bf16), R's first 16 KiB
-        sOp = cute.make_tensor(r_bf, smem_tile_layout(6 * BC, DK))  # score operands: 96 rows
+        sGin = cute.make_tensor(r_bf, cute.make_layout((BT, DK), stride=(DK, 1)))  # raw g (bf16), R's 16 KiB
+        sKc = cute.make_tensor(r_bf, smem_tile_layout(BT, DK))  # k e^(B_{c+1} - G) per block c
         sAk = cute.make_tensor(r_bf, smem_tile_layout(BT, BT))  # Akk diag(beta), bf16
+        # k e^(G - B_m) per block m (the L rows), in L's region until the L scores are read
+        sKr = cute.make_tensor(cute.recast_ptr(r_raw + R_BYTES, dtype=BFloat16), smem_tile_layout(BT, DK))
         sG = cute.make_tensor(cute.recast_ptr(r_raw, dtype=Float32), cute.make_layout((BT, DK), stride=(DK, 1)))
         sL = cute.make_tensor(cute.recast_ptr(r_raw + R_BYTES, dtype=Float32),
                               cute.make_layout((BT, BT), stride=(LPAD, 1)))
-        # G's rows the scores reference (16 p + 8, p < 4) and the chunk's last row; rows 0 - 2 first carry the
-        # scan's quarter totals
+        # the block boundaries B_0 .. B_4 (B_4 = G_last); rows 0 - 2 first carry the scan's quarter totals
         sRef = smem.allocate_tensor(Float32, cute.make_layout((5, DK), stride=(DK, 1)), 128)
         sB = smem.allocate_tensor(Float32, cute.make_layout(BT), 16)
+        sS = smem.allocate_tensor(Float32, cute.make_layout((PAIRS, DK), stride=(DK, 1)), 16)
 
         _, t0, L, valid = common.find_chunk(cu, co, chunk, N, search_steps)
         if valid:
@@ -127,7 +136,7 @@ class ChunkIntraTCKernel(common.Stage1Launch):
             if const_expr(self.l2norm):
                 self.l2norm_rows(sQ, L, tid)
                 self.l2norm_rows(sK, L, tid)
-            self.head(hv, chunk, t0, L, sQ, sK, sGin, sOp, sAk, sG, sL, sRef, sB, v, g, w, u, qg, kg, aqk, gl,
+            self.head(hv, chunk, t0, L, sQ, sK, sGin, sKc, sKr, sAk, sG, sL, sRef, sS, sB, v, g, w, u, qg, kg, aqk, gl,
                       a_rate, bias0, bias1, b, scale, lower_bound, tid)
 
     @cute.jit
@@ -155,8 +164,8 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         cute.arch.sync_threads()
 
     @cute.jit
-    def head(self, hv: Int32, chunk: Int32, t0: Int32, L: Int32, sQ, sK, sGin, sOp, sAk, sG, sL, sRef, sB, v, g, w,
-             u, qg, kg, aqk, gl, a_rate: Float32, bias0: Float32, bias1: Float32, b: Float32, scale: Float32,
+    def head(self, hv: Int32, chunk: Int32, t0: Int32, L: Int32, sQ, sK, sGin, sKc, sKr, sAk, sG, sL, sRef, sS, sB,
+             v, g, w, u, qg, kg, aqk, gl, a_rate: Float32, bias0: Float32, bias1: Float32, b: Float32, scale: Float32,
              lower_bound: Float32, tid):
         warp = tid // 32
         lane = tid % 32
@@ -200,7 +209,7 @@ class ChunkIntraTCKernel(common.Stage1Launch):
                     acc1 += s1
                 part[0, mm] = acc0
                 part[1, mm] = acc1
-        if quarter < 3:  # sRef's rows 0 - 2 carry the quarter totals until the reference rows take them
+        if quarter < 3:  # sRef's rows 0 - 2 carry the quarter totals until the boundaries take them
             sRef[quarter, col] = acc0
             sRef[quarter, col + 1] = acc1
         if tid < BT:
@@ -221,7 +230,7 @@ class ChunkIntraTCKernel(common.Stage1Launch):
 
         # ---- G into registers in the row layout of the 16-byte vector copies (thread: columns c0 .. c0 + 7 of
         # rows 16 m + tid // 16): every row block's operands and qg / kg read only the thread's own rows; the
-        # reference rows and the last row go to sRef for every thread
+        # block boundaries go to sRef for every thread
         vb = vec_copy(DK, self.threads)
         vf = vec_copy(DK, self.threads, Float32)
         tb = vb.get_slice(tid)
@@ -232,104 +241,126 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         for i in cutlass.range_constexpr((5 * DK + self.threads - 1) // self.threads):
             idx = i * self.threads + tid
             if idx < 5 * DK:
-                which_row = idx // DK
-                src_row = which_row * BC + 8
-                if which_row == 4:
-                    src_row = BT - 1  # rows past a partial chunk's end add nothing to G
-                sRef[which_row, idx % DK] = sG[src_row, idx % DK]
+                r = idx // DK
+                x = Float32(0.0)
+                if r > 0:
+                    x = sG[r * BC - 1, idx % DK]  # rows past a partial chunk's end add nothing to G
+                sRef[r, idx % DK] = x
+        # S_pc = e^(B_p - B_{c+1}) per channel, pair index p (p + 1) / 2 + c
+        for i in cutlass.range_constexpr((PAIRS * DK + self.threads - 1) // self.threads):
+            idx = i * self.threads + tid
+            if idx < PAIRS * DK:
+                pr = idx // DK
+                d = idx % DK
+                p, c = self.pair_of(pr)
+                bp = Float32(0.0)
+                if p > 0:
+                    bp = sG[p * BC - 1, d]
+                sS[pr, d] = cute.math.exp(bp - sG[c * BC + BC - 1, d], fastmath=True)
         cute.arch.sync_threads()  # G's staging area is free: the score operands and L take it
 
-        # ---- scores, one 16-row block p at a time: operands built by all threads; then warp (which, c), c = warp
-        # % 4, which = warp // 4, computes column block c <= p of Aqk (which 0) or of L (which 1)
+        # ---- one pass over the thread's rows (row 16 m + tid // 16 of block m): with a = e^(G - B_m),
+        # cc = e^(B_{m+1} - G) (both <= 1): q a in place of q, k a (the L rows) in the L region, k cc (the
+        # columns) in R; qg = scale q e^G and kg = k e^(G_last - G) out, k e^G in place of k
         pQ = tb.partition_S(sQ)
         pK = tb.partition_S(sK)
-        pOp = tb.partition_D(sOp)
+        pQd = tb.partition_D(sQ)
+        pKd = tb.partition_D(sK)
+        pKr = tb.partition_D(sKr)
+        pKc = tb.partition_D(sKc)
         cI = tb.partition_S(cute.make_identity_tensor((BT, DK)))
-        fx = cute.make_fragment_like(pQ[None, 0, None])
-        fo = cute.make_fragment_like(pQ[None, 0, None])
-        gr = cute.make_fragment_like(self.ref_row(sRef, 0, tf))
-        a_pair = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
-        mma1 = tiled_mma(1)
-        thr1 = mma1.get_slice(lane)
-        cC = thr1.partition_C(cute.make_identity_tensor((BC, BC)))
-        which = warp // 4
-        cb = warp % 4
-        for p in cutlass.range_constexpr(BT // BC):
-            if p * BC < L:  # row blocks wholly past the end: no scores (nothing stored depends on their rows)
-                cute.copy(vf, self.ref_row(sRef, p, tf), gr)
-                # operand row blocks: 0 q e^(G - G_r) of block p, 1 k e^(G - G_r) of block p,
-                # 2 + c k_j e^(G_r - G_j) of block c <= p (one vector pass of the copy covers one 16-row block)
-                for m in cutlass.range_constexpr(p + 3):
-                    src = pQ
-                    sm = p
-                    if const_expr(m >= 1):
-                        src = pK
-                    if const_expr(m >= 2):
-                        sm = m - 2
-                    cute.copy(vb, src[None, sm, None], fx)
-                    for e in cutlass.range_constexpr(8):
-                        ex = rG[e, sm, 0] - gr[e]
-                        if const_expr(m >= 2):
-                            ex = gr[e] - rG[e, sm, 0]
-                        fo[e] = (fx[e].to(Float32) * cute.math.exp(ex, fastmath=True)).to(BFloat16)
-                    cute.copy(vb, fo, pOp[None, m, None])
-                cute.arch.sync_threads()
-                acc_s = cute.make_rmem_tensor(thr1.partition_shape_C((BC, BC)), Float32)
-                acc_s.fill(0.0)
-                if cb <= p:
-                    gemm(mma1, acc_s, cute.local_tile(sOp, (BC, DK), (which, 0)),
-                         cute.local_tile(sOp, (BC, DK), (2 + cb, 0)), lane, False, False, False)
-                if which == 0:
-                    # accumulator values 2 e' and 2 e' + 1 are adjacent columns of one row: one 4-byte store each
-                    for e2 in cutlass.range_constexpr(cute.size(acc_s) // 2):
-                        i, jj = cC[2 * e2]
-                        row = p * BC + i
-                        col = cb * BC + jj
-                        for x in cutlass.range_constexpr(2):
-                            a = Float32(0.0)
-                            if col + x <= row:
-                                a = acc_s[2 * e2 + x] * scale
-                            a_pair[x] = a.to(BFloat16)
-                        if row < L:
-                            # aqk's strides are runtime values: the pair's 4-byte alignment is asserted, not inferred
-                            off = cute.assume(cute.crd2idx((t0 + row, hv, col), aqk.layout), divby=2)
-                            cute.autovec_copy(a_pair, cute.make_tensor(aqk.iterator + off, cute.make_layout(2)))
-                else:
-                    for e in cutlass.range_constexpr(cute.size(acc_s)):
-                        i, jj = cC[e]
-                        row = p * BC + i
-                        col = cb * BC + jj
-                        lv = Float32(0.0)
-                        if col < row:
-                            lv = acc_s[e] * sB[row]
-                        sL[row, col] = lv
-                cute.arch.sync_threads()  # the operands are read: the next block may overwrite them
-
-        # ---- qg, kg out; k e^G (the right-hand side of w) in place of k; gl out. Each thread reads and writes
-        # only its own vectors
         gq = tb.partition_D(head_rows(qg, t0, hv, BT))
         gk = tb.partition_D(head_rows(kg, t0, hv, BT))
-        pKe = tb.partition_D(sK)
-        cute.copy(vf, self.ref_row(sRef, 4, tf), gr)
+        fx = cute.make_fragment_like(pQ[None, 0, None])
         fk = cute.make_fragment_like(pQ[None, 0, None])
-        for m in cutlass.range_constexpr(cute.size(pQ.shape[1])):
+        fo = cute.make_fragment_like(pQ[None, 0, None])
+        gr = cute.make_fragment_like(self.ref_row(sRef, 0, tf))
+        for m in cutlass.range_constexpr(BT // BC):
             row = cI[0, m, 0][0]
+            # q's products first (q dies), then k's
             cute.copy(vb, pQ[None, m, None], fx)
-            cute.copy(vb, pK[None, m, None], fk)
+            cute.copy(vf, self.ref_row(sRef, m, tf), gr)
             for e in cutlass.range_constexpr(8):
-                eg = cute.math.exp(rG[e, m, 0], fastmath=True)
-                fo[e] = (fx[e].to(Float32) * scale * eg).to(BFloat16)
-                fx[e] = (fk[e].to(Float32) * eg).to(BFloat16)
+                fo[e] = (fx[e].to(Float32) * cute.math.exp(rG[e, m, 0] - gr[e], fastmath=True)).to(BFloat16)
+            cute.copy(vb, fo, pQd[None, m, None])  # q is in fx: q a may take its place
+            for e in cutlass.range_constexpr(8):
+                fo[e] = (fx[e].to(Float32) * scale * cute.math.exp(rG[e, m, 0], fastmath=True)).to(BFloat16)
             if row < L:
                 cute.copy(vb, fo, gq[None, m, None])
-            cute.copy(vb, fx, pKe[None, m, None])
+            cute.copy(vb, pK[None, m, None], fk)
+            for e in cutlass.range_constexpr(8):  # gr still holds B_m
+                fo[e] = (fk[e].to(Float32) * cute.math.exp(rG[e, m, 0] - gr[e], fastmath=True)).to(BFloat16)
+            cute.copy(vb, fo, pKr[None, m, None])
+            cute.copy(vf, self.ref_row(sRef, m + 1, tf), gr)
+            for e in cutlass.range_constexpr(8):
+                fo[e] = (fk[e].to(Float32) * cute.math.exp(gr[e] - rG[e, m, 0], fastmath=True)).to(BFloat16)
+            cute.copy(vb, fo, pKc[None, m, None])
+            cute.copy(vf, self.ref_row(sRef, 4, tf), gr)
             for e in cutlass.range_constexpr(8):
                 fo[e] = (fk[e].to(Float32) * cute.math.exp(gr[e] - rG[e, m, 0], fastmath=True)).to(BFloat16)
             if row < L:
                 cute.copy(vb, fo, gk[None, m, None])
+            for e in cutlass.range_constexpr(8):
+                fo[e] = (fk[e].to(Float32) * cute.math.exp(rG[e, m, 0], fastmath=True)).to(BFloat16)
+            cute.copy(vb, fo, pKd[None, m, None])  # k e^G in place of k
         if tid < DK:
             gl[chunk, hv, tid] = sRef[4, tid]
-        cute.arch.sync_threads()  # q is read: v may take its place
+        cute.arch.sync_threads()  # every operand tile is written
+
+        # ---- scores: the 20 blocks (Aqk and L, row block p, column block c <= p) over the 8 warps, warp w taking
+        # blocks w, w + 8, w + 16 (block j: pair j // 2, Aqk if j is even, L if odd); the column operand of block
+        # (p, c) is k cc of block c scaled per channel by S_pc = e^(B_p - B_{c+1}) in registers. Aqk leaves from
+        # the accumulators; L waits in registers until every warp has read the L rows (they share its region)
+        mma1 = tiled_mma(1)
+        thr1 = mma1.get_slice(lane)
+        cC = thr1.partition_C(cute.make_identity_tensor((BC, BC)))
+        a_pair = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
+        nacc = cute.size(thr1.partition_shape_C((BC, BC)))
+        acc_l = cute.make_rmem_tensor(cute.make_layout((nacc, 2), stride=(1, nacc)), Float32)
+        acc_s = cute.make_rmem_tensor(thr1.partition_shape_C((BC, BC)), Float32)
+        for slot in cutlass.range_constexpr(3):
+            which, pr, active = self.block_of(slot, warp)
+            p, c = self.pair_of(pr)
+            acc_s.fill(0.0)
+            if active and p * BC < L:
+                if which == 0:
+                    self.gemm_scaled(mma1, acc_s, cute.local_tile(sQ, (BC, DK), (p, 0)),
+                                     cute.local_tile(sKc, (BC, DK), (c, 0)), sS, pr, lane)
+                    for e2 in cutlass.range_constexpr(cute.size(acc_s) // 2):
+                        i, jj = cC[2 * e2]
+                        row = p * BC + i
+                        col = c * BC + jj
+                        for x in cutlass.range_constexpr(2):
+                            av = Float32(0.0)
+                            if col + x <= row:
+                                av = acc_s[2 * e2 + x] * scale
+                            a_pair[x] = av.to(BFloat16)
+                        if row < L:
+                            # aqk's strides are runtime values: the pair's 4-byte alignment is asserted
+                            off = cute.assume(cute.crd2idx((t0 + row, hv, col), aqk.layout), divby=2)
+                            cute.autovec_copy(a_pair, cute.make_tensor(aqk.iterator + off, cute.make_layout(2)))
+                else:
+                    self.gemm_scaled(mma1, acc_s, cute.local_tile(sKr, (BC, DK), (p, 0)),
+                                     cute.local_tile(sKc, (BC, DK), (c, 0)), sS, pr, lane)
+            if const_expr(slot < 2):
+                for e in cutlass.range_constexpr(nacc):
+                    acc_l[e, slot] = acc_s[e]
+        # Aqk's blocks above the diagonal: zeros (stage 2 reads whole rows)
+        self.zero_upper_aqk(aqk, t0, hv, L, tid)
+        cute.arch.sync_threads()  # the L rows are read: L takes their region
+        for slot in cutlass.range_constexpr(2):
+            which, pr, active = self.block_of(slot, warp)
+            p, c = self.pair_of(pr)
+            if active and which == 1 and p * BC < L:
+                for e in cutlass.range_constexpr(nacc):
+                    i, jj = cC[e]
+                    row = p * BC + i
+                    col = c * BC + jj
+                    lv = Float32(0.0)
+                    if col < row:
+                        lv = acc_l[e, slot] * sB[row]
+                    sL[row, col] = lv
+        cute.arch.sync_threads()  # L is written; q a is read: v may take q's place
 
         # ---- v in flight (cp.async) while the inverse runs
         copy_rows_g2s(g2s_tiled_copy(DK, self.threads), head_rows(v, t0, hv, BT), sQ, L, tid)
@@ -340,7 +371,10 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         for m in cutlass.range(BT * BT // self.threads, unroll=4):
             i = m * (self.threads // BT) + tid // BT
             jj = tid % BT
-            sAk[i, jj] = (sL[i, jj] * sB[jj]).to(BFloat16)
+            x = Float32(0.0)
+            if jj <= i:  # the blocks above the diagonal were never written
+                x = sL[i, jj] * sB[jj]
+            sAk[i, jj] = x.to(BFloat16)
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
 
@@ -369,6 +403,75 @@ class ChunkIntraTCKernel(common.Stage1Launch):
                 cute.copy(vb, fx, gw[None, m, None])
                 cute.copy(vb, pQ[None, m, None], fk)
                 cute.copy(vb, fk, gu[None, m, None])
+
+    @cute.jit
+    def block_of(self, slot: cutlass.Constexpr, warp):
+        """The score block warp `warp` computes in `slot`: (which: 0 Aqk / 1 L, pair index pr, active). Slot 0:
+        L pairs 0-7; slot 1: L pairs 8-9 (warps 0-1), Aqk pairs 0-5 (warps 2-7); slot 2: Aqk pairs 6-9 (warps
+        0-3). L results wait in registers (slots 0 and 1 only) until L's region is free."""
+        which = Int32(1)
+        pr = warp
+        active = True
+        if const_expr(slot == 1):
+            if warp >= 2:
+                which = Int32(0)
+                pr = warp - 2
+            else:
+                pr = warp + 8
+        if const_expr(slot == 2):
+            which = Int32(0)
+            pr = warp + 6
+            active = warp < 4
+        return which, pr, active
+
+    @cute.jit
+    def pair_of(self, pr):
+        """(p, c) of pair index pr = p (p + 1) / 2 + c, c <= p < 4."""
+        p = Int32(0)
+        for q_ in cutlass.range_constexpr(1, 4):
+            if pr >= q_ * (q_ + 1) // 2:
+                p = Int32(q_)
+        return p, pr - p * (p + 1) // 2
+
+    @cute.jit
+    def gemm_scaled(self, mma, acc, sA, sB, sS, pr, lane):
+        """acc += sA @ (sB diag(S_pr))^T for one warp (16 x 16 x 128): ldmatrix fragments k-block by k-block, the
+        B fragment scaled per channel (its k index) by row pr of the S table in fp32, then rounded to bf16."""
+        thr = mma.get_slice(lane)
+        fA = cute.local_tile(sA, (BC, 16), (0, 0))
+        fB = cute.local_tile(sB, (BC, 16), (0, 0))
+        rA = thr.make_fragment_A(thr.partition_A(fA))
+        rB = thr.make_fragment_B(thr.partition_B(fB))
+        cB = thr.partition_B(cute.make_identity_tensor((BC, 16)))  # (column, k) of each B element
+        ldA = ldmatrix_copy_A(mma, BFloat16, False)
+        ldB = ldmatrix_copy_B(mma, BFloat16, False)
+        tA = ldA.get_slice(lane)
+        tB = ldB.get_slice(lane)
+        srcA = tA.partition_S(sA)
+        srcB = tB.partition_S(sB)
+        dstA = tA.retile(rA)
+        dstB = tB.retile(rB)
+        for kb in cutlass.range(DK // 16, unroll=2):
+            cute.copy(ldA, srcA[None, None, kb], dstA[None, None, 0])
+            cute.copy(ldB, srcB[None, None, kb], dstB[None, None, 0])
+            for e in cutlass.range_constexpr(cute.size(rB)):
+                _, kk = cB[e]
+                rB[e] = (rB[e].to(Float32) * sS[pr, kb * 16 + kk]).to(BFloat16)
+            cute.gemm(mma, acc, rA[None, None, 0], rB[None, None, 0], acc)
+
+    @cute.jit
+    def zero_upper_aqk(self, aqk, t0, hv, L, tid):
+        """Zeros into Aqk's blocks above the diagonal (row block p, columns from 16 (p + 1)) of the valid rows, in
+        4-byte pairs: no warp computes them, and stage 2 reads whole rows."""
+        z = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
+        z.fill(0.0)
+        for it in cutlass.range_constexpr(BT * BT // 2 // self.threads):
+            idx = it * self.threads + tid
+            row = idx // (BT // 2)
+            col = 2 * (idx % (BT // 2))
+            if row < L and col >= (row // BC + 1) * BC:
+                off = cute.assume(cute.crd2idx((t0 + row, hv, col), aqk.layout), divby=2)
+                cute.autovec_copy(z, cute.make_tensor(aqk.iterator + off, cute.make_layout(2)))
 
     @cute.jit
     def ref_row(self, sRef, r: cutlass.Constexpr, thr):

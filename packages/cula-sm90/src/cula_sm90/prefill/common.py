@@ -19,6 +19,7 @@ class Stage1Launch:
 
     threads = 128
     cta_per_value_head = False
+    min_ctas_per_sm = 0  # > 0: the register budget is capped so that many CTAs fit an SM (nvvm.minctasm)
 
     def __init__(self, gate: str, beta_activation: str, l2norm: bool, has_a_log: bool, has_dt_bias: bool):
         self.gate = gate
@@ -40,18 +41,22 @@ class Stage1Launch:
             ctas_x = NC * G
         qk = cute.make_layout((TT, HQK, DK), stride=(HQK * DK, DK, 1))
         tok = cute.make_layout((TT, HV, DK), stride=(HV * DK, DK, 1))
-        self.kernel(cute.make_tensor(q_ptr, qk), cute.make_tensor(k_ptr, qk), cute.make_tensor(v_ptr, tok),
-                    cute.make_tensor(g_ptr, tok), cute.make_tensor(beta_ptr, cute.make_layout((TT, HV), stride=(HV, 1))),
-                    cute.make_tensor(alog_ptr, cute.make_layout(HV)),
-                    cute.make_tensor(dtb_ptr, cute.make_layout((HV, DK), stride=(DK, 1))),
-                    cute.make_tensor(cu_ptr, cute.make_layout(N + 1)), cute.make_tensor(co_ptr, cute.make_layout(N + 1)),
-                    cute.make_tensor(w_ptr, tok), cute.make_tensor(u_ptr, tok), cute.make_tensor(qg_ptr, tok),
-                    cute.make_tensor(kg_ptr, tok),
-                    cute.make_tensor(aqk_ptr, cute.make_layout((TT, HV, BT), stride=(HV * BT, BT, 1))),
-                    cute.make_tensor(gl_ptr, cute.make_layout((NC, HV, DK), stride=(HV * DK, DK, 1))),
-                    N, search_steps, G, scale, lower_bound).launch(
-                        grid=[ctas_x, HQK, 1],
-                        block=[self.threads, 1, 1], stream=stream)
+        mk = cute.make_tensor
+        kernel = self.kernel(
+            mk(q_ptr, qk), mk(k_ptr, qk), mk(v_ptr, tok), mk(g_ptr, tok),
+            mk(beta_ptr, cute.make_layout((TT, HV), stride=(HV, 1))), mk(alog_ptr, cute.make_layout(HV)),
+            mk(dtb_ptr, cute.make_layout((HV, DK), stride=(DK, 1))),
+            mk(cu_ptr, cute.make_layout(N + 1)), mk(co_ptr, cute.make_layout(N + 1)),
+            mk(w_ptr, tok), mk(u_ptr, tok), mk(qg_ptr, tok), mk(kg_ptr, tok),
+            mk(aqk_ptr, cute.make_layout((TT, HV, BT), stride=(HV * BT, BT, 1))),
+            mk(gl_ptr, cute.make_layout((NC, HV, DK), stride=(HV * DK, DK, 1))),
+            N, search_steps, G, scale, lower_bound)
+        if const_expr(self.min_ctas_per_sm > 0):
+            # the carveout is given so that the compiler need not ask a device for it (CPU AOT builds)
+            kernel.launch(grid=[ctas_x, HQK, 1], block=[self.threads, 1, 1], stream=stream,
+                          min_blocks_per_mp=self.min_ctas_per_sm, preferred_smem_carveout=100)
+        else:
+            kernel.launch(grid=[ctas_x, HQK, 1], block=[self.threads, 1, 1], stream=stream)
 
 
 @cute.jit

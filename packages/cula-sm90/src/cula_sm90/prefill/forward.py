@@ -29,9 +29,9 @@ from cula_core import cute_runtime as rt
 BT = 64
 DK = 128
 
-# the safe gate's lower bound down to which the TC stage 1 serves: its factorised score operands reach
-# e^(8 |lower_bound|) (e^64 here), far from fp32 / bf16 overflow (e^88)
-TC_LOWER_BOUND_MIN = -8.0
+# the safe gate's lower bound down to which the TC stage 1 serves (FLA's safe range): its block-boundary score
+# factors reach e^(16 |lower_bound|) (e^80 here), below fp32 / bf16 overflow (e^88.7)
+TC_LOWER_BOUND_MIN = -5.0
 
 
 INTRA, STATE = "sm90.prefill.intra", "sm90.prefill.state"
