@@ -7,9 +7,10 @@ every per-token log decay lies in (lower_bound, 0), so G changes by less than 16
 (softplus, precomputed: unbounded decays) stay on `chunk_intra.py`.
 
 One CTA (256 threads, 8 warps) per (chunk of 64 tokens, value head): grid x = NC * G chunk-major, so the G value
-heads of a q/k head's group run in adjacent CTAs and re-read q, k from L2 (q, k are L2-normalised in place as bf16,
-as FLA's l2norm output). One head per CTA keeps the kernel loop-free: a loop over the group would hold every
-swizzled shared-memory address live across it. Per CTA, in order:
+heads of a q/k head's group run in adjacent CTAs and re-read q, k from L2. One head per CTA keeps the kernel
+loop-free: a loop over the group would hold every swizzled shared-memory address live across it. Every log decay
+below is kept in base 2 (log2 e times the natural one: the gate's lower bound and A_log's rate carry the factor),
+so each exponential is one ex2; gl leaves in the natural log. Per CTA, in order:
 
     G      chunk-local cumulative log gate in fp32: thread (quarter, pair) scans 16 rows of two columns in
            registers, each quarter then adds the totals of the quarters before it; G passes through shared memory
@@ -17,23 +18,25 @@ swizzled shared-memory address live across it. Per CTA, in order:
            every operand row and qg / kg row a thread builds is its own). The block boundaries B_0 = 0,
            B_m = G[16 m - 1] (m = 1..3), B_4 = G_last go to a small table, with S_pc = e^(B_p - B_{c+1}) per channel
            for the 10 blocks (p, c), c <= p
-    build  one pass over the thread's rows (row i in block m), two exps per element plus three for qg / kg / k e^G:
-           q e^(G_i - B_m) in place of q and k e^(G_i - B_m) (row operands, <= 1), k e^(B_{m+1} - G_i) (column
-           operand, <= 1); qg = scale q e^G and kg = k e^(G_last - G) out, k e^G in place of k, gl = G_last out
+    build  one pass over the thread's rows (row i in block m), with the rows' L2 norms (16 threads per row, a
+           butterfly; the norm scales q in fp32, k is normalised to bf16 as FLA's l2norm output): q e^(G_i - B_m)
+           in place of q and k e^(G_i - B_m) (row operands, <= 1), k e^(B_{m+1} - G_i) (column operand, <= 1);
+           qg = scale q e^G and kg = k e^(G_last - G) out, k e^G in place of k, gl = G_last out
     scores Aqk[i, j] = scale (q_i e^(G_i - B_p)) . (k_j e^(B_{c+1} - G_j) S_pc)   (i in block p, j in block c, j <= i)
            L[i, j]   = beta_i (k_i e^(G_i - B_p)) . (k_j e^(B_{c+1} - G_j) S_pc)  (j < i)
            exact per term (the exponents add up to G_i - G_j; no cancellation, nothing divides by a decay); the
            column fragment is scaled by S_pc in registers after its ldmatrix (fp32 multiply, one more bf16
-           rounding). 20 mma.sync blocks (10 of Aqk, 10 of L, 16 x 16 x 128) spread over the 8 warps in three
-           slots (block_of); Aqk leaves from the accumulators, L waits in registers until its region is free
+           rounding) once for both products. The 10 pairs (p, c) over the 8 warps (pairs 8 - 9 on warps 0 - 1),
+           two mma.sync GEMMs each (16 x 16 x 128); Aqk leaves from the accumulators, L waits in registers until
+           its region is free
     Akk    (I + L)^-1 in place of L, blocked by 16: the four diagonal blocks by substitution in fp32 (warps 0-3,
            one each), then row block by row block X_bc = -X_bb sum_m L_bm X_mc on tensor cores, every fp32
            operand split into bf16 hi + lo (three mma.sync passes: ~16 bits per product, fp32 accumulation;
            FLA's solve_tril runs these products in TF32)
     w, u   (Akk diag(beta)) @ [k e^G | v] on tensor cores (Akk diag(beta) in bf16, as FLA's solve_tril output;
            8 warps, 4 along M x 2 along N, one accumulator at a time)
-Row blocks wholly past a partial chunk's end skip their scores, inverse rows, L2 norm and gate-scan quarter
-(branches uniform across the CTA or the warp); what they would have written is never read.
+Row blocks wholly past a partial chunk's end skip their scores, inverse rows and gate-scan quarter (branches
+uniform across the CTA or the warp); what they would have written is never read.
 
 Pipeline and memory: q, k (and a bf16 g) by 16-byte cp.async in one round trip (the gate's parameters and beta
 load meanwhile), v by cp.async into q's place while the inverse runs; qg, kg, w, u out with 16-byte stores (w and
@@ -68,6 +71,8 @@ R_BYTES = BT * DK * 2  # the region R: raw g, then the column operands k e^(B_{c
 PAIRS = 10  # (p, c) blocks with c <= p
 L_BYTES = BT * LPAD * 4
 SCAN_ROWS = BT // (2 * THREADS // DK)  # rows of G's two columns each scanning thread sums
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 
 
 class ChunkIntraTCKernel(common.Stage1Launch):
@@ -123,6 +128,7 @@ class ChunkIntraTCKernel(common.Stage1Launch):
             a_rate = Float32(1.0)
             if const_expr(self.has_a_log):
                 a_rate = cute.math.exp(alog[hv].to(Float32), fastmath=True)
+            a_rate = a_rate * LOG2E  # the sigmoid's exponent in base 2
             bias0 = Float32(0.0)
             bias1 = Float32(0.0)
             if const_expr(self.has_dt_bias):
@@ -133,35 +139,23 @@ class ChunkIntraTCKernel(common.Stage1Launch):
                 b = common.activate_beta(beta[t0 + tid, hv].to(Float32), self.beta_activation)
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
-            if const_expr(self.l2norm):
-                self.l2norm_rows(sQ, L, tid)
-                self.l2norm_rows(sK, L, tid)
             self.head(hv, chunk, t0, L, sQ, sK, sGin, sKc, sKr, sAk, sG, sL, sRef, sS, sB, v, g, w, u, qg, kg, aqk, gl,
                       a_rate, bias0, bias1, b, scale, lower_bound, tid)
 
     @cute.jit
-    def l2norm_rows(self, s: cute.Tensor, L: Int32, tid):
-        """x / sqrt(sum x^2 + 1e-6) per row, in place (bf16, as FLA's l2norm output); 16 threads per row, 16 rows
-        per pass; passes wholly past the chunk's end are skipped (their rows are zero)."""
-        vc = vec_copy(DK, self.threads)
-        thr = vc.get_slice(tid)
-        ps = thr.partition_S(s)
-        pd = thr.partition_D(s)
-        f = cute.make_fragment_like(ps[None, 0, None])
-        for m in cutlass.range_constexpr(cute.size(ps.shape[1])):
-            if m * BC < L:
-                cute.copy(vc, ps[None, m, None], f)
-                ss = Float32(0.0)
-                for e in cutlass.range_constexpr(8):
-                    x = f[e].to(Float32)
-                    ss += x * x
-                for off in cutlass.range_constexpr(4):
-                    ss += cute.arch.shuffle_sync_bfly(ss, offset=8 >> off)
-                rs = cute.math.rsqrt(ss + 1e-6)
-                for e in cutlass.range_constexpr(8):
-                    f[e] = (f[e].to(Float32) * rs).to(BFloat16)
-                cute.copy(vc, f, pd[None, m, None])
-        cute.arch.sync_threads()
+    def row_rnorm(self, f):
+        """1 / sqrt(sum x^2 + 1e-6) of the row whose 8 columns `f` holds in the vector copies' layout (16 threads
+        per row: a butterfly over them); 1 without the L2 norm. Rows past the chunk's end are zero: 0 * 1e3."""
+        rs = Float32(1.0)
+        if const_expr(self.l2norm):
+            ss = Float32(0.0)
+            for e in cutlass.range_constexpr(8):
+                x = f[e].to(Float32)
+                ss += x * x
+            for off in cutlass.range_constexpr(4):
+                ss += cute.arch.shuffle_sync_bfly(ss, offset=8 >> off)
+            rs = cute.math.rsqrt(ss + 1e-6)
+        return rs
 
     @cute.jit
     def head(self, hv: Int32, chunk: Int32, t0: Int32, L: Int32, sQ, sK, sGin, sKc, sKr, sAk, sG, sL, sRef, sS, sB,
@@ -174,6 +168,7 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         # 8-byte store per row); each quarter then adds the totals of the quarters before it. Rows past the end
         # add nothing (identity transitions). bf16 g came by cp.async with q and k, fp32 g by loads coalesced
         # across the warp
+        lb2 = lower_bound * LOG2E  # G is kept in base 2 (log2 e times the natural log decay) until gl leaves
         pair = tid % (DK // 2)
         quarter = tid // (DK // 2)
         col = 2 * pair
@@ -202,8 +197,8 @@ class ChunkIntraTCKernel(common.Stage1Launch):
                 # slow-path check and branch per element
                 y0 = a_rate * (part[0, mm] + bias0)
                 y1 = a_rate * (part[1, mm] + bias1)
-                s0 = lower_bound * cute.arch.rcp_approx(1.0 + cute.math.exp(-y0, fastmath=True))
-                s1 = lower_bound * cute.arch.rcp_approx(1.0 + cute.math.exp(-y1, fastmath=True))
+                s0 = lb2 * cute.arch.rcp_approx(1.0 + cute.math.exp2(-y0, fastmath=True))
+                s1 = lb2 * cute.arch.rcp_approx(1.0 + cute.math.exp2(-y1, fastmath=True))
                 if quarter * SCAN_ROWS + mm < L:
                     acc0 += s0
                     acc1 += s1
@@ -256,12 +251,13 @@ class ChunkIntraTCKernel(common.Stage1Launch):
                 bp = Float32(0.0)
                 if p > 0:
                     bp = sG[p * BC - 1, d]
-                sS[pr, d] = cute.math.exp(bp - sG[c * BC + BC - 1, d], fastmath=True)
+                sS[pr, d] = cute.math.exp2(bp - sG[c * BC + BC - 1, d], fastmath=True)
         cute.arch.sync_threads()  # G's staging area is free: the score operands and L take it
 
-        # ---- one pass over the thread's rows (row 16 m + tid // 16 of block m): with a = e^(G - B_m),
-        # cc = e^(B_{m+1} - G) (both <= 1): q a in place of q, k a (the L rows) in the L region, k cc (the
-        # columns) in R; qg = scale q e^G and kg = k e^(G_last - G) out, k e^G in place of k
+        # ---- one pass over the thread's rows (row 16 m + tid // 16 of block m), each row L2-normalised first:
+        # with a = e^(G - B_m), cc = e^(B_{m+1} - G) (both <= 1; ex2 of base-2 differences): q a in place of q,
+        # k a (the L rows) in the L region, k cc (the columns) in R; qg = scale q e^G and kg = k e^(G_last - G)
+        # out, k e^G in place of k
         pQ = tb.partition_S(sQ)
         pK = tb.partition_S(sK)
         pQd = tb.partition_D(sQ)
@@ -280,78 +276,81 @@ class ChunkIntraTCKernel(common.Stage1Launch):
             # q's products first (q dies), then k's
             cute.copy(vb, pQ[None, m, None], fx)
             cute.copy(vf, self.ref_row(sRef, m, tf), gr)
+            rq = self.row_rnorm(fx)
             for e in cutlass.range_constexpr(8):
-                fo[e] = (fx[e].to(Float32) * cute.math.exp(rG[e, m, 0] - gr[e], fastmath=True)).to(BFloat16)
+                fo[e] = (fx[e].to(Float32) * rq * cute.math.exp2(rG[e, m, 0] - gr[e], fastmath=True)).to(BFloat16)
             cute.copy(vb, fo, pQd[None, m, None])  # q is in fx: q a may take its place
             for e in cutlass.range_constexpr(8):
-                fo[e] = (fx[e].to(Float32) * scale * cute.math.exp(rG[e, m, 0], fastmath=True)).to(BFloat16)
+                fo[e] = (fx[e].to(Float32) * (rq * scale) * cute.math.exp2(rG[e, m, 0], fastmath=True)).to(BFloat16)
             if row < L:
                 cute.copy(vb, fo, gq[None, m, None])
             cute.copy(vb, pK[None, m, None], fk)
+            rk = self.row_rnorm(fk)
+            if const_expr(self.l2norm):
+                for e in cutlass.range_constexpr(8):
+                    fk[e] = (fk[e].to(Float32) * rk).to(BFloat16)
             for e in cutlass.range_constexpr(8):  # gr still holds B_m
-                fo[e] = (fk[e].to(Float32) * cute.math.exp(rG[e, m, 0] - gr[e], fastmath=True)).to(BFloat16)
+                fo[e] = (fk[e].to(Float32) * cute.math.exp2(rG[e, m, 0] - gr[e], fastmath=True)).to(BFloat16)
             cute.copy(vb, fo, pKr[None, m, None])
             cute.copy(vf, self.ref_row(sRef, m + 1, tf), gr)
             for e in cutlass.range_constexpr(8):
-                fo[e] = (fk[e].to(Float32) * cute.math.exp(gr[e] - rG[e, m, 0], fastmath=True)).to(BFloat16)
+                fo[e] = (fk[e].to(Float32) * cute.math.exp2(gr[e] - rG[e, m, 0], fastmath=True)).to(BFloat16)
             cute.copy(vb, fo, pKc[None, m, None])
             cute.copy(vf, self.ref_row(sRef, 4, tf), gr)
             for e in cutlass.range_constexpr(8):
-                fo[e] = (fk[e].to(Float32) * cute.math.exp(gr[e] - rG[e, m, 0], fastmath=True)).to(BFloat16)
+                fo[e] = (fk[e].to(Float32) * cute.math.exp2(gr[e] - rG[e, m, 0], fastmath=True)).to(BFloat16)
             if row < L:
                 cute.copy(vb, fo, gk[None, m, None])
             for e in cutlass.range_constexpr(8):
-                fo[e] = (fk[e].to(Float32) * cute.math.exp(rG[e, m, 0], fastmath=True)).to(BFloat16)
+                fo[e] = (fk[e].to(Float32) * cute.math.exp2(rG[e, m, 0], fastmath=True)).to(BFloat16)
             cute.copy(vb, fo, pKd[None, m, None])  # k e^G in place of k
         if tid < DK:
-            gl[chunk, hv, tid] = sRef[4, tid]
+            gl[chunk, hv, tid] = sRef[4, tid] * LN2
         cute.arch.sync_threads()  # every operand tile is written
 
-        # ---- scores: the 20 blocks (Aqk and L, row block p, column block c <= p) over the 8 warps, warp w taking
-        # blocks w, w + 8, w + 16 (block j: pair j // 2, Aqk if j is even, L if odd); the column operand of block
-        # (p, c) is k cc of block c scaled per channel by S_pc = e^(B_p - B_{c+1}) in registers. Aqk leaves from
-        # the accumulators; L waits in registers until every warp has read the L rows (they share its region)
+        # ---- scores: the 10 block pairs (p, c), c <= p, over the 8 warps (warp w: pair w, then warps 0 - 1: pairs
+        # 8 - 9); one warp computes both Aqk_pc and L_pc from one column fragment, k cc of block c scaled per
+        # channel by S_pc = e^(B_p - B_{c+1}) in registers. Aqk leaves from the accumulators; L waits in registers
+        # until every warp has read the k row operands (they share L's region)
         mma1 = tiled_mma(1)
         thr1 = mma1.get_slice(lane)
         cC = thr1.partition_C(cute.make_identity_tensor((BC, BC)))
         a_pair = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
         nacc = cute.size(thr1.partition_shape_C((BC, BC)))
         acc_l = cute.make_rmem_tensor(cute.make_layout((nacc, 2), stride=(1, nacc)), Float32)
-        acc_s = cute.make_rmem_tensor(thr1.partition_shape_C((BC, BC)), Float32)
-        for slot in cutlass.range_constexpr(3):
-            which, pr, active = self.block_of(slot, warp)
+        acc_q = cute.make_rmem_tensor(thr1.partition_shape_C((BC, BC)), Float32)
+        acc_k = cute.make_rmem_tensor(thr1.partition_shape_C((BC, BC)), Float32)
+        for slot in cutlass.range_constexpr(2):
+            pr = warp + 8 * slot
             p, c = self.pair_of(pr)
-            acc_s.fill(0.0)
-            if active and p * BC < L:
-                if which == 0:
-                    self.gemm_scaled(mma1, acc_s, cute.local_tile(sQ, (BC, DK), (p, 0)),
-                                     cute.local_tile(sKc, (BC, DK), (c, 0)), sS, pr, lane)
-                    for e2 in cutlass.range_constexpr(cute.size(acc_s) // 2):
-                        i, jj = cC[2 * e2]
-                        row = p * BC + i
-                        col = c * BC + jj
-                        for x in cutlass.range_constexpr(2):
-                            av = Float32(0.0)
-                            if col + x <= row:
-                                av = acc_s[2 * e2 + x] * scale
-                            a_pair[x] = av.to(BFloat16)
-                        if row < L:
-                            # aqk's strides are runtime values: the pair's 4-byte alignment is asserted
-                            off = cute.assume(cute.crd2idx((t0 + row, hv, col), aqk.layout), divby=2)
-                            cute.autovec_copy(a_pair, cute.make_tensor(aqk.iterator + off, cute.make_layout(2)))
-                else:
-                    self.gemm_scaled(mma1, acc_s, cute.local_tile(sKr, (BC, DK), (p, 0)),
-                                     cute.local_tile(sKc, (BC, DK), (c, 0)), sS, pr, lane)
-            if const_expr(slot < 2):
+            if (slot == 0 or warp < PAIRS - 8) and p * BC < L:
+                acc_q.fill(0.0)
+                acc_k.fill(0.0)
+                self.gemm_pair(mma1, acc_q, acc_k, cute.local_tile(sQ, (BC, DK), (p, 0)),
+                               cute.local_tile(sKr, (BC, DK), (p, 0)), cute.local_tile(sKc, (BC, DK), (c, 0)),
+                               sS, pr, lane)
+                for e2 in cutlass.range_constexpr(cute.size(acc_q) // 2):
+                    i, jj = cC[2 * e2]
+                    row = p * BC + i
+                    col = c * BC + jj
+                    for x in cutlass.range_constexpr(2):
+                        av = Float32(0.0)
+                        if col + x <= row:
+                            av = acc_q[2 * e2 + x] * scale
+                        a_pair[x] = av.to(BFloat16)
+                    if row < L:
+                        # aqk's strides are runtime values: the pair's 4-byte alignment is asserted
+                        off = cute.assume(cute.crd2idx((t0 + row, hv, col), aqk.layout), divby=2)
+                        cute.autovec_copy(a_pair, cute.make_tensor(aqk.iterator + off, cute.make_layout(2)))
                 for e in cutlass.range_constexpr(nacc):
-                    acc_l[e, slot] = acc_s[e]
+                    acc_l[e, slot] = acc_k[e]
         # Aqk's blocks above the diagonal: zeros (stage 2 reads whole rows)
         self.zero_upper_aqk(aqk, t0, hv, L, tid)
         cute.arch.sync_threads()  # the L rows are read: L takes their region
         for slot in cutlass.range_constexpr(2):
-            which, pr, active = self.block_of(slot, warp)
+            pr = warp + 8 * slot
             p, c = self.pair_of(pr)
-            if active and which == 1 and p * BC < L:
+            if (slot == 0 or warp < PAIRS - 8) and p * BC < L:
                 for e in cutlass.range_constexpr(nacc):
                     i, jj = cC[e]
                     row = p * BC + i
@@ -405,26 +404,6 @@ class ChunkIntraTCKernel(common.Stage1Launch):
                 cute.copy(vb, fk, gu[None, m, None])
 
     @cute.jit
-    def block_of(self, slot: cutlass.Constexpr, warp):
-        """The score block warp `warp` computes in `slot`: (which: 0 Aqk / 1 L, pair index pr, active). Slot 0:
-        L pairs 0-7; slot 1: L pairs 8-9 (warps 0-1), Aqk pairs 0-5 (warps 2-7); slot 2: Aqk pairs 6-9 (warps
-        0-3). L results wait in registers (slots 0 and 1 only) until L's region is free."""
-        which = Int32(1)
-        pr = warp
-        active = True
-        if const_expr(slot == 1):
-            if warp >= 2:
-                which = Int32(0)
-                pr = warp - 2
-            else:
-                pr = warp + 8
-        if const_expr(slot == 2):
-            which = Int32(0)
-            pr = warp + 6
-            active = warp < 4
-        return which, pr, active
-
-    @cute.jit
     def pair_of(self, pr):
         """(p, c) of pair index pr = p (p + 1) / 2 + c, c <= p < 4."""
         p = Int32(0)
@@ -434,30 +413,37 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         return p, pr - p * (p + 1) // 2
 
     @cute.jit
-    def gemm_scaled(self, mma, acc, sA, sB, sS, pr, lane):
-        """acc += sA @ (sB diag(S_pr))^T for one warp (16 x 16 x 128): ldmatrix fragments k-block by k-block, the
-        B fragment scaled per channel (its k index) by row pr of the S table in fp32, then rounded to bf16."""
+    def gemm_pair(self, mma, acc_q, acc_k, sQr, sKr, sKc, sS, pr, lane):
+        """acc_q += sQr @ (sKc diag(S_pr))^T and acc_k += sKr @ (sKc diag(S_pr))^T for one warp (16 x 16 x 128 each):
+        ldmatrix fragments k-block by k-block; the column fragment is scaled once per channel (its k index) by row
+        pr of the S table in fp32, rounded to bf16, and feeds both products. The S values come through a view of
+        that row with row stride 0, partitioned like the column operand (each fragment element meets its own
+        channel's factor)."""
         thr = mma.get_slice(lane)
-        fA = cute.local_tile(sA, (BC, 16), (0, 0))
-        fB = cute.local_tile(sB, (BC, 16), (0, 0))
-        rA = thr.make_fragment_A(thr.partition_A(fA))
-        rB = thr.make_fragment_B(thr.partition_B(fB))
-        cB = thr.partition_B(cute.make_identity_tensor((BC, 16)))  # (column, k) of each B element
+        rQ = thr.make_fragment_A(thr.partition_A(cute.local_tile(sQr, (BC, 16), (0, 0))))
+        rK = thr.make_fragment_A(thr.partition_A(cute.local_tile(sKr, (BC, 16), (0, 0))))
+        rB = thr.make_fragment_B(thr.partition_B(cute.local_tile(sKc, (BC, 16), (0, 0))))
+        pS = thr.partition_B(cute.make_tensor(sS.iterator + pr * DK, cute.make_layout((BC, DK), stride=(0, 1))))
+        rS = cute.make_fragment_like(pS[None, None, 0], Float32)
         ldA = ldmatrix_copy_A(mma, BFloat16, False)
         ldB = ldmatrix_copy_B(mma, BFloat16, False)
         tA = ldA.get_slice(lane)
         tB = ldB.get_slice(lane)
-        srcA = tA.partition_S(sA)
-        srcB = tB.partition_S(sB)
-        dstA = tA.retile(rA)
+        srcQ = tA.partition_S(sQr)
+        srcK = tA.partition_S(sKr)
+        srcB = tB.partition_S(sKc)
+        dstQ = tA.retile(rQ)
+        dstK = tA.retile(rK)
         dstB = tB.retile(rB)
-        for kb in cutlass.range(DK // 16, unroll=2):
-            cute.copy(ldA, srcA[None, None, kb], dstA[None, None, 0])
+        for kb in cutlass.range_constexpr(DK // 16):
             cute.copy(ldB, srcB[None, None, kb], dstB[None, None, 0])
+            cute.autovec_copy(pS[None, None, kb], rS)
+            cute.copy(ldA, srcQ[None, None, kb], dstQ[None, None, 0])
+            cute.copy(ldA, srcK[None, None, kb], dstK[None, None, 0])
             for e in cutlass.range_constexpr(cute.size(rB)):
-                _, kk = cB[e]
-                rB[e] = (rB[e].to(Float32) * sS[pr, kb * 16 + kk]).to(BFloat16)
-            cute.gemm(mma, acc, rA[None, None, 0], rB[None, None, 0], acc)
+                rB[e] = (rB[e].to(Float32) * rS[e]).to(BFloat16)
+            cute.gemm(mma, acc_q, rQ[None, None, 0], rB[None, None, 0], acc_q)
+            cute.gemm(mma, acc_k, rK[None, None, 0], rB[None, None, 0], acc_k)
 
     @cute.jit
     def zero_upper_aqk(self, aqk, t0, hv, L, tid):
