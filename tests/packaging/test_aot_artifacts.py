@@ -68,3 +68,5 @@ def test_prefill_dispatch_resolves_to_shipped_configurations(lower_bound):
             assert (forward.INTRA, config) in shipped, config
         for affine, cols in itertools.product((False, True), (64, 128)):
             assert (forward.STATE, forward.state_config(affine, qkv, cols)) in shipped
+            if not affine:  # V-first states (FLA's layers) reach the normal pass as they are
+                assert (forward.STATE, forward.state_config(affine, qkv, cols, True)) in shipped

@@ -63,6 +63,29 @@ def test_stage2_compiles(affine, cols):
         fn(1)
 
 
+@pytest.mark.parametrize("cols", [128, 64])
+def test_stage2_compiles_with_v_first_states(cols):
+    """The normal pass indexes [N, HV, V, K] initial / final states itself (FLA's state_v_first); the affine-map
+    pass, whose output is an internal K-first buffer, has no such variant."""
+    from cula_sm90.prefill import forward
+    from cula_sm90.prefill.chunk_state_wg import ChunkStateWGKernel
+
+    fn = forward.compile_state(False, torch.bfloat16, cols, True)
+    with pytest.raises(TypeError, match="Expects 17 parameters"):
+        fn(1)
+    with pytest.raises(AssertionError, match="K-first"):
+        ChunkStateWGKernel(True, cols, True)
+
+
+def test_prefill_serves_v_first_states_natively():
+    """Core hands the sm90 prefill V-first states as they are (no transposing copies around the kernels)."""
+    from cula_sm90 import prefill
+
+    assert prefill.serves_state_v_first(type("Call", (), {"op": "chunk_kda"})())
+    assert prefill.serves_state_v_first(type("Call", (), {"op": "kda_prefill"})())
+    assert not prefill.serves_state_v_first(type("Call", (), {"op": "kda_decode"})())
+
+
 def test_stage2_width_fills_the_sms():
     """128 state columns per CTA unless 64-column CTAs still fit in one wave; the CP planner is told the CTAs per
     (segment, head) that width gives."""

@@ -155,6 +155,31 @@ def test_cp_on_equals_off(lens, HV):
         check(o_on, ht_on, o_r, ht_r, "cp")
 
 
+@pytest.mark.parametrize(("op", "cp"), [("kda_prefill", False), ("kda_prefill", True), ("chunk_kda", False)],
+                         ids=["kda_prefill-serial", "kda_prefill-cp", "chunk_kda"])
+def test_v_first_states_equal_k_first_transposed(op, cp):
+    """state_v_first=True: stage 2 reads the [N, HV, V, K] initial state and writes the final state so, with no
+    copies around it: o identical to the K-first call's, the final state its transpose (bit for bit without CP: the
+    same arithmetic, another address; to fp32 rounding with CP, whose scan multiplies a transposed view).
+    chunk_kda does not run intra-card CP."""
+    lens = [20000, 1, 0, 700]
+    cu_cpu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    q, k, v, g, beta, A_log, dt_bias = make_raw(1, sum(lens), 2, 4, gate="safe", seed=11)
+    gkw = gate_kwargs("safe", A_log, dt_bias)
+    h0 = torch.randn(len(lens), 4, 128, 128, device="cuda")
+    kw = dict(cu_seqlens=cu_cpu.cuda(), cu_seqlens_cpu=cu_cpu, **({"intracard_cp": cp} if op == "kda_prefill" else {}))
+    o_k, ht_k = run_ours(q, k, v, g, beta, gkw, op=op, initial_state=h0, **kw)
+    h0_v = h0.transpose(-1, -2).contiguous()
+    o_v, ht_v = run_ours(q, k, v, g, beta, gkw, op=op, initial_state=h0_v, state_v_first=True, **kw)
+    assert torch.equal(h0_v, h0.transpose(-1, -2))  # the input is left as it was
+    assert ht_v.shape == (len(lens), 4, 128, 128) and ht_v.is_contiguous()
+    if cp:
+        assert rel_err(ht_v, ht_k.transpose(-1, -2)) <= 1e-6 and rel_err(o_v, o_k) <= 1e-6
+    else:
+        assert torch.equal(ht_v, ht_k.transpose(-1, -2)) and torch.equal(o_v, o_k)
+    assert torch.equal(ht_v[2], h0_v[2])  # the empty sequence hands its initial state through
+
+
 @pytest.mark.parametrize("lens", [None, [700, 1, 0, 2000, 65]], ids=["B2-T1000", "varlen"])
 def test_vs_flashkda(lens):
     """cula and FlashKDA (MoonshotAI's CUTLASS forward) on the same bf16 inputs, in FlashKDA's setup: safe gate

@@ -59,7 +59,7 @@ def _intra_emulator(gate, beta_activation, l2norm, has_a_log, has_dt_bias, qkv_d
     return run
 
 
-def _state_emulator(affine, o_dtype, cols):
+def _state_emulator(affine, o_dtype, cols, state_v_first=False):
     def run(w, u, qg, kg, aqk, gl, seg, h0, ht, o, TT, NC, S, HV, NH0, NHT, _s):
         d = torch.float64
         w, u, qg, kg = (_at(a, bf16, TT, HV, K) for a in (w, u, qg, kg))
@@ -77,6 +77,7 @@ def _state_emulator(affine, o_dtype, cols):
                     h = torch.cat([torch.eye(K, dtype=d), torch.zeros(K, K, dtype=d)], 1)
                 else:
                     h = h0()[h0_idx, hv].double() if h0_idx >= 0 else torch.zeros(K, K, dtype=d)
+                    h = h.T if state_v_first else h  # [V, K] storage
                 for ci, t0 in enumerate(range(start, end, BT)):
                     t1 = min(t0 + BT, end)
                     uu = u[t0:t1, hv].double()
@@ -88,7 +89,7 @@ def _state_emulator(affine, o_dtype, cols):
                         o[t0:t1, hv] = (qg[t0:t1, hv].double() @ h + A @ vn).to(o.dtype)
                     h = torch.exp(gl[chunk0 + ci, hv].double())[:, None] * h + kg[t0:t1, hv].double().T @ vn
                 if ht_idx >= 0:
-                    ht()[ht_idx, hv] = h.float()
+                    ht()[ht_idx, hv] = (h.T if state_v_first else h).float()
     return run
 
 
@@ -116,11 +117,13 @@ def _inputs(lens, HV, seed=0):
     return q, k, v, g, beta, h0, cu
 
 
-def _call(fwd, x, cp, host=True):
+def _call(fwd, x, cp, host=True, state_v_first=False):
     q, k, v, g, beta, h0, cu = x
+    if state_v_first:
+        h0 = h0.transpose(-1, -2).contiguous()
     return fwd.prefill(q, k, v, g, beta, None, None, h0, cu, cu if host else None, scale=K ** -0.5,
                        output_final_state=True, use_qk_l2norm_in_kernel=True, gate="precomputed", lower_bound=None,
-                       beta_activation="none", intracard_cp=cp)
+                       beta_activation="none", intracard_cp=cp, state_v_first=state_v_first)
 
 
 def _rel(a, b):
@@ -152,6 +155,21 @@ def test_cp_host_path_equals_serial_and_reference(fwd, lens):
             assert torch.equal(ht_on[n], h0[n])
 
 
+@pytest.mark.parametrize("lens", [[3000], [4000, 3, 4500]])
+def test_v_first_states_reach_stage_2_as_they_are(fwd, lens):
+    """With state_v_first the initial states go to stage 2 in [N, HV, V, K] and the final states come back so,
+    with and without CP (the pieces' scanned initial states are stored V-first too): the K-first call's states,
+    transposed, to fp32 rounding; o unchanged. A scan that forgot the layout would apply M to a transposed h0."""
+    HV = 2
+    x = _inputs(lens, HV, seed=7)
+    for cp in ("off", "on"):
+        o_k, ht_k = _call(fwd, x, cp)
+        o_v, ht_v = _call(fwd, x, cp, state_v_first=True)
+        assert ht_v.shape == ht_k.shape
+        assert _rel(ht_v, ht_k.transpose(-1, -2)) < 1e-6, cp
+        assert _rel(o_v.float(), o_k.float()) < 1e-6, cp
+
+
 def test_cp_mode_and_pieces_come_from_the_arguments_not_the_environment(fwd, monkeypatch):
     """`intracard_cp` and `cp_pieces` decide the split; variables of the environment (the switches earlier versions
     read) change nothing. The affine-map pass runs over one row per piece but the last."""
@@ -159,9 +177,9 @@ def test_cp_mode_and_pieces_come_from_the_arguments_not_the_environment(fwd, mon
     monkeypatch.setenv("CULA_SM90_CP_PIECES", "2")
     map_rows = []
 
-    def state(affine, o_dtype, cols):
+    def state(affine, o_dtype, cols, state_v_first=False):
         assert cols == 64  # 2 (sequence, head) pairs: 64-column CTAs (forward.state_cols)
-        run = _state_emulator(affine, o_dtype, cols)
+        run = _state_emulator(affine, o_dtype, cols, state_v_first)
 
         def record(*args):
             if affine:

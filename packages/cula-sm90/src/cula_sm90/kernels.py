@@ -62,8 +62,9 @@ def prefill_configurations() -> list[tuple[str, tuple]]:
     for qkv, g, beta, act, (gate, params, kind) in itertools.product(QKV_DTYPES, GATE_INPUT_DTYPES, GATE_INPUT_DTYPES,
                                                                      PREFILL_BETA_ACTIVATIONS, gates):
         out.append((forward.INTRA, forward.intra_config(gate, act, True, params, params, qkv, g, beta, kind)))
-    for qkv, affine, cols in itertools.product(QKV_DTYPES, (False, True), (64, 128)):
-        out.append((forward.STATE, forward.state_config(affine, qkv, cols)))
+    for qkv, affine, cols, v_first in itertools.product(QKV_DTYPES, (False, True), (64, 128), (False, True)):
+        if not (affine and v_first):  # the affine-map pass writes an internal, K-first buffer
+            out.append((forward.STATE, forward.state_config(affine, qkv, cols, v_first)))
     return out
 
 

@@ -318,7 +318,10 @@ def chunk_kda(
     args = (*tensors, call.cu_seqlens, call.cu_seqlens_cpu, call.scale, bool(output_final_state),
             bool(use_qk_l2norm_in_kernel), call.gate, call.lower_bound, call.beta_activation, requires_grad,
             call.state_v_first)
-    if eager(args):
+    if eager(args) and not requires_grad:
+        # inference: no graph to record, so no autograd.Function around the forward (its bookkeeping is host time)
+        o, final_state, _Aqk, _Akk = _chunk_kda(*args)
+    elif eager(args):
         o, final_state, _Aqk, _Akk = _EagerChunkKda.apply(*args)
     else:
         o, final_state, _Aqk, _Akk = torch.ops.cula.chunk_kda(*args)

@@ -34,6 +34,11 @@ def unsupported_reason(call) -> str | None:
     return None
 
 
+def serves_state_v_first(call) -> bool:
+    # stage 2 indexes [N, HV, V, K] initial and final states itself (a compile-time layout; K = V): no copies
+    return call.op in OPS
+
+
 def kernel(op: str):
     if op not in OPS:
         raise NotImplementedError(f"sm90 has no kernel for {op}")

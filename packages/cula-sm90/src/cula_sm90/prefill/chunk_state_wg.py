@@ -30,7 +30,9 @@ C = 128, 168.5 KiB at C = 64; one CTA (8 warps) per SM.
 Modes (compile time): normal (h0_idx / ht_idx from the segment table, o written) or affine (the CP map pass over
 the augmented state [M | c], K + V = 256 columns: the M columns start from the identity with u = 0, the c
 columns from zero; no qg, Aqk or o). Segment table `seg` [S, 5] int32: (first token, end token, first global
-chunk, h0_idx, ht_idx). Assumes K = V = 128 and 16-byte aligned intermediates and o (allocated by forward.py).
+chunk, h0_idx, ht_idx). States h0 / ht are [rows, HV, K, V] fp32, or [rows, HV, V, K] with `state_v_first` (FLA's
+state_v_first layout, indexed as it is: no transposing copy; normal mode only). Assumes K = V = 128 and 16-byte
+aligned intermediates and o (allocated by forward.py).
 """
 
 from __future__ import annotations
@@ -61,11 +63,13 @@ def _subtract_from(acc: cute.Tensor, s: cute.Tensor):
 
 class ChunkStateWGKernel:
     """`cols`: state columns per CTA, 128 (each chunk's w, qg, kg, Aqk loaded once for 128 columns) or 64 (twice
-    the CTAs, for grids that would not fill the SMs at 128)."""
+    the CTAs, for grids that would not fill the SMs at 128). `state_v_first`: h0 and ht laid out [.., V, K]."""
 
-    def __init__(self, affine: bool, cols: int):
+    def __init__(self, affine: bool, cols: int, state_v_first: bool = False):
         assert cols in (64, 128)
+        assert not (affine and state_v_first), "the affine-map pass writes the internal maps buffer, K-first"
         self.affine = affine
+        self.state_v_first = state_v_first
         self.cols = cols
         self.wg_cols = cols // WARPGROUPS
         self.threads = WG_THREADS * WARPGROUPS
@@ -84,12 +88,19 @@ class ChunkStateWGKernel:
         aqk = cute.make_tensor(aqk_ptr, cute.make_layout((TT, HV, BT), stride=(HV * BT, BT, 1)))
         gl = cute.make_tensor(gl_ptr, cute.make_layout((NC, HV, DK), stride=(HV * DK, DK, 1)))
         seg = cute.make_tensor(seg_ptr, cute.make_layout((S, 5), stride=(5, 1)))
-        h0 = cute.make_tensor(h0_ptr, cute.make_layout((NH0, HV, DK, DK), stride=(HV * DK * DK, DK * DK, DK, 1)))
+        # element (row, head, k, v): v contiguous, or with state_v_first k contiguous ([.., V, K] storage)
+        state_kv = (DK, 1)
+        if const_expr(self.state_v_first):
+            state_kv = (1, DK)
+        h0 = cute.make_tensor(h0_ptr, cute.make_layout((NH0, HV, DK, DK), stride=(HV * DK * DK, DK * DK, *state_kv)))
         width = DK
         if const_expr(self.affine):
             width = 2 * DK
+        ht_kv = (width, 1)
+        if const_expr(self.state_v_first):
+            ht_kv = state_kv
         ht = cute.make_tensor(ht_ptr, cute.make_layout((NHT, HV, DK, width),
-                                                       stride=(HV * DK * width, DK * width, width, 1)))
+                                                       stride=(HV * DK * width, DK * width, *ht_kv)))
         self.kernel(w, u, qg, kg, aqk, gl, seg, h0, ht, o).launch(
             grid=[S, HV, width // self.cols], block=[self.threads, 1, 1], stream=stream)
 

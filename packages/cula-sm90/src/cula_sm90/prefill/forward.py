@@ -99,9 +99,10 @@ def state_cols(seq_heads: int, num_sms: int) -> int:
     return 64 if 2 * seq_heads <= num_sms else 128
 
 
-def state_config(affine: bool, o_dtype: torch.dtype, cols: int) -> tuple:
-    """Compile-time configuration of stage 2 (chunk_state_wg, `cols` state columns per CTA)."""
-    return (bool(affine), o_dtype, int(cols))
+def state_config(affine: bool, o_dtype: torch.dtype, cols: int, state_v_first: bool = False) -> tuple:
+    """Compile-time configuration of stage 2 (chunk_state_wg, `cols` state columns per CTA; `state_v_first`:
+    initial and final states [N, HV, V, K], normal mode only)."""
+    return (bool(affine), o_dtype, int(cols), bool(state_v_first))
 
 
 def _build_state(config: tuple):
@@ -109,9 +110,9 @@ def _build_state(config: tuple):
 
     from cula_sm90.prefill.chunk_state_wg import ChunkStateWGKernel
 
-    affine, o_dtype, cols = config
+    affine, o_dtype, cols, state_v_first = config
     p, f32 = rt.fake_ptr, torch.float32
-    return ChunkStateWGKernel(affine, cols), (
+    return ChunkStateWGKernel(affine, cols, state_v_first), (
         *(p(torch.bfloat16, 16) for _ in range(5)), p(f32, None), p(torch.int32, None), p(f32, None), p(f32, None),
         p(o_dtype, 16), *(cutlass.Int32(1) for _ in range(6)), rt.fake_stream())
 
@@ -138,9 +139,10 @@ def compile_intra(gate: str, beta_activation: str, l2norm: bool, has_a_log: bool
 
 
 @functools.cache
-def compile_state(affine: bool, o_dtype: torch.dtype, cols: int):
-    """Stage 2's launchable function (normal or affine-map mode, `cols` state columns per CTA: state_cols)."""
-    return rt.get(STATE, state_config(affine, o_dtype, cols))
+def compile_state(affine: bool, o_dtype: torch.dtype, cols: int, state_v_first: bool = False):
+    """Stage 2's launchable function (normal or affine-map mode, `cols` state columns per CTA: state_cols;
+    `state_v_first`: states [N, HV, V, K])."""
+    return rt.get(STATE, state_config(affine, o_dtype, cols, state_v_first))
 
 
 def _host_lengths(B, T, cu_seqlens, cu_seqlens_cpu):
@@ -261,7 +263,7 @@ class Launch(NamedTuple):
     """What the two stages of one call shape take besides the call's own addresses (launch_spec)."""
 
     intra: Callable           # stage 1
-    state: Callable           # stage 2 (normal mode)
+    state: Callable           # stage 2 (normal mode, in the call's state layout)
     tables: dict              # device tables (planned_device_tables / _device_tables), held here
     table_addrs: tuple        # addresses of tables["cu"], tables["co"], tables["seg"]
     split: bool               # the tables' CP plan splits a sequence: the affine-map pass and the scan run
@@ -274,8 +276,9 @@ class Launch(NamedTuple):
 
 
 def launch_spec(B, T, HQK, HV, N, tables, qkv_dtype, g_dtype, beta_dtype, has_a_log, has_dt_bias, h0_rows, want_ht,
-                scale, l2norm, gate, lower_bound, beta_activation) -> Launch:
-    """The Launch of a call shape with its tables (`h0_rows` 0: no initial state)."""
+                scale, l2norm, gate, lower_bound, beta_activation, state_v_first=False) -> Launch:
+    """The Launch of a call shape with its tables (`h0_rows` 0: no initial state; `state_v_first`: states
+    [N, HV, V, K])."""
     TT = B * T
     NC = max(tables["NC"], 1)
     nbytes, offsets = scratch_layout(TT, HV, NC)
@@ -285,7 +288,7 @@ def launch_spec(B, T, HQK, HV, N, tables, qkv_dtype, g_dtype, beta_dtype, has_a_
                           beta_dtype, kind)
     seg = tables["seg"]
     plan = tables["plan"]
-    return Launch(intra, compile_state(False, qkv_dtype, tables["state_cols"]), tables,
+    return Launch(intra, compile_state(False, qkv_dtype, tables["state_cols"], state_v_first), tables,
                   (tables["cu"].data_ptr(), tables["co"].data_ptr(), seg.data_ptr()),
                   plan is not None and plan.split, nbytes, offsets,
                   (TT, N, NC, search_steps(N), HQK, HV // HQK, float(scale), lb),
@@ -295,12 +298,13 @@ def launch_spec(B, T, HQK, HV, N, tables, qkv_dtype, g_dtype, beta_dtype, has_a_
 
 @functools.lru_cache(maxsize=256)
 def uniform_launch_spec(B, T, HQK, HV, device, intracard_cp, cp_pieces, qkv_dtype, g_dtype, beta_dtype, has_a_log,
-                        has_dt_bias, h0_rows, want_ht, scale, l2norm, gate, lower_bound, beta_activation) -> Launch:
+                        has_dt_bias, h0_rows, want_ht, scale, l2norm, gate, lower_bound, beta_activation,
+                        state_v_first=False) -> Launch:
     """launch_spec of B sequences of T tokens (no cu_seqlens), cached by every argument: a repeated call shape
     goes straight to its launches."""
     tables = host_length_tables((T,) * B, HV, device, intracard_cp, h0_rows > 0, want_ht, cp_pieces)
     return launch_spec(B, T, HQK, HV, B, tables, qkv_dtype, g_dtype, beta_dtype, has_a_log, has_dt_bias, h0_rows,
-                       want_ht, scale, l2norm, gate, lower_bound, beta_activation)
+                       want_ht, scale, l2norm, gate, lower_bound, beta_activation, state_v_first)
 
 
 _READ_DTYPES = (torch.bfloat16, torch.float32)  # g and beta are read in these dtypes as they are, others as fp32
@@ -308,10 +312,11 @@ _READ_DTYPES = (torch.bfloat16, torch.float32)  # g and beta are read in these d
 
 def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *, scale,
             output_final_state, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, intracard_cp="off",
-            cp_pieces=None):
+            cp_pieces=None, state_v_first=False):
     """The prefill of cula_core's `kda_prefill` custom op on validated, contiguous tensors (its argument order);
     `intracard_cp` "on" / "off" / "auto" as the planner takes it; `cp_pieces` forces that many CP pieces per long
-    sequence (benchmarks; None: the planner's rule)."""
+    sequence (benchmarks; None: the planner's rule); `state_v_first`: initial and final states [N, HV, V, K]
+    (FLA's layout), indexed by stage 2 as they are (K = V, so the shapes match)."""
     B, T, HQK, K = q.shape
     HV = v.shape[2]
     device = q.device
@@ -331,7 +336,7 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     if cu_seqlens is None:
         spec = uniform_launch_spec(B, T, HQK, HV, device, intracard_cp, cp_pieces, q.dtype, g.dtype, beta.dtype,
                                    A_log is not None, dt_bias is not None, h0_rows, want_ht, scale,
-                                   use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation)
+                                   use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, bool(state_v_first))
     else:
         lengths = _host_lengths(B, T, cu_seqlens, cu_seqlens_cpu)
         if lengths is not None:
@@ -340,7 +345,7 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
             tables = _device_tables(B, T, N, HV, cu_seqlens, device, has_h0, want_ht)
         spec = launch_spec(B, T, HQK, HV, N, tables, q.dtype, g.dtype, beta.dtype, A_log is not None,
                            dt_bias is not None, h0_rows, want_ht, scale, use_qk_l2norm_in_kernel, gate, lower_bound,
-                           beta_activation)
+                           beta_activation, bool(state_v_first))
 
     # stage 1's outputs live in one scratch allocation, addressed by offset (scratch_layout); its base also
     # stands for every absent optional tensor (a kernel never reads one)
@@ -378,6 +383,7 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     maps = torch.empty(R, HV, K, 2 * K, dtype=torch.float32, device=device)
     compile_state(True, v.dtype, tables["state_cols"])(w, u, qg, kg, aqk, gl, map_seg.data_ptr(), base,
                                                        maps.data_ptr(), o.data_ptr(), TT, NC, R, HV, 1, R, stream)
+    # the pieces' initial states, in the call's state layout (the main pass reads them as it reads initial_state)
     starts = torch.empty(S, HV, K, K, dtype=torch.float32, device=device)
     if has_h0:
         starts[tables["firsts"]] = initial_state
@@ -395,8 +401,9 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
         composed[dst] = step
     reached = composed[..., K:]
     if has_h0:
-        reached = composed[..., :K] @ initial_state[tables["scan_seq"]].double() + reached
-    starts[tables["scan_dst"]] = reached.float()
+        h0 = initial_state[tables["scan_seq"]].double()
+        reached = composed[..., :K] @ (h0.transpose(-1, -2) if state_v_first else h0) + reached
+    starts[tables["scan_dst"]] = (reached.transpose(-1, -2) if state_v_first else reached).float()
     spec.state(w, u, qg, kg, aqk, gl, seg_addr, starts.data_ptr(), ht, o.data_ptr(),
                TT, NC, S, HV, S, N if final is not None else 1, stream)
     return o, final
