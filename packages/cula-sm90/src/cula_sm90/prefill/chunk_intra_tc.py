@@ -473,8 +473,9 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         block (b = 1..3), warp c + 4 h (c < b, h < 2) computes columns [8 h, 8 h + 8) of X_bc = -X_bb T,
         T = sum_{c <= m < b} L_bm X_mc, on tensor cores: mma.sync m16n8k16 with every fp32 operand split into
         bf16 hi + lo (hi hi + hi lo + lo hi: ~16 bits per product, fp32 accumulation). T is staged in X_bc's
-        place (one warp writes and reads it back: warp barriers); one CTA barrier per row block (the next one
-        reads X_bc). Row blocks wholly past the chunk's end are skipped (their rows of X are never read)."""
+        place, L_bc's, once every warp of the row block has its sum (a CTA barrier: the warps of the columns
+        left of c read L_bc), and read back by its own warp (warp barriers); a CTA barrier ends each row block
+        (the next one reads X_bc). Row blocks wholly past the chunk's end are skipped (their rows of X are never read)."""
         b0 = (warp % 4) * BC
         j = lane % BC
         if warp < 4 and b0 < L:
@@ -522,6 +523,9 @@ class ChunkIntraTCKernel(common.Stage1Launch):
                     self.load_split(sL, cA, a_hi, a_lo, r0, m * BC, False)
                     self.load_split(sL, cB, b_hi, b_lo, m * BC, col0, True)
                     self.mma_split(mma, acc, a_hi, a_lo, b_hi, b_lo)
+        # T takes the place of L_bc, which the warps of the columns left of c still read for their own sums
+        cute.arch.sync_threads()
+        if c < bb:
             for e in cutlass.range_constexpr(cute.size(acc)):
                 i, n = cC[e]
                 sL[r0 + i, col0 + n] = acc[e]
