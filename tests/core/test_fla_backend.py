@@ -188,13 +188,17 @@ def test_v_first_states_and_their_deprecated_alias(monkeypatch):
 
 @needs_fla
 def test_flash_kda_runs_the_inference_calls_it_serves(monkeypatch):
-    # the preference table says FlashKDA for every shape: where FlashKDA accepts an inference call, cula declines
+    # the preference table gives FlashKDA the calls below 4096 tokens: where FlashKDA accepts such an inference
+    # call, cula declines; from 4096 tokens on cula takes it
     from fla.ops.kda.backends.flash_kda import FlashKDABackend
 
     monkeypatch.setattr(FlashKDABackend, "is_available", classmethod(lambda cls: True))
     monkeypatch.setattr(FlashKDABackend, "chunk_kda_verifier", lambda self, *a, **kw: (True, None))
     with torch.no_grad():
         assert verify(**inputs()) == (
+            False, "FlashKDA serves this call and is faster on its shape (cula.fla.PREFERENCE_VS_FLASH_KDA)")
+        assert verify(**inputs(T=2048, B=2)) == (True, None)  # 4096 tokens
+        assert verify(**inputs(T=4095)) == (
             False, "FlashKDA serves this call and is faster on its shape (cula.fla.PREFERENCE_VS_FLASH_KDA)")
     assert verify(**inputs(requires_grad=True)) == (True, None)  # training: FlashKDA runs inference only
     monkeypatch.setenv("FLA_FLASH_KDA", "0")  # FlashKDA switched off in FLA: cula takes the call

@@ -96,10 +96,13 @@ class PreferenceRow:
 
 #: Which of cula and FlashKDA runs a chunk_kda call both serve (FlashKDA serves inference only: bf16,
 #: K = V = 128, HV == HQK, the safe gate in kernel, V-first states). The last row whose `tokens` the call reaches
-#: decides. Chosen by measurement (``cula.kda_prefill`` against ``flash_kda.fwd`` on the same bf16 inputs, safe
-#: gate); docs/using_cula_from_fla_vllm_sglang.md quotes the rows and their numbers.
+#: decides. Chosen by measurement through FLA's own dispatch (``python -m tools.bench.fla_dispatch``: FLA's
+#: chunk_kda handed to each backend, on the same bf16 inputs, H100 and H200); below 4096 tokens a call is
+#: bound by host time, where the two trade places from run to run, so FlashKDA keeps them.
+#: docs/using_cula_from_fla_vllm_sglang.md quotes the rows and their numbers.
 PREFERENCE_VS_FLASH_KDA: tuple[PreferenceRow, ...] = (
-    PreferenceRow(0, "flash_kda", "docs/benchmarks/prefill.md"),
+    PreferenceRow(0, "flash_kda", "docs/benchmarks/fla_dispatch.md"),
+    PreferenceRow(4096, "cula", "docs/benchmarks/fla_dispatch.md"),
 )
 
 
