@@ -142,3 +142,23 @@ def test_prefill_plan_makes_no_graph_and_matches_without_grad():
         assert o.grad_fn is None and not o.requires_grad and s.grad_fn is None and not s.requires_grad
         assert torch.equal(o, o_ref) and torch.equal(s, s_ref)
     assert plans.count() == 1  # requires_grad is not part of the signature: one plan serves both
+
+
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_chunk_kda_inference_plan_matches_the_full_path_bitwise(state_v_first):
+    """chunk_kda with nothing to record (no input requiring grad): a repeated call runs its plan, bitwise the full
+    path's results, in the caller's state layout."""
+    plans.forget()
+    x, kw = _prefill_inputs()
+    kw = dict(kw, state_v_first=state_v_first)
+
+    def call(q=None):
+        return cula.chunk_kda(x["q"] if q is None else q, x["k"], x["v"], x["g"], x["beta"], **kw)
+
+    o_first, s_first = call()
+    assert plans.count() == 1
+    o_full, s_full = call(q=_strided(x["q"]))
+    o_plan, s_plan = call()
+    assert plans.count() == 1
+    assert torch.equal(o_plan, o_full) and torch.equal(s_plan, s_full)
+    assert torch.equal(o_first, o_full) and torch.equal(s_first, s_full)

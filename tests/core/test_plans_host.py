@@ -109,6 +109,53 @@ def test_prefill_plan_checks_host_lengths_every_call():
     assert plans.count() == 1
 
 
+@pytest.mark.parametrize("state_v_first", [False, True])
+def test_chunk_kda_inference_plan_matches_the_full_path_bitwise(state_v_first):
+    """chunk_kda without a graph to record (grad disabled, or no input requiring grad) runs a plan on a repeated
+    signature: the full path's results bitwise, the states in the caller's layout, a new final state."""
+    x, kw = _prefill_inputs()
+    if state_v_first:
+        kw.update(state_v_first=True, initial_state=kw["initial_state"].transpose(-1, -2).contiguous())
+    o_first, s_first = cula.chunk_kda(*x, **kw)
+    assert plans.count() == 1
+    o_full, s_full = cula.chunk_kda(_strided(x[0]), *x[1:], **kw)
+    with torch.no_grad():
+        o_plan, s_plan = cula.chunk_kda(*x, **kw)
+    assert plans.count() == 1
+    assert torch.equal(o_plan, o_full) and torch.equal(s_plan, s_full)
+    assert torch.equal(o_first, o_full) and torch.equal(s_first, s_full)
+    assert s_plan.data_ptr() != kw["initial_state"].data_ptr()
+    o_none, s_none = cula.chunk_kda(*x, **dict(kw, output_final_state=False))
+    assert s_none is None and torch.equal(o_none, o_full)
+
+
+def test_chunk_kda_with_grad_takes_no_plan_and_keeps_its_graph():
+    """An input that requires grad (grad enabled) makes chunk_kda record its graph: no plan is made or used, even
+    after an inference call of the same signature made one."""
+    x, kw = _prefill_inputs()
+    cula.chunk_kda(*x, **kw)
+    assert plans.count() == 1
+    x[0].requires_grad_(True)
+    o, s = cula.chunk_kda(*x, **kw)
+    assert o.grad_fn is not None and s.grad_fn is not None
+    (o.sum() + s.sum()).backward()
+    assert x[0].grad is not None and x[0].grad.abs().sum() > 0
+    assert plans.count() == 1
+    with torch.no_grad():  # the same tensors under no_grad: inference again, the plan runs
+        o2, _ = cula.chunk_kda(*x, **kw)
+    assert o2.grad_fn is None and torch.equal(o2, o.detach())
+
+
+def test_chunk_kda_plan_checks_host_lengths_every_call():
+    x, kw = _prefill_inputs()
+    cula.chunk_kda(*x, **kw)
+    bad = kw["cu_seqlens_cpu"].clone()
+    bad[1] = bad[2] + 1
+    with pytest.raises(ValueError, match="must hold the values of cu_seqlens"):
+        cula.chunk_kda(*x, **dict(kw, cu_seqlens_cpu=bad))
+    assert plans.count() == 1
+
+
 def _decode_inputs(N=3, T=1, P=6):
     x = [torch.randn(N, T, H, K) for _ in range(4)] + [torch.rand(N, T, H)]
     pool = 0.1 * torch.randn(P, H, K, K)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cula_core import dispatch
+from cula_core import dispatch, plans
 from cula_core.backend import CHUNK_KDA_RESIDUALS, RESIDUAL_CHUNK
 from cula_core.fla_args import resolve_chunk_call
 from cula_core.ops._common import (
@@ -29,7 +29,7 @@ from cula_core.ops._common import (
     swap_state_layout,
     unaliased,
 )
-from cula_core.ops.prefill import chunk_states
+from cula_core.ops.prefill import chunk_states, prefill_plan
 from cula_core.validation import forward_indexed_sizes
 
 def _call(op, q, v, cu_seqlens, *, gate, requires_grad, use_qk_l2norm_in_kernel, beta_activation, initial_state,
@@ -206,6 +206,13 @@ class _EagerChunkKda(torch.autograd.Function):
         return _backward(ctx, *grads)
 
 
+def _any_requires_grad(*tensors) -> bool:
+    for t in tensors:
+        if t is not None and t.requires_grad:
+            return True
+    return False
+
+
 def chunk_kda(
     q: Tensor,
     k: Tensor,
@@ -298,6 +305,17 @@ def chunk_kda(
             disable_recompute=disable_recompute, return_intermediate_states=return_intermediate_states,
             state_v_first=state_v_first, use_graph=use_graph, max_num_seqs=max_num_seqs, **kwargs,
         )
+    # inference (no input records a graph): a repeated signature runs its plan (cula_core.plans), made below
+    key = None
+    if not (kwargs or return_intermediate_states) and not (
+            torch.is_grad_enabled() and _any_requires_grad(q, k, v, g, beta, A_log, dt_bias, initial_state)):
+        key = plans.signature("chunk_kda.inference", (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens), (
+            scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+            allow_neg_eigval, safe_gate, lower_bound, disable_recompute, state_v_first, cu_seqlens_cpu is None,
+            use_graph, max_num_seqs))
+        plan = None if key is None else plans.lookup(key)
+        if plan is not None:
+            return plan(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu)
     call = resolve_chunk_call(
         "chunk_kda", q, k, v, g, beta, scale=scale, initial_state=initial_state, use_gate_in_kernel=use_gate_in_kernel,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate,
@@ -315,6 +333,10 @@ def chunk_kda(
                              "grad")
         return chunk_states(call, output_final_state=bool(output_final_state),
                             use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel))
+    if key is not None:
+        plan = plans.remember(key, prefill_plan(call, bool(output_final_state), bool(use_qk_l2norm_in_kernel), None,
+                                                bool(use_gate_in_kernel), A_log, dt_bias))
+        return plan(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu)
     args = (*tensors, call.cu_seqlens, call.cu_seqlens_cpu, call.scale, bool(output_final_state),
             bool(use_qk_l2norm_in_kernel), call.gate, call.lower_bound, call.beta_activation, requires_grad,
             call.state_v_first)

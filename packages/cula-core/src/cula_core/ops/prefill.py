@@ -142,24 +142,28 @@ def chunk_states(call: ChunkCall, *, output_final_state: bool, use_qk_l2norm_in_
     return o, (final_state if output_final_state else None), h
 
 
-def prefill_plan(call: ChunkCall, output_final_state: bool, use_qk_l2norm_in_kernel: bool, intracard_cp: str,
+def prefill_plan(call: ChunkCall, output_final_state: bool, use_qk_l2norm_in_kernel: bool, intracard_cp: str | None,
                  use_gate_in_kernel: bool, A_log: Tensor | None, dt_bias: Tensor | None):
-    """The plan (cula_core.plans) of a `kda_prefill` call resolved into `call`: its `forward_kernel`, run without
-    an autograd graph. The plan takes the call's own (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
-    cu_seqlens_cpu), checks the host lengths of `cu_seqlens_cpu` (values, so on every call), hands the kernel
-    A_log / dt_bias as `call` has them (1-D views, or None without `use_gate_in_kernel`), and returns `kda_prefill`'s
-    ``(o, final_state or None)``. `A_log` and `dt_bias`: the call's own, whose shapes (part of the signature) say
-    whether they need the 1-D view."""
+    """The plan (cula_core.plans) of a `kda_prefill` call resolved into `call` (or, with `intracard_cp` None, of a
+    `chunk_kda` call that records no graph: the backend's chunk_kda kernel, which has no intra-card CP): its
+    `forward_kernel`, run without an autograd graph. The plan takes the call's own (q, k, v, g, beta, A_log,
+    dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu), checks the host lengths of `cu_seqlens_cpu` (values, so
+    on every call), hands the kernel A_log / dt_bias as `call` has them (1-D views, or None without
+    `use_gate_in_kernel`), and returns ``(o, final_state or None)``. `A_log` and `dt_bias`: the call's own, whose
+    shapes (part of the signature) say whether they need the 1-D view."""
     q, k, v, g, beta = call.tensors[:5]
     initial_state = call.tensors[7]
-    config = _prefill_call("kda_prefill", q, v, call.cu_seqlens, gate=call.gate,
-                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, beta_activation=call.beta_activation,
-                           initial_state=initial_state, output_final_state=output_final_state,
-                           state_v_first=call.state_v_first, intracard_cp=intracard_cp)
+    if intracard_cp is None:
+        op, options, flags = "chunk_kda", {"requires_grad": False}, {}
+    else:
+        op, options, flags = "kda_prefill", {"intracard_cp": intracard_cp}, {"intracard_cp": intracard_cp}
+    config = _prefill_call(op, q, v, call.cu_seqlens, gate=call.gate, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                           beta_activation=call.beta_activation, initial_state=initial_state,
+                           output_final_state=output_final_state, state_v_first=call.state_v_first, **options)
     kernel = forward_kernel(
         config, forward_indexed_sizes(q, k, v, g, beta, initial_state, call.cu_seqlens, output_final_state),
         scale=call.scale, output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        gate=call.gate, lower_bound=call.lower_bound, beta_activation=call.beta_activation, intracard_cp=intracard_cp)
+        gate=call.gate, lower_bound=call.lower_bound, beta_activation=call.beta_activation, **flags)
     check_lengths = call.cu_seqlens_cpu is not None
     B, T = q.shape[:2]
     flatten = use_gate_in_kernel and ((A_log is not None and A_log.dim() != 1) or
