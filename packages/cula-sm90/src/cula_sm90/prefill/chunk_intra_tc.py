@@ -3,8 +3,9 @@
 Same contract as `chunk_intra.py` (writes w, u, qg, kg, Aqk in token layout [TT, HV, *] bf16 and gl [NC, HV, K]
 fp32 for stage 2). It serves the safe gate with lower_bound >= forward.TC_LOWER_BOUND_MIN (-5, FLA's safe range):
 every per-token log decay lies in (lower_bound, 0), so G changes by less than 16 |lower_bound| <= 80 across a
-16-token block and every factor below stays within e^(+-80) (fp32 / bf16 overflow at e^88.7). The other gates
-(softplus, precomputed: unbounded decays) stay on `chunk_intra.py`.
+16-token block and no factor below exceeds e^80 (fp32 / bf16 overflow at e^88.7); factors below 1 may underflow
+to 0 where the exact term is below fp32's range anyway. The other gates (softplus, precomputed: unbounded decays)
+stay on `chunk_intra.py`.
 
 One CTA (256 threads, 8 warps) per (chunk of 64 tokens, value head): grid x = NC * G chunk-major, so the G value
 heads of a q/k head's group run in adjacent CTAs and re-read q, k from L2. One head per CTA keeps the kernel
