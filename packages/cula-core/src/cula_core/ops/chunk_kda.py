@@ -206,11 +206,9 @@ class _EagerChunkKda(torch.autograd.Function):
         return _backward(ctx, *grads)
 
 
-def _any_requires_grad(*tensors) -> bool:
-    for t in tensors:
-        if t is not None and t.requires_grad:
-            return True
-    return False
+def _records_graph(*tensors) -> bool:
+    """Whether a call on `tensors` records an autograd graph: grad mode on and an input that requires grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def chunk_kda(
@@ -307,8 +305,7 @@ def chunk_kda(
         )
     # inference (no input records a graph): a repeated signature runs its plan (cula_core.plans), made below
     key = None
-    if not (kwargs or return_intermediate_states) and not (
-            torch.is_grad_enabled() and _any_requires_grad(q, k, v, g, beta, A_log, dt_bias, initial_state)):
+    if not (kwargs or return_intermediate_states or _records_graph(q, k, v, g, beta, A_log, dt_bias, initial_state)):
         key = plans.signature("chunk_kda.inference", (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens), (
             scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
             allow_neg_eigval, safe_gate, lower_bound, disable_recompute, state_v_first, cu_seqlens_cpu is None,
@@ -325,7 +322,7 @@ def chunk_kda(
         A_log=A_log, dt_bias=dt_bias, kwargs=kwargs,
     )
     tensors = call.tensors
-    requires_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    requires_grad = _records_graph(*tensors)
     if return_intermediate_states:
         if requires_grad:
             raise ValueError("return_intermediate_states=True is for inference and returns no gradients: call it "
@@ -340,11 +337,11 @@ def chunk_kda(
     args = (*tensors, call.cu_seqlens, call.cu_seqlens_cpu, call.scale, bool(output_final_state),
             bool(use_qk_l2norm_in_kernel), call.gate, call.lower_bound, call.beta_activation, requires_grad,
             call.state_v_first)
-    if eager(args) and not requires_grad:
-        # inference: no graph to record, so no autograd.Function around the forward (its bookkeeping is host time)
-        o, final_state, _Aqk, _Akk = _chunk_kda(*args)
-    elif eager(args):
+    if not eager(args):
+        o, final_state, _Aqk, _Akk = torch.ops.cula.chunk_kda(*args)
+    elif requires_grad:
         o, final_state, _Aqk, _Akk = _EagerChunkKda.apply(*args)
     else:
-        o, final_state, _Aqk, _Akk = torch.ops.cula.chunk_kda(*args)
+        # inference: no graph to record, so no autograd.Function around the forward (its bookkeeping is host time)
+        o, final_state, _Aqk, _Akk = _chunk_kda(*args)
     return o, (final_state if output_final_state else None)

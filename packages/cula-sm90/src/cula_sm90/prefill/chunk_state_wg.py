@@ -96,9 +96,9 @@ class ChunkStateWGKernel:
         width = DK
         if const_expr(self.affine):
             width = 2 * DK
-        ht_kv = (width, 1)
-        if const_expr(self.state_v_first):
-            ht_kv = state_kv
+        ht_kv = state_kv  # the final states, in the layout of the initial ones; the maps buffer is K-first
+        if const_expr(self.affine):
+            ht_kv = (width, 1)
         ht = cute.make_tensor(ht_ptr, cute.make_layout((NHT, HV, DK, width),
                                                        stride=(HV * DK * width, DK * width, *ht_kv)))
         self.kernel(w, u, qg, kg, aqk, gl, seg, h0, ht, o).launch(
