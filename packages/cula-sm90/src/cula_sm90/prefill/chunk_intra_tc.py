@@ -30,22 +30,28 @@ so each exponential is one ex2; gl leaves in the natural log. Per CTA, in order:
            rounding) once for both products. The 10 pairs (p, c) over the 8 warps (pairs 8 - 9 on warps 0 - 1),
            two mma.sync GEMMs each (16 x 16 x 128); Aqk leaves from the accumulators, L waits in registers until
            its region is free
-    Akk    (I + L)^-1 in place of L, blocked by 16: the four diagonal blocks by substitution in fp32 (warps 0-3,
-           one each), then row block by row block X_bc = -X_bb sum_m L_bm X_mc on tensor cores, every fp32
-           operand split into bf16 hi + lo (three mma.sync passes: ~16 bits per product, fp32 accumulation;
-           FLA's solve_tril runs these products in TF32)
+    Akk    X = (I + L)^-1, blocked by 16, written as Akk diag(beta) in bf16. L leaves the score accumulators as
+           bf16 hi + lo operand tiles (the blocks below the diagonal) and fp32 diagonal blocks; the warp of each
+           diagonal block inverts it by substitution in fp32 (right-looking: one dependent FMA per step) while the
+           others zero Akk's upper blocks; after one CTA barrier, warp c (c < 3) runs column block c down alone:
+           X_bc^T = -(sum_{c <= m < b} X_mc^T L_bm^T) X_bb^T on tensor cores, transposed so that every result
+           stays in registers as the next product's A operand (no shared-memory round trip, no barrier per
+           block), while warps 4-7 convert the diagonal blocks. Every fp32 operand is split into bf16 hi + lo
+           (three mma.sync passes: ~16 bits per product, fp32 accumulation; FLA's solve_tril runs these products
+           in TF32)
     w, u   (Akk diag(beta)) @ [k e^G | v] on tensor cores (Akk diag(beta) in bf16, as FLA's solve_tril output;
            8 warps, 4 along M x 2 along N, one accumulator at a time)
 Row blocks wholly past a partial chunk's end skip their scores, inverse rows and gate-scan quarter (branches
 uniform across the CTA or the warp); what they would have written is never read.
 
-Pipeline and memory: q, k (and a bf16 g) by 16-byte cp.async in one round trip (the gate's parameters and beta
-load meanwhile), v by cp.async into q's place while the inverse runs; qg, kg, w, u out with 16-byte stores (w and
-u staged in the places of their right-hand sides k e^G and v), Aqk in 4-byte pairs (its blocks above the diagonal
-as zeros). Shared memory 72 KiB: q (then its row operand, v, the u staging) and k (then k e^G, the w staging) bf16
-tiles (32 KiB), a 16 KiB region R (raw g; the column operands; Akk diag(beta)) and the L tile (fp32, 16.25 KiB:
-the row operands of k, then L and the inverse in place) back to back (before the build, R and L carry G from the
-scan to the registers), the boundary table (2.5 KiB), the S table (5 KiB) and beta. Three CTAs (24 warps) per
+Pipeline and memory: q, k (and a bf16 g) by 16-byte cp.async in one round trip (the gate's parameters and beta load
+meanwhile), v by cp.async into q's place (issued once the scores are read) while the inverse runs; qg, kg, w, u out
+with 16-byte stores (w and u staged in the places of their right-hand sides k e^G and v), Aqk in 4-byte pairs (its
+blocks above the diagonal as zeros). Shared memory 72 KiB: q (then its row operand, v, the u staging) and k (then k
+e^G, the w staging) bf16 tiles (32 KiB), a 16 KiB region R (raw g; the column operands; Akk diag(beta) and the
+inverse's L operand tiles) and the L tile (fp32, 16.25 KiB: the row operands of k, then the diagonal blocks of L and
+of X in place) back to back (before the build, R and L carry G from the scan to the registers), the boundary table
+(2.5 KiB), the S table (5 KiB; then the diagonal inverses' operand tiles) and beta. Three CTAs (24 warps) per
 SM: launched with a three-CTA register bound (80 registers). Assumes contiguous, 16-byte aligned q/k/v/g
 (forward.py copies a misaligned view), K = V = 128, chunks starting at every sequence start (varlen through
 cu_seqlens and the chunk offsets: a binary search, no host synchronisation); a chunk index past the last chunk
@@ -59,7 +65,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, const_expr
 
 from cula_core.cute_kernels.copies import copy_rows_g2s, g2s_tiled_copy, head_rows, vec_copy
-from cula_core.cute_kernels.warp_mma import (gemm, ldmatrix_copy_A, ldmatrix_copy_B, mma_atom, smem_tile_layout,
+from cula_core.cute_kernels.warp_mma import (gemm, ldmatrix_copy_A, ldmatrix_copy_B, smem_tile_layout,
                                              tiled_mma, transposed)
 from cula_sm90.prefill import common
 
@@ -70,6 +76,7 @@ LPAD = BT + 1  # fp32 row stride of L: odd, so accesses down a column (solve, fr
 THREADS = 256
 R_BYTES = BT * DK * 2  # the region R: raw g, then the column operands k e^(B_{c+1} - G), then Akk diag(beta)
 PAIRS = 10  # (p, c) blocks with c <= p
+TILE = BC * BC  # elements of one bf16 operand tile of the inverse
 L_BYTES = BT * LPAD * 4
 SCAN_ROWS = BT // (2 * THREADS // DK)  # rows of G's two columns each scanning thread sums
 LOG2E = 1.4426950408889634
@@ -347,34 +354,53 @@ class ChunkIntraTCKernel(common.Stage1Launch):
                     acc_l[e, slot] = acc_k[e]
         # Aqk's blocks above the diagonal: zeros (stage 2 reads whole rows)
         self.zero_upper_aqk(aqk, t0, hv, L, tid)
-        cute.arch.sync_threads()  # the L rows are read: L takes their region
+        cute.arch.sync_threads()  # the L rows, q a, the column operands and S are read: their places are free
+
+        # the inverse's bf16 hi + lo operand tiles (16 x 16 each, see op_tile), once the scores are done: the six L
+        # blocks below the diagonal in R after Akk diag(beta) (6 KiB), the four diagonal inverses (transposed) in
+        # the S table's place (4 KiB)
+        l_tiles = sAk.iterator + BT * BT
+        x_tiles = cute.recast_ptr(sS.iterator, dtype=BFloat16)
+        # ---- v in flight (cp.async, into q's place) while the inverse runs
+        copy_rows_g2s(g2s_tiled_copy(DK, self.threads), head_rows(v, t0, hv, BT), sQ, L, tid)
+        cute.arch.cp_async_commit_group()
+        # ---- L from the accumulators: the blocks below the diagonal as bf16 hi + lo operand tiles, the diagonal
+        # blocks in fp32 into sL; the warp of a diagonal block then inverts it (its own writes: a warp barrier),
+        # the warps without one zero Akk's blocks above the diagonal
         for slot in cutlass.range_constexpr(2):
             pr = warp + 8 * slot
             p, c = self.pair_of(pr)
-            if (slot == 0 or warp < PAIRS - 8) and p * BC < L:
-                for e in cutlass.range_constexpr(nacc):
-                    i, jj = cC[e]
-                    row = p * BC + i
-                    col = c * BC + jj
-                    lv = Float32(0.0)
-                    if col < row:
-                        lv = acc_l[e, slot] * sB[row]
-                    sL[row, col] = lv
-        cute.arch.sync_threads()  # L is written; q a is read: v may take q's place
-
-        # ---- v in flight (cp.async) while the inverse runs
-        copy_rows_g2s(g2s_tiled_copy(DK, self.threads), head_rows(v, t0, hv, BT), sQ, L, tid)
-        cute.arch.cp_async_commit_group()
-        self.inverse(sL, L, warp, lane)
-
-        # ---- Akk diag(beta) in bf16 (as FLA's solve_tril output) for the w / u GEMMs
-        for m in cutlass.range(BT * BT // self.threads, unroll=4):
-            i = m * (self.threads // BT) + tid // BT
-            jj = tid % BT
-            x = Float32(0.0)
-            if jj <= i:  # the blocks above the diagonal were never written
-                x = sL[i, jj] * sB[jj]
-            sAk[i, jj] = x.to(BFloat16)
+            if (slot == 0 or warp < PAIRS - 8) and p * BC < L and c < p:
+                self.store_split_pair(acc_l, slot, cC, sB, l_tiles, p, c)
+        # the diagonal pairs 0, 2, 5, 9 are on warps 0, 2, 5 (slot 0) and 1 (slot 1)
+        pd = Int32(0)
+        if warp == 2:
+            pd = Int32(1)
+        if warp == 5:
+            pd = Int32(2)
+        if warp == 1:
+            pd = Int32(3)
+        if (warp < 3 or warp == 5) and pd * BC < L:
+            for e in cutlass.range_constexpr(nacc):
+                i, jj = cC[e]
+                av = acc_l[e, 0]
+                if warp == 1:
+                    av = acc_l[e, 1]
+                lv = Float32(0.0)
+                if jj < i:
+                    lv = av * sB[pd * BC + i]
+                sL[pd * BC + i, pd * BC + jj] = lv
+            cute.arch.sync_warp()  # the block is written before its lanes read its columns
+            self.invert_diag(sL, x_tiles, pd, lane)
+        if warp == 3 or warp == 4 or warp >= 6:  # the warps without a diagonal block (pairs 0, 2, 5, 9)
+            self.zero_upper_akk(sAk, (warp - 3 - warp // 6) * 32 + lane)
+        cute.arch.sync_threads()  # the operand tiles and Akk's diagonal and upper blocks are written
+        # ---- Akk's blocks below the diagonal: warp c < 3 runs column block c down (see column_chain)
+        for cb in cutlass.range_constexpr(BT // BC - 1):
+            if warp == cb and (cb + 1) * BC < L:
+                self.column_chain(sAk, sB, l_tiles, x_tiles, L, lane, cb)
+        if warp >= 4 and (warp - 4) * BC < L:
+            self.diag_akk(sL, sAk, sB, warp - 4, lane)
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
 
@@ -468,92 +494,181 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         return thr.partition_S(view)[None, 0, None]
 
     @cute.jit
-    def inverse(self, sL, L: Int32, warp, lane):
-        """X = (I + L)^-1 in place of L (L strictly lower, fp32; its upper blocks are already 0), blocked by 16.
-        Warp b < 4 inverts the diagonal block b by substitution in fp32 (lane j: column j). Then, row block by row
-        block (b = 1..3), warp c + 4 h (c < b, h < 2) computes columns [8 h, 8 h + 8) of X_bc = -X_bb T,
-        T = sum_{c <= m < b} L_bm X_mc, on tensor cores: mma.sync m16n8k16 with every fp32 operand split into
-        bf16 hi + lo (hi hi + hi lo + lo hi: ~16 bits per product, fp32 accumulation). T is staged in X_bc's
-        place, L_bc's, once every warp of the row block has its sum (a CTA barrier: the warps of the columns
-        left of c read L_bc), and read back by its own warp (warp barriers); a CTA barrier ends each row block
-        (the next one reads X_bc). Row blocks wholly past the chunk's end are skipped (their rows of X are never read)."""
-        b0 = (warp % 4) * BC
+    def op_tile(self, base, idx):
+        """Operand tile idx at `base`: a 16 x 16 bf16 tile (512 bytes) stored row-major, its two 16-byte halves
+        of rows 4 - 7 (mod 8) swapped, so ldmatrix (plain or transposed) reads 8 rows without bank conflicts.
+        Tiles 2 t and 2 t + 1 are the hi and lo parts of operand t."""
+        return cute.make_tensor(base + idx * TILE,
+                                cute.make_composed_layout(cute.make_swizzle(1, 3, 3), 0,
+                                                          cute.make_layout((BC, BC), stride=(BC, 1))))
+
+    @cute.jit
+    def tile_offset(self, r, col):
+        """Element offset of (r, col) in an op_tile (the same swizzle, for stores that bypass its layout)."""
+        return r * BC + (col ^ (((r // 4) % 2) * 8))
+
+    @cute.jit
+    def store_split_pair(self, acc_l, slot, cC, sB, l_tiles, p, c):
+        """L_pc (c < p: every entry below the diagonal) = diag(beta) times the score accumulator, split into bf16
+        hi + lo, into its operand tiles (off-diagonal block index p (p - 1) / 2 + c), in 4-byte column pairs."""
+        t = p * (p - 1) // 2 + c
+        hi = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
+        lo = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
+        for e2 in cutlass.range_constexpr(cute.size(acc_l) // 4):
+            i, jj = cC[2 * e2]
+            bi = sB[p * BC + i]
+            for x in cutlass.range_constexpr(2):
+                lv = acc_l[2 * e2 + x, slot] * bi
+                h = lv.to(BFloat16)
+                hi[x] = h
+                lo[x] = (lv - h.to(Float32)).to(BFloat16)
+            off = cute.assume(self.tile_offset(i, jj), divby=2)
+            cute.autovec_copy(hi, cute.make_tensor(l_tiles + 2 * t * TILE + off, cute.make_layout(2)))
+            cute.autovec_copy(lo, cute.make_tensor(l_tiles + (2 * t + 1) * TILE + off, cute.make_layout(2)))
+
+    @cute.jit
+    def invert_diag(self, sL, x_tiles, p, lane):
+        """X_pp = (I + L_pp)^-1 of the strictly lower 16 x 16 block in sL, by substitution in fp32, lane j
+        (and j + 16, a duplicate) column j: x = e_j, then for m = 0..14, x_i -= L_im x_m (i > m) -- every update
+        of step m is independent, so the dependent chain is one FMA per step. Out: X_pp in fp32 in L_pp's place
+        (once every lane has read L_pp: a warp barrier) and X_pp^T (row j = column j of X_pp) split into bf16
+        hi + lo into operand tiles 2 p, 2 p + 1 at `x_tiles`, two 16-byte stores per tile."""
+        b0 = p * BC
         j = lane % BC
-        if warp < 4 and b0 < L:
-            x = cute.make_rmem_tensor(cute.make_layout(BC), Float32)
+        x = cute.make_rmem_tensor(cute.make_layout(BC), Float32)
+        for i in cutlass.range_constexpr(BC):
+            v = Float32(0.0)
+            if i == j:
+                v = Float32(1.0)
+            x[i] = v
+        for m in cutlass.range_constexpr(BC - 1):
+            for i in cutlass.range_constexpr(m + 1, BC):
+                x[i] = x[i] - sL[b0 + i, b0 + m] * x[m]
+        cute.arch.sync_warp()  # every lane has read L_pp before X_pp takes its place
+        if lane < BC:
             for i in cutlass.range_constexpr(BC):
-                acc = Float32(0.0)
-                for m in cutlass.range_constexpr(i):
-                    acc += sL[b0 + i, b0 + m] * x[m]
-                xi = -acc
-                if i == j:
-                    xi = Float32(1.0)
-                if i < j:
-                    xi = Float32(0.0)
-                x[i] = xi
-                cute.arch.sync_warp()  # every lane has read row i of L before it becomes row i of X
-                if lane < BC:
-                    sL[b0 + i, b0 + j] = xi
-        cute.arch.sync_threads()
-        mma = cute.make_tiled_mma(mma_atom(), (1, 1, 1))  # one warp, a 16 x 8 output per product
+                sL[b0 + i, b0 + j] = x[i]
+            hi = cute.make_rmem_tensor(cute.make_layout((8, 2), stride=(1, 8)), BFloat16)
+            lo = cute.make_rmem_tensor(cute.make_layout((8, 2), stride=(1, 8)), BFloat16)
+            for i in cutlass.range_constexpr(BC):
+                h = x[i].to(BFloat16)
+                hi[i % 8, i // 8] = h
+                lo[i % 8, i // 8] = (x[i] - h.to(Float32)).to(BFloat16)
+            for half in cutlass.range_constexpr(2):
+                off = cute.assume(self.tile_offset(j, half * 8), divby=8)
+                cute.autovec_copy(hi[None, half], cute.make_tensor(x_tiles + 2 * p * TILE + off,
+                                                                   cute.make_layout(8)))
+                cute.autovec_copy(lo[None, half], cute.make_tensor(x_tiles + (2 * p + 1) * TILE + off,
+                                                                   cute.make_layout(8)))
+
+    @cute.jit
+    def akk_offset(self, r, col):
+        """Element offset of (r, col) in Akk's tile (smem_tile_layout(BT, BT): 8 x 64 atoms, the 16-byte chunk
+        index XOR row % 8)."""
+        return r * BT + (col ^ ((r % 8) * 8))
+
+    @cute.jit
+    def diag_akk(self, sL, sAk, sB, p, lane):
+        """Akk's diagonal block p, X_pp diag(beta) in bf16 from sL, by one warp: lane l, row l // 2, 8 columns."""
+        row = p * BC + lane // 2
+        col = p * BC + 8 * (lane % 2)
+        for x in cutlass.range_constexpr(8):
+            sAk[row, col + x] = (sL[row, col + x] * sB[col + x]).to(BFloat16)
+
+    @cute.jit
+    def zero_upper_akk(self, sAk, t):
+        """Zeros into Akk's six blocks above the diagonal by 128 threads (t: 0..127), one 4-byte pair per block."""
+        z = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
+        z.fill(0.0)
+        for pb in cutlass.range_constexpr(BT // BC - 1):
+            for cb in cutlass.range_constexpr(pb + 1, BT // BC):
+                row = pb * BC + t // 8
+                col = cb * BC + 2 * (t % 8)
+                sAk[row, col] = z[0]
+                sAk[row, col + 1] = z[1]
+
+    @cute.jit
+    def column_chain(self, sAk, sB, l_tiles, x_tiles, L: Int32, lane, c: cutlass.Constexpr):
+        """Akk's blocks X_bc (b > c, valid row blocks) of column block c, by one warp, transposed so that each
+        result is the next product's A operand in registers (an m16n16 accumulator and an m16k16 A fragment of
+        mma.sync hold the same elements in the same registers):
+            X_bc^T = -T_b X_bb^T,  T_b = sum_{c <= m < b} X_mc^T L_bm^T
+        right-looking: once X_mc^T is known it is added into every later T_b (b > m), so the dependent chain per
+        block is the last term of T_b and the X_bb product. Every operand is split into bf16 hi + lo (hi hi +
+        hi lo + lo hi: ~16 bits per product, fp32 accumulation): the accumulators in registers, the L blocks and
+        X_bb^T from their operand tiles by ldmatrix. Out: X_bc diag(beta) in bf16 into Akk (2-byte stores)."""
+        mma = tiled_mma(1)
         thr = mma.get_slice(lane)
-        cA = thr.partition_A(cute.make_identity_tensor((BC, BC)))  # (row, k)
-        cB = thr.partition_B(cute.make_identity_tensor((8, BC)))  # (column, k)
-        cC = thr.partition_C(cute.make_identity_tensor((BC, 8)))  # (row, column)
-        a_hi = cute.make_rmem_tensor(thr.partition_shape_A((BC, BC)), BFloat16)
-        a_lo = cute.make_rmem_tensor(thr.partition_shape_A((BC, BC)), BFloat16)
-        b_hi = cute.make_rmem_tensor(thr.partition_shape_B((8, BC)), BFloat16)
-        b_lo = cute.make_rmem_tensor(thr.partition_shape_B((8, BC)), BFloat16)
-        acc = cute.make_rmem_tensor(thr.partition_shape_C((BC, 8)), Float32)
-        c = warp % 4
-        col0 = c * BC + (warp // 4) * 8  # this warp's 8 columns of X_bc
-        for bb in cutlass.range_constexpr(1, BT // BC):
-            r0 = bb * BC
-            if r0 < L:
-                self.inverse_row_block(sL, mma, cA, cB, cC, a_hi, a_lo, b_hi, b_lo, acc, c, col0, bb)
+        cC = thr.partition_C(cute.make_identity_tensor((BC, BC)))  # (column j of block c, row i of block b)
+        probe = self.op_tile(x_tiles, 0)
+        a_hi = thr.make_fragment_A(thr.partition_A(probe))
+        a_lo = thr.make_fragment_A(thr.partition_A(probe))
+        b_hi = thr.make_fragment_B(thr.partition_B(probe))
+        b_lo = thr.make_fragment_B(thr.partition_B(probe))
+        ldA = ldmatrix_copy_A(mma, BFloat16, False)
+        ldB = ldmatrix_copy_B(mma, BFloat16, False)
+        ldBt = ldmatrix_copy_B(mma, BFloat16, True)
+        tA = ldA.get_slice(lane)
+        tB = ldB.get_slice(lane)
+        tBt = ldBt.get_slice(lane)
+        # X_cc^T: its operand tiles hold X_cc^T row-major, the A operand's (M, K) storage
+        cute.copy(ldA, tA.partition_S(self.op_tile(x_tiles, 2 * c)), tA.retile(a_hi))
+        cute.copy(ldA, tA.partition_S(self.op_tile(x_tiles, 2 * c + 1)), tA.retile(a_lo))
+        acc_t = [cute.make_rmem_tensor(thr.partition_shape_C((BC, BC)), Float32) for _ in range(BT // BC - 1 - c)]
+        for t_ in acc_t:
+            t_.fill(0.0)
+        # accumulator element e sits at (column jj of block c, row 8 (e // 4) + i of block b), (jj, i) = cC[e % 4]:
+        # its Akk offset is a per-lane base plus a constant (whole 8-row steps leave the swizzle alone)
+        corr = cute.make_rmem_tensor(thr.partition_shape_C((BC, BC)), Float32)
+        akk_base = [self.akk_offset(cC[e][1], c * BC + cC[e][0]) for e in range(4)]
+        beta = [sB[c * BC + cC[2 * v1][0]] for v1 in range(2)]  # column jj: t1 + 8 v1, v1 = (e // 2) % 2
+        y = cute.make_rmem_tensor(thr.partition_shape_C((BC, BC)), Float32)
+        for b in cutlass.range_constexpr(c + 1, BT // BC):
+            if b * BC < L:
+                m = b - 1
+                # a holds X_mc^T: its terms of T_b first (the chain), then of the later T_b2
+                for b2 in cutlass.range_constexpr(b, BT // BC):
+                    if b2 * BC < L:
+                        t = b2 * (b2 - 1) // 2 + m
+                        cute.copy(ldB, tB.partition_S(self.op_tile(l_tiles, 2 * t)), tB.retile(b_hi))
+                        cute.copy(ldB, tB.partition_S(self.op_tile(l_tiles, 2 * t + 1)), tB.retile(b_lo))
+                        if const_expr(b2 == b):
+                            self.mma_split_short(mma, acc_t[b2 - c - 1], corr, a_hi, a_lo, b_hi, b_lo)
+                        else:
+                            self.mma_split(mma, acc_t[b2 - c - 1], a_hi, a_lo, b_hi, b_lo)
+                self.split_acc(acc_t[b - c - 1], a_hi, a_lo, False)
+                # X_bb^T as the B operand: (N, K) = X_bb, stored transposed in its tiles
+                cute.copy(ldBt, tBt.partition_S(transposed(self.op_tile(x_tiles, 2 * b), BC, BC)), tBt.retile(b_hi))
+                cute.copy(ldBt, tBt.partition_S(transposed(self.op_tile(x_tiles, 2 * b + 1), BC, BC)),
+                          tBt.retile(b_lo))
+                y.fill(0.0)
+                self.mma_split_short(mma, y, corr, a_hi, a_lo, b_hi, b_lo)
+                for e in cutlass.range_constexpr(cute.size(y)):
+                    off = akk_base[e % 4] + (b * BC + 8 * (e // 4)) * BT
+                    akk_elem = cute.make_tensor(sAk.iterator + off, cute.make_layout(1))
+                    akk_elem[0] = (-y[e] * beta[(e // 2) % 2]).to(BFloat16)
+                if const_expr(b < BT // BC - 1):
+                    self.split_acc(y, a_hi, a_lo, True)
 
     @cute.jit
-    def inverse_row_block(self, sL, mma, cA, cB, cC, a_hi, a_lo, b_hi, b_lo, acc, c, col0, bb: cutlass.Constexpr):
-        """Row block bb of the inverse's off-diagonal part (see inverse); ends with a CTA barrier."""
-        r0 = bb * BC
-        if c < bb:
-            # T = sum_m L_bm X_mc (X_mc = 0 for m < c)
-            acc.fill(0.0)
-            for m in cutlass.range_constexpr(bb):
-                if c <= m:
-                    self.load_split(sL, cA, a_hi, a_lo, r0, m * BC, False)
-                    self.load_split(sL, cB, b_hi, b_lo, m * BC, col0, True)
-                    self.mma_split(mma, acc, a_hi, a_lo, b_hi, b_lo)
-        # T takes the place of L_bc, which the warps of the columns left of c still read for their own sums
-        cute.arch.sync_threads()
-        if c < bb:
-            for e in cutlass.range_constexpr(cute.size(acc)):
-                i, n = cC[e]
-                sL[r0 + i, col0 + n] = acc[e]
-            cute.arch.sync_warp()
-            # X_bc = -X_bb T
-            acc.fill(0.0)
-            self.load_split(sL, cA, a_hi, a_lo, r0, r0, False)
-            self.load_split(sL, cB, b_hi, b_lo, r0, col0, True)
-            self.mma_split(mma, acc, a_hi, a_lo, b_hi, b_lo)
-            cute.arch.sync_warp()  # every lane has read T before X_bc takes its place
-            for e in cutlass.range_constexpr(cute.size(acc)):
-                i, n = cC[e]
-                sL[r0 + i, col0 + n] = -acc[e]
-        cute.arch.sync_threads()
+    def mma_split_short(self, mma, acc, corr, a_hi, a_lo, b_hi, b_lo):
+        """mma_split for a product on the dependent chain: the hi lo + lo hi passes go into `corr` (scratch) and
+        are added after, so a new A operand meets two dependent mma.sync instead of three."""
+        corr.fill(0.0)
+        cute.gemm(mma, corr, a_hi, b_lo, corr)
+        cute.gemm(mma, acc, a_hi, b_hi, acc)
+        cute.gemm(mma, corr, a_lo, b_hi, corr)
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            acc[e] = acc[e] + corr[e]
 
     @cute.jit
-    def load_split(self, sL, coords, hi, lo, row0, col0, k_rows: cutlass.Constexpr):
-        """An operand fragment from the fp32 tile sL, split into bf16 hi + lo. `coords` holds each fragment
-        element's (outer, k) coordinate: the element is sL[row0 + outer, col0 + k], or (`k_rows`, a B operand
-        read from its [k][column] storage) sL[row0 + k, col0 + outer]."""
-        for e in cutlass.range_constexpr(cute.size(hi)):
-            o, kk = coords[e]
-            x = Float32(0.0)
-            if const_expr(k_rows):
-                x = sL[row0 + kk, col0 + o]
-            else:
-                x = sL[row0 + o, col0 + kk]
+    def split_acc(self, acc, hi, lo, negate: cutlass.Constexpr):
+        """The fp32 accumulator `acc` (or -acc) as an A operand split into bf16 hi + lo: element e of an m16n16
+        accumulator fragment and of an m16k16 A fragment is the same (row, column)."""
+        for e in cutlass.range_constexpr(cute.size(acc)):
+            x = acc[e]
+            if const_expr(negate):
+                x = -x
             h = x.to(BFloat16)
             hi[e] = h
             lo[e] = (x - h.to(Float32)).to(BFloat16)
