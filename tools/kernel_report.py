@@ -128,15 +128,14 @@ def _prefill_intra(kind: str):
     return build
 
 
-def _prefill_state(affine: bool, cols: int, stages: int = 2):
+def _prefill_state(affine: bool, cols: int):
     def build():
         import torch
 
         from cula_core import cute_runtime
         from cula_sm90.prefill import forward
 
-        config = forward.state_config(affine, torch.bfloat16, cols, False, stages)
-        return cute_runtime.compile_kernel(forward.STATE, config)
+        return cute_runtime.compile_kernel(forward.STATE, forward.state_config(affine, torch.bfloat16, cols))
     return build
 
 
@@ -179,7 +178,6 @@ KERNELS: list[tuple[str, str, object]] = [
     ("prefill.chunk_intra[simt] (stage 1, any gate)", "sm90 prefill", _prefill_intra("simt")),
     ("prefill.chunk_state_wg[128 cols] (stage 2)", "sm90 prefill", _prefill_state(False, 128)),
     ("prefill.chunk_state_wg[64 cols] (stage 2)", "sm90 prefill", _prefill_state(False, 64)),
-    ("prefill.chunk_state_wg[64 cols, 1 stage] (stage 2)", "sm90 prefill", _prefill_state(False, 64, 1)),
     ("prefill.chunk_state_wg[affine, 64 cols] (CP maps)", "sm90 prefill", _prefill_state(True, 64)),
     ("fwd.l2norm", "sm100 forward", _sm100_forward("l2norm")),
     ("fwd.gate_cumsum[softplus]", "sm100 forward", _sm100_forward("gate_cumsum[softplus]")),

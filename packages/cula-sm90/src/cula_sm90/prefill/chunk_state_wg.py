@@ -65,11 +65,8 @@ class ChunkStateWGKernel:
     """`cols`: state columns per CTA, 128 (each chunk's w, qg, kg, Aqk loaded once for 128 columns) or 64 (twice
     the CTAs, for grids that would not fill the SMs at 128). `state_v_first`: h0 and ht laid out [.., V, K]."""
 
-    def __init__(self, affine: bool, cols: int, state_v_first: bool = False, stages: int = 2):
+    def __init__(self, affine: bool, cols: int, state_v_first: bool = False):
         assert cols in (64, 128)
-        assert stages in (1, 2)
-        assert stages == 2 or cols == 64, "one stage serves the two-CTA 64-column configuration only"
-        self.stages = stages
         assert not (affine and state_v_first), "the affine-map pass writes the internal maps buffer, K-first"
         self.affine = affine
         self.state_v_first = state_v_first
@@ -104,14 +101,8 @@ class ChunkStateWGKernel:
             ht_kv = (width, 1)
         ht = cute.make_tensor(ht_ptr, cute.make_layout((NHT, HV, DK, width),
                                                        stride=(HV * DK * width, DK * width, *ht_kv)))
-        kernel = self.kernel(w, u, qg, kg, aqk, gl, seg, h0, ht, o)
-        if const_expr(self.stages == 1):
-            # two CTAs per SM (105 KiB each): the register bound for two, and the carveout stated so that the
-            # compiler need not ask a device for it (CPU AOT builds)
-            kernel.launch(grid=[S, HV, width // self.cols], block=[self.threads, 1, 1], stream=stream,
-                          min_blocks_per_mp=2, preferred_smem_carveout=100)
-        else:
-            kernel.launch(grid=[S, HV, width // self.cols], block=[self.threads, 1, 1], stream=stream)
+        self.kernel(w, u, qg, kg, aqk, gl, seg, h0, ht, o).launch(
+            grid=[S, HV, width // self.cols], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, w: cute.Tensor, u: cute.Tensor, qg: cute.Tensor, kg: cute.Tensor, aqk: cute.Tensor,
@@ -128,15 +119,15 @@ class ChunkStateWGKernel:
 
         smem = cutlass.memory.SmemAllocator()
         # per stage, shared by the warpgroups: w, qg (A, K-major), kg^T (A, M-major), Aqk (A, K-major)
-        sW2 = alloc_operand_tile(smem, K_SW128, (BT, DK, self.stages))
-        sKt2 = alloc_operand_tile(smem, MN_SW128, (DK, BT, self.stages))
+        sW2 = alloc_operand_tile(smem, K_SW128, (BT, DK, 2))
+        sKt2 = alloc_operand_tile(smem, MN_SW128, (DK, BT, 2))
         sQg2 = sW2
         sA2 = sW2
         if const_expr(not self.affine):
-            sQg2 = alloc_operand_tile(smem, K_SW128, (BT, DK, self.stages))
-            sA2 = alloc_operand_tile(smem, K_SW128, (BT, BT, self.stages))
+            sQg2 = alloc_operand_tile(smem, K_SW128, (BT, DK, 2))
+            sA2 = alloc_operand_tile(smem, K_SW128, (BT, BT, 2))
         # per stage and warpgroup: the u slice, overwritten by v_new's hi half (B, N-major: [token][column])
-        sU2 = alloc_operand_tile(smem, MN_COLS, (self.wg_cols, BT, self.stages, WARPGROUPS))
+        sU2 = alloc_operand_tile(smem, MN_COLS, (self.wg_cols, BT, 2, WARPGROUPS))
         # per warpgroup: h hi / lo (B, N-major: [k][column]) and v_new lo
         sHh = alloc_operand_tile(smem, MN_COLS, (self.wg_cols, DK, WARPGROUPS))
         sHl = alloc_operand_tile(smem, MN_COLS, (self.wg_cols, DK, WARPGROUPS))
@@ -204,9 +195,7 @@ class ChunkStateWGKernel:
         for ci in cutlass.range(n_chunks, unroll=1):
             t0 = start + ci * BT
             n = cutlass.min(end - t0, BT)
-            st = 0
-            if const_expr(self.stages == 2):
-                st = ci % 2
+            st = ci % 2
             if tid < DK:
                 sDecay[tid] = cute.math.exp(gl_next, fastmath=True)
                 if ci + 1 < n_chunks:
@@ -246,11 +235,10 @@ class ChunkStateWGKernel:
             cute.arch.barrier(barrier_id=1 + wg, number_of_threads=WG_THREADS)
             # the next chunk's copies start only now: the proxy fences above wait for every memory access of
             # the thread still in flight (copies included), so copies issued earlier would be waited for here
-            if const_expr(self.stages == 2):
-                if ci + 1 < n_chunks:
-                    self.load_chunk(w, u, qg, kg, aqk, sW2, sKt2, sQg2, sA2, sU2, t0 + BT, end, hv, ucol0, is_m,
-                                    1 - st, tid, wg, wtid)
-                cute.arch.cp_async_commit_group()
+            if ci + 1 < n_chunks:
+                self.load_chunk(w, u, qg, kg, aqk, sW2, sKt2, sQg2, sA2, sU2, t0 + BT, end, hv, ucol0, is_m, 1 - st,
+                                tid, wg, wtid)
+            cute.arch.cp_async_commit_group()
 
             if const_expr(not self.affine):
                 gemm(mma_k, acc_o, rA2[None, None, None, st], rVh, True)
@@ -270,11 +258,6 @@ class ChunkStateWGKernel:
                 cute.arch.barrier(barrier_id=1 + wg, number_of_threads=WG_THREADS)
                 store_rows_s2g(sU_rows, head_rows(o, t0, hv, BT, col0, self.wg_cols), n, wtid, WG_THREADS)
             cute.arch.sync_threads()  # every reader of this stage is done before the next copies into it
-            if const_expr(self.stages == 1):
-                if ci + 1 < n_chunks:
-                    self.load_chunk(w, u, qg, kg, aqk, sW2, sKt2, sQg2, sA2, sU2, t0 + BT, end, hv, ucol0, is_m, 0,
-                                    tid, wg, wtid)
-                cute.arch.cp_async_commit_group()
 
         if ht_idx >= 0:
             for i in cutlass.range_constexpr(cute.size(acc_h)):

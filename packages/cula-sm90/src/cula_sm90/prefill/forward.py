@@ -99,11 +99,10 @@ def state_cols(seq_heads: int, num_sms: int) -> int:
     return 64 if 2 * seq_heads <= num_sms else 128
 
 
-def state_config(affine: bool, o_dtype: torch.dtype, cols: int, state_v_first: bool = False,
-                 stages: int = 2) -> tuple:
+def state_config(affine: bool, o_dtype: torch.dtype, cols: int, state_v_first: bool = False) -> tuple:
     """Compile-time configuration of stage 2 (chunk_state_wg, `cols` state columns per CTA; `state_v_first`:
-    initial and final states [N, HV, V, K], normal mode only; `stages`: chunk buffers, 1 for two CTAs per SM)."""
-    return (bool(affine), o_dtype, int(cols), bool(state_v_first), int(stages))
+    initial and final states [N, HV, V, K], normal mode only)."""
+    return (bool(affine), o_dtype, int(cols), bool(state_v_first))
 
 
 def _build_state(config: tuple):
@@ -111,9 +110,9 @@ def _build_state(config: tuple):
 
     from cula_sm90.prefill.chunk_state_wg import ChunkStateWGKernel
 
-    affine, o_dtype, cols, state_v_first, stages = config
+    affine, o_dtype, cols, state_v_first = config
     p, f32 = rt.fake_ptr, torch.float32
-    return ChunkStateWGKernel(affine, cols, state_v_first, stages), (
+    return ChunkStateWGKernel(affine, cols, state_v_first), (
         *(p(torch.bfloat16, 16) for _ in range(5)), p(f32, None), p(torch.int32, None), p(f32, None), p(f32, None),
         p(o_dtype, 16), *(cutlass.Int32(1) for _ in range(6)), rt.fake_stream())
 
@@ -140,10 +139,10 @@ def compile_intra(gate: str, beta_activation: str, l2norm: bool, has_a_log: bool
 
 
 @functools.cache
-def compile_state(affine: bool, o_dtype: torch.dtype, cols: int, state_v_first: bool = False, stages: int = 2):
+def compile_state(affine: bool, o_dtype: torch.dtype, cols: int, state_v_first: bool = False):
     """Stage 2's launchable function (normal or affine-map mode, `cols` state columns per CTA: state_cols;
-    `state_v_first`: states [N, HV, V, K]; `stages`: chunk buffers)."""
-    return rt.get(STATE, state_config(affine, o_dtype, cols, state_v_first, stages))
+    `state_v_first`: states [N, HV, V, K])."""
+    return rt.get(STATE, state_config(affine, o_dtype, cols, state_v_first))
 
 
 def _host_lengths(B, T, cu_seqlens, cu_seqlens_cpu):
