@@ -182,6 +182,8 @@ def prefill_plan(call: ChunkCall, output_final_state: bool, use_qk_l2norm_in_ker
     flatten = use_gate_in_kernel and ((A_log is not None and A_log.dim() != 1) or
                                       (dt_bias is not None and dt_bias.dim() != 1))
     is_grad_enabled = torch.is_grad_enabled
+    # chunk_kda runs its plan only when no input records a graph (it checked that): only kda_prefill's plan asks
+    check_grad = intracard_cp is not None
 
     def run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu):
         if check_lengths:
@@ -192,10 +194,10 @@ def prefill_plan(call: ChunkCall, output_final_state: bool, use_qk_l2norm_in_ker
             A_log = None if A_log is None else A_log.reshape(-1)
             dt_bias = None if dt_bias is None else dt_bias.reshape(-1)
         # an inference op: no graph, whichever backend runs it (without an input that requires grad, none is made)
-        if is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or g.requires_grad
-                                  or beta.requires_grad or (A_log is not None and A_log.requires_grad)
-                                  or (dt_bias is not None and dt_bias.requires_grad)
-                                  or (initial_state is not None and initial_state.requires_grad)):
+        if check_grad and is_grad_enabled() and (
+                q.requires_grad or k.requires_grad or v.requires_grad or g.requires_grad or beta.requires_grad
+                or (A_log is not None and A_log.requires_grad) or (dt_bias is not None and dt_bias.requires_grad)
+                or (initial_state is not None and initial_state.requires_grad)):
             with torch.no_grad():
                 o, final_state = kernel(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu)
         else:
