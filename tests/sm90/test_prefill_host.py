@@ -199,3 +199,149 @@ def test_cp_mode_and_pieces_come_from_the_arguments_not_the_environment(fwd, mon
     o_3, ht_3 = fwd.prefill(q, k, v, g, beta, None, None, h0, cu, cu, intracard_cp="on", cp_pieces=3, **kw)
     assert map_rows == [3, 2]
     assert _rel(ht_3, ht_off) < 1e-6 and _rel(o_3.float(), o_off.float()) < 1e-2
+
+
+# ---- the plan's launcher (forward.planned): what it resolves once and what it reads on every call
+
+_FLAGS = dict(scale=K ** -0.5, output_final_state=True, use_qk_l2norm_in_kernel=True, gate="precomputed",
+              lower_bound=None, beta_activation="none")
+
+
+def _uniform_args(B, T, HV, seed, g_dtype=bf16, h0=True):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, T, HV, K, generator=gen).bfloat16() for _ in range(3))
+    g = (F.logsigmoid(torch.randn(B, T, HV, K, generator=gen)) / 800).to(g_dtype)
+    beta = torch.rand(B, T, HV, generator=gen).bfloat16()
+    initial_state = torch.randn(B, HV, K, K, generator=gen) if h0 else None
+    return (q, k, v, g, beta, None, None, initial_state, None, None)
+
+
+def _recording_streams(fwd, monkeypatch):
+    """Streams handed to each launch, in order; launch_stream answers from `current` (a one-element list)."""
+    current, seen = [0], []
+    monkeypatch.setattr(fwd, "launch_stream", lambda: current[0])
+
+    def recording(make):
+        def compile_(*config):
+            run = make(*config)
+
+            def launch(*args):
+                seen.append(args[-1])
+                return run(*args)
+            return launch
+        return compile_
+
+    monkeypatch.setattr(fwd, "compile_intra", recording(_intra_emulator))
+    monkeypatch.setattr(fwd, "compile_state", recording(_state_emulator))
+    return current, seen
+
+
+@pytest.mark.parametrize("g_dtype", [bf16, torch.float16])
+def test_planned_launcher_reads_addresses_and_stream_on_every_call(fwd, monkeypatch, g_dtype):
+    """A plan's launcher keeps the Launch but not the call's tensors or stream: calls on new tensors give prefill's
+    results for those tensors, each call's two launches take the stream current at that call, every call returns
+    new o / final-state tensors (an earlier call's results stay as they were), and a g that stage 1 does not read
+    as it is (fp16) is converted on each call."""
+    current, seen = _recording_streams(fwd, monkeypatch)
+    first = _uniform_args(2, 100, 2, seed=1, g_dtype=g_dtype)
+    run = fwd.planned(first, **_FLAGS)
+    results = []
+    for stream, seed in ((7, 1), (9, 2), (7, 3)):
+        current[0] = stream
+        args = first if seed == 1 else _uniform_args(2, 100, 2, seed=seed, g_dtype=g_dtype)
+        o, final = run(*args)
+        o_ref, final_ref = fwd.prefill(*args, **_FLAGS)
+        assert torch.equal(o, o_ref) and torch.equal(final, final_ref)
+        assert o.data_ptr() != args[2].data_ptr() and final.data_ptr() != args[7].data_ptr()
+        results.append((o, final, o_ref.clone(), final_ref.clone()))
+    assert seen == [7] * 4 + [9] * 4 + [7] * 4  # per call: the plan's two launches, then prefill's two
+    for o, final, o_ref, final_ref in results:
+        assert torch.equal(o, o_ref) and torch.equal(final, final_ref)
+    assert len({r[0].data_ptr() for r in results}) == 3 and len({r[1].data_ptr() for r in results}) == 3
+
+
+def test_planned_launcher_keeps_its_tables_alive(fwd):
+    """The launch tables the launcher's addresses point at belong to the plan: emptying the caches that made them
+    (and collecting) leaves the plan's calls correct."""
+    import gc
+
+    args = _uniform_args(3, 70, 2, seed=4)
+    run = fwd.planned(args, **_FLAGS)
+    fwd.uniform_launch_spec.cache_clear()
+    fwd.planned_device_tables.cache_clear()
+    fwd.host_tables.cache_clear()
+    gc.collect()
+    _ = [torch.full((8,), -1, dtype=i32) for _ in range(64)]  # reuse freed host memory, if any was freed
+    o, final = run(*args)
+    o_ref, final_ref = fwd.prefill(*args, **_FLAGS)
+    assert torch.equal(o, o_ref) and torch.equal(final, final_ref)
+
+
+def test_planned_launcher_copies_misaligned_views(fwd, monkeypatch):
+    """Alignment is a property of each call's addresses, not of the signature: the tensor-core stage 1 (the safe
+    gate) gets 16-byte aligned q, k, v, g on every call, copies of views that sit at odd offsets."""
+    addresses = []
+
+    def intra(*config):
+        run = _intra_emulator(*config)
+
+        def launch(*args):
+            addresses.append(args[:4])
+            return run(*args)
+        return launch
+
+    monkeypatch.setattr(fwd, "compile_intra", intra)
+    HV = 2
+    gen = torch.Generator().manual_seed(5)
+    flags = dict(_FLAGS, gate="safe", lower_bound=-5.0)
+    A_log, dt_bias = torch.rand(HV, generator=gen), 0.1 * torch.randn(HV * K, generator=gen)
+    aligned = list(_uniform_args(1, 64, HV, seed=5))
+    aligned[5:7] = A_log, dt_bias
+    run = fwd.planned(tuple(aligned), **flags)
+    shifted = list(aligned)
+    for i in range(4):  # same values, one element past a 16-byte boundary
+        t = aligned[i]
+        buf = torch.empty(t.numel() + 1, dtype=t.dtype)
+        buf[1:] = t.reshape(-1)
+        shifted[i] = buf[1:].view(t.shape)
+        assert shifted[i].is_contiguous() and shifted[i].data_ptr() % 16
+    o_a, final_a = run(*aligned)
+    o_s, final_s = run(*shifted)
+    assert all(a % 16 == 0 for call in addresses for a in call)
+    assert torch.equal(o_a, o_s) and torch.equal(final_a, final_s)
+
+
+def test_planned_varlen_follows_each_calls_lengths(fwd):
+    """With cu_seqlens the tables depend on the lengths (values, not the signature): two calls of one signature
+    with different lengths each get prefill's results for their own lengths."""
+    q, k, v, g, beta, h0, cu = _inputs([30, 70], 2, seed=6)
+    run = fwd.planned((q, k, v, g, beta, None, None, h0, cu, cu), **_FLAGS)
+    for lens in ([30, 70], [90, 10], [0, 100]):
+        cu = torch.tensor([0, lens[0], 100], dtype=i32)
+        o, final = run(q, k, v, g, beta, None, None, h0, cu, cu)
+        o_ref, final_ref = fwd.prefill(q, k, v, g, beta, None, None, h0, cu, cu, **_FLAGS)
+        assert torch.equal(o, o_ref) and torch.equal(final, final_ref)
+
+
+def test_backend_planned_kernel_keeps_chunk_kda_without_cp(fwd, monkeypatch):
+    """The sm90 backend's planned kernels: kda_prefill's takes the caller's intracard_cp (a long sequence splits
+    under "on": an affine-map pass runs), chunk_kda's never splits; both give prefill's results."""
+    from cula_sm90.backend import backend
+
+    map_passes = []
+
+    def state(affine, o_dtype, cols, state_v_first=False):
+        if affine:
+            map_passes.append(cols)
+        return _state_emulator(affine, o_dtype, cols, state_v_first)
+
+    monkeypatch.setattr(fwd, "compile_state", state)
+    args = _uniform_args(1, 3000, 2, seed=8)
+    o_ref, final_ref = fwd.prefill(*args, **_FLAGS, intracard_cp="off")
+    map_passes.clear()
+    o, final = backend.planned_kernel("chunk_kda", args, **_FLAGS)(*args)
+    assert map_passes == []
+    assert torch.equal(o, o_ref) and torch.equal(final, final_ref)
+    o, final = backend.planned_kernel("kda_prefill", args, **_FLAGS, intracard_cp="on")(*args)
+    assert len(map_passes) == 1
+    assert _rel(final, final_ref) < 1e-6 and _rel(o.float(), o_ref.float()) < 1e-2

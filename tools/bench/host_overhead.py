@@ -6,9 +6,10 @@ minus the GPU time of the same calls (replayed from a CUDA graph), per call, in 
 Rows: one decode kernel launched through cula-sm90's launch layer (`launch.run_recurrent`: the configuration's
 TVM-FFI function from cula_core.cute_runtime, called with integer addresses and the raw stream: what every launch in
 cula-sm90 costs on the host), and the public ops (validation,
-dispatch (a repeated call runs its plan: cula_core.plans), the launches). Tiny shapes keep the GPU idle most of the
-time, so that wall minus GPU is the host's share; the enqueue column times the calls alone without waiting for the
-GPU.
+dispatch (a repeated call runs its plan: cula_core.plans), the launches): the decode ops, kda_prefill and chunk_kda
+under no_grad (the sm90 prefill's two launches). Tiny shapes keep the GPU idle most of the time, so that wall minus
+GPU is the host's share; the enqueue column times the calls alone without waiting for the GPU (the B = 1, T = 512,
+H = 64 prefill row: its GPU part is the longer one).
 """
 
 from __future__ import annotations
@@ -81,6 +82,14 @@ def main(argv=None) -> int:
     bm = torch.rand(N, 4, H, device=dev, dtype=bf)
     qp, kp, vp, gp = (torch.randn(1, 64, H, K, device=dev, dtype=bf) * 0.1 for _ in range(4))
     bp = torch.rand(1, 64, H, device=dev, dtype=bf)
+    # the host-time shape of docs/sm90_prefill.md: B = 1, T = 512, H = 64 (its GPU part is the longer one: read
+    # the enqueue column)
+    HL = 64
+    ql, kl, vl, gl = (torch.randn(1, 512, HL, K, device=dev, dtype=bf) * 0.1 for _ in range(4))
+    bl = torch.rand(1, 512, HL, device=dev, dtype=bf)
+    gate_l = dict(A_log=torch.zeros(HL, device=dev), dt_bias=torch.zeros(HL * K, device=dev),
+                  use_qk_l2norm_in_kernel=True)
+
     rows = {
         "kernel launch: sm90 decode recurrent (launch.run_recurrent, TVM-FFI)": kernel_launch,
         "op: kda_decode (N=1, H=4)": lambda: cula.kda_decode(q, k, v, g, beta, pool, idx, **gate),
@@ -89,6 +98,11 @@ def main(argv=None) -> int:
                                                                                        **gate),
         "op: kda_prefill (T=64, 2 kernels)": lambda: cula.kda_prefill(qp, kp, vp, gp, bp, use_gate_in_kernel=True,
                                                                       **gate),
+        # no input requires grad: the inference forward (the sm90 prefill's), no graph recorded
+        "op: chunk_kda no grad (T=64, 2 kernels)": lambda: cula.chunk_kda(qp, kp, vp, gp, bp, use_gate_in_kernel=True,
+                                                                          **gate),
+        "op: kda_prefill (B=1, T=512, H=64)": lambda: cula.kda_prefill(ql, kl, vl, gl, bl, use_gate_in_kernel=True,
+                                                                       **gate_l),
     }
     print(f"Card: {torch.cuda.get_device_name(0)}; {args.calls} back-to-back calls each\n")
     print("| call | wall us | GPU us | host overhead us (wall - GPU) | enqueue us |\n| --- | --- | --- | --- | --- |")

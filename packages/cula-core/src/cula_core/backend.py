@@ -141,6 +141,14 @@ class Backend:
         """The implementation of `op`, called with the validated arguments of the public op."""
         raise NotImplementedError(f"backend {self.name!r} has no kernel for {op}")
 
+    def planned_kernel(self, op: str, args: tuple, **flags) -> Callable[..., Any]:
+        """`kernel(op)` with the keyword arguments `flags` fixed, for the calls of one plan (cula_core.plans): each
+        passes positional arguments with the types, shapes, dtypes and devices of `args` (contiguous tensors, the
+        same ones None); only their values and addresses change. The default binds the flags; a backend may
+        instead resolve here, once, what those decide (compiled kernels, launch tables, sizes), leaving each call
+        only its per-call work."""
+        return functools.partial(self.kernel(op), **flags)
+
     def saves_residuals(self, call: CallConfig) -> bool:
         """Whether this backend's `chunk_kda` kernel, for a `call` with `requires_grad`, returns the
         CHUNK_KDA_RESIDUALS for its own `chunk_kda_backward` (docs/backends.md, "Residuals"). Default: no,
@@ -200,6 +208,12 @@ class ComposedBackend(Backend):
         if fam is None:
             raise NotImplementedError(f"backend {self.name!r} has no kernel for {op}")
         return fam.kernel(op)
+
+    def planned_kernel(self, op: str, args: tuple, **flags) -> Callable[..., Any]:
+        fam = self.family(op)
+        if fam is not None and hasattr(fam, "planned_kernel"):
+            return fam.planned_kernel(op, args, **flags)
+        return super().planned_kernel(op, args, **flags)
 
     def saves_residuals(self, call: CallConfig) -> bool:
         fam = self.family(call.op)

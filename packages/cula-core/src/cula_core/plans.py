@@ -93,9 +93,8 @@ def signature(op: str, tensors: tuple, scalars: tuple) -> tuple | None:
     return tuple(parts)
 
 
-def lookup(key: tuple) -> Callable | None:
-    """The plan made for `key`, or None."""
-    return _plans.get(key)
+#: lookup(key): the plan made for `key`, or None (the dict's own get: no Python frame on the hot path)
+lookup: Callable[[tuple], Callable | None] = _plans.get
 
 
 def remember(key: tuple, plan: Callable) -> Callable:

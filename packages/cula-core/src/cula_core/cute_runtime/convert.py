@@ -19,6 +19,9 @@ DUMMY_ADDRESS = 16
 _DSL_DTYPES: dict = {}
 # the current stream's raw handle without building a torch.cuda.Stream object (CUDA builds of torch have it)
 _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+# the current device's index without torch.cuda.current_device's Python-level lazy-init check (the C function
+# initialises CUDA itself where needed)
+_CURRENT_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
 
 
 def dsl_dtype(dtype: torch.dtype):
@@ -53,12 +56,12 @@ def fake_stream():
 
 def current_stream(device: torch.device | int | None = None) -> int:
     """The raw handle of torch's current CUDA stream on `device` (None: the current device)."""
-    if _RAW_STREAM is not None:
+    if _RAW_STREAM is not None and _CURRENT_DEVICE is not None:
         if device is None:
-            index = torch.cuda.current_device()
+            index = _CURRENT_DEVICE()
         else:
             index = device if isinstance(device, int) else (device.index if device.index is not None
-                                                            else torch.cuda.current_device())
+                                                            else _CURRENT_DEVICE())
         return _RAW_STREAM(index)
     return torch.cuda.current_stream(device).cuda_stream
 

@@ -208,7 +208,12 @@ class _EagerChunkKda(torch.autograd.Function):
 
 def _records_graph(*tensors) -> bool:
     """Whether a call on `tensors` records an autograd graph: grad mode on and an input that requires grad."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:  # a loop, not any(generator): this runs on every inference call's host path
+        if t is not None and t.requires_grad:
+            return True
+    return False
 
 
 def chunk_kda(

@@ -37,27 +37,39 @@ def _prefill_call(op, q, v, cu_seqlens, *, gate, use_qk_l2norm_in_kernel, beta_a
                      output_final_state=output_final_state, state_v_first=state_v_first, **options)
 
 
-def forward_kernel(call, sizes: dict, **flags):
+def forward_kernel(call, sizes: dict, args: tuple | None = None, **flags):
     """The backend's kernel for forward `call` (chosen with its indexing limit applied to `sizes`), bound to the
     call's flags: it takes (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu), hands
     the kernel the states in the layout it indexes, and returns its outputs (a sequence) with every state back in
-    the caller's layout (new tensors, never the input state)."""
+    the caller's layout (new tensors, never the input state). With `args` (those arguments of the call that
+    makes a plan) it serves that plan's calls only: the backend's `planned_kernel`."""
     backend = select(call, sizes)
     native = native_v_first(backend, call)
     copy_layout = bool(call.options.get("state_v_first")) and not native
-    kernel = backend.kernel(call.op)
     layout = layout_kwargs(native)
 
-    bound = functools.partial(kernel, **flags, **layout)
-    if not copy_layout and not call.options.get("initial_state"):  # new outputs in the caller's layout already
-        return bound
+    if args is None:
+        bound = functools.partial(backend.kernel(call.op), **flags, **layout)
+    else:
+        if copy_layout:  # the kernel sees [..., K, V] copies of the caller's states
+            args = (*args[:7], swap_state_layout(args[7]), *args[8:])
+        bound = backend.planned_kernel(call.op, args, **flags, **layout)
+    if not copy_layout:
+        if not call.options.get("initial_state"):  # new outputs in the caller's layout already
+            return bound
+
+        def fresh(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu):
+            # o, then the states (final_state, and the chunk states of kda_prefill_chunk_states): never the input
+            o, *states = bound(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu)
+            return (o, *[unaliased(s, initial_state) for s in states])
+
+        return fresh
 
     def run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu):
-        out = list(bound(q, k, v, g, beta, A_log, dt_bias,
-                         swap_state_layout(initial_state) if copy_layout else initial_state, cu_seqlens,
+        out = list(bound(q, k, v, g, beta, A_log, dt_bias, swap_state_layout(initial_state), cu_seqlens,
                          cu_seqlens_cpu))
         for i in range(1, len(out)):  # final_state, and the chunk states of kda_prefill_chunk_states
-            out[i] = swap_state_layout(out[i]) if copy_layout else unaliased(out[i], initial_state)
+            out[i] = swap_state_layout(out[i])
         return out
 
     return run
@@ -162,13 +174,16 @@ def prefill_plan(call: ChunkCall, output_final_state: bool, use_qk_l2norm_in_ker
                            output_final_state=output_final_state, state_v_first=call.state_v_first, **options)
     kernel = forward_kernel(
         config, forward_indexed_sizes(q, k, v, g, beta, initial_state, call.cu_seqlens, output_final_state),
-        scale=call.scale, output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        gate=call.gate, lower_bound=call.lower_bound, beta_activation=call.beta_activation, **flags)
+        (*call.tensors, call.cu_seqlens, call.cu_seqlens_cpu), scale=call.scale, output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=call.gate, lower_bound=call.lower_bound,
+        beta_activation=call.beta_activation, **flags)
     check_lengths = call.cu_seqlens_cpu is not None
     B, T = q.shape[:2]
     flatten = use_gate_in_kernel and ((A_log is not None and A_log.dim() != 1) or
                                       (dt_bias is not None and dt_bias.dim() != 1))
     is_grad_enabled = torch.is_grad_enabled
+    # chunk_kda runs its plan only when no input records a graph (it checked that): only kda_prefill's plan asks
+    check_grad = intracard_cp is not None
 
     def run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu):
         if check_lengths:
@@ -179,10 +194,10 @@ def prefill_plan(call: ChunkCall, output_final_state: bool, use_qk_l2norm_in_ker
             A_log = None if A_log is None else A_log.reshape(-1)
             dt_bias = None if dt_bias is None else dt_bias.reshape(-1)
         # an inference op: no graph, whichever backend runs it (without an input that requires grad, none is made)
-        if is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or g.requires_grad
-                                  or beta.requires_grad or (A_log is not None and A_log.requires_grad)
-                                  or (dt_bias is not None and dt_bias.requires_grad)
-                                  or (initial_state is not None and initial_state.requires_grad)):
+        if check_grad and is_grad_enabled() and (
+                q.requires_grad or k.requires_grad or v.requires_grad or g.requires_grad or beta.requires_grad
+                or (A_log is not None and A_log.requires_grad) or (dt_bias is not None and dt_bias.requires_grad)
+                or (initial_state is not None and initial_state.requires_grad)):
             with torch.no_grad():
                 o, final_state = kernel(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu)
         else:

@@ -51,3 +51,14 @@ def kernel(op: str):
         return forward.prefill(*args, **kwargs, intracard_cp="off")
 
     return chunk_kda
+
+
+def planned_kernel(op: str, args: tuple, **flags):
+    # no cu_seqlens and no CP split: the launch is resolved once for the plan (forward.planned); chunk_kda has
+    # no intra-card CP
+    if op not in OPS:
+        raise NotImplementedError(f"sm90 has no kernel for {op}")
+    from cula_sm90.prefill import forward
+
+    return forward.planned(args, **flags) if op == "kda_prefill" else forward.planned(args, **flags,
+                                                                                      intracard_cp="off")

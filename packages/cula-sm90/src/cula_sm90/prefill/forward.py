@@ -13,6 +13,9 @@ a scan over the pieces of each sequence (batched fp64 matmuls on the device, imm
 log2(pieces) steps composing maps, Hillis-Steele) gives their initial states, and stage 2 runs all pieces at
 once. Without `cu_seqlens_cpu` a varlen call runs without CP (the lengths are only on the device; reading them would
 synchronise).
+
+A repeated call of one signature (cula_core.plans) runs `planned`'s launcher: the launch resolved once, each call
+left with its allocations, addresses, the current stream and the two launches.
 """
 
 from __future__ import annotations
@@ -310,6 +313,100 @@ def uniform_launch_spec(B, T, HQK, HV, device, intracard_cp, cp_pieces, qkv_dtyp
 _READ_DTYPES = (torch.bfloat16, torch.float32)  # g and beta are read in these dtypes as they are, others as fp32
 
 
+def _read_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype stage 1 reads g or beta in: its own for bf16 / fp32, fp32 for any other (converted per call)."""
+    return t.dtype if t.dtype in _READ_DTYPES else torch.float32
+
+
+def _call_launch(q, _k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *, scale,
+                 output_final_state, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, intracard_cp,
+                 cp_pieces, state_v_first) -> Launch:
+    """The Launch of a non-empty prefill call (`prefill`'s arguments)."""
+    B, T, HQK, _K = q.shape
+    HV = v.shape[2]
+    want_ht = bool(output_final_state)
+    h0_rows = 0 if initial_state is None else initial_state.shape[0]
+    g_dtype, beta_dtype = _read_dtype(g), _read_dtype(beta)
+    if cu_seqlens is None:
+        return uniform_launch_spec(B, T, HQK, HV, q.device, intracard_cp, cp_pieces, q.dtype, g_dtype, beta_dtype,
+                                   A_log is not None, dt_bias is not None, h0_rows, want_ht, scale,
+                                   use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, bool(state_v_first))
+    lengths = _host_lengths(B, T, cu_seqlens, cu_seqlens_cpu)
+    if lengths is not None:
+        tables = host_length_tables(lengths, HV, q.device, intracard_cp, h0_rows > 0, want_ht, cp_pieces)
+    else:
+        tables = _device_tables(B, T, cu_seqlens.shape[0] - 1, HV, cu_seqlens, q.device, h0_rows > 0, want_ht)
+    return launch_spec(B, T, HQK, HV, cu_seqlens.shape[0] - 1, tables, q.dtype, g_dtype, beta_dtype,
+                       A_log is not None, dt_bias is not None, h0_rows, want_ht, scale, use_qk_l2norm_in_kernel, gate,
+                       lower_bound, beta_activation, bool(state_v_first))
+
+
+def _launcher(spec: Launch, args: tuple) -> Callable:
+    """The two launches of `spec` (not split) as a function of (q, k, v, g, beta, A_log, dt_bias, initial_state,
+    cu_seqlens, cu_seqlens_cpu) that returns (o, final state or None): for every call whose arguments have the
+    types, dtypes and presence of `args` (which decide the conversions; the shapes are spec's). What a call does:
+    dtype conversions, the scratch / o / final-state allocations, the addresses, the current stream, two
+    launches."""
+    _q, _k, _v, g, beta, A_log, dt_bias, initial_state = args[:8]
+    g_float, beta_float = g.dtype not in _READ_DTYPES, beta.dtype not in _READ_DTYPES
+    a_log_float = A_log is not None and A_log.dtype != torch.float32
+    dt_bias_float = dt_bias is not None and dt_bias.dtype != torch.float32
+    has_a_log, has_dt_bias, has_h0 = A_log is not None, dt_bias is not None, initial_state is not None
+    intra, state, aligned = spec.intra, spec.state, spec.aligned
+    intra_sizes, state_sizes, final_shape = spec.intra_sizes, spec.state_sizes, spec.final_shape
+    cu_addr, co_addr, seg_addr = spec.table_addrs
+    nbytes, (_, u_off, qg_off, kg_off, aqk_off, gl_off) = spec.nbytes, spec.offsets
+    device, uint8, f32, empty, empty_like = _q.device, torch.uint8, torch.float32, torch.empty, torch.empty_like
+
+    def run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu):
+        # converted tensors stay referenced until the launches are queued: freed earlier, their memory could be
+        # handed to the next conversion before the kernel that reads it was enqueued
+        if g_float:
+            g = g.float()
+        if beta_float:
+            beta = beta.float()
+        if a_log_float:
+            A_log = A_log.float()
+        if dt_bias_float:
+            dt_bias = dt_bias.float()
+        # stage 1's outputs live in one scratch allocation, addressed by offset (scratch_layout); its base also
+        # stands for every absent optional tensor (a kernel never reads one)
+        scratch = empty(nbytes, dtype=uint8, device=device)
+        o = empty_like(v)
+        final = None if final_shape is None else empty(final_shape, dtype=f32, device=device)
+        base = scratch.data_ptr()
+        q_addr, k_addr, v_addr, g_addr = q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr()
+        if aligned and (q_addr | k_addr | v_addr | g_addr) & 15:  # views at odd offsets: 16-byte aligned copies
+            q, k, v, g = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (q, k, v, g))
+            q_addr, k_addr, v_addr, g_addr = q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr()
+        stream = launch_stream()
+        intra(q_addr, k_addr, v_addr, g_addr, beta.data_ptr(), A_log.data_ptr() if has_a_log else base,
+              dt_bias.data_ptr() if has_dt_bias else base, cu_addr, co_addr, base, base + u_off, base + qg_off,
+              base + kg_off, base + aqk_off, base + gl_off, *intra_sizes, stream)
+        state(base, base + u_off, base + qg_off, base + kg_off, base + aqk_off, base + gl_off, seg_addr,
+              initial_state.data_ptr() if has_h0 else base, base if final is None else final.data_ptr(),
+              o.data_ptr(), *state_sizes, stream)
+        return o, final
+
+    run.launch = spec  # its device tables, whose addresses the launches take, live as long as `run`
+    return run
+
+
+def planned(args: tuple, *, intracard_cp="off", cp_pieces=None, state_v_first=False, **flags) -> Callable:
+    """`prefill` with its keyword arguments fixed, for the calls of one plan (cula_core.plans): every call passes
+    (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu) with the types, shapes, dtypes
+    and device of `args` (contiguous tensors, the same ones None); only values and addresses change.
+
+    Where those decide the whole launch (no cu_seqlens: the tables follow B and T; a non-empty batch; no
+    context-parallel split), it is resolved here, once (`_launcher`); otherwise each call runs `prefill`."""
+    kw = dict(flags, intracard_cp=intracard_cp, cp_pieces=cp_pieces, state_v_first=state_v_first)
+    q = args[0]
+    if args[8] is not None or q.shape[0] * q.shape[1] == 0:
+        return functools.partial(prefill, **kw)
+    spec = _call_launch(*args, **kw)
+    return functools.partial(prefill, **kw) if spec.split else _launcher(spec, args)
+
+
 def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *, scale,
             output_final_state, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, intracard_cp="off",
             cp_pieces=None, state_v_first=False):
@@ -328,27 +425,19 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
         if final is not None:
             final.copy_(initial_state) if has_h0 else final.zero_()
         return torch.empty_like(v), final
+    args = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu)
+    spec = _call_launch(*args, scale=scale, output_final_state=output_final_state,
+                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate, lower_bound=lower_bound,
+                        beta_activation=beta_activation, intracard_cp=intracard_cp, cp_pieces=cp_pieces,
+                        state_v_first=state_v_first)
+    if not spec.split:
+        return _launcher(spec, args)(*args)
+
+    # ---- context parallel: stage 1, the maps of the pieces, a scan, then every piece at once
     if g.dtype not in _READ_DTYPES:
         g = g.float()
     if beta.dtype not in _READ_DTYPES:
         beta = beta.float()
-    h0_rows = initial_state.shape[0] if has_h0 else 0
-    if cu_seqlens is None:
-        spec = uniform_launch_spec(B, T, HQK, HV, device, intracard_cp, cp_pieces, q.dtype, g.dtype, beta.dtype,
-                                   A_log is not None, dt_bias is not None, h0_rows, want_ht, scale,
-                                   use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, bool(state_v_first))
-    else:
-        lengths = _host_lengths(B, T, cu_seqlens, cu_seqlens_cpu)
-        if lengths is not None:
-            tables = host_length_tables(lengths, HV, device, intracard_cp, has_h0, want_ht, cp_pieces)
-        else:
-            tables = _device_tables(B, T, N, HV, cu_seqlens, device, has_h0, want_ht)
-        spec = launch_spec(B, T, HQK, HV, N, tables, q.dtype, g.dtype, beta.dtype, A_log is not None,
-                           dt_bias is not None, h0_rows, want_ht, scale, use_qk_l2norm_in_kernel, gate, lower_bound,
-                           beta_activation, bool(state_v_first))
-
-    # stage 1's outputs live in one scratch allocation, addressed by offset (scratch_layout); its base also
-    # stands for every absent optional tensor (a kernel never reads one)
     scratch = torch.empty(spec.nbytes, dtype=torch.uint8, device=device)
     o = torch.empty_like(v)
     final = None if spec.final_shape is None else torch.empty(*spec.final_shape, dtype=torch.float32, device=device)
@@ -370,12 +459,6 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
                base if dt_bias is None else dt_bias.data_ptr(), cu_addr, co_addr, w, u, qg, kg, aqk, gl,
                *spec.intra_sizes, stream)
     ht = base if final is None else final.data_ptr()
-    if not spec.split:
-        spec.state(w, u, qg, kg, aqk, gl, seg_addr, initial_state.data_ptr() if has_h0 else base, ht, o.data_ptr(),
-                   *spec.state_sizes, stream)
-        return o, final
-
-    # ---- context parallel: maps of the pieces, a scan, then every piece at once
     TT, NC, S = spec.state_sizes[:3]
     tables = spec.tables
     map_seg = tables["map_seg"]
