@@ -414,7 +414,7 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     `intracard_cp` "on" / "off" / "auto" as the planner takes it; `cp_pieces` forces that many CP pieces per long
     sequence (benchmarks; None: the planner's rule); `state_v_first`: initial and final states [N, HV, V, K]
     (FLA's layout), indexed by stage 2 as they are (K = V, so the shapes match)."""
-    B, T, HQK, K = q.shape
+    B, T, _, K = q.shape
     HV = v.shape[2]
     device = q.device
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
