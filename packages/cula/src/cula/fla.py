@@ -98,8 +98,8 @@ class PreferenceRow:
 #: K = V = 128, HV == HQK, the safe gate in kernel, V-first states). The last row whose `tokens` the call reaches
 #: decides. Chosen by measurement through FLA's own dispatch (``python -m tools.bench.fla_dispatch``: FLA's
 #: chunk_kda handed to each backend, on the same bf16 inputs, H100 and H200); below 4096 tokens a call is
-#: bound by host time and has not been measured ahead on both cards with the current host path, so FlashKDA
-#: keeps them.
+#: bound by host time, and cula is not ahead on both cards there (behind at 1024 tokens on the H200 machine), so
+#: FlashKDA keeps them.
 #: docs/using_cula_from_fla_vllm_sglang.md quotes the rows and their numbers.
 PREFERENCE_VS_FLASH_KDA: tuple[PreferenceRow, ...] = (
     PreferenceRow(0, "flash_kda", "docs/benchmarks/fla_dispatch.md"),
