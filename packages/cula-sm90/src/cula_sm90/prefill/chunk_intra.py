@@ -55,9 +55,6 @@ class ChunkIntraKernel(common.Stage1Launch):
                u: cute.Tensor, qg: cute.Tensor, kg: cute.Tensor, aqk: cute.Tensor, gl: cute.Tensor,
                N: Int32, search_steps: Int32, G: Int32, scale: Float32, lower_bound: Float32):
         tid, _, _ = cute.arch.thread_idx()
-        # stage 2 (launched with programmatic dependent launch) may start its prologue now; it waits for this
-        # grid's completion before reading any of its outputs
-        cute.arch.griddepcontrol_launch_dependents()
         chunk, h, _ = cute.arch.block_idx()
         lane = tid % 32
         warp = tid // 32

@@ -101,10 +101,8 @@ class ChunkStateWGKernel:
             ht_kv = (width, 1)
         ht = cute.make_tensor(ht_ptr, cute.make_layout((NHT, HV, DK, width),
                                                        stride=(HV * DK * width, DK * width, *ht_kv)))
-        # programmatic dependent launch: the CTAs may start while stage 1 (the previous kernel on the stream)
-        # finishes, and read their segment and initial state before they wait for it (griddepcontrol.wait)
         self.kernel(w, u, qg, kg, aqk, gl, seg, h0, ht, o).launch(
-            grid=[S, HV, width // self.cols], block=[self.threads, 1, 1], stream=stream, use_pdl=True)
+            grid=[S, HV, width // self.cols], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, w: cute.Tensor, u: cute.Tensor, qg: cute.Tensor, kg: cute.Tensor, aqk: cute.Tensor,
@@ -185,8 +183,6 @@ class ChunkStateWGKernel:
                     x = h0[h0_idx, hv, kr, col0 + c]
             acc_h[i] = x
 
-        # everything below reads stage 1's outputs: wait for the previous grid (a no-op where it has finished)
-        cute.arch.griddepcontrol_wait()
         n_chunks = (end - start + BT - 1) // BT
         # the log decay of a chunk's last token is read one chunk ahead: its load never stalls the chunk's math
         gl_next = Float32(0.0)
