@@ -32,8 +32,12 @@ def _at(address: int, dtype: torch.dtype, *shape: int) -> torch.Tensor:
     return torch.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype=dtype).view(shape)
 
 
-def _intra_emulator(gate, beta_activation, l2norm, has_a_log, has_dt_bias, qkv_dtype, g_dtype, beta_dtype, _kind):
-    def run(q, k, v, g, beta, a_log, dtb, cu, co, w, u, qg, kg, aqk, gl, TT, N, NC, steps, HQK, G, scale, lb, _s):
+def _intra_emulator(gate, beta_activation, l2norm, has_a_log, has_dt_bias, qkv_dtype, g_dtype, beta_dtype, kind,
+                    store_akk=False):
+    assert not store_akk or kind == "tc"  # forward.intra_config's rule
+
+    def run(q, k, v, g, beta, a_log, dtb, cu, co, w, u, qg, kg, aqk, akk, gl, TT, N, NC, steps, HQK, G, scale, lb,
+            _s):
         HV = HQK * G
         q, k = (_at(a, qkv_dtype, 1, TT, HQK, K) for a in (q, k))
         v, g, beta = _at(v, qkv_dtype, 1, TT, HV, K), _at(g, g_dtype, 1, TT, HV, K), _at(beta, beta_dtype, 1, TT, HV)
@@ -49,7 +53,10 @@ def _intra_emulator(gate, beta_activation, l2norm, has_a_log, has_dt_bias, qkv_d
                                           beta_activation=beta_activation)
         _, _, x = chunk_kda_reference(qp, kp, flat[2].double(), gp, bp, scale=scale, cu_seqlens=cu.long(),
                                       return_intermediates=True)
-        for dst, src in ((w, x.w), (u, x.u), (qg, scale * x.qg), (kg, x.kg), (aqk, x.Aqk)):
+        outputs = [(w, x.w), (u, x.u), (qg, scale * x.qg), (kg, x.kg), (aqk, x.Aqk)]
+        if store_akk:  # the address is Aqk's scratch region otherwise: never written
+            outputs.append((_at(akk, bf16, TT, HV, BT), x.Akk))
+        for dst, src in outputs:
             dst.copy_(src[0].to(dst.dtype))
         ends = cu.long()[1:]
         for c, (n, _), t0 in zip(range(x.chunk_indices.shape[0]), x.chunk_indices.tolist(),
@@ -345,3 +352,53 @@ def test_backend_planned_kernel_keeps_chunk_kda_without_cp(fwd, monkeypatch):
     o, final = backend.planned_kernel("kda_prefill", args, **_FLAGS, intracard_cp="on")(*args)
     assert len(map_passes) == 1
     assert _rel(final, final_ref) < 1e-6 and _rel(o.float(), o_ref.float()) < 1e-2
+
+
+# ---- chunk_kda's training forward: the residuals Aqk, Akk in tensors of their own
+
+_SAFE = dict(_FLAGS, gate="safe", lower_bound=-5.0)
+
+
+@pytest.mark.parametrize("cp", ["off", "on"])
+@pytest.mark.parametrize("lens", [[100], [0, 65, 1, 3000, 0]])
+def test_residuals_are_stage_1s_aqk_and_akk_in_their_own_tensors(fwd, lens, cp):
+    """save_residuals: stage 1 (store_akk) writes Akk, Aqk and Akk land in [B, T, HV, 64] bf16 tensors of their own
+    (not views of the scratch, which is freed when the call returns), stage 2 reads Aqk from there: o and the final
+    state are the call's without residuals, and the residuals are the reference's chunk-64 Aqk / Akk (FLA 0.6.0's,
+    rounded to bf16), sequence by sequence, empty and 1-token sequences included."""
+    HV = 2
+    q, k, v, g, beta, h0, cu = _inputs(lens, HV, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    A_log, dt_bias = torch.rand(HV, generator=gen), 0.1 * torch.randn(HV * K, generator=gen)
+    args = (q, k, v, g.float(), beta, A_log, dt_bias, h0, cu, cu)
+    o, ht = fwd.prefill(*args, intracard_cp=cp, **_SAFE)
+    o_r, ht_r, (aqk, akk) = fwd.prefill(*args, intracard_cp=cp, save_residuals=True, **_SAFE)
+    assert torch.equal(o_r, o) and torch.equal(ht_r, ht)
+    T = sum(lens)
+    for r in (aqk, akk):
+        assert r.shape == (1, T, HV, BT) and r.dtype == bf16 and r.is_contiguous()
+        assert r.untyped_storage().nbytes() == r.numel() * 2  # its own allocation
+    qp, kp, gp, bp = R.prepare_inputs(q, k, g.float(), beta, A_log, dt_bias, dtype=torch.float64,
+                                      use_qk_l2norm_in_kernel=True, gate="safe", lower_bound=-5.0,
+                                      beta_activation="none")
+    _, _, x = chunk_kda_reference(qp, kp, v.double(), gp, bp, scale=K ** -0.5, cu_seqlens=cu.long(),
+                                  return_intermediates=True)
+    assert torch.equal(aqk, x.Aqk.to(bf16)) and torch.equal(akk, x.Akk.to(bf16))
+    # Akk: unit diagonal, nothing above it, within every chunk of every sequence
+    for t in range(0, T, 97):
+        start = max(c for c in cu.tolist() if c <= t and (c < T))
+        j = (t - start) % BT
+        assert akk[0, t, :, j].eq(1).all() and akk[0, t, :, j + 1:].eq(0).all()
+
+
+def test_residuals_of_an_empty_batch_and_of_the_other_gates(fwd):
+    """An empty call returns empty residuals of the promised shape; a call the tensor-core stage 1 does not serve
+    (only it writes Akk) is refused before any launch."""
+    q, k, v, g, beta, h0, cu = _inputs([0], 2, seed=13)
+    o, ht, (aqk, akk) = fwd.prefill(q, k, v, g, beta, None, None, h0, cu, cu, save_residuals=True, **_SAFE)
+    assert aqk.shape == akk.shape == (1, 0, 2, BT) and o.shape == v.shape and torch.equal(ht, h0)
+    q, k, v, g, beta, h0, cu = _inputs([70], 2, seed=13)
+    for gate, lb in (("precomputed", None), ("safe", -6.0)):
+        with pytest.raises(ValueError, match="tensor-core stage 1 only"):
+            fwd.prefill(q, k, v, g, beta, None, None, h0, cu, cu, save_residuals=True,
+                        **dict(_FLAGS, gate=gate, lower_bound=lb))

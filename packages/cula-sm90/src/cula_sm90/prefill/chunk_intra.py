@@ -52,8 +52,9 @@ class ChunkIntraKernel(common.Stage1Launch):
     @cute.kernel
     def kernel(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tensor, beta: cute.Tensor,
                alog: cute.Tensor, dtb: cute.Tensor, cu: cute.Tensor, co: cute.Tensor, w: cute.Tensor,
-               u: cute.Tensor, qg: cute.Tensor, kg: cute.Tensor, aqk: cute.Tensor, gl: cute.Tensor,
-               N: Int32, search_steps: Int32, G: Int32, scale: Float32, lower_bound: Float32):
+               u: cute.Tensor, qg: cute.Tensor, kg: cute.Tensor, aqk: cute.Tensor, akk: cute.Tensor,
+               gl: cute.Tensor, N: Int32, search_steps: Int32, G: Int32, scale: Float32, lower_bound: Float32):
+        # akk: common.Stage1Launch's Akk output, never written here (training runs the tensor-core stage 1)
         tid, _, _ = cute.arch.thread_idx()
         chunk, h, _ = cute.arch.block_idx()
         lane = tid % 32

@@ -91,12 +91,13 @@ class ChunkIntraTCKernel(common.Stage1Launch):
     cta_per_value_head = True
     min_ctas_per_sm = 3  # 80 registers: the 72 KiB of shared memory already fit three CTAs
     g_smem = True  # g is bf16: loaded by cp.async (forward.py sets it from g's dtype)
+    store_akk = False  # also write Akk = (I + L)^-1 for training (forward.py sets it per configuration)
 
     @cute.kernel
     def kernel(self, q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, g: cute.Tensor, beta: cute.Tensor,
                alog: cute.Tensor, dtb: cute.Tensor, cu: cute.Tensor, co: cute.Tensor, w: cute.Tensor,
-               u: cute.Tensor, qg: cute.Tensor, kg: cute.Tensor, aqk: cute.Tensor, gl: cute.Tensor,
-               N: Int32, search_steps: Int32, G: Int32, scale: Float32, lower_bound: Float32):
+               u: cute.Tensor, qg: cute.Tensor, kg: cute.Tensor, aqk: cute.Tensor, akk: cute.Tensor,
+               gl: cute.Tensor, N: Int32, search_steps: Int32, G: Int32, scale: Float32, lower_bound: Float32):
         tid, _, _ = cute.arch.thread_idx()
         chunk_j, h, _ = cute.arch.block_idx()
         chunk = chunk_j // G
@@ -147,8 +148,8 @@ class ChunkIntraTCKernel(common.Stage1Launch):
                 b = common.activate_beta(beta[t0 + tid, hv].to(Float32), self.beta_activation)
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
-            self.head(hv, chunk, t0, L, sQ, sK, sGin, sKc, sKr, sAk, sG, sL, sRef, sS, sB, v, g, w, u, qg, kg, aqk, gl,
-                      a_rate, bias0, bias1, b, scale, lower_bound, tid)
+            self.head(hv, chunk, t0, L, sQ, sK, sGin, sKc, sKr, sAk, sG, sL, sRef, sS, sB, v, g, w, u, qg, kg, aqk,
+                      akk, gl, a_rate, bias0, bias1, b, scale, lower_bound, tid)
 
     @cute.jit
     def row_rnorm(self, f):
@@ -167,7 +168,7 @@ class ChunkIntraTCKernel(common.Stage1Launch):
 
     @cute.jit
     def head(self, hv: Int32, chunk: Int32, t0: Int32, L: Int32, sQ, sK, sGin, sKc, sKr, sAk, sG, sL, sRef, sS, sB,
-             v, g, w, u, qg, kg, aqk, gl, a_rate: Float32, bias0: Float32, bias1: Float32, b: Float32, scale: Float32,
+             v, g, w, u, qg, kg, aqk, akk, gl, a_rate: Float32, bias0: Float32, bias1: Float32, b: Float32, scale: Float32,
              lower_bound: Float32, tid):
         warp = tid // 32
         lane = tid % 32
@@ -398,7 +399,7 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         # ---- Akk's blocks below the diagonal: warp c < 3 runs column block c down (see column_chain)
         for cb in cutlass.range_constexpr(BT // BC - 1):
             if warp == cb and (cb + 1) * BC < L:
-                self.column_chain(sAk, sB, l_tiles, x_tiles, L, lane, cb)
+                self.column_chain(sAk, sL, sB, l_tiles, x_tiles, L, lane, cb)
         if warp >= 4 and (warp - 4) * BC < L:
             self.diag_akk(sL, sAk, sB, warp - 4, lane)
         cute.arch.cp_async_wait_group(0)
@@ -429,6 +430,8 @@ class ChunkIntraTCKernel(common.Stage1Launch):
                 cute.copy(vb, fx, gw[None, m, None])
                 cute.copy(vb, pQ[None, m, None], fk)
                 cute.copy(vb, fk, gu[None, m, None])
+        if const_expr(self.store_akk):
+            self.store_akk_rows(sL, akk, t0, hv, L, tid)
 
     @cute.jit
     def pair_of(self, pr):
@@ -588,7 +591,7 @@ class ChunkIntraTCKernel(common.Stage1Launch):
                 sAk[row, col + 1] = z[1]
 
     @cute.jit
-    def column_chain(self, sAk, sB, l_tiles, x_tiles, L: Int32, lane, c: cutlass.Constexpr):
+    def column_chain(self, sAk, sL, sB, l_tiles, x_tiles, L: Int32, lane, c: cutlass.Constexpr):
         """Akk's blocks X_bc (b > c, valid row blocks) of column block c, by one warp, transposed so that each
         result is the next product's A operand in registers (an m16n16 accumulator and an m16k16 A fragment of
         mma.sync hold the same elements in the same registers):
@@ -596,7 +599,8 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         right-looking: once X_mc^T is known it is added into every later T_b (b > m), so the dependent chain per
         block is the last term of T_b and the X_bb product. Every operand is split into bf16 hi + lo (hi hi +
         hi lo + lo hi: ~16 bits per product, fp32 accumulation): the accumulators in registers, the L blocks and
-        X_bb^T from their operand tiles by ldmatrix. Out: X_bc diag(beta) in bf16 into Akk (2-byte stores)."""
+        X_bb^T from their operand tiles by ldmatrix. Out: X_bc diag(beta) in bf16 into Akk (2-byte stores); with
+        `store_akk` also X_bc in fp32 into its place in sL (free below the diagonal blocks), for store_akk_rows."""
         mma = tiled_mma(1)
         thr = mma.get_slice(lane)
         cC = thr.partition_C(cute.make_identity_tensor((BC, BC)))  # (column j of block c, row i of block b)
@@ -621,6 +625,9 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         # its Akk offset is a per-lane base plus a constant (whole 8-row steps leave the swizzle alone)
         corr = cute.make_rmem_tensor(thr.partition_shape_C((BC, BC)), Float32)
         akk_base = [self.akk_offset(cC[e][1], c * BC + cC[e][0]) for e in range(4)]
+        x_base = []
+        if const_expr(self.store_akk):
+            x_base = [cute.crd2idx((cC[e][1], c * BC + cC[e][0]), sL.layout) for e in range(4)]
         beta = [sB[c * BC + cC[2 * v1][0]] for v1 in range(2)]  # column jj: t1 + 8 v1, v1 = (e // 2) % 2
         y = cute.make_rmem_tensor(thr.partition_shape_C((BC, BC)), Float32)
         for b in cutlass.range_constexpr(c + 1, BT // BC):
@@ -647,8 +654,32 @@ class ChunkIntraTCKernel(common.Stage1Launch):
                     off = akk_base[e % 4] + (b * BC + 8 * (e // 4)) * BT
                     akk_elem = cute.make_tensor(sAk.iterator + off, cute.make_layout(1))
                     akk_elem[0] = (-y[e] * beta[(e // 2) % 2]).to(BFloat16)
+                    if const_expr(self.store_akk):
+                        x_elem = cute.make_tensor(sL.iterator + x_base[e % 4] + (b * BC + 8 * (e // 4)) * LPAD,
+                                                  cute.make_layout(1))
+                        x_elem[0] = -y[e]
                 if const_expr(b < BT // BC - 1):
                     self.split_acc(y, a_hi, a_lo, True)
+
+    @cute.jit
+    def store_akk_rows(self, sL, akk, t0: Int32, hv: Int32, L: Int32, tid):
+        """Akk = X = (I + L)^-1 (no beta) in bf16 to global, rows < L, from the fp32 X in sL (diagonal blocks from
+        invert_diag, blocks below them from column_chain) with zeros for the blocks above the diagonal: thread
+        writes 8 columns of a row per 16-byte store (a warp: 4 whole rows)."""
+        f = cute.make_rmem_tensor(cute.make_layout(8), BFloat16)
+        for it in cutlass.range_constexpr(BT * BT // 8 // self.threads):
+            idx = it * self.threads + tid
+            row = idx // (BT // 8)
+            col = 8 * (idx % (BT // 8))
+            if row < L:
+                below = col < (row // BC + 1) * BC  # the 8 columns lie in one 16-column block
+                for x in cutlass.range_constexpr(8):
+                    xv = Float32(0.0)
+                    if below:
+                        xv = sL[row, col + x]
+                    f[x] = xv.to(BFloat16)
+                off = cute.assume(cute.crd2idx((t0 + row, hv, col), akk.layout), divby=8)
+                cute.autovec_copy(f, cute.make_tensor(akk.iterator + off, cute.make_layout(8)))
 
     @cute.jit
     def mma_split_short(self, mma, acc, corr, a_hi, a_lo, b_hi, b_lo):

@@ -13,13 +13,15 @@ DK = 128
 class Stage1Launch:
     """The host entry both stage-1 kernels share (chunk_intra.py, chunk_intra_tc.py): the tensors from pointers
     (q, k [TT, HQK, K]; v, g and the outputs w, u, qg, kg [TT, HV, K]; beta [TT, HV]; A_log [HV]; dt_bias
-    [HV, K]; cu_seqlens and chunk offsets [N + 1]; Aqk [TT, HV, BT]; gl [NC, HV, K]) and one CTA of
+    [HV, K]; cu_seqlens and chunk offsets [N + 1]; Aqk and Akk [TT, HV, BT]; gl [NC, HV, K]) and one CTA of
     `self.threads` per (chunk, q/k head), or, with `cta_per_value_head`, per (chunk, value head): grid x = NC * G,
-    chunk-major, so the G CTAs of one chunk and q/k head are adjacent (and read q, k while they are in L2)."""
+    chunk-major, so the G CTAs of one chunk and q/k head are adjacent (and read q, k while they are in L2). Akk is
+    written only by a kernel compiled with `store_akk` (chunk_intra_tc.py); the others never touch its address."""
 
     threads = 128
     cta_per_value_head = False
     min_ctas_per_sm = 0  # > 0: the register budget is capped so that many CTAs fit an SM (nvvm.minctasm)
+    store_akk = False  # also write Akk = (I + L)^-1 (training residual); only chunk_intra_tc.py implements it
 
     def __init__(self, gate: str, beta_activation: str, l2norm: bool, has_a_log: bool, has_dt_bias: bool):
         self.gate = gate
@@ -32,7 +34,7 @@ class Stage1Launch:
     def __call__(self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, v_ptr: cute.Pointer, g_ptr: cute.Pointer,
                  beta_ptr: cute.Pointer, alog_ptr: cute.Pointer, dtb_ptr: cute.Pointer, cu_ptr: cute.Pointer,
                  co_ptr: cute.Pointer, w_ptr: cute.Pointer, u_ptr: cute.Pointer, qg_ptr: cute.Pointer,
-                 kg_ptr: cute.Pointer, aqk_ptr: cute.Pointer, gl_ptr: cute.Pointer,
+                 kg_ptr: cute.Pointer, aqk_ptr: cute.Pointer, akk_ptr: cute.Pointer, gl_ptr: cute.Pointer,
                  TT: Int32, N: Int32, NC: Int32, search_steps: Int32, HQK: Int32, G: Int32,
                  scale: Float32, lower_bound: Float32, stream):
         HV = HQK * G
@@ -42,13 +44,14 @@ class Stage1Launch:
         qk = cute.make_layout((TT, HQK, DK), stride=(HQK * DK, DK, 1))
         tok = cute.make_layout((TT, HV, DK), stride=(HV * DK, DK, 1))
         mk = cute.make_tensor
+        amat = cute.make_layout((TT, HV, BT), stride=(HV * BT, BT, 1))
         kernel = self.kernel(
             mk(q_ptr, qk), mk(k_ptr, qk), mk(v_ptr, tok), mk(g_ptr, tok),
             mk(beta_ptr, cute.make_layout((TT, HV), stride=(HV, 1))), mk(alog_ptr, cute.make_layout(HV)),
             mk(dtb_ptr, cute.make_layout((HV, DK), stride=(DK, 1))),
             mk(cu_ptr, cute.make_layout(N + 1)), mk(co_ptr, cute.make_layout(N + 1)),
             mk(w_ptr, tok), mk(u_ptr, tok), mk(qg_ptr, tok), mk(kg_ptr, tok),
-            mk(aqk_ptr, cute.make_layout((TT, HV, BT), stride=(HV * BT, BT, 1))),
+            mk(aqk_ptr, amat), mk(akk_ptr, amat),
             mk(gl_ptr, cute.make_layout((NC, HV, DK), stride=(HV * DK, DK, 1))),
             N, search_steps, G, scale, lower_bound)
         if const_expr(self.min_ctas_per_sm > 0):

@@ -4,7 +4,9 @@ cula_core; the math is in the kernels.
 
     stage 1  chunk_intra_tc.ChunkIntraTCKernel   chunk-parallel: gate, cumsum, l2norm, Akk, w/u, Aqk, qg, kg, on
              tensor cores, for the safe gate with lower_bound >= TC_LOWER_BOUND_MIN (intra_kind);
-             chunk_intra.ChunkIntraKernel for every other gate
+             chunk_intra.ChunkIntraKernel for every other gate. Compiled with `store_akk` (training: chunk_kda
+             with save_residuals) it also writes Akk, and Aqk and Akk go to their own tensors, the residuals
+             cula-sm100's backward reads (docs/backends.md, "Residuals")
     stage 2  chunk_state_wg.ChunkStateWGKernel   per (segment, head, state_cols state columns): the serial
              recurrence and o, on wgmma
 
@@ -63,24 +65,29 @@ def intra_kind(gate: str, lower_bound: float) -> str:
 
 
 def intra_config(gate: str, beta_activation: str, l2norm: bool, has_a_log: bool, has_dt_bias: bool,
-                 qkv_dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, kind: str) -> tuple:
-    """Compile-time configuration of stage 1 (kind "tc": chunk_intra_tc, the safe gate only; "simt": chunk_intra)."""
+                 qkv_dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, kind: str,
+                 store_akk: bool = False) -> tuple:
+    """Compile-time configuration of stage 1 (kind "tc": chunk_intra_tc, the safe gate only; "simt": chunk_intra;
+    `store_akk`: also write Akk = (I + L)^-1, "tc" only)."""
     if kind == "tc" and gate != "safe":
         raise ValueError(f"the tensor-core stage 1 serves the safe gate only, got {gate}")
+    if store_akk and kind != "tc":
+        raise ValueError(f"only the tensor-core stage 1 writes Akk (store_akk), got kind {kind!r}")
     return (kind, gate, beta_activation, bool(l2norm), bool(has_a_log), bool(has_dt_bias), qkv_dtype, g_dtype,
-            beta_dtype)
+            beta_dtype, bool(store_akk))
 
 
 def _build_intra(config: tuple):
     import cutlass
 
-    kind, gate, beta_activation, l2norm, has_a_log, has_dt_bias, qkv_dtype, g_dtype, beta_dtype = config
+    kind, gate, beta_activation, l2norm, has_a_log, has_dt_bias, qkv_dtype, g_dtype, beta_dtype, store_akk = config
     f32, i32, mid = torch.float32, torch.int32, torch.bfloat16
     if kind == "tc":
         from cula_sm90.prefill.chunk_intra_tc import ChunkIntraTCKernel
 
         kern = ChunkIntraTCKernel(gate, beta_activation, l2norm, has_a_log, has_dt_bias)
         kern.g_smem = g_dtype == torch.bfloat16
+        kern.store_akk = store_akk
         io = 16  # cp.async and 16-byte stores: prefill() passes 16-byte aligned tensors
     else:
         from cula_sm90.prefill.chunk_intra import ChunkIntraKernel
@@ -90,7 +97,7 @@ def _build_intra(config: tuple):
     p = rt.fake_ptr
     return kern, (p(qkv_dtype, io), p(qkv_dtype, io), p(qkv_dtype, io),
                   p(g_dtype, io if g_dtype == torch.bfloat16 else None), p(beta_dtype, None), p(f32, None),
-                  p(f32, None), p(i32, None), p(i32, None), *(p(mid, io) for _ in range(5)), p(f32, None),
+                  p(f32, None), p(i32, None), p(i32, None), *(p(mid, io) for _ in range(6)), p(f32, None),
                   *(cutlass.Int32(1) for _ in range(6)), cutlass.Float32(1.0), cutlass.Float32(-5.0),
                   rt.fake_stream())
 
@@ -131,14 +138,15 @@ rt.register(rt.KernelDef(STATE, "cula-sm90", "cula_sm90", "sm_90a", _build_state
 
 @functools.cache
 def compile_intra(gate: str, beta_activation: str, l2norm: bool, has_a_log: bool, has_dt_bias: bool,
-                  qkv_dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, kind: str | None = None):
+                  qkv_dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, kind: str | None = None,
+                  store_akk: bool = False):
     """Stage 1's launchable function for one configuration (cula_core.cute_runtime: shipped, cached or compiled
     now). Sizes are runtime arguments. `kind` None: "tc" for the safe gate (the caller checks its lower bound with
-    intra_kind), "simt" otherwise."""
+    intra_kind), "simt" otherwise; `store_akk`: the "tc" kernel that also writes Akk."""
     if kind is None:
         kind = "tc" if gate == "safe" else "simt"
     return rt.get(INTRA, intra_config(gate, beta_activation, l2norm, has_a_log, has_dt_bias, qkv_dtype, g_dtype,
-                                      beta_dtype, kind))
+                                      beta_dtype, kind, store_akk))
 
 
 @functools.cache
@@ -238,12 +246,13 @@ def host_length_tables(lengths, num_heads, device, mode, has_h0, want_ht, cp_pie
                                  state_cols(len(lengths) * num_heads, sms))
 
 
-def scratch_layout(TT: int, HV: int, NC: int) -> tuple[int, tuple[int, ...]]:
+def scratch_layout(TT: int, HV: int, NC: int, with_aqk: bool = True) -> tuple[int, tuple[int, ...]]:
     """Stage 1's outputs in one scratch allocation: (bytes, byte offsets of w, u, qg, kg [TT, HV, K] bf16,
     Aqk [TT, HV, BT] bf16 and gl [NC, HV, K] fp32). Every size is a multiple of 128 bytes, so every offset keeps
-    the allocation's alignment (the kernels' 16-byte vector accesses)."""
+    the allocation's alignment (the kernels' 16-byte vector accesses). `with_aqk` False: Aqk lives in a tensor of
+    its own (a residual that outlives the call), its region here is empty."""
     mid = TT * HV * DK * 2
-    aqk = TT * HV * BT * 2
+    aqk = TT * HV * BT * 2 if with_aqk else 0
     offsets = (0, mid, 2 * mid, 3 * mid, 4 * mid, 4 * mid + aqk)
     return offsets[-1] + NC * HV * DK * 4, offsets
 
@@ -276,19 +285,24 @@ class Launch(NamedTuple):
     state_sizes: tuple        # TT, NC, segments, HV, rows of h0, rows of ht
     final_shape: tuple[int, ...] | None
     aligned: bool             # stage 1 loads q, k, v (and a bf16 g) in 16-byte vectors
+    residuals: bool           # stage 1 writes Akk; Aqk and Akk go to their own [B, T, HV, BT] tensors
 
 
 def launch_spec(B, T, HQK, HV, N, tables, qkv_dtype, g_dtype, beta_dtype, has_a_log, has_dt_bias, h0_rows, want_ht,
-                scale, l2norm, gate, lower_bound, beta_activation, state_v_first=False) -> Launch:
+                scale, l2norm, gate, lower_bound, beta_activation, state_v_first=False, residuals=False) -> Launch:
     """The Launch of a call shape with its tables (`h0_rows` 0: no initial state; `state_v_first`: states
-    [N, HV, V, K])."""
+    [N, HV, V, K]; `residuals`: stage 1 also writes Akk, and Aqk and Akk go to tensors of their own, which only
+    the tensor-core stage 1 can do: a call it does not serve raises ValueError)."""
     TT = B * T
     NC = max(tables["NC"], 1)
-    nbytes, offsets = scratch_layout(TT, HV, NC)
+    nbytes, offsets = scratch_layout(TT, HV, NC, with_aqk=not residuals)
     lb = -5.0 if lower_bound is None else float(lower_bound)
     kind = intra_kind(gate, lb)
+    if residuals and kind != "tc":
+        raise ValueError(f"the sm90 prefill saves residuals with the tensor-core stage 1 only (the safe gate with "
+                         f"lower_bound in [{TC_LOWER_BOUND_MIN}, 0]), got gate={gate!r}, lower_bound={lower_bound}")
     intra = compile_intra(gate, beta_activation, bool(l2norm), has_a_log, has_dt_bias, qkv_dtype, g_dtype,
-                          beta_dtype, kind)
+                          beta_dtype, kind, bool(residuals))
     seg = tables["seg"]
     plan = tables["plan"]
     return Launch(intra, compile_state(False, qkv_dtype, tables["state_cols"], state_v_first), tables,
@@ -296,18 +310,18 @@ def launch_spec(B, T, HQK, HV, N, tables, qkv_dtype, g_dtype, beta_dtype, has_a_
                   plan is not None and plan.split, nbytes, offsets,
                   (TT, N, NC, search_steps(N), HQK, HV // HQK, float(scale), lb),
                   (TT, NC, seg.shape[0], HV, max(h0_rows, 1), N if want_ht else 1),
-                  (N, HV, DK, DK) if want_ht else None, kind == "tc")
+                  (N, HV, DK, DK) if want_ht else None, kind == "tc", bool(residuals))
 
 
 @functools.lru_cache(maxsize=256)
 def uniform_launch_spec(B, T, HQK, HV, device, intracard_cp, cp_pieces, qkv_dtype, g_dtype, beta_dtype, has_a_log,
                         has_dt_bias, h0_rows, want_ht, scale, l2norm, gate, lower_bound, beta_activation,
-                        state_v_first=False) -> Launch:
+                        state_v_first=False, residuals=False) -> Launch:
     """launch_spec of B sequences of T tokens (no cu_seqlens), cached by every argument: a repeated call shape
     goes straight to its launches."""
     tables = host_length_tables((T,) * B, HV, device, intracard_cp, h0_rows > 0, want_ht, cp_pieces)
     return launch_spec(B, T, HQK, HV, B, tables, qkv_dtype, g_dtype, beta_dtype, has_a_log, has_dt_bias, h0_rows,
-                       want_ht, scale, l2norm, gate, lower_bound, beta_activation, state_v_first)
+                       want_ht, scale, l2norm, gate, lower_bound, beta_activation, state_v_first, residuals)
 
 
 _READ_DTYPES = (torch.bfloat16, torch.float32)  # g and beta are read in these dtypes as they are, others as fp32
@@ -320,8 +334,8 @@ def _read_dtype(t: torch.Tensor) -> torch.dtype:
 
 def _call_launch(q, _k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *, scale,
                  output_final_state, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, intracard_cp,
-                 cp_pieces, state_v_first) -> Launch:
-    """The Launch of a non-empty prefill call (`prefill`'s arguments)."""
+                 cp_pieces, state_v_first, residuals=False) -> Launch:
+    """The Launch of a non-empty prefill call (`prefill`'s arguments; `residuals`: chunk_kda's save_residuals)."""
     B, T, HQK, _K = q.shape
     HV = v.shape[2]
     want_ht = bool(output_final_state)
@@ -330,7 +344,8 @@ def _call_launch(q, _k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, c
     if cu_seqlens is None:
         return uniform_launch_spec(B, T, HQK, HV, q.device, intracard_cp, cp_pieces, q.dtype, g_dtype, beta_dtype,
                                    A_log is not None, dt_bias is not None, h0_rows, want_ht, scale,
-                                   use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, bool(state_v_first))
+                                   use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, bool(state_v_first),
+                                   bool(residuals))
     lengths = _host_lengths(B, T, cu_seqlens, cu_seqlens_cpu)
     if lengths is not None:
         tables = host_length_tables(lengths, HV, q.device, intracard_cp, h0_rows > 0, want_ht, cp_pieces)
@@ -338,15 +353,15 @@ def _call_launch(q, _k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, c
         tables = _device_tables(B, T, cu_seqlens.shape[0] - 1, HV, cu_seqlens, q.device, h0_rows > 0, want_ht)
     return launch_spec(B, T, HQK, HV, cu_seqlens.shape[0] - 1, tables, q.dtype, g_dtype, beta_dtype,
                        A_log is not None, dt_bias is not None, h0_rows, want_ht, scale, use_qk_l2norm_in_kernel, gate,
-                       lower_bound, beta_activation, bool(state_v_first))
+                       lower_bound, beta_activation, bool(state_v_first), bool(residuals))
 
 
 def _launcher(spec: Launch, args: tuple) -> Callable:
     """The two launches of `spec` (not split) as a function of (q, k, v, g, beta, A_log, dt_bias, initial_state,
-    cu_seqlens, cu_seqlens_cpu) that returns (o, final state or None): for every call whose arguments have the
-    types, dtypes and presence of `args` (which decide the conversions; the shapes are spec's). What a call does:
-    dtype conversions, the scratch / o / final-state allocations, the addresses, the current stream, two
-    launches."""
+    cu_seqlens, cu_seqlens_cpu) that returns (o, final state or None), and with `spec.residuals` also (Aqk, Akk),
+    each [B, T, HV, BT] bf16: for every call whose arguments have the types, dtypes and presence of `args` (which
+    decide the conversions; the shapes are spec's). What a call does: dtype conversions, the scratch / o /
+    final-state (/ residual) allocations, the addresses, the current stream, two launches."""
     _q, _k, _v, g, beta, A_log, dt_bias, initial_state = args[:8]
     g_float, beta_float = g.dtype not in _READ_DTYPES, beta.dtype not in _READ_DTYPES
     a_log_float = A_log is not None and A_log.dtype != torch.float32
@@ -357,6 +372,8 @@ def _launcher(spec: Launch, args: tuple) -> Callable:
     cu_addr, co_addr, seg_addr = spec.table_addrs
     nbytes, (_, u_off, qg_off, kg_off, aqk_off, gl_off) = spec.nbytes, spec.offsets
     device, uint8, f32, empty, empty_like = _q.device, torch.uint8, torch.float32, torch.empty, torch.empty_like
+    bf16 = torch.bfloat16
+    residuals, residual_shape = spec.residuals, (*_q.shape[:2], _v.shape[2], BT)
 
     def run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu):
         # converted tensors stay referenced until the launches are queued: freed earlier, their memory could be
@@ -375,6 +392,11 @@ def _launcher(spec: Launch, args: tuple) -> Callable:
         o = empty_like(v)
         final = None if final_shape is None else empty(final_shape, dtype=f32, device=device)
         base = scratch.data_ptr()
+        if residuals:  # tensors of their own: a view of the scratch would keep all of it alive until the backward
+            aqk, akk = empty(residual_shape, dtype=bf16, device=device), empty(residual_shape, dtype=bf16, device=device)
+            aqk_addr, akk_addr = aqk.data_ptr(), akk.data_ptr()
+        else:
+            aqk_addr = akk_addr = base + aqk_off  # Akk: never written by this configuration
         q_addr, k_addr, v_addr, g_addr = q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr()
         if aligned and (q_addr | k_addr | v_addr | g_addr) & 15:  # views at odd offsets: 16-byte aligned copies
             q, k, v, g = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (q, k, v, g))
@@ -382,10 +404,12 @@ def _launcher(spec: Launch, args: tuple) -> Callable:
         stream = launch_stream()
         intra(q_addr, k_addr, v_addr, g_addr, beta.data_ptr(), A_log.data_ptr() if has_a_log else base,
               dt_bias.data_ptr() if has_dt_bias else base, cu_addr, co_addr, base, base + u_off, base + qg_off,
-              base + kg_off, base + aqk_off, base + gl_off, *intra_sizes, stream)
-        state(base, base + u_off, base + qg_off, base + kg_off, base + aqk_off, base + gl_off, seg_addr,
+              base + kg_off, aqk_addr, akk_addr, base + gl_off, *intra_sizes, stream)
+        state(base, base + u_off, base + qg_off, base + kg_off, aqk_addr, base + gl_off, seg_addr,
               initial_state.data_ptr() if has_h0 else base, base if final is None else final.data_ptr(),
               o.data_ptr(), *state_sizes, stream)
+        if residuals:
+            return o, final, (aqk, akk)
         return o, final
 
     run.launch = spec  # its device tables, whose addresses the launches take, live as long as `run`
@@ -409,11 +433,17 @@ def planned(args: tuple, *, intracard_cp="off", cp_pieces=None, state_v_first=Fa
 
 def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *, scale,
             output_final_state, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, intracard_cp="off",
-            cp_pieces=None, state_v_first=False):
+            cp_pieces=None, state_v_first=False, save_residuals=False):
     """The prefill of cula_core's `kda_prefill` custom op on validated, contiguous tensors (its argument order);
     `intracard_cp` "on" / "off" / "auto" as the planner takes it; `cp_pieces` forces that many CP pieces per long
     sequence (benchmarks; None: the planner's rule); `state_v_first`: initial and final states [N, HV, V, K]
-    (FLA's layout), indexed by stage 2 as they are (K = V, so the shapes match)."""
+    (FLA's layout), indexed by stage 2 as they are (K = V, so the shapes match).
+
+    Returns (o, final state or None); with `save_residuals` (chunk_kda's training forward: core's residuals,
+    docs/backends.md) (o, final state or None, (Aqk, Akk)): FLA 0.6.0's chunk-64 intra-chunk matrices, each
+    [B, T, HV, 64] bf16 in token layout, rows of every chunk up to the sequence's end (Aqk with `scale` folded in,
+    zero above the diagonal; Akk = (I + L)^-1, unit lower triangular, no beta factor). Only the tensor-core stage
+    1 writes Akk: another gate or lower bound raises ValueError (the serving predicate declines such calls)."""
     B, T, _, K = q.shape
     HV = v.shape[2]
     device = q.device
@@ -424,12 +454,15 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
         final = torch.empty(N, HV, K, K, dtype=torch.float32, device=device) if want_ht else None
         if final is not None:
             final.copy_(initial_state) if has_h0 else final.zero_()
+        if save_residuals:
+            empty = torch.empty(B, T, HV, BT, dtype=torch.bfloat16, device=device)
+            return torch.empty_like(v), final, (empty, torch.empty_like(empty))
         return torch.empty_like(v), final
     args = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu)
     spec = _call_launch(*args, scale=scale, output_final_state=output_final_state,
                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate, lower_bound=lower_bound,
                         beta_activation=beta_activation, intracard_cp=intracard_cp, cp_pieces=cp_pieces,
-                        state_v_first=state_v_first)
+                        state_v_first=state_v_first, residuals=bool(save_residuals))
     if not spec.split:
         return _launcher(spec, args)(*args)
 
@@ -444,6 +477,12 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     w = base = scratch.data_ptr()
     _, u_off, qg_off, kg_off, aqk_off, gl_off = spec.offsets
     u, qg, kg, aqk, gl = base + u_off, base + qg_off, base + kg_off, base + aqk_off, base + gl_off
+    akk = aqk  # never written without residuals
+    if spec.residuals:
+        shape = (B, T, HV, BT)
+        residuals = (torch.empty(shape, dtype=torch.bfloat16, device=device),
+                     torch.empty(shape, dtype=torch.bfloat16, device=device))
+        aqk, akk = residuals[0].data_ptr(), residuals[1].data_ptr()
     if A_log is not None and A_log.dtype != torch.float32:
         A_log = A_log.float()
     if dt_bias is not None and dt_bias.dtype != torch.float32:
@@ -456,7 +495,7 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     stream = launch_stream()
     cu_addr, co_addr, seg_addr = spec.table_addrs
     spec.intra(q_addr, k_addr, v_addr, g_addr, beta.data_ptr(), base if A_log is None else A_log.data_ptr(),
-               base if dt_bias is None else dt_bias.data_ptr(), cu_addr, co_addr, w, u, qg, kg, aqk, gl,
+               base if dt_bias is None else dt_bias.data_ptr(), cu_addr, co_addr, w, u, qg, kg, aqk, akk, gl,
                *spec.intra_sizes, stream)
     ht = base if final is None else final.data_ptr()
     TT, NC, S = spec.state_sizes[:3]
@@ -489,4 +528,6 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     starts[tables["scan_dst"]] = (reached.transpose(-1, -2) if state_v_first else reached).float()
     spec.state(w, u, qg, kg, aqk, gl, seg_addr, starts.data_ptr(), ht, o.data_ptr(),
                TT, NC, S, HV, S, N if final is not None else 1, stream)
+    if spec.residuals:
+        return o, final, residuals
     return o, final
