@@ -248,7 +248,7 @@ def test_residuals_give_the_recomputed_gradients_bitwise(lengths, monkeypatch):
     p = _problem(B, T, 1, 2, lengths, "softplus", seed=11)
     saved = _grads("sm100", monkeypatch, *p, gate="softplus", l2=True, lengths=lengths)
     assert calls == ["chunk_intra_wu_gate"]  # the forward's; the backward took the residuals
-    monkeypatch.setattr(forward, "saves_residuals", lambda call: False)
+    monkeypatch.setattr(forward, "residual_format", lambda call: "")
     recomputed = _grads("sm100", monkeypatch, *p, gate="softplus", l2=True, lengths=lengths)
     assert calls == ["chunk_intra_wu_gate"] * 2 + ["chunk_intra_wu"]  # + the forward, the backward's recompute
     for n in saved:

@@ -131,7 +131,25 @@ def test_serves_and_declines_with_reasons():
 
     assert prefill.unsupported_reason(_call()) is None
     assert prefill.unsupported_reason(_call(op="chunk_kda")) is None
-    assert "without autograd" in prefill.unsupported_reason(_call(op="chunk_kda", requires_grad=True))
+    # training: the safe gate that the tensor-core stage 1 serves (it writes Akk), FLA's format for the backward
+    train = dict(op="chunk_kda", requires_grad=True)
+    assert prefill.unsupported_reason(_call(**train, gate="safe", options={"lower_bound": -5.0})) is None
+    assert prefill.unsupported_reason(_call(**train, gate="safe", options={"lower_bound": -0.5})) is None
+    assert prefill.unsupported_reason(_call(**train, gate="safe", options={"lower_bound": -5.5})) == (
+        "sm90 trains the safe gate with lower_bound in [-5.0, 0] only (cula-sm100 trains the others), got gate=safe, "
+        "lower_bound=-5.5")
+    for gate in ("softplus", "precomputed"):
+        assert prefill.unsupported_reason(_call(**train, gate=gate)) == (
+            f"sm90 trains the safe gate with lower_bound in [-5.0, 0] only (cula-sm100 trains the others), got "
+            f"gate={gate}")
+    assert prefill.unsupported_reason(_call(**train, gate="safe", options={"lower_bound": -5.0, "tokens": 2**21})) \
+        == ("sm90 prefill indexes in int32: tokens * HV * K must stay under 2^31 for training (cula-sm100 indexes in "
+            "64 bits), got 2097152 tokens, HV=8")
+    assert prefill.unsupported_reason(_call(op="chunk_kda", gate="softplus", options={"tokens": 2**21})) is None
+    assert "bf16" in prefill.unsupported_reason(_call(**train, gate="safe", dtype=torch.float32))
+    assert prefill.residual_format(_call(**train, gate="safe")) == "fla-0.6-chunk64"
+    assert prefill.residual_format(_call(op="chunk_kda", gate="safe")) == ""
+    assert prefill.residual_format(_call(gate="safe")) == ""
     assert "K=V=128" in prefill.unsupported_reason(_call(K=64, V=64))
     assert "bf16" in prefill.unsupported_reason(_call(dtype=torch.float32))
     assert "bf16" in prefill.unsupported_reason(_call(dtype=torch.float16))

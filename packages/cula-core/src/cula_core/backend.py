@@ -41,12 +41,21 @@ OPS: tuple[str, ...] = (
 )
 
 
-# What a training forward may hand to its own backward instead of having it recomputed (docs/backends.md,
-# "Residuals"): the intra-chunk matrices of the chunked form, each [B, T, HV, RESIDUAL_CHUNK] in q's dtype, in
-# FLA 0.6.0's layout (its `Aqk`, `Akk`: what FLA's forward saves by default). Their contents are the producing
-# backend's own business: core stores them and hands them back, never reads them.
+# What a training forward may hand to a backward instead of having it recomputed (docs/backends.md, "Residuals"):
+# the intra-chunk matrices of the chunked form, each [B, T, HV, RESIDUAL_CHUNK] in q's dtype, in FLA 0.6.0's layout
+# (its `Aqk`, `Akk`: what FLA's forward saves by default). What they hold is named by a format tag: the forward's
+# backend says which format it produces (`Backend.residual_format`), a backward's backend which formats it reads
+# (`Backend.accepts_residuals`); core stores them and hands them over, never reads them.
 CHUNK_KDA_RESIDUALS: tuple[str, ...] = ("Aqk", "Akk")
 RESIDUAL_CHUNK = 64
+# FLA 0.6.0's chunk-64 residuals, in token layout [B, T, HV, 64] (a chunk's rows are its tokens, column j its j-th
+# token; every chunk starts at a sequence start or 64 tokens after the previous one), for the rows of each chunk up
+# to its sequence's end:
+#   Aqk[t, j] = scale q_t . k_j e^(G_t - G_j) for j <= t, 0 above (q, k L2-normalised if asked; G the natural-log
+#               chunk-local cumulative gate)
+#   Akk       = (I + L)^-1, unit lower triangular, 0 above, L[t, j] = beta_t k_t . k_j e^(G_t - G_j) for j < t
+#               (no beta on the right: FLA's solve_tril output, whose w / u recompute multiplies by beta itself)
+FLA_CHUNK64_RESIDUALS = "fla-0.6-chunk64"
 
 
 @dataclass(frozen=True)
@@ -149,10 +158,16 @@ class Backend:
         only its per-call work."""
         return functools.partial(self.kernel(op), **flags)
 
-    def saves_residuals(self, call: CallConfig) -> bool:
-        """Whether this backend's `chunk_kda` kernel, for a `call` with `requires_grad`, returns the
-        CHUNK_KDA_RESIDUALS for its own `chunk_kda_backward` (docs/backends.md, "Residuals"). Default: no,
-        the backward recomputes what it needs from the inputs."""
+    def residual_format(self, call: CallConfig) -> str:
+        """The format of the CHUNK_KDA_RESIDUALS this backend's `chunk_kda` kernel can return for `call` (a
+        `chunk_kda` call with `requires_grad`), when asked with ``save_residuals=True``; "" when it returns none
+        (the default). Core asks only if the backend of the matching backward accepts that format
+        (docs/backends.md, "Residuals")."""
+        return ""
+
+    def accepts_residuals(self, call: CallConfig, fmt: str) -> bool:
+        """Whether this backend's `chunk_kda_backward` kernel, for `call`, reads residuals of format `fmt` (given
+        as ``residuals=(Aqk, Akk)``). Default: no, it recomputes what it needs from the inputs."""
         return False
 
     def serves_state_v_first(self, call: CallConfig) -> bool:
@@ -176,8 +191,8 @@ class ComposedBackend(Backend):
     """A backend made of kernel families, each a module that owns some ops.
 
     A family module exports ``OPS`` (the ops it serves), ``unsupported_reason(call)`` and ``kernel(op)``,
-    and optionally ``INT32_INDEXING`` (default: the backend's ``int32_indexing``), ``saves_residuals(call)``
-    and ``serves_state_v_first(call)`` (default: False). Subclasses set
+    and optionally ``INT32_INDEXING`` (default: the backend's ``int32_indexing``), ``residual_format(call)``
+    (default ""), ``accepts_residuals(call, fmt)`` and ``serves_state_v_first(call)`` (default: False). Subclasses set
     ``families``; the backend's ops are their union and each question goes to the family that owns the op.
     """
 
@@ -215,9 +230,13 @@ class ComposedBackend(Backend):
             return fam.planned_kernel(op, args, **flags)
         return super().planned_kernel(op, args, **flags)
 
-    def saves_residuals(self, call: CallConfig) -> bool:
+    def residual_format(self, call: CallConfig) -> str:
         fam = self.family(call.op)
-        return fam is not None and hasattr(fam, "saves_residuals") and bool(fam.saves_residuals(call))
+        return (fam.residual_format(call) or "") if fam is not None and hasattr(fam, "residual_format") else ""
+
+    def accepts_residuals(self, call: CallConfig, fmt: str) -> bool:
+        fam = self.family(call.op)
+        return fam is not None and hasattr(fam, "accepts_residuals") and bool(fam.accepts_residuals(call, fmt))
 
     def serves_state_v_first(self, call: CallConfig) -> bool:
         fam = self.family(call.op)

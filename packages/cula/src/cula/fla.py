@@ -254,14 +254,14 @@ def _call_config(op: str, q, v, *, requires_grad: bool, use_gate_in_kernel, lowe
     """The configuration cula's dispatch chooses a backend by, for FLA-ordered arguments (the options cula's
     chunked ops put in their own calls; `options`: an op's own, such as the chunk size of the per-chunk
     states)."""
-    _B, T, HQK, K = q.shape
+    B, T, HQK, K = q.shape
     return CallConfig(
         op=op, device=DeviceInfo.of(q.device), dtype=q.dtype, K=K, V=v.shape[3], HQK=HQK, HV=v.shape[2], T=T,
         gate=gate_mode(use_gate_in_kernel, lower_bound), varlen=cu_seqlens is not None, requires_grad=requires_grad,
         options={"use_qk_l2norm_in_kernel": bool(use_qk_l2norm_in_kernel),
                  "beta_activation": _beta_activation(use_beta_sigmoid_in_kernel, allow_neg_eigval),
                  "initial_state": initial_state is not None, "output_final_state": bool(output_final_state),
-                 "state_v_first": bool(state_v_first), **options},
+                 "state_v_first": bool(state_v_first), "lower_bound": lower_bound, "tokens": B * T, **options},
     )
 
 

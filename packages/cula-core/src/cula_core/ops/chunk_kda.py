@@ -3,12 +3,14 @@
 Two torch custom ops carry it: ``cula::chunk_kda`` (forward) and ``cula::chunk_kda_backward``; each
 dispatches at run time to the best installed backend (`cula_core.dispatch`) or to the reference. The
 forward saves its inputs, plus the residuals (`Aqk`, `Akk`: what FLA 0.6.0's forward also keeps) when the
-serving backend hands them to its own backward; the backward recomputes the rest (FLA's default,
+forward's backend produces a residual format that the backend serving the backward reads (the two may differ:
+on Hopper cula-sm90's forward feeds cula-sm100's backward); the backward recomputes the rest (FLA's default,
 `disable_recompute=False`). docs/backends.md, "Residuals".
 """
 
 from __future__ import annotations
 
+import dataclasses
 
 import torch
 from torch import Tensor
@@ -33,22 +35,35 @@ from cula_core.ops.prefill import chunk_states, prefill_plan
 from cula_core.validation import forward_indexed_sizes
 
 def _call(op, q, v, cu_seqlens, *, gate, requires_grad, use_qk_l2norm_in_kernel, beta_activation, initial_state,
-          output_final_state, state_v_first):
-    _B, T, HQK, K = q.shape
+          output_final_state, state_v_first, lower_bound):
+    B, T, HQK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     return make_call(op, q.device, dtype=q.dtype, K=K, V=V, HQK=HQK, HV=HV, T=T, gate=gate,
                      varlen=cu_seqlens is not None, requires_grad=requires_grad,
                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, beta_activation=beta_activation,
-                     initial_state=initial_state, output_final_state=output_final_state, state_v_first=state_v_first)
+                     initial_state=initial_state, output_final_state=output_final_state, state_v_first=state_v_first,
+                     lower_bound=lower_bound, tokens=B * T)
 
 
 def _residual_shape(q: Tensor, v: Tensor) -> tuple[int, ...]:
     return (*q.shape[:2], v.shape[2], RESIDUAL_CHUNK)
 
 
-def _residual_source(backend, call) -> str:
-    """The name of the backend whose forward hands residuals to its backward for `call`, or ""."""
-    return backend.name if call.requires_grad and backend.saves_residuals(call) else ""
+def _residual_format(backend, call) -> str:
+    """The format of the residuals the forward of `call` (a chunk_kda call) saves when `backend` serves it, or ""
+    for none: with `requires_grad`, the format `backend` produces, if the backend that `dispatch.choose` picks for
+    the matching backward reads it. A function of the call alone (the fake op and `_setup_context` ask it too)."""
+    if not call.requires_grad:
+        return ""
+    fmt = backend.residual_format(call)
+    if not fmt:
+        return ""
+    backward_call = dataclasses.replace(call, op="chunk_kda_backward")
+    try:
+        backward = dispatch.choose(backward_call).backend
+    except dispatch.BackendUnavailableError:  # a forced backend that cannot serve it: the backward will say so
+        return ""
+    return fmt if backward.accepts_residuals(backward_call, fmt) else ""
 
 
 def _chunk_kda(
@@ -64,9 +79,9 @@ def _chunk_kda(
     call = _call("chunk_kda", q, v, cu_seqlens, gate=gate, requires_grad=requires_grad,
                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, beta_activation=beta_activation,
                  initial_state=initial_state is not None, output_final_state=output_final_state,
-                 state_v_first=state_v_first)
+                 state_v_first=state_v_first, lower_bound=lower_bound)
     backend = select(call, forward_indexed_sizes(q, k, v, g, beta, initial_state, cu_seqlens, output_final_state))
-    save = _residual_source(backend, call) != ""
+    save = _residual_format(backend, call) != ""
     native = native_v_first(backend, call)
     copy_layout = state_v_first and not native
     out = backend.kernel("chunk_kda")(
@@ -100,9 +115,9 @@ def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cp
     call = _call("chunk_kda", q, v, cu_seqlens, gate=gate, requires_grad=requires_grad,
                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, beta_activation=beta_activation,
                  initial_state=initial_state is not None, output_final_state=output_final_state,
-                 state_v_first=state_v_first)
-    # the residuals' presence is the serving backend's choice: asked here as the real op asks it
-    if _residual_source(dispatch.choose(call).backend, call):
+                 state_v_first=state_v_first, lower_bound=lower_bound)
+    # the residuals' presence is decided by the call's backends: asked here as the real op asks it
+    if _residual_format(dispatch.choose(call).backend, call):
         shape = _residual_shape(q, v)
         return o, final_state, q.new_empty(shape), q.new_empty(shape)
     return o, final_state, absent_like(q), absent_like(q)
@@ -113,18 +128,19 @@ def _chunk_kda_backward(
     A_log: Tensor | None, dt_bias: Tensor | None, initial_state: Tensor | None,
     cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None,
     scale: float, use_qk_l2norm_in_kernel: bool, gate: str, lower_bound: float | None, beta_activation: str,
-    Aqk: Tensor, Akk: Tensor, residual_source: str, state_v_first: bool = False,
+    Aqk: Tensor, Akk: Tensor, residual_format: str, state_v_first: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Aqk, Akk: the forward's residuals (absent when it saved none); residual_source: the backend that
-    produced them. They reach the kernel only when that backend also serves this call. dht, initial_state and
-    the gradient of initial_state are in the caller's layout ([N, HV, V, K] with `state_v_first`)."""
+    """Aqk, Akk: the forward's residuals (absent when it saved none); residual_format: their format tag
+    (cula_core.backend, "" for none). They reach the kernel only when the backend serving this call reads that
+    format. dht, initial_state and the gradient of initial_state are in the caller's layout ([N, HV, V, K] with
+    `state_v_first`)."""
     call = _call("chunk_kda_backward", q, v, cu_seqlens, gate=gate, requires_grad=True,
                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, beta_activation=beta_activation,
                  initial_state=initial_state is not None, output_final_state=dht is not None,
-                 state_v_first=state_v_first)
+                 state_v_first=state_v_first, lower_bound=lower_bound)
     backend = select(call, forward_indexed_sizes(q, k, v, g, beta, initial_state, cu_seqlens, dht is not None))
     residuals = (present(Aqk), present(Akk))
-    use = residual_source != "" and backend.name == residual_source and None not in residuals
+    use = residual_format != "" and None not in residuals and backend.accepts_residuals(call, residual_format)
     native = native_v_first(backend, call)
     copy_layout = state_v_first and not native
     if copy_layout:
@@ -148,7 +164,7 @@ _chunk_kda_backward_op = torch.library.custom_op("cula::chunk_kda_backward", _ch
 
 @_chunk_kda_backward_op.register_fake
 def _(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, scale,
-      use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, Aqk, Akk, residual_source, state_v_first=False):
+      use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, Aqk, Akk, residual_format, state_v_first=False):
     inputs = (q, k, v, g, beta, A_log, dt_bias, initial_state)
     return tuple(torch.empty_like(x) if x is not None else absent_like(q) for x in inputs)
 
@@ -162,14 +178,14 @@ def _setup_context(ctx, inputs, output):
     ctx.cu_seqlens_cpu = cu_seqlens_cpu
     ctx.flags = (scale, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation)
     ctx.state_v_first = state_v_first
-    ctx.residual_source = ""
+    ctx.residual_format = ""
     if present(Aqk) is not None:
-        # the forward op chose its backend by the same rule a moment ago: ask which one that was
+        # the forward op decided by the same rule a moment ago: ask which format it saved
         call = _call("chunk_kda", q, v, cu_seqlens, gate=gate, requires_grad=requires_grad,
                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, beta_activation=beta_activation,
                      initial_state=initial_state is not None, output_final_state=output_final_state,
-                     state_v_first=state_v_first)
-        ctx.residual_source = _residual_source(dispatch.choose(call).backend, call)
+                     state_v_first=state_v_first, lower_bound=lower_bound)
+        ctx.residual_format = _residual_format(dispatch.choose(call).backend, call)
 
 
 def _backward(ctx, do, dht, _dAqk, _dAkk):
@@ -180,7 +196,7 @@ def _backward(ctx, do, dht, _dAqk, _dAkk):
         torch.ops.cula.chunk_kda_backward, _chunk_kda_backward,
         do.contiguous(), dht.contiguous() if dht is not None else None, q, k, v, g, beta, A_log, dt_bias,
         initial_state, cu_seqlens, ctx.cu_seqlens_cpu, scale, use_qk_l2norm_in_kernel, gate, lower_bound,
-        beta_activation, Aqk, Akk, ctx.residual_source, ctx.state_v_first,
+        beta_activation, Aqk, Akk, ctx.residual_format, ctx.state_v_first,
     )
     needs = ctx.needs_input_grad
     out = [present(gr) if needs[i] else None for i, gr in enumerate(grads)]

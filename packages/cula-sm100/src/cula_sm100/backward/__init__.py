@@ -33,6 +33,14 @@ def unsupported_reason(call) -> str | None:
     return forward.unsupported_reason(dataclasses.replace(call, op="chunk_kda"))
 
 
+def accepts_residuals(call, fmt: str) -> bool:
+    """Aqk and Akk in FLA 0.6.0's chunk-64 format, from whichever forward made them (this package's, or
+    cula-sm90's on Hopper): launch.recompute then skips their recomputation (recompute_w_u reads Akk)."""
+    from cula_core.backend import FLA_CHUNK64_RESIDUALS
+
+    return call.op in OPS and fmt == FLA_CHUNK64_RESIDUALS
+
+
 def kernel(op: str):
     if op not in OPS:
         raise NotImplementedError(f"sm100 has no kernel for {op}")

@@ -16,8 +16,8 @@ All multiply with warp-level mma.sync (bf16 -> fp32, `cula_core.cute_kernels.war
 sm_100.
 
 When gradients are wanted the forward hands Aqk and Akk to the backward as core's
-residuals (docs/backends.md, "Residuals"); cula_sm100.backward recomputes the rest with `launch`'s stage
-functions.
+residuals in FLA 0.6.0's chunk-64 format (docs/backends.md, "Residuals"); cula_sm100.backward reads that format
+from any forward (on Hopper, cula-sm90's) and recomputes the rest with `launch`'s stage functions.
 This module imports no CuTe DSL: a kernel is loaded (shipped, cached, or compiled then) on its first launch.
 """
 
@@ -59,10 +59,12 @@ def unsupported_reason(call) -> str | None:
     return dsl_missing()
 
 
-def saves_residuals(call) -> bool:
-    """Aqk and Akk go to the backward whenever gradients are wanted: cula_sm100.backward serves every call this
-    family serves (its unsupported_reason is this one's), so the backward that reads them is ours."""
-    return call.op in OPS and call.requires_grad
+def residual_format(call) -> str:
+    """Aqk and Akk in FLA 0.6.0's chunk-64 format (cula_core.backend.FLA_CHUNK64_RESIDUALS), whenever gradients
+    are wanted: core keeps them if the backward's backend reads that format (cula_sm100.backward does)."""
+    from cula_core.backend import FLA_CHUNK64_RESIDUALS
+
+    return FLA_CHUNK64_RESIDUALS if call.op in OPS and call.requires_grad else ""
 
 
 def kernel(op: str):
