@@ -4,6 +4,10 @@ the skip conditions, and the stated bounds."""
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,3 +94,14 @@ def reference(q, k, v, g, beta, *, gate_kw, initial_state=None, cu_seqlens=None)
                         output_final_state=True, use_qk_l2norm_in_kernel=True, gate=gate,
                         lower_bound=gate_kw.get("lower_bound"), beta_activation="none")
     return o, ht
+
+
+def run_memcheck(script: Path) -> subprocess.CompletedProcess:
+    """`script` (a case file beside these helpers) under compute-sanitizer memcheck. Failing driver-API calls are
+    not reported: CuTe DSL probes device attributes with calls that may fail by design (the first run reported 34
+    such errors, all at the first call's host frames). Every memory access of every kernel launch is still checked."""
+    here = str(Path(__file__).resolve().parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run(["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "1", "--leak-check", "no",
+                           "--report-api-errors", "no", sys.executable, str(script)],
+                          capture_output=True, text=True, env=env, timeout=900)

@@ -8,17 +8,14 @@ against FLA; CP on vs off: CP_TOL_STATE = 5e-4 (final state), CP_TOL_O = 2e-3 (o
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from prefill_cases import (CP_TOL_O, CP_TOL_STATE, FLA_TOL, REL_TOL, fla_chunk_kda, gate_kwargs, make_raw,
-                           reference, rel_err, require_gpu)
+                           reference, rel_err, require_gpu, run_memcheck)
 
 pytestmark = pytest.mark.gpu
 HERE = Path(__file__).resolve().parent
@@ -256,12 +253,6 @@ def test_stage2_widths_agree(monkeypatch, cp):
 
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="compute-sanitizer not installed")
 def test_memcheck_clean_on_odd_shapes():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-    # Failing driver-API calls are not reported: CuTe DSL probes device attributes with calls that may fail
-    # by design (the first run reported 34 such errors, all at the first call's host frames). Every memory
-    # access of every kernel launch is still checked.
-    r = subprocess.run(["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "1", "--leak-check", "no",
-                        "--report-api-errors", "no", sys.executable, str(HERE / "prefill_memcheck_case.py")],
-                       capture_output=True, text=True, env=env, timeout=900)
+    r = run_memcheck(HERE / "prefill_memcheck_case.py")
     assert r.returncode == 0 and "cases ok" in r.stdout, (r.stdout[-3000:], r.stderr[-3000:])
     assert "ERROR SUMMARY: 0 errors" in r.stdout + r.stderr

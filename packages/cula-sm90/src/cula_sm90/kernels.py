@@ -4,7 +4,8 @@ artifacts cula_core.cute_runtime loads without compiling.
 The set is every configuration the dispatch can pick for the served setups below: per setup, each op's kernels
 at every tiling / variant its dispatch tables choose from (decode: `launch.family_kernels`, which is also what a
 call loads on its family's first call; prefill: both stage-1 kinds `forward.intra_kind` picks from and both
-stage-2 modes at both CTA widths `forward.state_cols` picks from). Anything outside the served setups (other
+stage-2 modes at both CTA widths `forward.state_cols` picks from; the tensor-core stage 1 also in its training
+variant, `store_akk`, which chunk_kda with gradients runs). Anything outside the served setups (other
 dtypes, head dims, T, layer counts of the all-layers flush, gate options) still runs: compiled on its first call
 and cached on disk (cula_core.cute_runtime).
 
@@ -62,6 +63,8 @@ def prefill_configurations() -> list[tuple[str, tuple]]:
     for qkv, g, beta, act, (gate, params, kind) in itertools.product(QKV_DTYPES, GATE_INPUT_DTYPES, GATE_INPUT_DTYPES,
                                                                      PREFILL_BETA_ACTIVATIONS, gates):
         out.append((forward.INTRA, forward.intra_config(gate, act, True, params, params, qkv, g, beta, kind)))
+        if kind == "tc":  # chunk_kda's training forward (residuals: stage 1 also writes Akk)
+            out.append((forward.INTRA, forward.intra_config(gate, act, True, params, params, qkv, g, beta, kind, True)))
     for qkv, affine, cols, v_first in itertools.product(QKV_DTYPES, (False, True), (64, 128), (False, True)):
         if not (affine and v_first):  # the affine-map pass writes an internal, K-first buffer
             out.append((forward.STATE, forward.state_config(affine, qkv, cols, v_first)))
