@@ -324,8 +324,9 @@ def chunk_kda_backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state,
                        scale, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, residuals=None,
                        marks=None):
     """The backend's kernel for `chunk_kda_backward` (calling convention: docs/backends.md): gradients of
-    (q, k, v, g, beta, A_log, dt_bias, initial_state), None for absent inputs. `residuals`: (Aqk, Akk) from
-    this backend's forward (`forward.launch.chunk_kda(save_residuals=True)`), or None to recompute them.
+    (q, k, v, g, beta, A_log, dt_bias, initial_state), None for absent inputs. `residuals`: (Aqk, Akk) in FLA
+    0.6.0's chunk-64 format, from this backend's forward (`forward.launch.chunk_kda(save_residuals=True)`) or
+    cula-sm90's, or None to recompute them.
     `marks` (not part of the convention; the benchmark's stage timing): a callable called with each stage's
     name when it is queued."""
     mark = marks or _no_mark

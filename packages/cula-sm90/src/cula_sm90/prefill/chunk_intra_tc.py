@@ -41,6 +41,10 @@ so each exponential is one ex2; gl leaves in the natural log. Per CTA, in order:
            in TF32)
     w, u   (Akk diag(beta)) @ [k e^G | v] on tensor cores (Akk diag(beta) in bf16, as FLA's solve_tril output;
            8 warps, 4 along M x 2 along N, one accumulator at a time)
+    Akk    only with `store_akk` (chunk_kda's training residual, forward.py): X itself (no beta) in bf16 to akk
+           [TT, HV, 64], rows of the chunk only, zeros above the diagonal blocks: column_chain also keeps each X_bc
+           in fp32 in its place in the L tile (free below the diagonal blocks, beside the X_bb), and after w, u every
+           thread writes 8 columns of a row per 16-byte store. The inference configuration compiles without it
 Row blocks wholly past a partial chunk's end skip their scores, inverse rows and gate-scan quarter (branches
 uniform across the CTA or the warp); what they would have written is never read.
 
