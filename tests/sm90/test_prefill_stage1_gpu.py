@@ -55,9 +55,7 @@ CASES = {  # lengths, HQK, HV, lower_bound, scale of raw g, g's dtype
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_tc_stage1_equals_simt(case):
-    require_gpu()
+def _case_inputs(case):
     lens, HQK, HV, lb, gscale, g_dtype = CASES[case]
     TT = sum(lens)
     gen = torch.Generator(device="cuda").manual_seed(TT + HV)
@@ -68,10 +66,17 @@ def test_tc_stage1_equals_simt(case):
     bf = torch.bfloat16
     q, k = r(1, TT, HQK, K).to(bf), r(1, TT, HQK, K).to(bf)
     v = r(1, TT, HV, K).to(bf)
-    g = (gscale * r(1, TT, HV, K) + (2.0 if gscale > 1 else 0.0)).to(g_dtype)  # saturated: y large, gate near lb
+    g = (gscale * r(1, TT, HV, K) + (2.0 if gscale > 1 else 0.0)).to(g_dtype)
     beta = r(1, TT, HV).to(bf)
     A_log = torch.log(torch.empty(HV, device="cuda").uniform_(1, 16, generator=gen))
     dt_bias = 0.5 * r(HV * K)
+    return lens, lb, (q, k, v, g, beta, A_log, dt_bias)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tc_stage1_equals_simt(case):
+    require_gpu()
+    lens, lb, (q, k, v, g, beta, A_log, dt_bias) = _case_inputs(case)
     a = stage1("tc", q, k, v, g, beta, A_log, dt_bias, lens, lb)
     b = stage1("simt", q, k, v, g, beta, A_log, dt_bias, lens, lb)
     errs = {n: rel_err(a[n], b[n]) for n in a}
@@ -108,24 +113,6 @@ def test_stage1_is_deterministic(kind):
 # bf16 factorised scores and split-bf16 products; cula-sm100's forward (TF32-free mma.sync, bf16 operands) is held
 # to the same bound against it
 AKK_TOL = 1e-2
-
-
-def _case_inputs(case):
-    lens, HQK, HV, lb, gscale, g_dtype = CASES[case]
-    TT = sum(lens)
-    gen = torch.Generator(device="cuda").manual_seed(TT + HV)
-
-    def r(*s):
-        return torch.randn(*s, generator=gen, device="cuda")
-
-    bf = torch.bfloat16
-    q, k = r(1, TT, HQK, K).to(bf), r(1, TT, HQK, K).to(bf)
-    v = r(1, TT, HV, K).to(bf)
-    g = (gscale * r(1, TT, HV, K) + (2.0 if gscale > 1 else 0.0)).to(g_dtype)
-    beta = r(1, TT, HV).to(bf)
-    A_log = torch.log(torch.empty(HV, device="cuda").uniform_(1, 16, generator=gen))
-    dt_bias = 0.5 * r(HV * K)
-    return lens, lb, (q, k, v, g, beta, A_log, dt_bias)
 
 
 @pytest.mark.parametrize("case", list(CASES))
