@@ -2,7 +2,7 @@
 the forward alone, the whole forward + backward, and the peak extra GPU memory of a training step, on the same bf16
 inputs in one process.
 
-    python -m tools.bench.train [--smoke | --quick] [--out docs/benchmarks/train.md] [--json FILE]
+    python -m tools.bench.train [--smoke | --quick] [--out docs/benchmarks/train.md] [--json FILE [--resume]]
 
 Every call: raw g with the safe gate (lower_bound = -5, A_log, dt_bias) and q/k L2 norm in kernel, K = V = 128,
 gradients of q, k, v, g, beta, A_log and dt_bias. Shapes (issue 19's grid): B in (1, 2), T in (1024, 4096, 8192,
@@ -14,12 +14,15 @@ tuned choice is forgotten before a shape's first call). Timing: CUDA events, med
 `--warmup` calls (a training step is milliseconds: no do_bench rotation needed). `speed-up` = FLA ms / cula ms.
 Memory: `torch.cuda.max_memory_allocated` during one forward + backward minus what was allocated before it (the
 inputs and the output gradient), per implementation. The table for this run's card replaces that card's section
-of `--out`.
+of `--out`. `--json FILE` is rewritten after every row; with `--resume`, the rows already in FILE (from an earlier
+process on the same card and commit) are kept and only the missing shapes are timed, each still with FLA tuned in
+this process on it, so a grid longer than one session's process limit can be timed in several processes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from pathlib import Path
@@ -178,21 +181,37 @@ def render(rows: list[dict], env: dict, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def timed_rows(shapes: list[dict], done: list[dict], measure, save) -> list[dict]:
+    """One row per shape, in the order of `shapes`: the row of `done` with the shape's label where there is one,
+    else `measure(shape)`; `save(rows so far)` after every row, so a process stopped mid-grid keeps its rows."""
+    known = {r["shape"]: r for r in done}
+    rows = []
+    for shape in shapes:
+        rows.append(known.get(label(shape)) or measure(shape))
+        save(list(rows))
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--quick", action="store_true", help="six rows across the grid's corners")
     ap.add_argument("--out", type=Path, help="markdown file whose section for this card is rewritten")
-    ap.add_argument("--json", type=Path)
+    ap.add_argument("--json", type=Path, help="rows as JSON, rewritten after every row")
+    ap.add_argument("--resume", action="store_true", help="keep the rows already in --json; time the others")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rep", type=int, default=10)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("train: needs a CUDA device", file=sys.stderr)
         return 1
+    if args.resume and not args.json:
+        ap.error("--resume needs --json")
     fla_tuning.prepare()
     shapes = SMOKE if args.smoke else QUICK if args.quick else GRID
-    rows = [run_shape(s, args.warmup, args.rep) for s in shapes]
+    done = json.loads(args.json.read_text()) if args.resume and args.json.exists() else []
+    save = (lambda rows: args.json.write_text(json.dumps(rows, indent=2))) if args.json else (lambda rows: None)
+    rows = timed_rows(shapes, done, lambda s: run_shape(s, args.warmup, args.rep), save)
     publish("train", rows, render, args, argv, header=HEADER)
     return 0
 

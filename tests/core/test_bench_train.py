@@ -1,0 +1,26 @@
+"""tools/bench/train.py's row bookkeeping (CPU): with --resume, rows already timed are kept and only the missing
+shapes are measured; the rows are saved after every shape."""
+
+from tools.bench import train
+
+
+def test_timed_rows_measures_only_missing_shapes_and_saves_each_step():
+    shapes = train.QUICK[:3]
+    kept = dict(shape=train.label(shapes[1]), cula_fwd_ms=1.0)
+    measured, saved = [], []
+
+    def measure(shape):
+        measured.append(train.label(shape))
+        return dict(shape=train.label(shape), cula_fwd_ms=2.0)
+
+    rows = train.timed_rows(shapes, [kept], measure, saved.append)
+    assert measured == [train.label(shapes[0]), train.label(shapes[2])]
+    assert [r["shape"] for r in rows] == [train.label(s) for s in shapes]
+    assert rows[1] is kept
+    assert [len(s) for s in saved] == [1, 2, 3]
+
+
+def test_timed_rows_without_earlier_rows_measures_every_shape():
+    shapes = train.QUICK[:2]
+    rows = train.timed_rows(shapes, [], lambda s: dict(shape=train.label(s)), lambda rows: None)
+    assert [r["shape"] for r in rows] == [train.label(s) for s in shapes]
