@@ -107,8 +107,10 @@ class ChunkIntraTCPackedKernel(ChunkIntraTCKernel):
 
     @cute.jit
     def pair_ok(self, geo, p, c):
+        # the callers' conditions are evaluated whole: pair indices past the 10 pairs (warps 2 - 7 in their second
+        # slot) decode to c > 3, whose table row does not exist; the clamp keeps the read inside the table
         sP = geo[0]
-        return sP[p, NV] > 0 and sP[p, FIRST] == sP[c, FIRST]
+        return sP[p, NV] > 0 and sP[p, FIRST] == sP[cutlass.min(c, BLOCKS - 1), FIRST]
 
     @cute.jit
     def chain_ok(self, geo, b, c: cutlass.Constexpr):
