@@ -115,7 +115,7 @@ def _decode_verify(T: int, tensor_cores: bool):
     return build
 
 
-def _prefill_intra(kind: str, store_akk: bool = False):
+def _prefill_intra(kind: str, store_akk: bool = False, packed: bool = False):
     def build():
         import torch
 
@@ -123,7 +123,7 @@ def _prefill_intra(kind: str, store_akk: bool = False):
         from cula_sm90.prefill import forward
 
         bf = torch.bfloat16  # the benchmark's: safe gate with A_log and dt_bias, q/k L2 norm, beta as given
-        config = forward.intra_config("safe", "none", True, True, True, bf, bf, bf, kind, store_akk)
+        config = forward.intra_config("safe", "none", True, True, True, bf, bf, bf, kind, store_akk, packed)
         return cute_runtime.compile_kernel(forward.INTRA, config)
     return build
 
@@ -176,6 +176,7 @@ KERNELS: list[tuple[str, str, object]] = [
     ("decode.flush[T=4]", "sm90 decode", _decode_flush(4)),
     ("prefill.chunk_intra_tc (stage 1)", "sm90 prefill", _prefill_intra("tc")),
     ("prefill.chunk_intra_tc[store_akk] (stage 1, training)", "sm90 prefill", _prefill_intra("tc", True)),
+    ("prefill.chunk_intra_tc_packed (stage 1, packed tiles)", "sm90 prefill", _prefill_intra("tc", packed=True)),
     ("prefill.chunk_intra[simt] (stage 1, any gate)", "sm90 prefill", _prefill_intra("simt")),
     ("prefill.chunk_state_wg[128 cols] (stage 2)", "sm90 prefill", _prefill_state(False, 128)),
     ("prefill.chunk_state_wg[64 cols] (stage 2)", "sm90 prefill", _prefill_state(False, 64)),

@@ -69,6 +69,9 @@ def test_prefill_dispatch_resolves_to_shipped_configurations(lower_bound):
             if kind == "tc":  # chunk_kda's training forward: the variant that writes Akk
                 config = forward.intra_config(gate, act, True, params, params, qkv, g, beta, kind, True)
                 assert (forward.INTRA, config) in shipped, config
+                # inference on batches of short sequences: the kernel over packed tiles (forward.stage1_packs)
+                config = forward.intra_config(gate, act, True, params, params, qkv, g, beta, kind, packed=True)
+                assert (forward.INTRA, config) in shipped, config
         for affine, cols in itertools.product((False, True), (64, 128)):
             assert (forward.STATE, forward.state_config(affine, qkv, cols)) in shipped
             if not affine:  # V-first states (FLA's layers) reach the normal pass as they are

@@ -21,6 +21,7 @@ from tools import kernel_report as kr  # noqa: E402
 DECODE, MMA = "decode.recurrent[final,T=4]", "fwd.fwd_o"
 WGMMA = "prefill.chunk_state_wg[128 cols] (stage 2)"
 STAGE1 = "prefill.chunk_intra_tc (stage 1)"
+PACKED = "prefill.chunk_intra_tc_packed (stage 1, packed tiles)"
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +32,8 @@ def reports():
     if why:
         pytest.skip(f"kernel_report needs a CUDA binary tool: {why}")
     proc = subprocess.run([sys.executable, "-m", "tools.kernel_report", "--kernel", DECODE, "--kernel", MMA,
-                           "--kernel", WGMMA, "--kernel", STAGE1, "--json"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=170)
+                           "--kernel", WGMMA, "--kernel", STAGE1, "--kernel", PACKED, "--json"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return {r["name"]: r for r in json.loads(proc.stdout)}
 
@@ -79,6 +80,16 @@ def test_prefill_stage1_fits_three_ctas_per_sm(reports):
     assert r["regs"] <= 80 and r["spill_stores"] in (None, 0) and r["local"] == 0
     assert r["ctas_per_sm"] == 3
     assert r["mix"]["HMMA"] > 0 and r["mix"]["HGMMA"] == 0
+
+
+def test_packed_stage1_fits_three_ctas_per_sm(reports):
+    """The packed stage 1 is the tensor-core stage 1 with its tile's block table (4 blocks x 5 int32) beside: still
+    three CTAs per SM, at most 80 registers, no spills."""
+    r, base = reports[PACKED], reports[STAGE1]
+    assert not r["error"] and r["threads"] == 256
+    assert r["dynamic_smem"] == base["dynamic_smem"] + 4 * 5 * 4
+    assert r["regs"] <= 80 and r["spill_stores"] in (None, 0) and r["local"] == 0
+    assert r["ctas_per_sm"] == 3
 
 
 def test_mma_kernel_fields(reports):

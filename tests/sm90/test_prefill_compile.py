@@ -27,19 +27,24 @@ def _arch(tmp_path_factory):
         os.environ["CULA_CACHE_DIR"] = old
 
 
-@pytest.mark.parametrize(("gate", "beta_act", "l2", "a_log", "dtb", "g_dtype", "b_dtype", "kind", "store_akk"), [
-    ("safe", "sigmoid", True, True, True, torch.bfloat16, torch.bfloat16, "tc", False),
-    ("safe", "2sigmoid", False, False, True, torch.float32, torch.float32, "tc", False),
-    ("softplus", "none", True, True, False, torch.float32, torch.float32, "simt", False),
-    ("precomputed", "2sigmoid", False, False, False, torch.float32, torch.bfloat16, "simt", False),
+@pytest.mark.parametrize(("gate", "beta_act", "l2", "a_log", "dtb", "g_dtype", "b_dtype", "kind", "store_akk",
+                          "packed"), [
+    ("safe", "sigmoid", True, True, True, torch.bfloat16, torch.bfloat16, "tc", False, False),
+    ("safe", "2sigmoid", False, False, True, torch.float32, torch.float32, "tc", False, False),
+    ("softplus", "none", True, True, False, torch.float32, torch.float32, "simt", False, False),
+    ("precomputed", "2sigmoid", False, False, False, torch.float32, torch.bfloat16, "simt", False, False),
     # training (chunk_kda's residuals): the configurations the benchmark and FLA's layers use
-    ("safe", "none", True, True, True, torch.bfloat16, torch.bfloat16, "tc", True),
-    ("safe", "sigmoid", False, True, False, torch.float32, torch.float32, "tc", True),
+    ("safe", "none", True, True, True, torch.bfloat16, torch.bfloat16, "tc", True, False),
+    ("safe", "sigmoid", False, True, False, torch.float32, torch.float32, "tc", True, False),
+    # inference over packed tiles (batches of short sequences): the kernel over a tile table
+    ("safe", "sigmoid", True, True, True, torch.bfloat16, torch.bfloat16, "tc", False, True),
+    ("safe", "none", True, True, True, torch.float32, torch.float32, "tc", False, True),
 ])
-def test_stage1_compiles(gate, beta_act, l2, a_log, dtb, g_dtype, b_dtype, kind, store_akk):
+def test_stage1_compiles(gate, beta_act, l2, a_log, dtb, g_dtype, b_dtype, kind, store_akk, packed):
     from cula_sm90.prefill import forward
 
-    fn = forward.compile_intra(gate, beta_act, l2, a_log, dtb, torch.bfloat16, g_dtype, b_dtype, kind, store_akk)
+    fn = forward.compile_intra(gate, beta_act, l2, a_log, dtb, torch.bfloat16, g_dtype, b_dtype, kind, store_akk,
+                               packed)
     # prefill() passes 16 addresses (Akk's too, written only with store_akk), 6 sizes, scale, lower bound and the
     # stream
     with pytest.raises(TypeError, match="Expects 25 parameters"):
@@ -53,9 +58,12 @@ def test_stage1_store_akk_is_its_own_configuration():
 
     bf = torch.bfloat16
     plain = forward.intra_config("safe", "none", True, True, True, bf, bf, bf, "tc")
-    assert plain[-1] is False and plain == forward.intra_config("safe", "none", True, True, True, bf, bf, bf, "tc",
+    assert plain[-2] is False and plain == forward.intra_config("safe", "none", True, True, True, bf, bf, bf, "tc",
                                                                 False)
-    assert forward.intra_config("safe", "none", True, True, True, bf, bf, bf, "tc", True)[-1] is True
+    assert forward.intra_config("safe", "none", True, True, True, bf, bf, bf, "tc", True)[-2] is True
+    # the packed stage 1 (last field) is its own configuration too
+    assert plain[-1] is False and forward.intra_config("safe", "none", True, True, True, bf, bf, bf, "tc",
+                                                       packed=True)[-1] is True
     with pytest.raises(ValueError, match="only the tensor-core stage 1 writes Akk .store_akk., got kind 'simt'"):
         forward.intra_config("softplus", "none", True, True, True, bf, bf, bf, "simt", True)
 

@@ -32,19 +32,52 @@ def _at(address: int, dtype: torch.dtype, *shape: int) -> torch.Tensor:
     return torch.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype=dtype).view(shape)
 
 
+def _pieces_of_tile_table(address: int, tiles: int) -> list[tuple[int, int, int]]:
+    """(chunk, first token, valid rows) of every piece of a packed stage 1's tile table ([tiles, 4, 5] int32:
+    per block first token, valid rows, chunk, first and last block of its piece), checking its structure: a
+    piece's blocks are contiguous in its tile, consecutive in tokens, full but for the last."""
+    table = _at(address, i32, tiles, 4, 5).tolist()
+    pieces = []
+    for tile in table:
+        for m, (tok, nv, chunk, first, last) in enumerate(tile):
+            if nv == 0:
+                assert (first, last) == (m, m)
+                continue
+            assert first <= m <= last and tile[first][2] == chunk and tile[last][2] == chunk
+            if m == first:
+                rows = [tile[b][1] for b in range(first, last + 1)]
+                assert all(r == 16 for r in rows[:-1]) and 0 < rows[-1] <= 16
+                assert [tile[b][0] for b in range(first, last + 1)] == [tok + 16 * i for i in range(len(rows))]
+                pieces.append((chunk, tok, sum(rows)))
+    return pieces
+
+
 def _intra_emulator(gate, beta_activation, l2norm, has_a_log, has_dt_bias, qkv_dtype, g_dtype, beta_dtype, kind,
-                    store_akk=False):
+                    store_akk=False, packed=False):
     assert not store_akk or kind == "tc"  # forward.intra_config's rule
+    assert not packed or (kind == "tc" and not store_akk)
 
     def run(q, k, v, g, beta, a_log, dtb, cu, co, w, u, qg, kg, aqk, akk, gl, TT, N, NC, steps, HQK, G, scale, lb,
             _s):
+        if packed:  # the tile table's pieces as stage 1 sees them: each chunk alone (stage 1 is chunk-local)
+            pieces = sorted(_pieces_of_tile_table(cu, NC), key=lambda p: p[1])
+            starts = [p[1] for p in pieces]
+            assert starts == [sum(p[2] for p in pieces[:i]) for i in range(len(pieces))]  # every token once
+            assert sum(p[2] for p in pieces) == TT
+            chunk_of = [p[0] for p in pieces]
+            cu_t = torch.tensor([*starts, TT], dtype=i32)
+            return emulate(q, k, v, g, beta, a_log, dtb, cu_t, chunk_of, w, u, qg, kg, aqk, akk, gl, TT,
+                           max(chunk_of) + 1, HQK, G, scale, lb)
+        return emulate(q, k, v, g, beta, a_log, dtb, _at(cu, i32, N + 1).clone(), None, w, u, qg, kg, aqk, akk, gl,
+                       TT, NC, HQK, G, scale, lb)
+
+    def emulate(q, k, v, g, beta, a_log, dtb, cu, chunk_of, w, u, qg, kg, aqk, akk, gl, TT, NC, HQK, G, scale, lb):
         HV = HQK * G
         q, k = (_at(a, qkv_dtype, 1, TT, HQK, K) for a in (q, k))
         v, g, beta = _at(v, qkv_dtype, 1, TT, HV, K), _at(g, g_dtype, 1, TT, HV, K), _at(beta, beta_dtype, 1, TT, HV)
         # an absent A_log / dt_bias comes as some valid address: never read (as in the kernel)
         a_log = _at(a_log, f32, HV) if has_a_log else None
         dtb = _at(dtb, f32, HV * K) if has_dt_bias else None
-        cu = _at(cu, i32, N + 1)
         w, u, qg, kg = (_at(a, bf16, TT, HV, K) for a in (w, u, qg, kg))
         aqk, gl = _at(aqk, bf16, TT, HV, BT), _at(gl, f32, NC, HV, K)
         flat = [q, k, v, g, beta]
@@ -62,7 +95,7 @@ def _intra_emulator(gate, beta_activation, l2norm, has_a_log, has_dt_bias, qkv_d
         for c, (n, _), t0 in zip(range(x.chunk_indices.shape[0]), x.chunk_indices.tolist(),
                                  x.chunk_token_start.tolist(), strict=True):
             last = min(t0 + BT, int(ends[n])) - 1
-            gl[c] = x.g_cumsum[0, last].float()
+            gl[c if chunk_of is None else chunk_of[n]] = x.g_cumsum[0, last].float()
     return run
 
 
@@ -402,3 +435,98 @@ def test_residuals_of_an_empty_batch_and_of_the_other_gates(fwd):
         with pytest.raises(ValueError, match="tensor-core stage 1 only"):
             fwd.prefill(q, k, v, g, beta, None, None, h0, cu, cu, save_residuals=True,
                         **dict(_FLAGS, gate=gate, lower_bound=lb))
+
+
+# ---- the packed stage 1: the host's tiles and dispatch rule, and the packed contract through the emulator
+
+
+def _random_lengths(seed, n=64, total=4096):
+    gen = torch.Generator().manual_seed(seed)
+    cuts = torch.randperm(total - 1, generator=gen)[:n - 1].add(1).sort().values.tolist()
+    return [b - a for a, b in zip([0, *cuts], [*cuts, total], strict=True)]
+
+
+@pytest.mark.parametrize("lens", [[5, 70, 64, 130, 0, 17, 33], [1] * 9, [64] * 5, [0, 0], [63, 49, 48, 33, 17, 16],
+                                  _random_lengths(1), _random_lengths(2, 20, 1000)])
+def test_packed_tiles_cover_every_token_once_by_first_fit_decreasing(lens):
+    """Every valid token lies in exactly one piece, a piece is one chunk's valid rows in whole 16-row blocks and
+    never crosses a tile (4 blocks), full chunks keep a tile each, and the partial pieces follow first-fit
+    decreasing: taken largest first (chunk order among equals), each into the first tile with room."""
+    from cula_sm90.prefill import forward
+
+    tiles = forward.packed_tiles(tuple(lens))
+    chunks = [(c, t0, min(BT, L - s)) for c, (t0, L, s) in enumerate(
+        (sum(lens[:n]) + s, L, s) for n, L in enumerate(lens) for s in range(0, L, BT))]
+    pieces = [p for tile in tiles for p in tile]
+    assert sorted(pieces) == chunks  # each chunk once, with its first token and valid rows
+    assert all(sum(-(-n // 16) for _, _, n in tile) <= 4 for tile in tiles)
+    full = [t for t in tiles if len(t) == 1 and t[0][2] == BT]
+    assert [t[0] for t in full] == [c for c in chunks if c[2] == BT]
+    # first-fit decreasing, replayed
+    partial = sorted((c for c in chunks if c[2] < BT), key=lambda c: -(-c[2] // 16), reverse=True)
+    room, want = [], []
+    for c in partial:
+        need = -(-c[2] // 16)
+        i = next((i for i, r in enumerate(room) if r >= need), None)
+        if i is None:
+            room.append(4 - need)
+            want.append([c])
+        else:
+            room[i] -= need
+            want[i].append(c)
+    assert [list(t) for t in tiles[len(full):]] == want
+    table = forward.tile_table(tiles)
+    assert len(table) == len(tiles) and all(len(t) == 4 and all(len(b) == 5 for b in t) for t in table)
+
+
+def test_packing_pays_removes_at_least_an_eighth_of_the_ctas():
+    from cula_sm90.prefill import forward
+
+    assert not forward.packing_pays((64,) * 64) and not forward.packing_pays((4096,))  # full chunks only
+    assert forward.packing_pays(tuple(_random_lengths(0)))
+    assert forward.packing_pays((5,) * 8)  # 8 chunks in 2 tiles
+    # 8 chunks, 7 tiles: 1 / 8 saved, packs; 9 chunks, 8 tiles: 1 / 9 < 1 / 8, does not
+    assert forward.packing_pays((64,) * 6 + (16, 16))
+    assert not forward.packing_pays((64,) * 7 + (16, 16))
+    assert not forward.packing_pays(())
+
+
+def test_stage1_packs_only_tc_inference_with_host_lengths():
+    from cula_sm90.prefill import forward
+
+    short = tuple(_random_lengths(3))
+    assert forward.stage1_packs("tc", False, short)
+    assert not forward.stage1_packs("simt", False, short)
+    assert not forward.stage1_packs("tc", True, short)  # training: Akk needs 64 rows per chunk
+    assert not forward.stage1_packs("tc", False, None)  # lengths only on the device
+    assert not forward.stage1_packs("tc", False, (64,) * 4)
+    assert forward.stage1_packs("tc", False, (64,) * 4, pack_stage1=True)
+    assert not forward.stage1_packs("tc", False, short, pack_stage1=False)
+    with pytest.raises(ValueError, match="packed stage 1 is the tensor-core kernel without store_akk"):
+        forward.intra_config("safe", "none", True, True, True, bf16, bf16, bf16, "tc", True, True)
+
+
+@pytest.mark.parametrize("lens", [[5, 70, 1, 0, 130, 17, 33, 15], _random_lengths(4, 24, 1500)])
+def test_packed_stage1_contract_equals_unpacked(fwd, monkeypatch, lens):
+    """The safe gate's call packs by the dispatch rule (stage 1 over the tile table, which the emulator decodes and
+    checks: every token once, each piece's rows and chunk index) and gives the unpacked call's o and final state;
+    the kernel it compiles is the packed configuration; device-only lengths never pack."""
+    configs = []
+
+    def intra(*config):
+        configs.append(config)
+        return _intra_emulator(*config)
+
+    monkeypatch.setattr(fwd, "compile_intra", intra)
+    HV = 2
+    q, k, v, g, beta, h0, cu = _inputs(lens, HV, seed=21)
+    gen = torch.Generator().manual_seed(22)
+    A_log, dt_bias = torch.rand(HV, generator=gen), 0.1 * torch.randn(HV * K, generator=gen)
+    args = (q, k, v, g.float(), beta, A_log, dt_bias, h0, cu, cu)
+    assert fwd.packing_pays(tuple(lens))
+    o_p, ht_p = fwd.prefill(*args, **_SAFE)
+    o_u, ht_u = fwd.prefill(*args, **_SAFE, pack_stage1=False)
+    assert [c[-1] for c in configs] == [True, False]  # packed, then the plain TC kernel
+    assert _rel(ht_p, ht_u) < 1e-6 and _rel(o_p.float(), o_u.float()) < 1e-6
+    o_d, ht_d = fwd.prefill(*args[:9], None, **_SAFE)  # no cu_seqlens_cpu
+    assert configs[-1][-1] is False and torch.equal(o_d, o_u) and torch.equal(ht_d, ht_u)

@@ -5,7 +5,8 @@ The set is every configuration the dispatch can pick for the served setups below
 at every tiling / variant its dispatch tables choose from (decode: `launch.family_kernels`, which is also what a
 call loads on its family's first call; prefill: both stage-1 kinds `forward.intra_kind` picks from and both
 stage-2 modes at both CTA widths `forward.state_cols` picks from; the tensor-core stage 1 also in its training
-variant, `store_akk`, which chunk_kda with gradients runs). Anything outside the served setups (other
+variant, `store_akk`, which chunk_kda with gradients runs, and over packed tiles, which `forward.stage1_packs` picks
+for inference on batches of short sequences). Anything outside the served setups (other
 dtypes, head dims, T, layer counts of the all-layers flush, gate options) still runs: compiled on its first call
 and cached on disk (cula_core.cute_runtime).
 
@@ -63,8 +64,10 @@ def prefill_configurations() -> list[tuple[str, tuple]]:
     for qkv, g, beta, act, (gate, params, kind) in itertools.product(QKV_DTYPES, GATE_INPUT_DTYPES, GATE_INPUT_DTYPES,
                                                                      PREFILL_BETA_ACTIVATIONS, gates):
         out.append((forward.INTRA, forward.intra_config(gate, act, True, params, params, qkv, g, beta, kind)))
-        if kind == "tc":  # chunk_kda's training forward (residuals: stage 1 also writes Akk)
+        if kind == "tc":  # chunk_kda's training forward (residuals: stage 1 also writes Akk); packed tiles
             out.append((forward.INTRA, forward.intra_config(gate, act, True, params, params, qkv, g, beta, kind, True)))
+            out.append((forward.INTRA, forward.intra_config(gate, act, True, params, params, qkv, g, beta, kind,
+                                                            packed=True)))
     for qkv, affine, cols, v_first in itertools.product(QKV_DTYPES, (False, True), (64, 128), (False, True)):
         if not (affine and v_first):  # the affine-map pass writes an internal, K-first buffer
             out.append((forward.STATE, forward.state_config(affine, qkv, cols, v_first)))

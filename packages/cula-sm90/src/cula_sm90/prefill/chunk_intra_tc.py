@@ -106,7 +106,16 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         chunk_j, h, _ = cute.arch.block_idx()
         chunk = chunk_j // G
         hv = h * G + (chunk_j - chunk * G)
+        _, t0, L, valid = common.find_chunk(cu, co, chunk, N, search_steps)
+        if valid:
+            self.tile(q, k, v, g, beta, alog, dtb, w, u, qg, kg, aqk, akk, gl, (t0, L, chunk), h, hv, scale,
+                      lower_bound, tid)
 
+    @cute.jit
+    def tile(self, q, k, v, g, beta, alog, dtb, w, u, qg, kg, aqk, akk, gl, where, h: Int32, hv: Int32,
+             scale: Float32, lower_bound: Float32, tid):
+        """One CTA's work on the 64 rows `where` names (this kernel: (first token, valid rows, chunk index) of one
+        chunk; the packed kernel: its tile, see geometry) for value head hv of q/k head h."""
         smem = cutlass.memory.SmemAllocator()
         # q, then v (cp.async once qg is out), then the u staging; k, then k e^G (in place), then the w staging
         sQ = smem.allocate_tensor(BFloat16, smem_tile_layout(BT, DK), 128)
@@ -127,33 +136,122 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         sRef = smem.allocate_tensor(Float32, cute.make_layout((5, DK), stride=(DK, 1)), 128)
         sB = smem.allocate_tensor(Float32, cute.make_layout(BT), 16)
         sS = smem.allocate_tensor(Float32, cute.make_layout((PAIRS, DK), stride=(DK, 1)), 16)
+        geo = self.geometry(smem, where, tid)
 
-        _, t0, L, valid = common.find_chunk(cu, co, chunk, N, search_steps)
-        if valid:
-            cp = g2s_tiled_copy(DK, self.threads)
-            copy_rows_g2s(cp, head_rows(q, t0, h, BT), sQ, L, tid)
-            copy_rows_g2s(cp, head_rows(k, t0, h, BT), sK, L, tid)
-            if const_expr(self.g_smem):  # g in the same round trip
-                copy_rows_g2s(cp, head_rows(g, t0, hv, BT), sGin, L, tid)
-            cute.arch.cp_async_commit_group()
-            # the gate's parameters and beta load while the copies fly
-            pair = tid % (DK // 2)
-            a_rate = Float32(1.0)
-            if const_expr(self.has_a_log):
-                a_rate = cute.math.exp(alog[hv].to(Float32), fastmath=True)
-            a_rate = a_rate * LOG2E  # the sigmoid's exponent in base 2
-            bias0 = Float32(0.0)
-            bias1 = Float32(0.0)
-            if const_expr(self.has_dt_bias):
-                bias0 = dtb[hv, 2 * pair].to(Float32)
-                bias1 = dtb[hv, 2 * pair + 1].to(Float32)
-            b = Float32(0.0)
-            if tid < L:
-                b = common.activate_beta(beta[t0 + tid, hv].to(Float32), self.beta_activation)
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.sync_threads()
-            self.head(hv, chunk, t0, L, sQ, sK, sGin, sKc, sKr, sAk, sG, sL, sRef, sS, sB, v, g, w, u, qg, kg, aqk,
-                      akk, gl, a_rate, bias0, bias1, b, scale, lower_bound, tid)
+        cp = g2s_tiled_copy(DK, self.threads)
+        self.load_rows(cp, q, geo, h, sQ, tid)
+        self.load_rows(cp, k, geo, h, sK, tid)
+        if const_expr(self.g_smem):  # g in the same round trip
+            self.load_rows(cp, g, geo, hv, sGin, tid)
+        cute.arch.cp_async_commit_group()
+        # the gate's parameters and beta load while the copies fly
+        pair = tid % (DK // 2)
+        a_rate = Float32(1.0)
+        if const_expr(self.has_a_log):
+            a_rate = cute.math.exp(alog[hv].to(Float32), fastmath=True)
+        a_rate = a_rate * LOG2E  # the sigmoid's exponent in base 2
+        bias0 = Float32(0.0)
+        bias1 = Float32(0.0)
+        if const_expr(self.has_dt_bias):
+            bias0 = dtb[hv, 2 * pair].to(Float32)
+            bias1 = dtb[hv, 2 * pair + 1].to(Float32)
+        b = self.load_beta(beta, geo, hv, tid)
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+        self.head(hv, geo, sQ, sK, sGin, sKc, sKr, sAk, sG, sL, sRef, sS, sB, v, g, w, u, qg, kg, aqk, akk, gl,
+                  a_rate, bias0, bias1, b, scale, lower_bound, tid)
+
+    # ---- where the tile's rows live: this kernel's hooks for one chunk, geo = (first token t0, valid rows L,
+    # chunk index); chunk_intra_tc_packed.py overrides them for tiles of several pieces. Row r of the tile is
+    # token t0 + r, valid below L; block m's boundary rows in sRef: B_m (start) row m, B_{m+1} (end) row m + 1,
+    # G_last row 4
+
+    @cute.jit
+    def geometry(self, smem, where, tid):
+        """The tile's geometry from the kernel's `where` (smem: the allocator, for tables of its own)."""
+        return where
+
+    @cute.jit
+    def load_rows(self, cp, t: cute.Tensor, geo, h, s: cute.Tensor, tid):
+        """cp.async of the tile's rows of head h of t [TT, H, D] into the shared tile s (zeros for invalid rows)."""
+        t0, L, _ = geo
+        copy_rows_g2s(cp, head_rows(t, t0, h, BT), s, L, tid)
+
+    @cute.jit
+    def load_beta(self, beta: cute.Tensor, geo, hv, tid) -> Float32:
+        """beta of tile row tid (tid < BT), activated; 0 for invalid rows and threads past BT."""
+        t0, L, _ = geo
+        b = Float32(0.0)
+        if tid < L:
+            b = common.activate_beta(beta[t0 + tid, hv].to(Float32), self.beta_activation)
+        return b
+
+    @cute.jit
+    def row_ok(self, geo, row):
+        """Tile row `row` (< BT) holds a token."""
+        return row < geo[1]
+
+    @cute.jit
+    def block_ok(self, geo, m):
+        """Row block m holds a token."""
+        return m * BC < geo[1]
+
+    @cute.jit
+    def row_token(self, geo, row):
+        """The token of valid tile row `row`."""
+        return geo[0] + row
+
+    @cute.jit
+    def pair_ok(self, geo, p, c):
+        """The score block (p, c), c <= p, is computed: block p holds a token and both blocks belong to one
+        sequence's chunk."""
+        return p * BC < geo[1]
+
+    @cute.jit
+    def chain_ok(self, geo, b, c: cutlass.Constexpr):
+        """Akk's block (b, c), b > c, is computed (column_chain): block b holds a token of block c's chunk."""
+        return b * BC < geo[1]
+
+    @cute.jit
+    def scan_adds(self, geo, qq: cutlass.Constexpr, quarter):
+        """Block qq's gate total adds to the cumulative gate of block `quarter` (qq < 3)."""
+        return qq < quarter
+
+    @cute.jit
+    def continues_chunk(self, geo, p):
+        """Block p is not its chunk's first: its start boundary is the previous block's end (else 0)."""
+        return p > 0
+
+    @cute.jit
+    def start_ref(self, geo, m: cutlass.Constexpr):
+        """The sRef row of block m's start boundary B_m (row 0 holds zeros)."""
+        return m
+
+    @cute.jit
+    def last_ref(self, geo, m: cutlass.Constexpr):
+        """The sRef row of G_last of block m's chunk."""
+        return 4
+
+    @cute.jit
+    def chunk_col(self, geo, p):
+        """Tile column of block p's chunk's column 0 (Aqk's columns are chunk positions)."""
+        return 0
+
+    @cute.jit
+    def out_rows(self, t: cute.Tensor, geo, hv, m: cutlass.Constexpr, tb):
+        """This thread's row of block m (the 16-byte vector copy `tb`'s layout) in the token tensor t [TT, HV, D]."""
+        return tb.partition_D(head_rows(t, geo[0], hv, BT))[None, m, None]
+
+    @cute.jit
+    def write_gl(self, gl: cute.Tensor, geo, hv, sRef, tid):
+        """gl = G_last (natural log) of the tile's chunk(s)."""
+        if tid < DK:
+            gl[geo[2], hv, tid] = sRef[4, tid] * LN2
+
+    @cute.jit
+    def zero_akk(self, sAk, geo, t):
+        """Zeros into the blocks of Akk no warp computes, by 128 threads (t: 0..127): those above the diagonal."""
+        self.zero_upper_akk(sAk, t)
 
     @cute.jit
     def row_rnorm(self, f):
@@ -171,9 +269,9 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         return rs
 
     @cute.jit
-    def head(self, hv: Int32, chunk: Int32, t0: Int32, L: Int32, sQ, sK, sGin, sKc, sKr, sAk, sG, sL, sRef, sS, sB,
-             v, g, w, u, qg, kg, aqk, akk, gl, a_rate: Float32, bias0: Float32, bias1: Float32, b: Float32, scale: Float32,
-             lower_bound: Float32, tid):
+    def head(self, hv: Int32, geo, sQ, sK, sGin, sKc, sKr, sAk, sG, sL, sRef, sS, sB, v, g, w, u, qg, kg, aqk, akk,
+             gl, a_rate: Float32, bias0: Float32, bias1: Float32, b: Float32, scale: Float32, lower_bound: Float32,
+             tid):
         warp = tid // 32
         lane = tid % 32
         # ---- the log gate and its chunk-local cumulative sum: thread (quarter, pair) scans rows
@@ -190,7 +288,7 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         part = cute.make_rmem_tensor(cute.make_layout((2, SCAN_ROWS), stride=(1, 2)), Float32)
         gin = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
         part.fill(0.0)
-        if quarter * SCAN_ROWS < L:  # a quarter wholly past the end adds nothing: no loads, no exps
+        if self.block_ok(geo, quarter):  # a quarter wholly past the end adds nothing: no loads, no exps
             for mm in cutlass.range_constexpr(SCAN_ROWS):
                 row = quarter * SCAN_ROWS + mm
                 if const_expr(self.g_smem):  # zero-filled past the end
@@ -200,9 +298,9 @@ class ChunkIntraTCKernel(common.Stage1Launch):
                 else:
                     x0 = Float32(0.0)
                     x1 = Float32(0.0)
-                    if row < L:
-                        x0 = g[t0 + row, hv, col].to(Float32)
-                        x1 = g[t0 + row, hv, col + 1].to(Float32)
+                    if self.row_ok(geo, row):
+                        x0 = g[self.row_token(geo, row), hv, col].to(Float32)
+                        x1 = g[self.row_token(geo, row), hv, col + 1].to(Float32)
                     part[0, mm] = x0
                     part[1, mm] = x1
             for mm in cutlass.range_constexpr(SCAN_ROWS):
@@ -212,7 +310,7 @@ class ChunkIntraTCKernel(common.Stage1Launch):
                 y1 = a_rate * (part[1, mm] + bias1)
                 s0 = lb2 * cute.arch.rcp_approx(1.0 + cute.math.exp2(-y0, fastmath=True))
                 s1 = lb2 * cute.arch.rcp_approx(1.0 + cute.math.exp2(-y1, fastmath=True))
-                if quarter * SCAN_ROWS + mm < L:
+                if self.row_ok(geo, quarter * SCAN_ROWS + mm):
                     acc0 += s0
                     acc1 += s1
                 part[0, mm] = acc0
@@ -226,7 +324,7 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         base0 = Float32(0.0)
         base1 = Float32(0.0)
         for qq in cutlass.range_constexpr(3):
-            if qq < quarter:
+            if self.scan_adds(geo, qq, quarter):
                 base0 += sRef[qq, col]
                 base1 += sRef[qq, col + 1]
         gout = cute.make_rmem_tensor(cute.make_layout(2), Float32)
@@ -262,7 +360,7 @@ class ChunkIntraTCKernel(common.Stage1Launch):
                 d = idx % DK
                 p, c = self.pair_of(pr)
                 bp = Float32(0.0)
-                if p > 0:
+                if self.continues_chunk(geo, p):
                     bp = sG[p * BC - 1, d]
                 sS[pr, d] = cute.math.exp2(bp - sG[c * BC + BC - 1, d], fastmath=True)
         cute.arch.sync_threads()  # G's staging area is free: the score operands and L take it
@@ -278,8 +376,6 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         pKr = tb.partition_D(sKr)
         pKc = tb.partition_D(sKc)
         cI = tb.partition_S(cute.make_identity_tensor((BT, DK)))
-        gq = tb.partition_D(head_rows(qg, t0, hv, BT))
-        gk = tb.partition_D(head_rows(kg, t0, hv, BT))
         fx = cute.make_fragment_like(pQ[None, 0, None])
         fk = cute.make_fragment_like(pQ[None, 0, None])
         fo = cute.make_fragment_like(pQ[None, 0, None])
@@ -288,15 +384,15 @@ class ChunkIntraTCKernel(common.Stage1Launch):
             row = cI[0, m, 0][0]
             # q's products first (q dies), then k's
             cute.copy(vb, pQ[None, m, None], fx)
-            cute.copy(vf, self.ref_row(sRef, m, tf), gr)
+            cute.copy(vf, self.ref_row(sRef, self.start_ref(geo, m), tf), gr)
             rq = self.row_rnorm(fx)
             for e in cutlass.range_constexpr(8):
                 fo[e] = (fx[e].to(Float32) * rq * cute.math.exp2(rG[e, m, 0] - gr[e], fastmath=True)).to(BFloat16)
             cute.copy(vb, fo, pQd[None, m, None])  # q is in fx: q a may take its place
             for e in cutlass.range_constexpr(8):
                 fo[e] = (fx[e].to(Float32) * (rq * scale) * cute.math.exp2(rG[e, m, 0], fastmath=True)).to(BFloat16)
-            if row < L:
-                cute.copy(vb, fo, gq[None, m, None])
+            if self.row_ok(geo, row):
+                cute.copy(vb, fo, self.out_rows(qg, geo, hv, m, tb))
             cute.copy(vb, pK[None, m, None], fk)
             rk = self.row_rnorm(fk)
             if const_expr(self.l2norm):
@@ -309,16 +405,15 @@ class ChunkIntraTCKernel(common.Stage1Launch):
             for e in cutlass.range_constexpr(8):
                 fo[e] = (fk[e].to(Float32) * cute.math.exp2(gr[e] - rG[e, m, 0], fastmath=True)).to(BFloat16)
             cute.copy(vb, fo, pKc[None, m, None])
-            cute.copy(vf, self.ref_row(sRef, 4, tf), gr)
+            cute.copy(vf, self.ref_row(sRef, self.last_ref(geo, m), tf), gr)
             for e in cutlass.range_constexpr(8):
                 fo[e] = (fk[e].to(Float32) * cute.math.exp2(gr[e] - rG[e, m, 0], fastmath=True)).to(BFloat16)
-            if row < L:
-                cute.copy(vb, fo, gk[None, m, None])
+            if self.row_ok(geo, row):
+                cute.copy(vb, fo, self.out_rows(kg, geo, hv, m, tb))
             for e in cutlass.range_constexpr(8):
                 fo[e] = (fk[e].to(Float32) * cute.math.exp2(rG[e, m, 0], fastmath=True)).to(BFloat16)
             cute.copy(vb, fo, pKd[None, m, None])  # k e^G in place of k
-        if tid < DK:
-            gl[chunk, hv, tid] = sRef[4, tid] * LN2
+        self.write_gl(gl, geo, hv, sRef, tid)
         cute.arch.sync_threads()  # every operand tile is written
 
         # ---- scores: the 10 block pairs (p, c), c <= p, over the 8 warps (warp w: pair w, then warps 0 - 1: pairs
@@ -336,7 +431,7 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         for slot in cutlass.range_constexpr(2):
             pr = warp + 8 * slot
             p, c = self.pair_of(pr)
-            if (slot == 0 or warp < PAIRS - 8) and p * BC < L:
+            if (slot == 0 or warp < PAIRS - 8) and self.pair_ok(geo, p, c):
                 acc_q.fill(0.0)
                 acc_k.fill(0.0)
                 self.gemm_pair(mma1, acc_q, acc_k, cute.local_tile(sQ, (BC, DK), (p, 0)),
@@ -351,14 +446,15 @@ class ChunkIntraTCKernel(common.Stage1Launch):
                         if col + x <= row:
                             av = acc_q[2 * e2 + x] * scale
                         a_pair[x] = av.to(BFloat16)
-                    if row < L:
+                    if self.row_ok(geo, row):
                         # aqk's strides are runtime values: the pair's 4-byte alignment is asserted
-                        off = cute.assume(cute.crd2idx((t0 + row, hv, col), aqk.layout), divby=2)
+                        off = cute.assume(cute.crd2idx((self.row_token(geo, row), hv, col - self.chunk_col(geo, p)),
+                                                       aqk.layout), divby=2)
                         cute.autovec_copy(a_pair, cute.make_tensor(aqk.iterator + off, cute.make_layout(2)))
                 for e in cutlass.range_constexpr(nacc):
                     acc_l[e, slot] = acc_k[e]
         # Aqk's blocks above the diagonal: zeros (stage 2 reads whole rows)
-        self.zero_upper_aqk(aqk, t0, hv, L, tid)
+        self.zero_upper_aqk(aqk, geo, hv, tid)
         cute.arch.sync_threads()  # the L rows, q a, the column operands and S are read: their places are free
 
         # the inverse's bf16 hi + lo operand tiles (16 x 16 each, see op_tile), once the scores are done: the six L
@@ -367,7 +463,7 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         l_tiles = sAk.iterator + BT * BT
         x_tiles = cute.recast_ptr(sS.iterator, dtype=BFloat16)
         # ---- v in flight (cp.async, into q's place) while the inverse runs
-        copy_rows_g2s(g2s_tiled_copy(DK, self.threads), head_rows(v, t0, hv, BT), sQ, L, tid)
+        self.load_rows(g2s_tiled_copy(DK, self.threads), v, geo, hv, sQ, tid)
         cute.arch.cp_async_commit_group()
         # ---- L from the accumulators: the blocks below the diagonal as bf16 hi + lo operand tiles, the diagonal
         # blocks in fp32 into sL; the warp of a diagonal block then inverts it (its own writes: a warp barrier),
@@ -375,7 +471,7 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         for slot in cutlass.range_constexpr(2):
             pr = warp + 8 * slot
             p, c = self.pair_of(pr)
-            if (slot == 0 or warp < PAIRS - 8) and p * BC < L and c < p:
+            if (slot == 0 or warp < PAIRS - 8) and self.pair_ok(geo, p, c) and c < p:
                 self.store_split_pair(acc_l, slot, cC, sB, l_tiles, p, c)
         # the diagonal pairs 0, 2, 5, 9 are on warps 0, 2, 5 (slot 0) and 1 (slot 1)
         pd = Int32(0)
@@ -385,7 +481,7 @@ class ChunkIntraTCKernel(common.Stage1Launch):
             pd = Int32(2)
         if warp == 1:
             pd = Int32(3)
-        if (warp < 3 or warp == 5) and pd * BC < L:
+        if (warp < 3 or warp == 5) and self.block_ok(geo, pd):
             for e in cutlass.range_constexpr(nacc):
                 i, jj = cC[e]
                 av = acc_l[e, 0]
@@ -398,13 +494,13 @@ class ChunkIntraTCKernel(common.Stage1Launch):
             cute.arch.sync_warp()  # the block is written before its lanes read its columns
             self.invert_diag(sL, x_tiles, pd, lane)
         if warp == 3 or warp == 4 or warp >= 6:  # the warps without a diagonal block (pairs 0, 2, 5, 9)
-            self.zero_upper_akk(sAk, (warp - 3 - warp // 6) * 32 + lane)
+            self.zero_akk(sAk, geo, (warp - 3 - warp // 6) * 32 + lane)
         cute.arch.sync_threads()  # the operand tiles and Akk's diagonal and upper blocks are written
         # ---- Akk's blocks below the diagonal: warp c < 3 runs column block c down (see column_chain)
         for cb in cutlass.range_constexpr(BT // BC - 1):
-            if warp == cb and (cb + 1) * BC < L:
-                self.column_chain(sAk, sL, sB, l_tiles, x_tiles, L, lane, cb)
-        if warp >= 4 and (warp - 4) * BC < L:
+            if warp == cb and self.chain_ok(geo, cb + 1, cb):
+                self.column_chain(sAk, sL, sB, l_tiles, x_tiles, geo, lane, cb)
+        if warp >= 4 and self.block_ok(geo, warp - 4):
             self.diag_akk(sL, sAk, sB, warp - 4, lane)
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
@@ -426,16 +522,14 @@ class ChunkIntraTCKernel(common.Stage1Launch):
             for e in cutlass.range_constexpr(cute.size(acc_o)):
                 pd[e] = acc_o[e].to(BFloat16)
         cute.arch.sync_threads()
-        gw = tb.partition_D(head_rows(w, t0, hv, BT))
-        gu = tb.partition_D(head_rows(u, t0, hv, BT))
         for m in cutlass.range_constexpr(cute.size(pQ.shape[1])):
-            if cI[0, m, 0][0] < L:
+            if self.row_ok(geo, cI[0, m, 0][0]):
                 cute.copy(vb, pK[None, m, None], fx)
-                cute.copy(vb, fx, gw[None, m, None])
+                cute.copy(vb, fx, self.out_rows(w, geo, hv, m, tb))
                 cute.copy(vb, pQ[None, m, None], fk)
-                cute.copy(vb, fk, gu[None, m, None])
+                cute.copy(vb, fk, self.out_rows(u, geo, hv, m, tb))
         if const_expr(self.store_akk):
-            self.store_akk_rows(sL, akk, t0, hv, L, tid)
+            self.store_akk_rows(sL, akk, geo, hv, tid)
 
     @cute.jit
     def pair_of(self, pr):
@@ -480,24 +574,29 @@ class ChunkIntraTCKernel(common.Stage1Launch):
             cute.gemm(mma, acc_k, rK[None, None, 0], rB[None, None, 0], acc_k)
 
     @cute.jit
-    def zero_upper_aqk(self, aqk, t0, hv, L, tid):
-        """Zeros into Aqk's blocks above the diagonal (row block p, columns from 16 (p + 1)) of the valid rows, in
-        4-byte pairs: no warp computes them, and stage 2 reads whole rows."""
+    def zero_upper_aqk(self, aqk, geo, hv, tid):
+        """Zeros into Aqk's blocks above the diagonal (row block p, chunk columns from the end of block p) of the
+        valid rows, in 4-byte pairs: no warp computes them, and stage 2 reads whole rows."""
         z = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
         z.fill(0.0)
         for it in cutlass.range_constexpr(BT * BT // 2 // self.threads):
             idx = it * self.threads + tid
             row = idx // (BT // 2)
             col = 2 * (idx % (BT // 2))
-            if row < L and col >= (row // BC + 1) * BC:
-                off = cute.assume(cute.crd2idx((t0 + row, hv, col), aqk.layout), divby=2)
-                cute.autovec_copy(z, cute.make_tensor(aqk.iterator + off, cute.make_layout(2)))
+            if self.row_ok(geo, row):
+                if col >= (row // BC + 1) * BC - self.chunk_col(geo, row // BC):
+                    off = cute.assume(cute.crd2idx((self.row_token(geo, row), hv, col), aqk.layout), divby=2)
+                    cute.autovec_copy(z, cute.make_tensor(aqk.iterator + off, cute.make_layout(2)))
 
     @cute.jit
-    def ref_row(self, sRef, r: cutlass.Constexpr, thr):
+    def ref_row(self, sRef, r, thr):
         """Row r of sRef as this thread's 8 columns (c0 .. c0 + 7) in the vector copies' layout: the row seen as
-        a (16, DK) tile with row stride 0, partitioned like the 16 rows of one vector pass."""
-        view = cute.make_tensor(sRef.iterator + r * DK, cute.make_layout((BC, DK), stride=(0, 1)))
+        a (16, DK) tile with row stride 0, partitioned like the 16 rows of one vector pass. r: a constant, or a
+        runtime row (the packed kernel's boundaries), whose offset is asserted 16-byte aligned."""
+        off = r * DK
+        if const_expr(not isinstance(r, int)):
+            off = cute.assume(off, divby=DK)
+        view = cute.make_tensor(sRef.iterator + off, cute.make_layout((BC, DK), stride=(0, 1)))
         return thr.partition_S(view)[None, 0, None]
 
     @cute.jit
@@ -595,7 +694,7 @@ class ChunkIntraTCKernel(common.Stage1Launch):
                 sAk[row, col + 1] = z[1]
 
     @cute.jit
-    def column_chain(self, sAk, sL, sB, l_tiles, x_tiles, L: Int32, lane, c: cutlass.Constexpr):
+    def column_chain(self, sAk, sL, sB, l_tiles, x_tiles, geo, lane, c: cutlass.Constexpr):
         """Akk's blocks X_bc (b > c, valid row blocks) of column block c, by one warp, transposed so that each
         result is the next product's A operand in registers (an m16n16 accumulator and an m16k16 A fragment of
         mma.sync hold the same elements in the same registers):
@@ -603,7 +702,7 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         right-looking: once X_mc^T is known it is added into every later T_b (b > m), so the dependent chain per
         block is the last term of T_b and the X_bb product. Every operand is split into bf16 hi + lo (hi hi +
         hi lo + lo hi: ~16 bits per product, fp32 accumulation): the accumulators in registers, the L blocks and
-        X_bb^T from their operand tiles by ldmatrix. Out: X_bc diag(beta) in bf16 into Akk (2-byte stores); with
+        X_bb^T from their operand tiles by ldmatrix. Blocks b outside block c's chunk (chain_ok) are skipped. Out: X_bc diag(beta) in bf16 into Akk (2-byte stores); with
         `store_akk` also X_bc in fp32 into its place in sL (free below the diagonal blocks), for store_akk_rows."""
         mma = tiled_mma(1)
         thr = mma.get_slice(lane)
@@ -635,11 +734,11 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         beta = [sB[c * BC + cC[2 * v1][0]] for v1 in range(2)]  # column jj: t1 + 8 v1, v1 = (e // 2) % 2
         y = cute.make_rmem_tensor(thr.partition_shape_C((BC, BC)), Float32)
         for b in cutlass.range_constexpr(c + 1, BT // BC):
-            if b * BC < L:
+            if self.chain_ok(geo, b, c):
                 m = b - 1
                 # a holds X_mc^T: its terms of T_b first (the chain), then of the later T_b2
                 for b2 in cutlass.range_constexpr(b, BT // BC):
-                    if b2 * BC < L:
+                    if self.chain_ok(geo, b2, c):
                         t = b2 * (b2 - 1) // 2 + m
                         cute.copy(ldB, tB.partition_S(self.op_tile(l_tiles, 2 * t)), tB.retile(b_hi))
                         cute.copy(ldB, tB.partition_S(self.op_tile(l_tiles, 2 * t + 1)), tB.retile(b_lo))
@@ -666,10 +765,11 @@ class ChunkIntraTCKernel(common.Stage1Launch):
                     self.split_acc(y, a_hi, a_lo, True)
 
     @cute.jit
-    def store_akk_rows(self, sL, akk, t0: Int32, hv: Int32, L: Int32, tid):
+    def store_akk_rows(self, sL, akk, geo, hv: Int32, tid):
         """Akk = X = (I + L)^-1 (no beta) in bf16 to global, rows < L, from the fp32 X in sL (diagonal blocks from
         invert_diag, blocks below them from column_chain) with zeros for the blocks above the diagonal: thread
-        writes 8 columns of a row per 16-byte store (a warp: 4 whole rows)."""
+        writes 8 columns of a row per 16-byte store (a warp: 4 whole rows). One chunk per tile (geo: this kernel's)."""
+        t0, L, _ = geo
         f = cute.make_rmem_tensor(cute.make_layout(8), BFloat16)
         for it in cutlass.range_constexpr(BT * BT // 8 // self.threads):
             idx = it * self.threads + tid

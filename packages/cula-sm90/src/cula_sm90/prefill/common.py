@@ -16,7 +16,8 @@ class Stage1Launch:
     [HV, K]; cu_seqlens and chunk offsets [N + 1]; Aqk and Akk [TT, HV, BT]; gl [NC, HV, K]) and one CTA of
     `self.threads` per (chunk, q/k head), or, with `cta_per_value_head`, per (chunk, value head): grid x = NC * G,
     chunk-major, so the G CTAs of one chunk and q/k head are adjacent (and read q, k while they are in L2). Akk is
-    written only by a kernel compiled with `store_akk` (chunk_intra_tc.py); the others never touch its address."""
+    written only by a kernel compiled with `store_akk` (chunk_intra_tc.py); the others never touch its address.
+    chunk_intra_tc_packed.py reads a tile table through cu_ptr and runs NC tiles (launch_tables)."""
 
     threads = 128
     cta_per_value_head = False
@@ -49,7 +50,7 @@ class Stage1Launch:
             mk(q_ptr, qk), mk(k_ptr, qk), mk(v_ptr, tok), mk(g_ptr, tok),
             mk(beta_ptr, cute.make_layout((TT, HV), stride=(HV, 1))), mk(alog_ptr, cute.make_layout(HV)),
             mk(dtb_ptr, cute.make_layout((HV, DK), stride=(DK, 1))),
-            mk(cu_ptr, cute.make_layout(N + 1)), mk(co_ptr, cute.make_layout(N + 1)),
+            *self.launch_tables(cu_ptr, co_ptr, N, NC),
             mk(w_ptr, tok), mk(u_ptr, tok), mk(qg_ptr, tok), mk(kg_ptr, tok),
             mk(aqk_ptr, amat), mk(akk_ptr, amat),
             mk(gl_ptr, cute.make_layout((NC, HV, DK), stride=(HV * DK, DK, 1))),
@@ -60,6 +61,12 @@ class Stage1Launch:
                           min_blocks_per_mp=self.min_ctas_per_sm, preferred_smem_carveout=100)
         else:
             kernel.launch(grid=[ctas_x, HQK, 1], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.jit
+    def launch_tables(self, cu_ptr: cute.Pointer, co_ptr: cute.Pointer, N: Int32, NC: Int32):
+        """The kernel's `cu` and `co` tensors: cu_seqlens and the chunk offsets, [N + 1] each (the packed stage 1
+        reads a tile table from cu_ptr instead)."""
+        return cute.make_tensor(cu_ptr, cute.make_layout(N + 1)), cute.make_tensor(co_ptr, cute.make_layout(N + 1))
 
 
 @cute.jit

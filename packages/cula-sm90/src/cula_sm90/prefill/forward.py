@@ -7,6 +7,8 @@ cula_core; the math is in the kernels.
              chunk_intra.ChunkIntraKernel for every other gate. Compiled with `store_akk` (training: chunk_kda
              with save_residuals) it also writes Akk, and Aqk and Akk go to their own tensors, the residuals
              cula-sm100's backward reads (docs/backends.md, "Residuals")
+             chunk_intra_tc_packed.ChunkIntraTCPackedKernel: the same over tiles that pack the partial chunks of
+             a batch (host-known lengths, inference, where packing_pays)
     stage 2  chunk_state_wg.ChunkStateWGKernel   per (segment, head, state_cols state columns): the serial
              recurrence and o, on wgmma
 
@@ -33,6 +35,8 @@ from cula_core import cute_runtime as rt
 
 BT = 64
 DK = 128
+BC = 16  # the packed stage 1's pieces are whole blocks of this many rows
+PACK_MIN_SAVING = 8  # pack stage 1 when that removes at least 1 / 8 (12.5%) of its CTAs
 
 # the safe gate's lower bound down to which the TC stage 1 serves (FLA's safe range): its block-boundary score
 # factors reach e^(16 |lower_bound|) (e^80 here), below fp32 / bf16 overflow (e^88.7)
@@ -66,26 +70,33 @@ def intra_kind(gate: str, lower_bound: float) -> str:
 
 def intra_config(gate: str, beta_activation: str, l2norm: bool, has_a_log: bool, has_dt_bias: bool,
                  qkv_dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, kind: str,
-                 store_akk: bool = False) -> tuple:
+                 store_akk: bool = False, packed: bool = False) -> tuple:
     """Compile-time configuration of stage 1 (kind "tc": chunk_intra_tc, the safe gate only; "simt": chunk_intra;
-    `store_akk`: also write Akk = (I + L)^-1, "tc" only)."""
+    `store_akk`: also write Akk = (I + L)^-1, "tc" only; `packed`: chunk_intra_tc_packed over a tile table, "tc"
+    without store_akk only)."""
     if kind == "tc" and gate != "safe":
         raise ValueError(f"the tensor-core stage 1 serves the safe gate only, got {gate}")
     if store_akk and kind != "tc":
         raise ValueError(f"only the tensor-core stage 1 writes Akk (store_akk), got kind {kind!r}")
+    if packed and (kind != "tc" or store_akk):
+        raise ValueError(f"the packed stage 1 is the tensor-core kernel without store_akk, got kind {kind!r}, "
+                         f"store_akk={bool(store_akk)}")
     return (kind, gate, beta_activation, bool(l2norm), bool(has_a_log), bool(has_dt_bias), qkv_dtype, g_dtype,
-            beta_dtype, bool(store_akk))
+            beta_dtype, bool(store_akk), bool(packed))
 
 
 def _build_intra(config: tuple):
     import cutlass
 
-    kind, gate, beta_activation, l2norm, has_a_log, has_dt_bias, qkv_dtype, g_dtype, beta_dtype, store_akk = config
+    (kind, gate, beta_activation, l2norm, has_a_log, has_dt_bias, qkv_dtype, g_dtype, beta_dtype, store_akk,
+     packed) = config
     f32, i32, mid = torch.float32, torch.int32, torch.bfloat16
     if kind == "tc":
         from cula_sm90.prefill.chunk_intra_tc import ChunkIntraTCKernel
+        from cula_sm90.prefill.chunk_intra_tc_packed import ChunkIntraTCPackedKernel
 
-        kern = ChunkIntraTCKernel(gate, beta_activation, l2norm, has_a_log, has_dt_bias)
+        kern = (ChunkIntraTCPackedKernel if packed else ChunkIntraTCKernel)(gate, beta_activation, l2norm,
+                                                                           has_a_log, has_dt_bias)
         kern.g_smem = g_dtype == torch.bfloat16
         kern.store_akk = store_akk
         io = 16  # cp.async and 16-byte stores: prefill() passes 16-byte aligned tensors
@@ -130,7 +141,8 @@ def _build_state(config: tuple):
 _COMMON = ("cula_sm90.prefill.common", "cula_core.cute_kernels.copies", "cula_core.cute_kernels.warp_mma",
            "cula_sm90.prefill.forward")
 rt.register(rt.KernelDef(INTRA, "cula-sm90", "cula_sm90", "sm_90a", _build_intra,
-                         ("cula_sm90.prefill.chunk_intra", "cula_sm90.prefill.chunk_intra_tc", *_COMMON)))
+                         ("cula_sm90.prefill.chunk_intra", "cula_sm90.prefill.chunk_intra_tc",
+                          "cula_sm90.prefill.chunk_intra_tc_packed", *_COMMON)))
 rt.register(rt.KernelDef(STATE, "cula-sm90", "cula_sm90", "sm_90a", _build_state,
                          ("cula_sm90.prefill.chunk_state_wg", "cula_core.cute_kernels.wgmma",
                           "cula_core.cute_kernels.copies", "cula_sm90.prefill.forward")))
@@ -139,14 +151,15 @@ rt.register(rt.KernelDef(STATE, "cula-sm90", "cula_sm90", "sm_90a", _build_state
 @functools.cache
 def compile_intra(gate: str, beta_activation: str, l2norm: bool, has_a_log: bool, has_dt_bias: bool,
                   qkv_dtype: torch.dtype, g_dtype: torch.dtype, beta_dtype: torch.dtype, kind: str | None = None,
-                  store_akk: bool = False):
+                  store_akk: bool = False, packed: bool = False):
     """Stage 1's launchable function for one configuration (cula_core.cute_runtime: shipped, cached or compiled
     now). Sizes are runtime arguments. `kind` None: "tc" for the safe gate (the caller checks its lower bound with
-    intra_kind), "simt" otherwise; `store_akk`: the "tc" kernel that also writes Akk."""
+    intra_kind), "simt" otherwise; `store_akk`: the "tc" kernel that also writes Akk; `packed`: the "tc" kernel
+    over a tile table (chunk_intra_tc_packed)."""
     if kind is None:
         kind = "tc" if gate == "safe" else "simt"
     return rt.get(INTRA, intra_config(gate, beta_activation, l2norm, has_a_log, has_dt_bias, qkv_dtype, g_dtype,
-                                      beta_dtype, kind, store_akk))
+                                      beta_dtype, kind, store_akk, packed))
 
 
 @functools.cache
@@ -163,6 +176,70 @@ def _host_lengths(B, T, cu_seqlens, cu_seqlens_cpu):
         return None
     c = [int(x) for x in cu_seqlens_cpu.tolist()]
     return tuple(b - a for a, b in itertools.pairwise(c))
+
+
+@functools.lru_cache(maxsize=64)
+def packed_tiles(lengths: tuple[int, ...]) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """The packed stage 1's tiles for host-known sequence lengths: each tile a tuple of pieces (global chunk index,
+    first token, valid rows) in the order they take its four 16-row blocks. A piece is a chunk's valid rows rounded
+    up to whole blocks; chunks are numbered sequence by sequence (empty sequences own none). Full chunks keep a
+    tile each, in chunk order; then the partial pieces, packed by first-fit decreasing (the largest first, chunk
+    order among equals; each into the first tile opened that still has room, else a new tile), so no piece crosses
+    a tile."""
+    full, partial = [], []
+    chunk, t = 0, 0
+    for L in lengths:
+        for s0 in range(0, L, BT):
+            n = min(BT, L - s0)
+            (full if n == BT else partial).append((chunk, t + s0, n))
+            chunk += 1
+        t += L
+    blocks = BT // BC
+    tiles, room = [], []
+    for piece in sorted(partial, key=lambda p: -p[2] // BC):  # -blocks, rounded down: the largest first
+        need = -(-piece[2] // BC)
+        for i, free in enumerate(room):
+            if free >= need:
+                tiles[i].append(piece)
+                room[i] -= need
+                break
+        else:
+            tiles.append([piece])
+            room.append(blocks - need)
+    return tuple((p,) for p in full) + tuple(tuple(tile) for tile in tiles)
+
+
+def packing_pays(lengths: tuple[int, ...]) -> bool:
+    """Whether the packed stage 1 runs for these host-known lengths (a TC inference call): packing must remove at
+    least 1 / PACK_MIN_SAVING (12.5%) of stage 1's CTAs, one per chunk unpacked and one per tile packed."""
+    chunks = sum(-(-L // BT) for L in lengths)
+    saved = chunks - len(packed_tiles(tuple(lengths)))
+    return saved > 0 and PACK_MIN_SAVING * saved >= chunks
+
+
+def stage1_packs(kind: str, residuals: bool, lengths: tuple[int, ...] | None, pack_stage1: bool | None = None) -> bool:
+    """Whether a call's stage 1 runs over packed tiles: only the tensor-core kernel for inference (training's Akk
+    residual needs 64 rows per chunk), only with host-known lengths (the tiles are planned on the host); then the
+    caller's `pack_stage1` (benchmarks: True / False) or, None, packing_pays."""
+    if kind != "tc" or residuals or lengths is None:
+        return False
+    return packing_pays(lengths) if pack_stage1 is None else bool(pack_stage1)
+
+
+def tile_table(tiles) -> list[list[list[int]]]:
+    """The packed stage 1's tile table ([tiles, 4, 5] int32, chunk_intra_tc_packed): per tile and 16-row block,
+    (first token of the block's rows, valid rows in it, the piece's chunk index, first and last block of the piece
+    in the tile); blocks no piece takes: (0, 0, 0, m, m)."""
+    out = []
+    for tile in tiles:
+        rows, m = [], 0
+        for chunk, t0, n in tile:
+            nb = -(-n // BC)
+            rows += [[t0 + BC * b, min(BC, n - BC * b), chunk, m, m + nb - 1] for b in range(nb)]
+            m += nb
+        rows += [[0, 0, 0, b, b] for b in range(m, BT // BC)]
+        out.append(rows)
+    return out
 
 
 def planner_kwargs(cp_pieces: int | None, cols: int) -> dict:
@@ -198,13 +275,18 @@ def _device_int32(values, device) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def planned_device_tables(lengths, num_heads, num_sms, mode, device, has_h0, want_ht, cp_pieces, cols):
+def planned_device_tables(lengths, num_heads, num_sms, mode, device, has_h0, want_ht, cp_pieces, cols, packed=False):
     """The launch tables on `device` for host-known lengths (host_tables' plan with the planner's arguments of
-    `cp_pieces` and stage 2's `cols`, state_cols; cached by every argument)."""
+    `cp_pieces` and stage 2's `cols`, state_cols; with `packed`, the packed stage 1's tile table "tiles" and its
+    tile count "n_tiles"; cached by every argument)."""
     cu, co, p = host_tables(lengths, num_heads, num_sms, mode, tuple(sorted(planner_kwargs(cp_pieces, cols).items())))
     N = len(lengths)
     tables = {"cu": _device_int32(cu, device), "co": _device_int32(co, device), "plan": p, "NC": co[-1],
               "state_cols": cols}
+    if packed:
+        tiles = packed_tiles(tuple(lengths))
+        tables["tiles"] = _device_int32(tile_table(tiles), device)
+        tables["n_tiles"] = len(tiles)
     if not p.split:
         tables["seg"] = _device_int32(
             [[cu[n], cu[n + 1], co[n], n if has_h0 else -1, n if want_ht else -1] for n in range(N)], device)
@@ -238,12 +320,12 @@ def planned_device_tables(lengths, num_heads, num_sms, mode, device, has_h0, wan
     return tables
 
 
-def host_length_tables(lengths, num_heads, device, mode, has_h0, want_ht, cp_pieces):
+def host_length_tables(lengths, num_heads, device, mode, has_h0, want_ht, cp_pieces, packed=False):
     """planned_device_tables for host-known lengths on `device`, with the planner's arguments of `cp_pieces` and
-    stage 2's columns per CTA for this many (sequence, head) pairs."""
+    stage 2's columns per CTA for this many (sequence, head) pairs (`packed`: with the packed stage 1's tiles)."""
     sms = rt.sm_count(device.index or 0)
     return planned_device_tables(lengths, num_heads, sms, mode, device, has_h0, want_ht, cp_pieces,
-                                 state_cols(len(lengths) * num_heads, sms))
+                                 state_cols(len(lengths) * num_heads, sms), packed)
 
 
 def scratch_layout(TT: int, HV: int, NC: int, with_aqk: bool = True) -> tuple[int, tuple[int, ...]]:
@@ -277,11 +359,11 @@ class Launch(NamedTuple):
     intra: Callable           # stage 1
     state: Callable           # stage 2 (normal mode, in the call's state layout)
     tables: dict              # device tables (planned_device_tables / _device_tables), held here
-    table_addrs: tuple        # addresses of tables["cu"], tables["co"], tables["seg"]
+    table_addrs: tuple        # addresses of tables["cu"] (packed stage 1: tables["tiles"]), tables["co"], tables["seg"]
     split: bool               # the tables' CP plan splits a sequence: the affine-map pass and the scan run
     nbytes: int               # scratch_layout
     offsets: tuple[int, ...]
-    intra_sizes: tuple        # TT, N, NC, scan steps, HQK, G, scale, lower bound
+    intra_sizes: tuple        # TT, N, NC (packed stage 1: tiles), scan steps, HQK, G, scale, lower bound
     state_sizes: tuple        # TT, NC, segments, HV, rows of h0, rows of ht
     final_shape: tuple[int, ...] | None
     aligned: bool             # stage 1 loads q, k, v (and a bf16 g) in 16-byte vectors
@@ -301,14 +383,15 @@ def launch_spec(B, T, HQK, HV, N, tables, qkv_dtype, g_dtype, beta_dtype, has_a_
     if residuals and kind != "tc":
         raise ValueError(f"the sm90 prefill saves residuals with the tensor-core stage 1 only (the safe gate with "
                          f"lower_bound in [{TC_LOWER_BOUND_MIN}, 0]), got gate={gate!r}, lower_bound={lower_bound}")
+    packed = "tiles" in tables  # the tables say whether stage 1 runs over packed tiles (stage1_packs)
     intra = compile_intra(gate, beta_activation, bool(l2norm), has_a_log, has_dt_bias, qkv_dtype, g_dtype,
-                          beta_dtype, kind, bool(residuals))
+                          beta_dtype, kind, bool(residuals), packed)
     seg = tables["seg"]
     plan = tables["plan"]
     return Launch(intra, compile_state(False, qkv_dtype, tables["state_cols"], state_v_first), tables,
-                  (tables["cu"].data_ptr(), tables["co"].data_ptr(), seg.data_ptr()),
+                  ((tables["tiles"] if packed else tables["cu"]).data_ptr(), tables["co"].data_ptr(), seg.data_ptr()),
                   plan is not None and plan.split, nbytes, offsets,
-                  (TT, N, NC, search_steps(N), HQK, HV // HQK, float(scale), lb),
+                  (TT, N, tables["n_tiles"] if packed else NC, search_steps(N), HQK, HV // HQK, float(scale), lb),
                   (TT, NC, seg.shape[0], HV, max(h0_rows, 1), N if want_ht else 1),
                   (N, HV, DK, DK) if want_ht else None, kind == "tc", bool(residuals))
 
@@ -316,12 +399,19 @@ def launch_spec(B, T, HQK, HV, N, tables, qkv_dtype, g_dtype, beta_dtype, has_a_
 @functools.lru_cache(maxsize=256)
 def uniform_launch_spec(B, T, HQK, HV, device, intracard_cp, cp_pieces, qkv_dtype, g_dtype, beta_dtype, has_a_log,
                         has_dt_bias, h0_rows, want_ht, scale, l2norm, gate, lower_bound, beta_activation,
-                        state_v_first=False, residuals=False) -> Launch:
+                        state_v_first=False, residuals=False, pack_stage1=None) -> Launch:
     """launch_spec of B sequences of T tokens (no cu_seqlens), cached by every argument: a repeated call shape
     goes straight to its launches."""
-    tables = host_length_tables((T,) * B, HV, device, intracard_cp, h0_rows > 0, want_ht, cp_pieces)
+    lengths = (T,) * B
+    packed = stage1_packs(_kind(gate, lower_bound), residuals, lengths, pack_stage1)
+    tables = host_length_tables(lengths, HV, device, intracard_cp, h0_rows > 0, want_ht, cp_pieces, packed)
     return launch_spec(B, T, HQK, HV, B, tables, qkv_dtype, g_dtype, beta_dtype, has_a_log, has_dt_bias, h0_rows,
                        want_ht, scale, l2norm, gate, lower_bound, beta_activation, state_v_first, residuals)
+
+
+def _kind(gate: str, lower_bound) -> str:
+    """intra_kind of a call's gate and lower bound (None: the default -5)."""
+    return intra_kind(gate, -5.0 if lower_bound is None else float(lower_bound))
 
 
 _READ_DTYPES = (torch.bfloat16, torch.float32)  # g and beta are read in these dtypes as they are, others as fp32
@@ -334,7 +424,7 @@ def _read_dtype(t: torch.Tensor) -> torch.dtype:
 
 def _call_launch(q, _k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *, scale,
                  output_final_state, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, intracard_cp,
-                 cp_pieces, state_v_first, residuals=False) -> Launch:
+                 cp_pieces, state_v_first, residuals=False, pack_stage1=None) -> Launch:
     """The Launch of a non-empty prefill call (`prefill`'s arguments; `residuals`: chunk_kda's save_residuals)."""
     B, T, HQK, _K = q.shape
     HV = v.shape[2]
@@ -345,10 +435,11 @@ def _call_launch(q, _k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, c
         return uniform_launch_spec(B, T, HQK, HV, q.device, intracard_cp, cp_pieces, q.dtype, g_dtype, beta_dtype,
                                    A_log is not None, dt_bias is not None, h0_rows, want_ht, scale,
                                    use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, bool(state_v_first),
-                                   bool(residuals))
+                                   bool(residuals), pack_stage1)
     lengths = _host_lengths(B, T, cu_seqlens, cu_seqlens_cpu)
     if lengths is not None:
-        tables = host_length_tables(lengths, HV, q.device, intracard_cp, h0_rows > 0, want_ht, cp_pieces)
+        packed = stage1_packs(_kind(gate, lower_bound), residuals, lengths, pack_stage1)
+        tables = host_length_tables(lengths, HV, q.device, intracard_cp, h0_rows > 0, want_ht, cp_pieces, packed)
     else:
         tables = _device_tables(B, T, cu_seqlens.shape[0] - 1, HV, cu_seqlens, q.device, h0_rows > 0, want_ht)
     return launch_spec(B, T, HQK, HV, cu_seqlens.shape[0] - 1, tables, q.dtype, g_dtype, beta_dtype,
@@ -434,14 +525,16 @@ def _launcher(spec: Launch, args: tuple) -> Callable:
     return run
 
 
-def planned(args: tuple, *, intracard_cp="off", cp_pieces=None, state_v_first=False, **flags) -> Callable:
+def planned(args: tuple, *, intracard_cp="off", cp_pieces=None, state_v_first=False, pack_stage1=None,
+            **flags) -> Callable:
     """`prefill` with its keyword arguments fixed, for the calls of one plan (cula_core.plans): every call passes
     (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu) with the types, shapes, dtypes
     and device of `args` (contiguous tensors, the same ones None); only values and addresses change.
 
     Where those decide the whole launch (no cu_seqlens: the tables follow B and T; a non-empty batch; no
     context-parallel split), it is resolved here, once (`_launcher`); otherwise each call runs `prefill`."""
-    kw = dict(flags, intracard_cp=intracard_cp, cp_pieces=cp_pieces, state_v_first=state_v_first)
+    kw = dict(flags, intracard_cp=intracard_cp, cp_pieces=cp_pieces, state_v_first=state_v_first,
+              pack_stage1=pack_stage1)
     q = args[0]
     if args[8] is not None or q.shape[0] * q.shape[1] == 0:
         return functools.partial(prefill, **kw)
@@ -451,7 +544,7 @@ def planned(args: tuple, *, intracard_cp="off", cp_pieces=None, state_v_first=Fa
 
 def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *, scale,
             output_final_state, use_qk_l2norm_in_kernel, gate, lower_bound, beta_activation, intracard_cp="off",
-            cp_pieces=None, state_v_first=False, save_residuals=False):
+            cp_pieces=None, state_v_first=False, save_residuals=False, pack_stage1=None):
     """The prefill of cula_core's `kda_prefill` custom op on validated, contiguous tensors (its argument order);
     `intracard_cp` "on" / "off" / "auto" as the planner takes it; `cp_pieces` forces that many CP pieces per long
     sequence (benchmarks; None: the planner's rule); `state_v_first`: initial and final states [N, HV, V, K]
@@ -461,7 +554,12 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     docs/backends.md) (o, final state or None, (Aqk, Akk)): FLA 0.6.0's chunk-64 intra-chunk matrices, each
     [B, T, HV, 64] bf16 in token layout, rows of every chunk up to the sequence's end (Aqk with `scale` folded in,
     zero above the diagonal; Akk = (I + L)^-1, unit lower triangular, no beta factor). Only the tensor-core stage
-    1 writes Akk: another gate or lower bound raises ValueError (the serving predicate declines such calls)."""
+    1 writes Akk: another gate or lower bound raises ValueError (the serving predicate declines such calls).
+
+    Stage 1 runs over packed tiles (chunk_intra_tc_packed) where stage1_packs says so: the tensor-core kernel
+    without residuals, lengths known on the host, and packing_pays, or, given, `pack_stage1` (benchmarks and tests:
+    True packs whenever the kernel can, False never). Results are the same either way (stage 2 reads the same
+    intermediates)."""
     B, T, _, K = q.shape
     HV = v.shape[2]
     device = q.device
@@ -480,7 +578,7 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     spec = _call_launch(*args, scale=scale, output_final_state=output_final_state,
                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate, lower_bound=lower_bound,
                         beta_activation=beta_activation, intracard_cp=intracard_cp, cp_pieces=cp_pieces,
-                        state_v_first=state_v_first, residuals=bool(save_residuals))
+                        state_v_first=state_v_first, residuals=bool(save_residuals), pack_stage1=pack_stage1)
     if not spec.split:
         return _launcher(spec, args)(*args)
 
