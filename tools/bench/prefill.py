@@ -3,7 +3,7 @@
 on the same bf16 inputs in one process.
 
     python -m tools.bench.prefill [--smoke] [--no-fla | --fla-subset] [--out docs/benchmarks/prefill.md]
-                                  [--json FILE] [--warmup MS] [--rep MS] [--profile B,T,H]
+                                  [--json FILE] [--warmup MS] [--rep MS] [--profile B,T,H] [--packing]
 
 Every call does what FlashKDA does: safe gate (lower_bound = -5) from raw g with A_log / dt_bias, q/k L2 norm and
 sigmoid(beta) in kernel (beta passed as logits), K = V = 128, no initial state, the final state returned.
@@ -19,6 +19,10 @@ this process on each exact shape (tools/bench/fla_tuning.py). Columns: `vs Flash
 FLA's tuning takes about a minute per shape in a fresh process, so `--fla-subset` times FLA on FLA_SUBSET only (six
 shapes, one of each kind; "-" elsewhere, its geomean over those). The table for this run's card replaces that
 card's section of `--out` (one section per card).
+
+`--packing`: the sm90 stage 1 over packed tiles against the unpacked one (`cula_sm90.prefill.forward.prefill`'s
+`pack_stage1`), the whole call, on the varlen 64-sequence shapes, beside FlashKDA; the outputs of the two must be
+equal bit for bit. Prints a table and exits (the measurement behind `forward.packing_pays`).
 """
 
 from __future__ import annotations
@@ -148,6 +152,33 @@ def profile_kernels(shape: dict, calls: int = 10) -> None:
         print(f"  {e.device_time_total / calls / 1000:8.3f} ms  {e.key[:90]}")
 
 
+def packing_ab(timing: Timing) -> None:
+    """Print cula's prefill with stage 1 packed and unpacked (forward.prefill's pack_stage1 True / False) on the
+    varlen 64-sequence shapes, beside FlashKDA, each the median of `timing` in this process."""
+    from cula_sm90.prefill import forward
+
+    def call(x, pack):
+        return forward.prefill(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"], None,
+                               x["cu_seqlens"], x["cu_seqlens_cpu"], scale=K ** -0.5, output_final_state=True,
+                               use_qk_l2norm_in_kernel=True, gate="safe", lower_bound=LOWER_BOUND,
+                               beta_activation="sigmoid", pack_stage1=pack)
+
+    print(f"{torch.cuda.get_device_name()}: stage 1 packed vs unpacked, whole call (ms)")
+    print("| shape | chunks | tiles | packing_pays | unpacked | packed | speed-up | FlashKDA | packed vs FlashKDA |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for shape in (s for s in VARLEN if s["N"] == 64):
+        x = make_inputs(shape)
+        lens = tuple(lengths(shape["N"], shape["T"], shape["lens"]))
+        unpacked, packed = call(x, False), call(x, True)
+        if not all(torch.equal(a, b) for a, b in zip(unpacked, packed)):
+            raise AssertionError(f"{label(shape)}: packed and unpacked stage 1 give different outputs")
+        ms = {pack: measure(call, [(x, pack)], timing).median_ms for pack in (False, True)}
+        fk = measure(flashkda_prefill, [(x,)], timing).median_ms
+        print(f"| {label(shape)} | {sum(-(-n // 64) for n in lens)} | {len(forward.packed_tiles(lens))} | "
+              f"{forward.packing_pays(lens)} | {ms[False]:.3f} | {ms[True]:.3f} | {ms[False] / ms[True]:.2f}x | "
+              f"{fk:.3f} | {fk / ms[True]:.2f}x |", flush=True)
+
+
 def label(shape: dict) -> str:
     if "N" in shape:
         return f"varlen {shape['N']} seqs, {shape['T']} tokens, {shape['lens']}, H={shape['H']}"
@@ -249,6 +280,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path)
     add_do_bench_args(ap)
     ap.add_argument("--profile", metavar="B,T,H", help="per-kernel CUDA times of cula at one shape, then exit")
+    ap.add_argument("--packing", action="store_true",
+                    help="stage 1 packed vs unpacked on the varlen 64-sequence shapes, then exit")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("prefill: needs a CUDA device", file=sys.stderr)
@@ -259,6 +292,9 @@ def main(argv=None) -> int:
     if args.profile:
         B, T, H = (int(v) for v in args.profile.split(","))
         profile_kernels(dict(B=B, T=T, H=H))
+        return 0
+    if args.packing:
+        packing_ab(Timing(warmup=args.warmup, repeats=args.rep, method="do_bench"))
         return 0
     fla_shapes = [] if args.no_fla else FLA_SUBSET if args.fla_subset else None
     if fla_shapes != []:
