@@ -58,6 +58,10 @@ def _environment_reader() -> Callable[[bytes], bytes | None]:
 
 _getenv = _environment_reader()
 
+#: the lowest device index a signature accepts: 0, CUDA devices only (a host tensor's index is -1). The CPU profile of
+#: the host path (tools/bench/host_stub.py) lowers it to -1 so that host tensors get signatures; nothing else does.
+MIN_DEVICE = 0
+
 #: plans kept at most; past it the oldest half is dropped (a process that never repeats a signature)
 MAX_PLANS = 4096
 
@@ -79,6 +83,7 @@ def signature(op: str, tensors: tuple, scalars: tuple) -> tuple | None:
     if not _SCALAR_TYPES.issuperset(types):
         return None
     parts = [op, _getenv(b"CULA_BACKEND"), _getenv(b"CULA_STRICT"), scalars, types]
+    min_device = MIN_DEVICE
     for t in tensors:
         if t is None:
             parts.append(None)
@@ -87,7 +92,7 @@ def signature(op: str, tensors: tuple, scalars: tuple) -> tuple | None:
         if cls is not _Tensor and cls is not _Parameter:
             return None
         device = t.get_device()  # -1 on the host
-        if device < 0 or not t.is_contiguous():
+        if device < min_device or not t.is_contiguous():
             return None
         parts.append((t.shape, t.dtype, device))
     return tuple(parts)
