@@ -481,10 +481,12 @@ def _stage1_launcher(spec: Launch, args: tuple) -> Callable:
         # stands for every absent optional tensor (a kernel never reads one)
         scratch = empty(nbytes, dtype=uint8, device=device)
         o = empty_like(v)
-        final = None if final_shape is None else empty(final_shape, dtype=f32, device=device)
+        # sizes as separate arguments: torch.empty parses them faster than a shape tuple
+        final = None if final_shape is None else empty(*final_shape, dtype=f32, device=device)
         base = scratch.data_ptr()
         if residuals:  # tensors of their own: a view of the scratch would keep all of it alive until the backward
-            saved = (empty(residual_shape, dtype=bf16, device=device), empty(residual_shape, dtype=bf16, device=device))
+            saved = (empty(*residual_shape, dtype=bf16, device=device),
+                     empty(*residual_shape, dtype=bf16, device=device))
             aqk_addr, akk_addr = saved[0].data_ptr(), saved[1].data_ptr()
         else:
             saved = None
