@@ -26,11 +26,13 @@ import threading
 from collections.abc import Callable
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _SCALAR_TYPES = frozenset((int, float, bool, str, type(None)))
 _is_compiling = torch.compiler.is_compiling
+# how many dispatch modes are active (fake or functional tensors, make_fx): the count torch's own
+# _get_current_dispatch_mode reads before it fetches the innermost mode, which a signature does not need
+_dispatch_modes = torch._C._len_torch_dispatch_stack
 #: environment variables whose values change what a call runs (cula_core.dispatch)
 DISPATCH_ENVIRONMENT = ("CULA_BACKEND", "CULA_STRICT")
 
@@ -75,7 +77,7 @@ def signature(op: str, tensors: tuple, scalars: tuple) -> tuple | None:
     changes what the call does. Scalars enter the key with their types (``1``, ``1.0`` and ``True`` differ).
     The key is flat: op, the dispatch environment, scalars, their types, then per tensor its shape, dtype and device
     index (None for an absent one: a shape never equals None, so the sequence reads back one way only)."""
-    if _is_compiling() or _get_current_dispatch_mode() is not None:
+    if _is_compiling() or _dispatch_modes():
         return None
     read = _read_environment
     check_values = read(_CHECK_DEVICE_VALUES)
@@ -89,10 +91,10 @@ def signature(op: str, tensors: tuple, scalars: tuple) -> tuple | None:
             _scalar_types_seen.clear()
         _scalar_types_seen.add(types)
     key = [op, read(_BACKEND), read(_STRICT), scalars, types]
-    append, min_device = key.append, MIN_DEVICE
+    min_device = MIN_DEVICE
     for t in tensors:
         if t is None:
-            append(None)
+            key.append(None)
             continue
         cls = type(t)
         if cls is not _Tensor and cls is not _Parameter:
@@ -100,9 +102,7 @@ def signature(op: str, tensors: tuple, scalars: tuple) -> tuple | None:
         device = t.get_device()  # -1 on the host
         if device < min_device or not t.is_contiguous():
             return None
-        append(t.shape)
-        append(t.dtype)
-        append(device)
+        key += (t.shape, t.dtype, device)
     return tuple(key)
 
 
