@@ -11,8 +11,9 @@ code, the allocations) on small host tensors, exactly as on the GPU machine but 
     counts the launches and checks each one's argument count against the compile-time arguments of the kernel's
     definition (`KernelDef.build`); a mismatch raises;
   * the device: `DeviceInfo.of` describes a host device as an sm_90 card (so the dispatch picks cula-sm90), the
-    current stream is 0, the SM count 132, and `cula_core.plans.MIN_DEVICE` is lowered to -1 so that host tensors
-    get a plan signature (it keeps every other rule).
+    current stream is 0 (`cula_core.cute_runtime.current_stream` is the builtin `int`), the SM count 132, and
+    `cula_core.plans.MIN_DEVICE` is lowered to -1 so that host tensors get a plan signature (it keeps every other
+    rule).
 
 So the figures are the Python work of a call, on this machine's CPU, with the CPU allocator in place of the CUDA
 caching allocator: what the host path's own code costs and what a change to it saves, not what a call costs on a GPU
@@ -129,6 +130,11 @@ def rows() -> dict[str, Callable[[], object]]:
     bm = torch.rand(N, T_MTP, H, dtype=bf)
     qp, kp, vp, gp = (torch.randn(1, T_PREFILL, H, K, dtype=bf) * 0.1 for _ in range(4))
     bp = torch.rand(1, T_PREFILL, H, dtype=bf)
+    # the host-time shape of host_overhead.py's last row (its scratch, ~38 MB, comes from the CPU allocator here)
+    HL, TL = 64, 512
+    ql, kl, vl, gl = (torch.randn(1, TL, HL, K, dtype=bf) * 0.1 for _ in range(4))
+    bl = torch.rand(1, TL, HL, dtype=bf)
+    gate_l = dict(A_log=torch.zeros(HL), dt_bias=torch.zeros(HL * K), use_qk_l2norm_in_kernel=True)
     prefill_args = (qp, kp, vp, gp, bp, A_log, dt_bias, None, None, None)
     prefill_flags = dict(scale=K ** -0.5, output_final_state=False, use_qk_l2norm_in_kernel=True, gate="softplus",
                          lower_bound=None, beta_activation="none")
@@ -146,6 +152,8 @@ def rows() -> dict[str, Callable[[], object]]:
         "op: kda_prefill (T=64), final state": lambda: cula.kda_prefill(qp, kp, vp, gp, bp, use_gate_in_kernel=True,
                                                                         output_final_state=True, **gate),
         "op: chunk_kda no grad (T=64)": lambda: cula.chunk_kda(qp, kp, vp, gp, bp, use_gate_in_kernel=True, **gate),
+        "op: kda_prefill (B=1, T=512, H=64)": lambda: cula.kda_prefill(ql, kl, vl, gl, bl, use_gate_in_kernel=True,
+                                                                       **gate_l),
         "piece: plan signature, kda_prefill (9 tensors, 14 scalars)": lambda: plans.signature(
             "kda_prefill", (qp, kp, vp, gp, bp, A_log, dt_bias, None, None), prefill_scalars),
         "piece: plan signature, kda_decode (9 tensors, 5 scalars)": lambda: plans.signature(
