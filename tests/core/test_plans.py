@@ -29,6 +29,34 @@ def test_no_signature_for_subclasses_and_unhashable_scalars(monkeypatch):
     assert plans.signature("op", (), (torch.tensor(1.0),)) is None
 
 
+def test_host_tensors_keyed_through_the_profiling_seam_keep_every_other_rule(monkeypatch):
+    """plans.MIN_DEVICE = -1 (tools/bench/host_stub.py) keys host tensors; a non-contiguous view, a subclass and an
+    unkeyable scalar still get no key, and a tensor in another position (the key is flat) gets another key."""
+    monkeypatch.setattr(plans, "MIN_DEVICE", -1)
+    t = torch.zeros(2, 3)
+    key = plans.signature("op", (t, None), (1.0,))
+    assert key is not None and key == plans.signature("op", (torch.ones(2, 3), None), (1.0,))
+    assert plans.signature("op", (None, t), (1.0,)) != key
+    assert plans.signature("op", (t, t), (1.0,)) != key
+    assert plans.signature("op", (t.half(), None), (1.0,)) != key
+    assert plans.signature("op", (torch.zeros(3, 2), None), (1.0,)) != key
+    assert plans.signature("op", (torch.zeros(3, 2).t(), None), (1.0,)) is None
+    assert plans.signature("op", (t.as_subclass(type("Sub", (torch.Tensor,), {})), None), (1.0,)) is None
+    assert plans.signature("op", (t, None), ([1.0],)) is None
+
+
+def test_a_rejected_scalar_type_stays_rejected():
+    """The accepted tuples of scalar types are remembered (a set lookup per call): a tuple with another type is still
+    checked and rejected, however often accepted ones were seen."""
+    class Flag(int):
+        pass
+
+    for _ in range(3):
+        assert plans.signature("op", (), (True, 1.0, None, "auto")) is not None
+        assert plans.signature("op", (), (Flag(1), 1.0, None, "auto")) is None
+        assert plans.signature("op", (), (True, 1.0, None, b"auto")) is None
+
+
 def test_value_checks_on_the_device_disable_plans(monkeypatch):
     monkeypatch.setenv("CULA_CHECK_DEVICE_VALUES", "1")
     assert plans.signature("op", (), (1.0,)) is None
@@ -52,7 +80,7 @@ def test_keys_tell_types_and_environment_apart(monkeypatch):
 
 def test_keys_follow_os_environ_between_calls(monkeypatch):
     """Assignments, updates and deletions through os.environ between two calls reach the next key (the reader
-    goes through the C library's environment, which os.environ writes through to): no stale plan runs."""
+    reads os.environ's own storage): no stale plan runs."""
     monkeypatch.delenv("CULA_BACKEND", raising=False)
     unset = plans.signature("op", (), (1,))
     monkeypatch.setenv("CULA_BACKEND", "sm90")  # restores the variable after the test

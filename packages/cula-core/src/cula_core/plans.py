@@ -21,47 +21,52 @@ a plan that runs the reference was made by a call that warned).
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 from collections.abc import Callable
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _SCALAR_TYPES = frozenset((int, float, bool, str, type(None)))
 _is_compiling = torch.compiler.is_compiling
+# how many dispatch modes are active (fake or functional tensors, make_fx): the count torch's own
+# _get_current_dispatch_mode reads before it fetches the innermost mode, which a signature does not need
+_dispatch_modes = torch._C._len_torch_dispatch_stack
 #: environment variables whose values change what a call runs (cula_core.dispatch)
 DISPATCH_ENVIRONMENT = ("CULA_BACKEND", "CULA_STRICT")
 
 
-def _environment_reader() -> Callable[[bytes], bytes | None]:
-    """A function from a variable's name (bytes) to its value in the process environment (bytes, None when unset).
+def _environment() -> tuple[Callable, tuple, object]:
+    """(read, names, zero): `read(name)` is the value of an environment variable as os.environ stores it, None when
+    unset; `names` are CULA_CHECK_DEVICE_VALUES and DISPATCH_ENVIRONMENT as `read` takes them; `zero` is "0" as it
+    returns it.
 
-    It reads the C library's environment (getenv), which holds what os.environ holds: every assignment or deletion
-    through os.environ writes through to it (putenv / unsetenv), so a change made between two calls is seen by the
-    next one. Not os.environ.get: for an unset variable, the usual case, it raises and catches a KeyError, on every
-    call and for each of the three variables. Called through ctypes.PyDLL, which keeps the GIL, so no Python thread
-    changes the environment during the read. Where the C library cannot be loaded: os.environ."""
-    try:
-        getenv = ctypes.PyDLL(None).getenv
-    except (OSError, AttributeError, TypeError):
-        def read(name: bytes) -> bytes | None:
-            value = os.environ.get(name.decode())
-            return None if value is None else value.encode()
-
-        return read
-    getenv.restype, getenv.argtypes = ctypes.c_char_p, (ctypes.c_char_p,)
-    return getenv
+    os.environ keeps its variables in a dict of encoded names and values (CPython's `os.environ._data`, on every
+    version since 3.2); `read` is that dict's own get: what os.environ.get returns, without the KeyError that
+    os.environ.get raises and catches for an unset variable (the usual case: three per call). Every assignment or
+    deletion through os.environ updates that dict, so a change made between two calls reaches the next key; the
+    dispatch reads the same values (os.environ.get). Where os.environ has no such dict: os.environ.get itself."""
+    names = ("CULA_CHECK_DEVICE_VALUES", *DISPATCH_ENVIRONMENT)
+    data = getattr(os.environ, "_data", None)
+    encode, encode_value = getattr(os.environ, "encodekey", None), getattr(os.environ, "encodevalue", None)
+    if isinstance(data, dict) and callable(encode) and callable(encode_value):
+        return data.get, tuple(map(encode, names)), encode_value("0")
+    return os.environ.get, names, "0"
 
 
-_getenv = _environment_reader()
+_read_environment, (_CHECK_DEVICE_VALUES, _BACKEND, _STRICT), _ZERO = _environment()
+
+#: the lowest device index a signature accepts: 0, CUDA devices only (a host tensor's index is -1). The CPU profile of
+#: the host path (tools/bench/host_stub.py) lowers it to -1 so that host tensors get signatures; nothing else does.
+MIN_DEVICE = 0
 
 #: plans kept at most; past it the oldest half is dropped (a process that never repeats a signature)
 MAX_PLANS = 4096
 
 _plans: dict[tuple, Callable] = {}
+#: the tuples of scalar types `signature` has accepted (a few per op: each a tuple of _SCALAR_TYPES members)
+_scalar_types_seen: set[tuple] = set()
 _lock = threading.Lock()
 
 
@@ -69,28 +74,36 @@ def signature(op: str, tensors: tuple, scalars: tuple) -> tuple | None:
     """The plan key of a call of `op`, or None when the call must take the full path (see the module docstring).
 
     `tensors`: every tensor argument (None for an absent optional one); `scalars`: every other argument that
-    changes what the call does. Scalars enter the key with their types (``1``, ``1.0`` and ``True`` differ)."""
-    if _is_compiling() or _get_current_dispatch_mode() is not None:
+    changes what the call does. Scalars enter the key with their types (``1``, ``1.0`` and ``True`` differ).
+    The key is flat: op, the dispatch environment, scalars, their types, then per tensor its shape, dtype and device
+    index (None for an absent one: a shape never equals None, so the sequence reads back one way only)."""
+    if _is_compiling() or _dispatch_modes():
         return None
-    check_values = _getenv(b"CULA_CHECK_DEVICE_VALUES")
-    if check_values and check_values != b"0":
+    read = _read_environment
+    check_values = read(_CHECK_DEVICE_VALUES)
+    if check_values and check_values != _ZERO:
         return None
     types = tuple(map(type, scalars))
-    if not _SCALAR_TYPES.issuperset(types):
-        return None
-    parts = [op, _getenv(b"CULA_BACKEND"), _getenv(b"CULA_STRICT"), scalars, types]
+    if types not in _scalar_types_seen:  # a set lookup, where issuperset would build a set of the types each call
+        if not _SCALAR_TYPES.issuperset(types):
+            return None
+        if len(_scalar_types_seen) >= MAX_PLANS:
+            _scalar_types_seen.clear()
+        _scalar_types_seen.add(types)
+    key = [op, read(_BACKEND), read(_STRICT), scalars, types]
+    min_device = MIN_DEVICE
     for t in tensors:
         if t is None:
-            parts.append(None)
+            key.append(None)
             continue
         cls = type(t)
         if cls is not _Tensor and cls is not _Parameter:
             return None
         device = t.get_device()  # -1 on the host
-        if device < 0 or not t.is_contiguous():
+        if device < min_device or not t.is_contiguous():
             return None
-        parts.append((t.shape, t.dtype, device))
-    return tuple(parts)
+        key += (t.shape, t.dtype, device)
+    return tuple(key)
 
 
 #: lookup(key): the plan made for `key`, or None (the dict's own get: no Python frame on the hot path)

@@ -55,39 +55,35 @@ def decode_call_sizes(q: Tensor, v: Tensor, state_pool: Tensor, state_v_first: b
 
 
 def decode_kernel(op: str, q: Tensor, v: Tensor, state_pool: Tensor, scale: float, lower_bound: float | None,
-                  use_qk_l2norm_in_kernel: bool, state_v_first: bool, null_slot: int | None, **options):
+                  use_qk_l2norm_in_kernel: bool, state_v_first: bool, null_slot: int | None, args: tuple | None = None,
+                  **options):
     """The kernel of decode-family op `op` for a validated call: the backend chosen for its CallConfig (and its
     indexing limit applied), bound to the call's flags. It takes (q, k, v, g, beta, state_pool, cache_idx, A_log,
     dt_bias) and returns what the backend's kernel returns. `options`: the op's own flags
-    (`output_per_token_states`), passed to the CallConfig and the kernel alike."""
+    (`output_per_token_states`), passed to the CallConfig and the kernel alike. With `args` (those nine arguments of
+    the call that makes a plan) it serves that plan's calls only: the backend's `planned_kernel`."""
     lower_bound = None if lower_bound is None else float(lower_bound)
     l2norm = bool(use_qk_l2norm_in_kernel)
     call = make_call(op, q.device, gate="safe" if lower_bound is not None else "softplus", lower_bound=lower_bound,
                      use_qk_l2norm_in_kernel=l2norm, **options,
                      **decode_call_sizes(q, v, state_pool, state_v_first, null_slot))
-    kernel = select(call, {"state_pool": state_pool, "v": v}).kernel(op)
-    return functools.partial(kernel, scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=l2norm,
-                             **options, **pool_kwargs(state_v_first, null_slot))
+    backend = select(call, {"state_pool": state_pool, "v": v})
+    flags = dict(scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=l2norm, **options,
+                 **pool_kwargs(state_v_first, null_slot))
+    if args is not None:
+        return backend.planned_kernel(op, args, **flags)
+    return functools.partial(backend.kernel(op), **flags)
 
 
-def decode_plan(op: str, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale, lower_bound,
-                use_qk_l2norm_in_kernel, state_v_first, null_slot, **options):
-    """The plan (cula_core.plans) of a decode-family call on contiguous CUDA tensors: validate, then
-    `decode_kernel`."""
+def decode_plan(key: tuple, op: str, tensors: tuple, scale, lower_bound, use_qk_l2norm_in_kernel, state_v_first,
+                null_slot, **options):
+    """Make and remember (under `key`, cula_core.plans) the plan of a decode-family call on contiguous CUDA tensors
+    (`tensors` in the kernel's argument order): validate, then `decode_kernel` planned for these arguments."""
     _shapes, _tensors, _params, scale = validate_decode_call(
-        q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale, lower_bound,
-        single_token=op == "kda_decode", state_v_first=state_v_first, null_slot=null_slot)
-    return decode_kernel(op, q, v, state_pool, scale, lower_bound, use_qk_l2norm_in_kernel, state_v_first,
-                         null_slot, **options)
-
-
-def planned_decode(op: str, tensors: tuple, flags: tuple, **options):
-    """The plan of a decode-family call (`tensors` in the plan's argument order, `flags` = (scale, lower_bound,
-    use_qk_l2norm_in_kernel, state_v_first, null_slot)), or None when the call takes the full path."""
-    key = plans.signature(op, tensors, flags + tuple(options.values()))
-    if key is None:
-        return None
-    return plans.lookup(key) or plans.remember(key, decode_plan(op, *tensors, *flags, **options))
+        *tensors, scale, lower_bound, single_token=op == "kda_decode", state_v_first=state_v_first,
+        null_slot=null_slot)
+    return plans.remember(key, decode_kernel(op, tensors[0], tensors[2], tensors[5], scale, lower_bound,
+                                             use_qk_l2norm_in_kernel, state_v_first, null_slot, tensors, **options))
 
 
 def _kda_decode(
@@ -176,11 +172,12 @@ def kda_decode(
     Returns:
         o: ``[N, 1, HV, V]`` in v's dtype.
     """
+    # a repeated signature runs its plan (cula_core.plans); the scalars are keyed as given, with their types
     tensors = (q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias)
-    plan = planned_decode("kda_decode", tensors, (scale, lower_bound, use_qk_l2norm_in_kernel, state_v_first,
-                                                  null_slot))
-    if plan is not None:
-        o = plan(*tensors)
+    scalars = (scale, lower_bound, use_qk_l2norm_in_kernel, state_v_first, null_slot)
+    key = plans.signature("kda_decode", tensors, scalars)
+    if key is not None:
+        o = (plans.lookup(key) or decode_plan(key, "kda_decode", tensors, *scalars))(*tensors)
         torch.autograd.graph.increment_version(state_pool)
         return o
     _shapes, tensors, params, scale = validate_decode_call(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
@@ -224,10 +221,11 @@ def kda_decode_mtp(
         Padded slots give zero outputs and zero states.
     """
     tensors = (q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias)
-    plan = planned_decode("kda_decode_mtp", tensors, (scale, lower_bound, use_qk_l2norm_in_kernel, state_v_first,
-                                                      null_slot), output_per_token_states=bool(output_per_token_states))
-    if plan is not None:
-        o, states = plan(*tensors)
+    scalars = (scale, lower_bound, use_qk_l2norm_in_kernel, state_v_first, null_slot)
+    key = plans.signature("kda_decode_mtp", tensors, (*scalars, output_per_token_states))
+    if key is not None:
+        o, states = (plans.lookup(key) or decode_plan(key, "kda_decode_mtp", tensors, *scalars,
+                                                      output_per_token_states=bool(output_per_token_states)))(*tensors)
         torch.autograd.graph.increment_version(state_pool)
         return o, (states if output_per_token_states else None)
     _shapes, tensors, params, scale = validate_decode_call(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from cula_core import plans
 from cula_core.ops._common import call_op, make_call, run, select
-from cula_core.ops.decode import decode_kernel, planned_decode, pool_kwargs, pool_options, validate_decode_call
+from cula_core.ops.decode import decode_kernel, decode_plan, pool_kwargs, pool_options, validate_decode_call
 from cula_core.validation import kvbuffer_dtype, kvbuffer_shape, require_disjoint, validate_kvbuffer
 
 
@@ -127,10 +127,10 @@ def kda_decode_mtp_kvbuffer(
         fp64 reference pool) in the layout of this module's docstring (zeros for padded slots).
     """
     tensors = (q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias)
-    plan = planned_decode("kda_decode_mtp_kvbuffer", tensors, (scale, lower_bound, use_qk_l2norm_in_kernel,
-                                                               state_v_first, null_slot))
-    if plan is not None:
-        return plan(*tensors)
+    scalars = (scale, lower_bound, use_qk_l2norm_in_kernel, state_v_first, null_slot)
+    key = plans.signature("kda_decode_mtp_kvbuffer", tensors, scalars)
+    if key is not None:
+        return (plans.lookup(key) or decode_plan(key, "kda_decode_mtp_kvbuffer", tensors, *scalars))(*tensors)
     _shapes, tensors, params, scale = validate_decode_call(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
                                                           scale, lower_bound, state_v_first=state_v_first,
                                                           null_slot=null_slot)

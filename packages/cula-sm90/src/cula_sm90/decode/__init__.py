@@ -36,3 +36,12 @@ def kernel(op: str):
     from cula_sm90.decode.ops import KERNELS
 
     return KERNELS[op]
+
+
+def planned_kernel(op: str, args: tuple, **flags):
+    # the recurrent kernel's launch resolved once per plan (ops.planned); the other ops bind their flags
+    if op not in OPS:
+        raise NotImplementedError(f"sm90 has no kernel for {op}")
+    from cula_sm90.decode.ops import planned
+
+    return planned(op, args, **flags)

@@ -296,98 +296,142 @@ def run_recurrent(mode, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
     Any other value is a ValueError naming the argument, raised before anything is allocated or launched. A named
     kernel is loaded alone on its first call (the dispatch's pick loads its whole family, so that later batch
     sizes only launch)."""
-    if tiling is not None or verify_variant is not None:
-        checked_choice(mode, tiling, verify_variant)
     if num_accepted_tokens is not None or mode == configs.MODE_SLOTS:
         _check_slot_table(mode, cache_idx, num_accepted_tokens, q.shape[0], q.shape[1])
+    args = (q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias)
+    return recurrent_launcher(mode, args, scale=scale, lower_bound=lower_bound,
+                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, state_v_first=state_v_first,
+                              null_slot=null_slot, precomputed_gate=precomputed_gate, beta_activation=beta_activation,
+                              tiling=tiling, verify_variant=verify_variant)(*args, num_accepted_tokens)
+
+
+def recurrent_launcher(mode, args: tuple, *, scale, lower_bound, use_qk_l2norm_in_kernel, state_v_first=False,
+                       null_slot=None, precomputed_gate=False, beta_activation="none", tiling=None,
+                       verify_variant=None, unaligned_pool=None, o_only=False):
+    """`run_recurrent` (its keywords, checked here) for every call whose (q, k, v, g, beta, state_pool, cache_idx,
+    A_log, dt_bias) have the shapes, dtypes, device and presence of `args`: a function of those nine and
+    num_accepted_tokens (default None) that returns run_recurrent's (o, out). It does per call only what depends on
+    values and addresses (the outputs' allocation, dtype conversions, 16-byte aligned copies of views at odd
+    offsets, the addresses, the current stream, the launch); the kernel and its scalar arguments are resolved once
+    per batch shape and kept (`_launchers`), so that a repeated batch, or a plan (cula_core.plans) holding this
+    function, only launches.
+
+    For a plan's own launcher (made for it, not kept): `unaligned_pool`, a function of the nine arguments that runs
+    instead of the kernel when the pool's address is not 16-byte aligned (the kernels' rule; without it the caller
+    guarantees the alignment), and `o_only`: return o alone (kda_decode's result)."""
+    if tiling is not None or verify_variant is not None:
+        checked_choice(mode, tiling, verify_variant)
     beta_sigmoid = configs.BETA_SIGMOID.get(beta_activation)
     if beta_sigmoid is None:
         raise ValueError(f"beta_activation must be one of {tuple(configs.BETA_SIGMOID)}, got {beta_activation!r}")
-    N, T, HQK, K = q.shape
-    _, _, HV, V = v.shape
-    o = torch.empty_like(v)
-    # sizes as separate arguments: torch.empty parses them faster than a shape tuple
-    if mode == configs.MODE_STATES:  # per-token states in the pool's layout and dtype
-        out = torch.empty(N, T, *state_pool.shape[1:], dtype=state_pool.dtype, device=v.device)
-    elif mode == configs.MODE_KVBUFFER:
-        out = torch.empty(N, T, HV, 2 * K + V, dtype=_F32, device=v.device)
-    else:
-        out = None
-    if N == 0:
-        return o, out
-    q_addr, k_addr, v_addr = q.data_ptr(), k.data_ptr(), v.data_ptr()
-    if (q_addr | k_addr | v_addr) & 15:
-        q, k, v = (rt.aligned16(t) for t in (q, k, v))
-        q_addr, k_addr, v_addr = q.data_ptr(), k.data_ptr(), v.data_ptr()
-    if g.dtype not in NATIVE_GATE_DTYPES:
-        g = g.float()
-    g_addr = g.data_ptr()
-    if g_addr & 15:
-        g = g.clone()
-        g_addr = g.data_ptr()
-    if beta.dtype not in NATIVE_GATE_DTYPES:
-        beta = beta.float()
-    pool_addr = state_pool.data_ptr()
-    if precomputed_gate:
+    q, _, v, g, beta, state_pool, _, A_log, dt_bias = args
+    key = (mode, q.shape, v.shape, state_pool.shape, q.dtype, g.dtype, beta.dtype,
+           None if A_log is None else A_log.dtype, None if dt_bias is None else dt_bias.dtype, scale, lower_bound,
+           use_qk_l2norm_in_kernel, state_pool.dtype, state_v_first, null_slot, precomputed_gate, beta_sigmoid, tiling,
+           verify_variant, q.get_device())
+    if unaligned_pool is not None or o_only:
+        return _launcher(key, v.device, unaligned_pool, o_only)
+    launch = _launchers.get(key)
+    if launch is None:
+        if len(_launchers) >= 1024:  # a process that never repeats a batch shape
+            _launchers.clear()
+        launch = _launchers[key] = _launcher(key, v.device)
+    return launch
+
+
+#: the launch functions of the batches run so far, by recurrent_launcher's key (`_launcher`)
+_launchers: dict[tuple, object] = {}
+
+
+def _launcher(key: tuple, device: torch.device, unaligned_pool=None, o_only: bool = False):
+    """recurrent_launcher's function for `key` (q, v and pool shapes, q/k/v, g, beta, A_log and dt_bias dtypes,
+    scale, lower_bound, l2norm, pool dtype, v_first, null_slot, precomputed gate, beta activation code, tiling,
+    verify_variant, device index: what decides the kernel, its scalar arguments and the conversions) on `device`,
+    with recurrent_launcher's `unaligned_pool` and `o_only`."""
+    (mode, q_shape, v_shape, pool_shape, qkv, g_dtype, beta_dtype, a_dtype, d_dtype, scale, lower_bound, l2norm,
+     pool, v_first, null_slot, precomputed, beta_sigmoid, tiling, verify_variant, index) = key
+    N, T, HQK, K = q_shape
+    HV, V = v_shape[2], v_shape[3]
+    gdt, bdt = gate_read_dtype(g_dtype), gate_read_dtype(beta_dtype)
+    g_float, beta_float = gdt != g_dtype, bdt != beta_dtype
+    if precomputed:
         # the prebuilt configuration with A_log and dt_bias, whose gate code the kernel skips: their addresses are
         # stand-ins, never read
-        a_addr = d_addr = pool_addr
         has_A_log = has_dt_bias = True
         lower_bound = None
     else:
-        has_A_log, has_dt_bias = A_log is not None, dt_bias is not None
-        if has_A_log:
-            if A_log.dtype != _F32:
-                A_log = A_log.float()
-            a_addr = A_log.data_ptr()
-        else:
-            a_addr = pool_addr  # never read without A_log
-        if has_dt_bias:
-            d_addr = dt_bias.data_ptr()
-            if dt_bias.dtype != _F32 or d_addr & 15:
-                dt_bias = rt.aligned16(dt_bias.float())
-                d_addr = dt_bias.data_ptr()
-        else:
-            d_addr = pool_addr  # never read without dt_bias
-    device = q.get_device()
-    key = (mode, N, T, HQK, K, HV, V, state_pool.shape[0], q.dtype, g.dtype, beta.dtype, has_A_log, has_dt_bias,
-           scale, lower_bound, use_qk_l2norm_in_kernel, state_pool.dtype, state_v_first, null_slot, precomputed_gate,
-           beta_sigmoid, tiling, verify_variant, device)
-    fn, scalars = _launches.get(key) or _launch(key)
-    out_addr = out.data_ptr() if out is not None else pool_addr  # never written in MODE_FINAL / MODE_SLOTS
-    if mode == configs.MODE_SLOTS:
-        acc = num_accepted_tokens
-        scalars += (acc.data_ptr() if acc is not None else cache_idx.data_ptr(),  # never read without the counts
-                    cache_idx.shape[1], int(acc is not None))
-    fn(q_addr, k_addr, v_addr, g_addr, beta.data_ptr(), a_addr, d_addr, pool_addr, cache_idx.data_ptr(),
-       o.data_ptr(), out_addr, *scalars, rt.current_stream(device))
-    return o, out
-
-
-#: (kernel, scalar arguments) of the batches run so far, by run_recurrent's key (`_launch`)
-_launches: dict[tuple, tuple] = {}
-
-
-def _launch(key: tuple) -> tuple:
-    """(loaded kernel, its scalar arguments after the eleven addresses) of a batch: `key` is run_recurrent's
-    (mode, N, T, HQK, K, HV, V, P, q/k/v dtype, g dtype, beta dtype, has A_log, has dt_bias, scale, lower_bound,
-    l2norm, pool dtype, v_first, null_slot, precomputed gate, beta activation code, tiling, verify_variant, device
-    index), its arguments after normalisation; kept in `_launches`, so that a repeated batch only looks it up."""
-    (mode, N, T, HQK, K, HV, V, P, qkv, gdt, bdt, has_A_log, has_dt_bias, scale, lower_bound, l2norm, pool, v_first,
-     null_slot, precomputed, beta_sigmoid, tiling, verify_variant, device) = key
+        has_A_log, has_dt_bias = a_dtype is not None, d_dtype is not None
+    a_float, d_float = a_dtype not in (None, _F32), d_dtype not in (None, _F32)
     safe, v_first = lower_bound is not None, bool(v_first)
-    fn = recurrent_function(mode, N, T, K, V, HV, qkv, gdt, bdt, has_A_log, has_dt_bias, safe, bool(l2norm), pool,
-                            v_first, tiling, verify_variant)
-    scalars = (N, HQK, HV, P, float(scale), float(lower_bound) if safe else 0.0,
-               -1 if null_slot is None else int(null_slot), int(bool(precomputed)), beta_sigmoid)
-    if tiling is None and verify_variant is None and configs.streams(mode, T, N, HV, v_first):
-        # the streamed decode's one more argument: the CTAs launched, as many as are resident at once
-        pool_bytes = pool.itemsize
-        ctas_per_sm = configs.stream_ctas_per_sm(K, pool_bytes, v_first, configs.stream_stages(pool_bytes))
-        scalars += (min(N * HV * (V // configs.STREAM_TILING[0]), ctas_per_sm * rt.sm_count(device)),)
-    if len(_launches) >= 1024:  # a process that never repeats a batch shape
-        _launches.clear()
-    _launches[key] = launch = (fn, scalars)
+    if mode == configs.MODE_STATES:  # per-token states in the pool's layout and dtype
+        out_shape, out_dtype = (N, T, *pool_shape[1:]), pool
+    elif mode == configs.MODE_KVBUFFER:
+        out_shape, out_dtype = (N, T, HV, 2 * K + V), _F32
+    else:
+        out_shape = out_dtype = None
+    fn, scalars = None, ()
+    if N > 0:  # an empty batch launches nothing and loads no kernel
+        fn = recurrent_function(mode, N, T, K, V, HV, qkv, gdt, bdt, has_A_log, has_dt_bias, safe, bool(l2norm),
+                                pool, v_first, tiling, verify_variant)
+        scalars = (N, HQK, HV, pool_shape[0], float(scale), float(lower_bound) if safe else 0.0,
+                   -1 if null_slot is None else int(null_slot), int(bool(precomputed)), beta_sigmoid)
+        if tiling is None and verify_variant is None and configs.streams(mode, T, N, HV, v_first):
+            # the streamed decode's one more argument: the CTAs launched, as many as are resident at once
+            pool_bytes = pool.itemsize
+            ctas_per_sm = configs.stream_ctas_per_sm(K, pool_bytes, v_first, configs.stream_stages(pool_bytes))
+            scalars += (min(N * HV * (V // configs.STREAM_TILING[0]), ctas_per_sm * rt.sm_count(index)),)
+    slots = mode == configs.MODE_SLOTS
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def launch(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, num_accepted_tokens=None):
+        pool_addr = state_pool.data_ptr()
+        if pool_addr & 15 and unaligned_pool is not None:
+            return unaligned_pool(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias)
+        o = empty_like(v)
+        # sizes as separate arguments: torch.empty parses them faster than a shape tuple
+        out = None if out_shape is None else empty(*out_shape, dtype=out_dtype, device=device)
+        if fn is None:
+            return o if o_only else (o, out)
+        q_addr, k_addr, v_addr = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        if (q_addr | k_addr | v_addr) & 15:
+            q, k, v = (rt.aligned16(t) for t in (q, k, v))
+            q_addr, k_addr, v_addr = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        if g_float:
+            g = g.float()
+        g_addr = g.data_ptr()
+        if g_addr & 15:
+            g = g.clone()
+            g_addr = g.data_ptr()
+        if beta_float:
+            beta = beta.float()
+        if precomputed:
+            a_addr = d_addr = pool_addr
+        else:
+            if has_A_log:
+                if a_float:
+                    A_log = A_log.float()
+                a_addr = A_log.data_ptr()
+            else:
+                a_addr = pool_addr  # never read without A_log
+            if has_dt_bias:
+                d_addr = dt_bias.data_ptr()
+                if d_float or d_addr & 15:
+                    dt_bias = rt.aligned16(dt_bias.float())
+                    d_addr = dt_bias.data_ptr()
+            else:
+                d_addr = pool_addr  # never read without dt_bias
+        out_addr = pool_addr if out is None else out.data_ptr()  # never written in MODE_FINAL / MODE_SLOTS
+        if slots:
+            acc = num_accepted_tokens
+            fn(q_addr, k_addr, v_addr, g_addr, beta.data_ptr(), a_addr, d_addr, pool_addr, cache_idx.data_ptr(),
+               o.data_ptr(), out_addr, *scalars,
+               acc.data_ptr() if acc is not None else cache_idx.data_ptr(),  # never read without the counts
+               cache_idx.shape[1], int(acc is not None), rt.current_stream(index))
+        else:
+            fn(q_addr, k_addr, v_addr, g_addr, beta.data_ptr(), a_addr, d_addr, pool_addr, cache_idx.data_ptr(),
+               o.data_ptr(), out_addr, *scalars, rt.current_stream(index))
+        return o if o_only else (o, out)
+
     return launch
 
 

@@ -14,6 +14,8 @@ kernels cannot take is then a ValueError."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from cula_core import reference_backend
@@ -66,6 +68,28 @@ def kda_decode_mtp_kvbuffer(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_b
     return launch.run_recurrent(configs.MODE_KVBUFFER, q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias,
                                 scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                                 tiling=tiling, verify_variant=verify_variant, **pool)
+
+
+#: the recurrent-kernel mode of each decode op with a planned launch (kda_decode_mtp: by output_per_token_states)
+_PLANNED_MODES = {"kda_decode": configs.MODE_FINAL, "kda_decode_mtp": (configs.MODE_FINAL, configs.MODE_STATES),
+                  "kda_decode_mtp_kvbuffer": configs.MODE_KVBUFFER}
+
+
+def planned(op: str, args: tuple, **flags):
+    """The kernel of decode op `op` with its keywords `flags` fixed, for the calls of one plan (cula_core.plans):
+    every call passes (q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias) with the types, shapes, dtypes and
+    device of `args`: launch.recurrent_launcher's function, the launch resolved once, the pool's address checked on
+    each call (16-byte aligned, or the reference runs, as `_kernel_can_take` decides). Other ops, and pools of a
+    dtype the kernels do not take: the kernel with `flags` bound."""
+    kernel = functools.partial(KERNELS[op], **flags)
+    mode = _PLANNED_MODES.get(op)
+    if mode is None or args[5].dtype not in configs.POOL_DTYPES or "tiling" in flags or "verify_variant" in flags:
+        return kernel
+    if op == "kda_decode_mtp":
+        flags = dict(flags)
+        mode = mode[bool(flags.pop("output_per_token_states"))]
+    # a pool view at an odd offset runs the reference, as `_kernel_can_take` decides for the kernel's calls
+    return launch.recurrent_launcher(mode, args, **flags, unaligned_pool=kernel, o_only=op == "kda_decode")
 
 
 def kda_flush_kvbuffer_all_layers(state_pools, cache_idx, kvbuffers, accept_len, accept_len_all, **pool):

@@ -447,26 +447,30 @@ def _call_launch(q, _k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, c
                        lower_bound, beta_activation, bool(state_v_first), bool(residuals))
 
 
-def _stage1_launcher(spec: Launch, args: tuple) -> Callable:
-    """Stage 1 of `spec` as a function of (q, k, v, g, beta, A_log, dt_bias), for every call whose arguments have the
-    types, dtypes and presence of `args`' (which decide the conversions; the shapes are spec's). What a call does:
-    dtype conversions, the scratch / o / final-state (/ residual) allocations, the addresses, the current stream,
-    stage 1's launch. Returns (scratch, o, final state or None, (Aqk, Akk) or None, Aqk's address, stream): stage 1's
+def _launcher(spec: Launch, args: tuple, stage2: bool = True) -> Callable:
+    """The launches of `spec` as a function of (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+    cu_seqlens_cpu), for every call whose arguments have the types, dtypes and presence of `args` (which decide the
+    conversions; the shapes are spec's). What a call does: dtype conversions, the scratch / o / final-state
+    (/ residual) allocations, the addresses, the current stream, stage 1's launch and, with `stage2` (a spec that is
+    not split), stage 2's launch. It returns (o, final state or None), and with `spec.residuals` also (Aqk, Akk), each
+    [B, T, HV, BT] bf16. Without `stage2` (the CP path, whose passes follow stage 1; the last three arguments may be
+    left out) it returns (scratch, o, final state or None, (Aqk, Akk) or None, Aqk's address, stream): stage 1's
     other outputs lie in the scratch at spec.offsets, where stage 2 reads them (hold the scratch until it is
     queued)."""
-    _q, _k, _v, g, beta, A_log, dt_bias = args[:7]
+    _q, _k, _v, g, beta, A_log, dt_bias, h0 = args[:8]
     g_float, beta_float = g.dtype not in _READ_DTYPES, beta.dtype not in _READ_DTYPES
     a_log_float = A_log is not None and A_log.dtype != torch.float32
     dt_bias_float = dt_bias is not None and dt_bias.dtype != torch.float32
-    has_a_log, has_dt_bias = A_log is not None, dt_bias is not None
+    has_a_log, has_dt_bias, has_h0 = A_log is not None, dt_bias is not None, h0 is not None
     intra, aligned, intra_sizes, final_shape = spec.intra, spec.aligned, spec.intra_sizes, spec.final_shape
-    cu_addr, co_addr, _ = spec.table_addrs
+    state, state_sizes = spec.state, spec.state_sizes
+    cu_addr, co_addr, seg_addr = spec.table_addrs
     nbytes, (_, u_off, qg_off, kg_off, aqk_off, gl_off) = spec.nbytes, spec.offsets
     device, uint8, f32, empty, empty_like = _q.device, torch.uint8, torch.float32, torch.empty, torch.empty_like
     bf16 = torch.bfloat16
     residuals, residual_shape = spec.residuals, (*_q.shape[:2], _v.shape[2], BT)
 
-    def run(q, k, v, g, beta, A_log, dt_bias):
+    def run(q, k, v, g, beta, A_log, dt_bias, initial_state=None, cu_seqlens=None, cu_seqlens_cpu=None):
         # converted tensors stay referenced until stage 1, their only reader, is queued: freed earlier, their
         # memory could be handed to the next conversion before the kernel that reads it was enqueued
         if g_float:
@@ -481,10 +485,12 @@ def _stage1_launcher(spec: Launch, args: tuple) -> Callable:
         # stands for every absent optional tensor (a kernel never reads one)
         scratch = empty(nbytes, dtype=uint8, device=device)
         o = empty_like(v)
-        final = None if final_shape is None else empty(final_shape, dtype=f32, device=device)
+        # sizes as separate arguments: torch.empty parses them faster than a shape tuple
+        final = None if final_shape is None else empty(*final_shape, dtype=f32, device=device)
         base = scratch.data_ptr()
         if residuals:  # tensors of their own: a view of the scratch would keep all of it alive until the backward
-            saved = (empty(residual_shape, dtype=bf16, device=device), empty(residual_shape, dtype=bf16, device=device))
+            saved = (empty(*residual_shape, dtype=bf16, device=device),
+                     empty(*residual_shape, dtype=bf16, device=device))
             aqk_addr, akk_addr = saved[0].data_ptr(), saved[1].data_ptr()
         else:
             saved = None
@@ -497,23 +503,8 @@ def _stage1_launcher(spec: Launch, args: tuple) -> Callable:
         intra(q_addr, k_addr, v_addr, g_addr, beta.data_ptr(), A_log.data_ptr() if has_a_log else base,
               dt_bias.data_ptr() if has_dt_bias else base, cu_addr, co_addr, base, base + u_off, base + qg_off,
               base + kg_off, aqk_addr, akk_addr, base + gl_off, *intra_sizes, stream)
-        return scratch, o, final, saved, aqk_addr, stream
-
-    return run
-
-
-def _launcher(spec: Launch, args: tuple) -> Callable:
-    """The two launches of `spec` (not split) as a function of (q, k, v, g, beta, A_log, dt_bias, initial_state,
-    cu_seqlens, cu_seqlens_cpu) that returns (o, final state or None), and with `spec.residuals` also (Aqk, Akk),
-    each [B, T, HV, BT] bf16: _stage1_launcher's call, then stage 2's launch."""
-    stage1 = _stage1_launcher(spec, args)
-    state, state_sizes, seg_addr = spec.state, spec.state_sizes, spec.table_addrs[2]
-    _, u_off, qg_off, kg_off, _, gl_off = spec.offsets
-    has_h0, residuals = args[7] is not None, spec.residuals
-
-    def run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu):
-        scratch, o, final, saved, aqk_addr, stream = stage1(q, k, v, g, beta, A_log, dt_bias)
-        base = scratch.data_ptr()
+        if not stage2:
+            return scratch, o, final, saved, aqk_addr, stream
         state(base, base + u_off, base + qg_off, base + kg_off, aqk_addr, base + gl_off, seg_addr,
               initial_state.data_ptr() if has_h0 else base, base if final is None else final.data_ptr(),
               o.data_ptr(), *state_sizes, stream)
@@ -583,7 +574,7 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
         return _launcher(spec, args)(*args)
 
     # ---- context parallel: stage 1, the maps of the pieces, a scan, then every piece at once
-    scratch, o, final, residuals, aqk, stream = _stage1_launcher(spec, args)(q, k, v, g, beta, A_log, dt_bias)
+    scratch, o, final, residuals, aqk, stream = _launcher(spec, args, stage2=False)(q, k, v, g, beta, A_log, dt_bias)
     base = scratch.data_ptr()
     _, u_off, qg_off, kg_off, _, gl_off = spec.offsets
     w, u, qg, kg, gl = base, base + u_off, base + qg_off, base + kg_off, base + gl_off
