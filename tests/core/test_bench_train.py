@@ -24,3 +24,14 @@ def test_timed_rows_without_earlier_rows_measures_every_shape():
     shapes = train.QUICK[:2]
     rows = train.timed_rows(shapes, [], lambda s: dict(shape=train.label(s)), lambda rows: None)
     assert [r["shape"] for r in rows] == [train.label(s) for s in shapes]
+
+
+def test_compile_in_parallel_runs_each_call_in_its_own_process(tmp_path):
+    from tools.bench import fla_tuning
+
+    marks = [str(tmp_path / f"mark{i}") for i in range(3)]
+    seconds, failed = fla_tuning.compile_in_parallel("os", "mkdir", [(m,) for m in marks[:2]])
+    assert failed == [] and seconds >= 0
+    assert [(tmp_path / f"mark{i}").exists() for i in range(3)] == [True, True, False]
+    _, failed = fla_tuning.compile_in_parallel("sys", "exit", [(0,), (3,)])
+    assert failed == [(3,)]

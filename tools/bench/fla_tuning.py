@@ -18,7 +18,12 @@ to FlashKDA (which the prefill benchmark times in a column of its own).
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _fla_modules():
@@ -53,3 +58,26 @@ def retune() -> int:
     for tuner in tuners:
         tuner.cache.clear()
     return len(tuners)
+
+
+def triton_cache_dir() -> Path:
+    return Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
+
+
+def compile_in_parallel(module: str, function: str, calls: list[tuple], keep_autotune: bool = False) -> tuple[float, list]:
+    """Run `module.function(*args)` for each `args` of `calls`, each in its own process, all at once, and wait for
+    them. FLA's first call per autotuning key compiles every configuration of each kernel, serially (minutes in one
+    process); processes in parallel fill Triton's on-disk compile cache, so the timing process then only tunes (its
+    autotuners benchmark the already compiled configurations on the timed shape). Autotune results those processes
+    wrote to disk (made with the GPU shared) are deleted unless `keep_autotune`. The processes inherit this one's
+    environment (run `prepare` first). Returns (seconds, the `args` whose process failed)."""
+    t0 = time.perf_counter()
+    before = set(triton_cache_dir().rglob("*.autotune.json"))
+    procs = [(args, subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
+                                      f"from {module} import {function}; {function}(*{args!r})"]))
+             for args in calls]
+    failed = [args for args, proc in procs if proc.wait() != 0]
+    if not keep_autotune:
+        for f in set(triton_cache_dir().rglob("*.autotune.json")) - before:
+            f.unlink()
+    return time.perf_counter() - t0, failed

@@ -3,6 +3,7 @@ the forward alone, the whole forward + backward, and the peak extra GPU memory o
 inputs in one process.
 
     python -m tools.bench.train [--smoke | --quick] [--out docs/benchmarks/train.md] [--json FILE [--resume]]
+                                [--no-warm]
 
 Every call: raw g with the safe gate (lower_bound = -5, A_log, dt_bias) and q/k L2 norm in kernel, K = V = 128,
 gradients of q, k, v, g, beta, A_log and dt_bias. Shapes (issue 19's grid): B in (1, 2), T in (1024, 4096, 8192,
@@ -10,7 +11,9 @@ gradients of q, k, v, g, beta, A_log and dt_bias. Shapes (issue 19's grid): B in
 skewed lengths at HQK = HV = 32. `--quick`: six rows across the grid's corners.
 
 FLA runs its own Triton kernels, autotuned in this process on each exact shape (tools/bench/fla_tuning.py: every
-tuned choice is forgotten before a shape's first call). Timing: CUDA events, median over `--rep` calls after
+tuned choice is forgotten before a shape's first call). Before the rows, FLA's kernels are compiled for every shape
+to time in parallel processes (`warm_one`, on the shape cut to 1024 tokens; `--no-warm` skips it), so that this
+process only tunes: compiling every configuration serially takes minutes per new shape. Timing: CUDA events, median over `--rep` calls after
 `--warmup` calls (a training step is milliseconds: no do_bench rotation needed). `speed-up` = FLA ms / cula ms.
 Memory: `torch.cuda.max_memory_allocated` during one forward + backward minus what was allocated before it (the
 inputs and the output gradient), per implementation. The table for this run's card replaces that card's section
@@ -100,6 +103,18 @@ def step(impl: str, x: dict, backward: bool):
         return [o]
 
     return run
+
+
+def warm_one(shape: dict) -> None:
+    """One FLA forward + backward on `shape` cut to 1024 tokens (its B, heads and kind kept; varlen: at most 8
+    sequences): compiles the Triton kernels the rows of this shape run. Run by fla_tuning.compile_in_parallel, one
+    process per shape."""
+    fla_tuning.prepare()
+    small = dict(shape, T=1024)
+    if "N" in small:
+        small["N"] = min(small["N"], 8)
+    step("fla", make_inputs(small), True)()
+    torch.cuda.synchronize()
 
 
 def time_ms(fn, warmup: int, rep: int) -> float:
@@ -199,6 +214,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="markdown file whose section for this card is rewritten")
     ap.add_argument("--json", type=Path, help="rows as JSON, rewritten after every row")
     ap.add_argument("--resume", action="store_true", help="keep the rows already in --json; time the others")
+    ap.add_argument("--no-warm", action="store_true", help="no parallel compile of FLA's kernels before the rows")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rep", type=int, default=10)
     args = ap.parse_args(argv)
@@ -210,6 +226,11 @@ def main(argv=None) -> int:
     fla_tuning.prepare()
     shapes = SMOKE if args.smoke else QUICK if args.quick else GRID
     done = json.loads(args.json.read_text()) if args.resume and args.json.exists() else []
+    todo = [s for s in shapes if label(s) not in {r["shape"] for r in done}]
+    if todo and not args.no_warm:
+        seconds, failed = fla_tuning.compile_in_parallel("tools.bench.train", "warm_one", [(s,) for s in todo])
+        print(f"FLA compiled for {len(todo)} shapes in parallel processes: {seconds:.0f} s (failed: {failed})",
+              flush=True)
     save = (lambda rows: args.json.write_text(json.dumps(rows, indent=2))) if args.json else (lambda rows: None)
     rows = timed_rows(shapes, done, lambda s: run_shape(s, args.warmup, args.rep), save)
     publish("train", rows, render, args, argv, header=HEADER)

@@ -33,7 +33,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tools.bench import fla_tuning  # noqa: E402
 from tools.bench.harness import Timing, add_do_bench_args, environment, measure  # noqa: E402
 
 H = 32
@@ -175,35 +175,20 @@ def warm_one(kind: str, hv: int, varlen: bool = False):
     torch.cuda.synchronize()
 
 
-def triton_cache_dir() -> Path:
-    return Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
-
-
 def warm_fla(keys, keep_autotune: bool) -> None:
-    """FLA's first call per autotuning key compiles every configuration of each kernel (minutes in one process):
-    compile them in parallel processes, one per key. Their autotuning choices (made with the GPU shared) are
+    """FLA's kernels of every autotuning key in `keys` ((kind, HV, varlen): `warm_one`'s arguments) compiled in
+    parallel processes (fla_tuning.compile_in_parallel). Their autotuning choices (made with the GPU shared) are
     dropped unless `keep_autotune`; choices restored from .bench-cache before (an earlier run's, tuned alone) are
     kept either way, so that this process tunes alone only what is new."""
-    t0 = time.perf_counter()
-    before = set(triton_cache_dir().rglob("*.autotune.json"))
-    procs = [subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
-                               f"from tools.bench.train_bwd import warm_one; warm_one({kind!r}, {hv}, {vl})"])
-             for kind, hv, vl in keys]
-    bad = [p.args[-1] for p in procs if p.wait() != 0]
-    removed = 0
-    if not keep_autotune:
-        for f in set(triton_cache_dir().rglob("*.autotune.json")) - before:
-            f.unlink()
-            removed += 1
-    print(f"FLA warm-up: {len(procs)} processes in {time.perf_counter() - t0:.0f} s ({removed} new autotune results "
-          f"dropped; failures: {bad})", flush=True)
+    seconds, failed = fla_tuning.compile_in_parallel("tools.bench.train_bwd", "warm_one", list(keys), keep_autotune)
+    print(f"FLA warm-up: {len(keys)} processes in {seconds:.0f} s (failures: {failed})", flush=True)
 
 
 def save_autotune(path: Path) -> None:
     """Triton's autotune results (FLA's choices, tuned in this process) as a tar for .bench-cache."""
     import tarfile
 
-    root = triton_cache_dir()
+    root = fla_tuning.triton_cache_dir()
     files = sorted(root.rglob("*.autotune.json"))
     with tarfile.open(path, "w") as tar:
         for f in files:
