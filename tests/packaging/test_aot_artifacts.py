@@ -63,7 +63,7 @@ def test_prefill_dispatch_resolves_to_shipped_configurations(lower_bound):
         for gate, params in (("safe", True), ("softplus", True), ("precomputed", False)):
             if gate == "safe" and lower_bound is None:
                 continue
-            kind = forward.intra_kind(gate, -5.0 if lower_bound is None else lower_bound)
+            kind = forward.intra_kind(gate, lower_bound)
             config = forward.intra_config(gate, act, True, params, params, qkv, g, beta, kind)
             assert (forward.INTRA, config) in shipped, config
             if kind == "tc":  # chunk_kda's training forward: the variant that writes Akk

@@ -73,6 +73,7 @@ def test_stage1_kind():
     from cula_sm90.prefill import forward
 
     assert forward.intra_kind("safe", -5.0) == "tc"
+    assert forward.intra_kind("safe", None) == "tc"  # None: the default lower bound, -5
     assert forward.intra_kind("safe", forward.TC_LOWER_BOUND_MIN) == "tc"
     assert forward.intra_kind("safe", forward.TC_LOWER_BOUND_MIN - 1) == "simt"
     assert forward.intra_kind("softplus", -5.0) == "simt"

@@ -43,8 +43,7 @@ def _training_reason(call) -> str | None:
     from cula_sm90.prefill import forward
 
     lower_bound = call.options.get("lower_bound")
-    lb = -5.0 if lower_bound is None else float(lower_bound)
-    if call.gate != "safe" or forward.intra_kind("safe", lb) != "tc":
+    if forward.intra_kind(call.gate, lower_bound) != "tc":
         got = f"gate={call.gate}" + (f", lower_bound={lower_bound}" if call.gate == "safe" else "")
         return (f"sm90 trains the safe gate with lower_bound in [{forward.TC_LOWER_BOUND_MIN}, 0] only (cula-sm100 "
                 f"trains the others), got {got}")

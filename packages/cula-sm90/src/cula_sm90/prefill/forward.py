@@ -62,10 +62,11 @@ def launch_stream() -> int:
 
 
 @functools.cache
-def intra_kind(gate: str, lower_bound: float) -> str:
+def intra_kind(gate: str, lower_bound: float | None) -> str:
     """Which stage 1 serves a call: "tc" (chunk_intra_tc.py, tensor-core scores: the safe gate with a lower bound
-    the factorised operands cannot overflow with) or "simt" (chunk_intra.py: any gate)."""
-    return "tc" if gate == "safe" and TC_LOWER_BOUND_MIN <= lower_bound <= 0.0 else "simt"
+    the factorised operands cannot overflow with; None: the default -5) or "simt" (chunk_intra.py: any gate)."""
+    lb = -5.0 if lower_bound is None else lower_bound
+    return "tc" if gate == "safe" and TC_LOWER_BOUND_MIN <= lb <= 0.0 else "simt"
 
 
 def intra_config(gate: str, beta_activation: str, l2norm: bool, has_a_log: bool, has_dt_bias: bool,
@@ -379,7 +380,7 @@ def launch_spec(B, T, HQK, HV, N, tables, qkv_dtype, g_dtype, beta_dtype, has_a_
     NC = max(tables["NC"], 1)
     nbytes, offsets = scratch_layout(TT, HV, NC, with_aqk=not residuals)
     lb = -5.0 if lower_bound is None else float(lower_bound)
-    kind = intra_kind(gate, lb)
+    kind = intra_kind(gate, lower_bound)
     if residuals and kind != "tc":
         raise ValueError(f"the sm90 prefill saves residuals with the tensor-core stage 1 only (the safe gate with "
                          f"lower_bound in [{TC_LOWER_BOUND_MIN}, 0]), got gate={gate!r}, lower_bound={lower_bound}")
@@ -403,15 +404,10 @@ def uniform_launch_spec(B, T, HQK, HV, device, intracard_cp, cp_pieces, qkv_dtyp
     """launch_spec of B sequences of T tokens (no cu_seqlens), cached by every argument: a repeated call shape
     goes straight to its launches."""
     lengths = (T,) * B
-    packed = stage1_packs(_kind(gate, lower_bound), residuals, lengths, pack_stage1)
+    packed = stage1_packs(intra_kind(gate, lower_bound), residuals, lengths, pack_stage1)
     tables = host_length_tables(lengths, HV, device, intracard_cp, h0_rows > 0, want_ht, cp_pieces, packed)
     return launch_spec(B, T, HQK, HV, B, tables, qkv_dtype, g_dtype, beta_dtype, has_a_log, has_dt_bias, h0_rows,
                        want_ht, scale, l2norm, gate, lower_bound, beta_activation, state_v_first, residuals)
-
-
-def _kind(gate: str, lower_bound) -> str:
-    """intra_kind of a call's gate and lower bound (None: the default -5)."""
-    return intra_kind(gate, -5.0 if lower_bound is None else float(lower_bound))
 
 
 _READ_DTYPES = (torch.bfloat16, torch.float32)  # g and beta are read in these dtypes as they are, others as fp32
@@ -438,7 +434,7 @@ def _call_launch(q, _k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, c
                                    bool(residuals), pack_stage1)
     lengths = _host_lengths(B, T, cu_seqlens, cu_seqlens_cpu)
     if lengths is not None:
-        packed = stage1_packs(_kind(gate, lower_bound), residuals, lengths, pack_stage1)
+        packed = stage1_packs(intra_kind(gate, lower_bound), residuals, lengths, pack_stage1)
         tables = host_length_tables(lengths, HV, q.device, intracard_cp, h0_rows > 0, want_ht, cp_pieces, packed)
     else:
         tables = _device_tables(B, T, cu_seqlens.shape[0] - 1, HV, cu_seqlens, q.device, h0_rows > 0, want_ht)
