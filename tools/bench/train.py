@@ -226,7 +226,8 @@ def main(argv=None) -> int:
     fla_tuning.prepare()
     shapes = SMOKE if args.smoke else QUICK if args.quick else GRID
     done = json.loads(args.json.read_text()) if args.resume and args.json.exists() else []
-    todo = [s for s in shapes if label(s) not in {r["shape"] for r in done}]
+    timed = {r["shape"] for r in done}
+    todo = [s for s in shapes if label(s) not in timed]
     if todo and not args.no_warm:
         seconds, failed = fla_tuning.compile_in_parallel("tools.bench.train", "warm_one", [(s,) for s in todo])
         print(f"FLA compiled for {len(todo)} shapes in parallel processes: {seconds:.0f} s (failed: {failed})",
