@@ -210,11 +210,13 @@ def packed_tiles(lengths: tuple[int, ...]) -> tuple[tuple[tuple[int, int, int], 
     return tuple((p,) for p in full) + tuple(tuple(tile) for tile in tiles)
 
 
+@functools.lru_cache(maxsize=64)
 def packing_pays(lengths: tuple[int, ...]) -> bool:
     """Whether the packed stage 1 runs for these host-known lengths (a TC inference call): packing must remove at
-    least 1 / PACK_MIN_SAVING (12.5%) of stage 1's CTAs, one per chunk unpacked and one per tile packed."""
+    least 1 / PACK_MIN_SAVING (12.5%) of stage 1's CTAs, one per chunk unpacked and one per tile packed. Cached by
+    the lengths, as packed_tiles is: a varlen call asks on every call."""
     chunks = sum(-(-L // BT) for L in lengths)
-    saved = chunks - len(packed_tiles(tuple(lengths)))
+    saved = chunks - len(packed_tiles(lengths))
     return saved > 0 and PACK_MIN_SAVING * saved >= chunks
 
 
