@@ -3,7 +3,8 @@
     compute-sanitizer --tool memcheck python tests/sm100/chunk_bwd_intra_tc_memcheck_case.py
 
 Chunk lengths of every residue mod 16 (the kernel's row blocks: 1 .. 15, 16, 17, 31, 33, 63, 64, 65 and
-130 = 64 + 64 + 2), n = 1, empty sequences, GVA 1 and 2, mild and extreme decay (the exact diagonal path). The
+130 = 64 + 64 + 2), n = 1, empty sequences, GVA 1 and 2, mild, strong (middle-row references and some exact
+diagonals) and extreme decay (the exact diagonal path). The
 output tensors are views of larger buffers whose tails must stay
 bitwise untouched (checked here too: a write past the last token fails even without the sanitizer).
 
@@ -27,7 +28,8 @@ BT = 64
 def problem(lengths, HQK, HV, decay, *, B=1, T=1000, seed=0, device="cuda", tail=0):
     """Inputs of the intra backward: (args, base, ctab, ch, scale). lengths None: B sequences of T tokens, else
     varlen. G is the chunk-local cumsum of logsigmoid(randn) / decay (decay 0.25: exp(G_i - G_j) down to ~e^-200
-    in a chunk; 0.02: ~e^-2500). base = (dq, dk, dbeta, dG) the kernel adds to: views of buffers `tail` rows
+    in a chunk; 0.02: ~e^-2500), or with decay "safe" of -5 sigmoid(2 randn) (the safe gate at lower_bound = -5:
+    at most 5 nats a token). base = (dq, dk, dbeta, dG) the kernel adds to: views of buffers `tail` rows
     longer (the tails are the untouched-memory check)."""
     import torch_stages
     from cula_sm100.forward import launch as fwd
@@ -51,7 +53,11 @@ def problem(lengths, HQK, HV, decay, *, B=1, T=1000, seed=0, device="cuda", tail
     ch = torch_stages.Chunks(torch_stages.bounds_of(B, T, cu_dev, cu_cpu), device)
     unit = torch.nn.functional.normalize
     q, k = (unit(r(TT, HQK, 128), dim=-1).bfloat16() for _ in range(2))
-    G = ch.unchunk(ch.chunk(torch.nn.functional.logsigmoid(r(TT, HV, 128)) / decay).cumsum(1)).contiguous()
+    if decay == "safe":  # the safe gate's range, lower_bound = -5: g = -5 sigmoid(2 randn) in (-5, 0)
+        g = -5.0 * torch.sigmoid(2.0 * r(TT, HV, 128))
+    else:
+        g = torch.nn.functional.logsigmoid(r(TT, HV, 128)) / decay
+    G = ch.unchunk(ch.chunk(g).cumsum(1)).contiguous()
     beta = torch.rand(TT, HV, generator=gen, device=device)
     tril = torch.ones(BT, BT, device=device).tril()
     # dAqk causal and dL strictly lower, as chunk_bwd_dav and chunk_wy_dqkg write them
@@ -139,7 +145,7 @@ def main():
     tail = 64
     lengths = [1, 0, *range(2, 18), 31, 33, 63, 64, 0, 65, 130, 1]  # every residue mod 16, n = 1, empty sequences
     runs = 0
-    for HQK, HV, decay in ((1, 1, 8.0), (1, 2, 0.02)):
+    for HQK, HV, decay in ((1, 1, 8.0), (1, 2, 0.02), (2, 2, 0.25)):
         args, base, ctab, _ch, scale = problem(lengths, HQK, HV, decay, seed=3, tail=tail)
         outs = [b.clone() for b in base]
         bufs = [torch.cat([o, torch.full((tail, *o.shape[1:]), 7.0, device="cuda")]) for o in outs]

@@ -2,8 +2,10 @@
 (chunk_bwd_intra_tc_memcheck_case.intra_fp64), against the CUDA-core kernel (launch.chunk_bwd_intra(tc=False), fp32,
 exact per-pair exponentials) and against FLA 0.6.0's intra stage on the same inputs: the shapes of
 test_backward_gpu.py's test_chunk_bwd_intra_matches_torch_stage (fixed length, varlen with empty and 1-token
-sequences, chunk lengths 2 and 3 mod 4, GVA 1 / 2, mild and strong decay), an extreme decay (exp(G_i - G_j) down
-to ~e^-2500 in a chunk: every diagonal block takes the exact path) and B=2 T=8192 H=HV=32 (against the CUDA-core
+sequences, chunk lengths 2 and 3 mod 4, GVA 1 / 2, mild and strong decay: at decay 0.25 most blocks take the
+middle-row references and some the exact diagonal), the safe gate's range (every block on the middle-row
+references), an extreme decay (exp(G_i - G_j) down to ~e^-2500 in a chunk: every diagonal block takes the exact
+path) and B=2 T=8192 H=HV=32 (against the CUDA-core
 kernel); every gradient of the whole op with this kernel in the backward (test_backward_gpu.py's GRAD_TOL);
 chunk_wy_dqkg's dG base included in the reverse cumsum; nothing written past the last token; bitwise
 determinism; the compute-sanitizer case.
@@ -31,7 +33,8 @@ TOL = dict(dq=1e-2, dk=1e-2, dbeta=1e-2, dG=1e-2)
 TOL_FLA = dict(dq=1e-2, dk=1e-2, dbeta=1e-2, dG=2e-2)
 CASES = [(None, 2, 4, 8.0), ([17, 1, 64, 65, 0, 200], 1, 2, 8.0), (None, 1, 1, 0.25),
          ([2, 3, 63, 0, 130, 7], 2, 4, 0.25),  # chunk lengths 2, 3 (mod 4), empty, 64 + 64 + 2; strong decay
-         ([1, 15, 16, 17, 33, 64, 100], 1, 2, 0.02)]  # extreme decay: the exact diagonal path everywhere
+         ([1, 15, 16, 17, 33, 64, 100], 1, 2, 0.02),  # extreme decay: the exact diagonal path everywhere
+         ([40, 64, 200, 9], 2, 2, "safe")]  # the safe gate's range: middle-row references on every block
 
 
 def _run(fn, args, base, ctab, scale, **kw):

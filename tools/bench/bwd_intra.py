@@ -10,8 +10,9 @@ chunk_local_cumsum(reverse)) where FLA is installed.
 Shapes (the issue's): B=2 T=8192 H=32 with HV = 32 and 64, and varlen: 10 sequences of 8192 tokens in all
 (random lengths, seed 0), HV = 32. Inputs as the GPU tests make them (tests/sm100/chunk_bwd_intra_tc_memcheck_case.
 problem: unit q / k, G = chunk cumsum of logsigmoid(randn) / D, causal dAqk, strictly lower dL). `--decay D`
-(default 8: mild, every diagonal block through the MMA; 0.25: strong, every one on the exact path, as under the
-training gates). Timing: the
+(default 8: mild, every block through the MMA; 0.25: strong, most blocks through the MMA with middle-row
+references, some on the exact diagonal path; `--decay safe`: G = chunk cumsum of -5 sigmoid(2 randn), the safe
+gate's range at lower_bound = -5, every block through the MMA with middle-row references). Timing: the
 median of `triton.testing.do_bench` after warm-up (tools/bench/harness.measure, method auto). The kernels add
 in place; the repeated calls keep adding to the same buffers (the work per call does not depend on their values,
 though dG's repeated cumsums overflow to inf after a few dozen calls: no slower on the GPU). Before
@@ -85,12 +86,21 @@ def bench_shape(shape, timing, with_fla, decay):
     return ms_cc, ms_tc, ms_fla, diff
 
 
+def _g_text(decay) -> str:
+    return "-5 sigmoid(2 randn)" if decay == "safe" else f"logsigmoid(randn) / {decay:g}"
+
+
+def _decay(text: str):
+    return text if text == "safe" else float(text)
+
+
 def main(argv=None) -> int:
     extra = argparse.ArgumentParser(add_help=False)
     extra.add_argument("--out", type=Path, help="write the markdown report here")
     extra.add_argument("--no-fla", action="store_true", help="skip FLA's stage")
-    extra.add_argument("--decay", type=float, default=8.0,
-                       help="G = chunk cumsum of logsigmoid(randn) / DECAY (8: mild, 0.25: strong; default 8)")
+    extra.add_argument("--decay", type=_decay, default=8.0,
+                       help="G = chunk cumsum of logsigmoid(randn) / DECAY (8: mild, 0.25: strong; default 8), or "
+                            "'safe': of -5 sigmoid(2 randn), the safe gate's range at lower_bound = -5")
     own, rest = extra.parse_known_args(argv)
     args = parse_args(__doc__.splitlines()[0], rest)  # --smoke, --warmup, --repeats, --method, --json
     if not torch.cuda.is_available():
@@ -112,7 +122,7 @@ def main(argv=None) -> int:
     cmd = "python -m tools.bench.bwd_intra " + " ".join(argv if argv is not None else sys.argv[1:])
     text = (f"# sm100 backward intra stage: tensor-core kernel vs CUDA-core kernel (and FLA 0.6.0)\n\n"
             f"Device: {env.get('gpu', '?')} (torch {env.get('torch')}, CUDA {env.get('cuda')}). Command: `{cmd}`.\n"
-            f"Inputs: G = chunk cumsum of logsigmoid(randn) / {own.decay:g}. Median of {args.timing.method} timing; "
+            f"Inputs: G = chunk cumsum of {_g_text(own.decay)}. Median of {args.timing.method} timing; "
             f"speed-up = CUDA-core ms / TC ms; TC rel. diff: the largest ||tc - cc|| / ||cc|| over dq, dk, dbeta, "
             f"dG.\n\n" + "\n".join(lines) + "\n")
     print(text)

@@ -8,18 +8,21 @@ Per value head, with dSq = scale dAqk (causal, diagonal included), dL strictly l
     C_j  = sum_{i>=j} (dSq_ij q_i + beta_i dL_ij k_i) E_ij                   (column side)
     dq += dq_i;  dk += beta R + C;  dbeta += <k, R>;  dG += q dq_i + beta k R - k C;  dG <- reverse cumsum of dG
 
-Factorisation (FLA 0.6.0's chunk_kda_bwd_intra): the chunk is 4 row blocks of 16. For row block I, with the
-reference row r = 16 I (its first row) on the row side and r' = 16 I + 15 (its last) on the column side:
+Factorisation (FLA 0.6.0's chunk_kda_bwd_intra): the chunk is 4 row blocks of 16. For row block I, with a
+reference row r on the row side and r' on the column side:
 
     dq[I] = (dSq[I, :] @ (k exp(G_r - G)))  * exp(G_I - G_r)        (columns j <= 16 I + 15)
     C[I]  = (dSq[:, I]^T @ (q exp(G - G_r')) + dL[:, I]^T @ (beta k exp(G - G_r'))) * exp(G_r' - G_I)   (rows >= 16 I)
 
-For the blocks off the diagonal (j block < I; i block > I) both factors are <= 1 (G is non-increasing in a chunk:
-g <= 0, as the forward assumes), so nothing overflows however strong the decay (an underflow to 0 only drops
-terms below 2^-126 of the scale). On the diagonal block the in-block factor is >= 1, bounded by 2^span, span =
-max over the warp's channels of G_r - G_r' (log2 units): when span < MILD_LOG2 ("mild") the diagonal block goes
-through the same MMA (dSq / dL are zero above the diagonal, so no masked term can be inf * 0); otherwise that
-warp does the diagonal block exactly on CUDA cores (fp32 arithmetic, one exp per (pair, element), FLA's
+The references are the block's middle row m = 16 I + 8 on both sides when the block is "mild": its half spans
+G_{16 I} - G_m and G_m - G_{16 I + 15} (log2 units, max over the warp's channels) both below MILD_LOG2. Then every
+factor, on and off the diagonal, is at most 2^MILD_LOG2 (G is non-increasing in a chunk: g <= 0, as the forward
+assumes; off the diagonal the operand factors are <= 1) and the diagonal block goes through the same MMA (dSq / dL
+are zero above the diagonal, so no masked term can be inf * 0). The safe gate at lower_bound >= -5 is always mild
+(8 steps of at most 5 nats: 57.7 < 60 in log2 units). An underflow to 0 drops only terms whose decay from the
+block's first row is below 2^-(126 - MILD_LOG2). Otherwise ("strong") the references are the block's first row
+(row side) and last row (column side), so the operand factors off the diagonal are <= 1 however strong the decay,
+and that warp does the diagonal block exactly on CUDA cores (fp32 arithmetic, one exp per (pair, element), FLA's
 non-safe-gate diagonal loop) from the same bf16 dSq / dL tiles. Correct for any decay either way.
 
 Precision: mma.sync m16n8k16 with bf16 operands (dSq, dL rounded to bf16 as FLA does; the decayed q / k / beta k
@@ -37,11 +40,13 @@ thread per k-block). dq / dk: read-add-write of global memory by the owning thre
 leave through a per-warp 16 x 33 scratch: the lanes 0..15 (one channel each) walk the block's rows from the last
 to the first adding the global dG (chunk_wy_dqkg's) and the running suffix sum, lanes 16..31 sum a row's k R over
 the warp's channels into a per-(row, warp) partial, summed over the 8 warps in a fixed order at the end.
-Shared memory 103.7 KiB (room for 2 CTAs per SM; the registers allow 1): q, k (bf16, rows padded to 136:
+Shared memory 104.7 KiB (room for 2 CTAs per SM; the registers allow 1): q, k (bf16, rows padded to 136:
 conflict-free fragment loads), G (fp32 log2 units, rows of 132), dSq / dL (bf16, rows of 72: conflict-free
-ldmatrix), beta, the scratch and the dbeta partials. Launch bound: 1 CTA per SM, so ptxas may take 255 registers (no
-spills); a block's dq / dk / dG targets are loaded before its products (latency hidden). At 2 CTAs per SM the 128-register cap spills in the hot loops and the kernel was
-slower than the CUDA-core one (docs/benchmarks/bwd_intra.md).
+ldmatrix), beta, the scratch, the dbeta partials and each warp's reference G (2 x 16). Launch bound: 1 CTA per
+SM, so ptxas may take 255 registers (it keeps eleven 64-bit values in local memory, stored once per CTA and
+reloaded once per row block, outside the products); a block's dq / dk / dG targets are loaded before its products
+(latency hidden). At 2 CTAs per SM the 128-register cap spills in the hot loops and the kernel was slower than the
+CUDA-core one (docs/benchmarks/bwd_intra.md).
 Pipeline per value head: G by cp.async; dAqk / dL as 16-byte loads converted to bf16 (masked to the lower /
 strictly lower triangle, dSq scaled); one barrier; G padded (rows >= n take row n - 1's: exponents stay
 bounded; q = k = dSq = dL = beta = 0 there, so padding adds exactly 0) and scaled to log2 units; one barrier;
@@ -80,11 +85,11 @@ class ChunkBwdIntraTC:
     G_STRIDE = 132  # fp32 row stride of G, same reason (rows 2t: 4 t + channel / 1 distinct banks)
     A_STRIDE = 72  # bf16 row stride of dSq, dL: the 8 rows of an ldmatrix 8 x 8 fall in distinct 16-byte bank groups
     S_STRIDE = 33  # per-warp scratch rows: 16 dG values, 16 k R values, 1 pad
-    MILD_LOG2 = 60.0  # diagonal block by MMA when its in-block factor stays below 2^60 (no overflow anywhere)
+    MILD_LOG2 = 60.0  # diagonal block by MMA when both half spans stay below 2^60 (no overflow anywhere)
 
     # shared memory bytes, in allocation order (tests/sm100/test_chunk_bwd_intra_tc_cpu.py checks 2 CTAs per SM)
     SMEM = (2 * _BT * QK_STRIDE * 2 + _BT * G_STRIDE * 4 + 2 * _BT * A_STRIDE * 2
-            + _BT * 4 + _BT * 8 * 4 + 8 * _BC * S_STRIDE * 4)
+            + _BT * 4 + _BT * 8 * 4 + 8 * _BC * S_STRIDE * 4 + 8 * 2 * _BC * 4)
 
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, G_ptr: cute.Pointer, beta_ptr: cute.Pointer,
@@ -128,7 +133,9 @@ class ChunkBwdIntraTC:
         sPart = smem.allocate_tensor(f32, cute.make_layout((_BT, 8), stride=(8, 1)), 16)
         sScr = smem.allocate_tensor(f32, cute.make_layout((8, _BC, 2 * _BC + 1),
                                                           stride=(_BC * self.S_STRIDE, self.S_STRIDE, 1)), 16)
+        sRef = smem.allocate_tensor(f32, cute.make_layout((8, 2, _BC), stride=(2 * _BC, _BC, 1)), 16)
         scr = sScr[wid, None, None]
+        ref = sRef[wid, None, None]  # this warp's reference G of the current row block: row side, column side
 
         tDq = head_rows(mDq, t0, hq, _BT)
         tDk = head_rows(mDk, t0, hq, _BT)
@@ -204,8 +211,8 @@ class ChunkBwdIntraTC:
                 blk = _NB - 1 - bb
                 if blk * _BC < n:  # blocks wholly past the chunk end: nothing to add, nothing stored
                     run = self.row_block(blk, n, d0, lane, wid, run, mma, coordC, coordB, accQ, accR, accC, rA,
-                                         rA2, rB, rB2, rBl, rB2l, sK, sQ, sG, sSq, sSl, sBeta, sPart, scr, tDq, tDk,
-                                         tDg)
+                                         rA2, rB, rB2, rBl, rB2l, sK, sQ, sG, sSq, sSl, sBeta, sPart, scr, ref, tDq,
+                                         tDk, tDg)
             cute.arch.sync_threads()  # sPart complete
             if tidx < n:
                 tDb = head_rows(mDb, t0, hv, _BT)
@@ -216,18 +223,27 @@ class ChunkBwdIntraTC:
 
     @cute.jit
     def row_block(self, blk: cutlass.Constexpr, n, d0, lane, wid, run, mma, coordC, coordB, accQ, accR, accC, rA,
-                  rA2, rB, rB2, rBl, rB2l, sK, sQ, sG, sSq, sSl, sBeta, sPart, scr, tDq, tDk, tDg):
+                  rA2, rB, rB2, rBl, rB2l, sK, sQ, sG, sSq, sSl, sBeta, sPart, scr, ref, tDq, tDk,
+                  tDg):
         """Row block blk of this warp's 16 channels: dq, R (row side) and C (column side) of rows 16 blk .. 16 blk + 15,
         added to dq, dk, dG (and dbeta's partials); returns the running suffix sum of dG (lanes 0..15)."""
         f32 = cutlass.Float32
         r0 = blk * _BC
         r1 = r0 + _BC - 1
-        # in-block decay span over the warp's channels (log2 units): lanes l and l + 16 read the same channel
-        span = sG[r0, d0 + lane % _BC] - sG[r1, d0 + lane % _BC]
+        rm = r0 + _BC // 2
+        # the block's half spans over the warp's channels (log2 units): lanes l and l + 16 read the same channel
+        cd = d0 + lane % _BC
+        span = cute.arch.fmax(sG[r0, cd] - sG[rm, cd], sG[rm, cd] - sG[r1, cd])
         for sh in cutlass.range_constexpr(5):
             span = cute.arch.fmax(span, cute.arch.shuffle_sync_bfly(span, 1 << sh))
         mild = span < self.MILD_LOG2
         strong = span >= self.MILD_LOG2
+        # the reference rows' G of the warp's channels (module docstring): the middle row when mild, else the first
+        # (row side) and the last (column side); read back from shared memory by the products and the scalings
+        if lane < _BC:
+            ref[0, lane] = f32(cutlass.select_(mild, sG[rm, cd], sG[r0, cd]))
+            ref[1, lane] = f32(cutlass.select_(mild, sG[rm, cd], sG[r1, cd]))
+        cute.arch.sync_warp()
         # what this block adds to (dq, dk: the thread's fragment elements; dG: channel d0 + lane % 16, every row),
         # loaded before the products so that their latency hides behind them (rows clamped into the chunk)
         oq = cute.make_rmem_tensor((cute.size(accQ),), f32)
@@ -237,30 +253,30 @@ class ChunkBwdIntraTC:
         accQ.fill(0.0)
         accR.fill(0.0)
         accC.fill(0.0)
-        # row side: B = k_j exp2(G_r0 - G_j) over column blocks jb <= blk (the diagonal one when mild)
+        # row side: B = k_j exp2(G_ref - G_j) over column blocks jb <= blk (the diagonal one when mild)
         for jb in cutlass.range_constexpr(blk + 1):
             if cutlass.const_expr(jb < blk):
-                self.row_mma(blk, jb, d0, lane, mma, coordB, accQ, accR, rA, rA2, rB, rBl, sK, sG, sSq, sSl)
+                self.row_mma(blk, jb, ref, d0, lane, mma, coordB, accQ, accR, rA, rA2, rB, rBl, sK, sG, sSq, sSl)
             else:
                 if mild:
-                    self.row_mma(blk, jb, d0, lane, mma, coordB, accQ, accR, rA, rA2, rB, rBl, sK, sG, sSq, sSl)
-        # column side: B = q_i exp2(G_i - G_r1), beta_i k_i exp2(G_i - G_r1) over row blocks ib >= blk
+                    self.row_mma(blk, jb, ref, d0, lane, mma, coordB, accQ, accR, rA, rA2, rB, rBl, sK, sG, sSq, sSl)
+        # column side: B = q_i exp2(G_i - G_ref), beta_i k_i exp2(G_i - G_ref) over row blocks ib >= blk
         for ib in cutlass.range_constexpr(blk, _NB):
             if cutlass.const_expr(ib > blk):
-                self.col_mma(blk, ib, d0, lane, mma, coordB, accC, rA, rA2, rB, rB2, rBl, rB2l, sK, sQ, sG, sSq, sSl,
-                             sBeta)
+                self.col_mma(blk, ib, ref, d0, lane, mma, coordB, accC, rA, rA2, rB, rB2, rBl, rB2l, sK, sQ, sG,
+                             sSq, sSl, sBeta)
             else:
                 if mild:
-                    self.col_mma(blk, ib, d0, lane, mma, coordB, accC, rA, rA2, rB, rB2, rBl, rB2l, sK, sQ, sG, sSq,
-                                 sSl, sBeta)
-        # the factors taken out: exp2(G_i - G_r0) <= 1 (row side), exp2(G_r1 - G_j) <= 1 (column side)
+                    self.col_mma(blk, ib, ref, d0, lane, mma, coordB, accC, rA, rA2, rB, rB2, rBl, rB2l, sK, sQ,
+                                 sG, sSq, sSl, sBeta)
+        # the factors taken out: exp2(G_i - G_ref) (row side), exp2(G_ref - G_j) (column side)
         for v in cutlass.range_constexpr(cute.size(accQ)):
             rr, cc = coordC[v]
             g = sG[r0 + rr, d0 + cc]
-            eq = _exp2(g - sG[r0, d0 + cc])
+            eq = _exp2(g - ref[0, cc])
             accQ[v] = accQ[v] * eq
             accR[v] = accR[v] * eq
-            accC[v] = accC[v] * _exp2(sG[r1, d0 + cc] - g)
+            accC[v] = accC[v] * _exp2(ref[1, cc] - g)
         if strong:
             self.exact_diagonal(blk, d0, coordC, accQ, accR, accC, sK, sQ, sG, sSq, sSl, sBeta)
 
@@ -326,16 +342,15 @@ class ChunkBwdIntraTC:
         cute.copy(cp, tc.partition_S(s), tc.retile(rA))
 
     @cute.jit
-    def row_mma(self, blk: cutlass.Constexpr, jb: cutlass.Constexpr, d0, lane, mma, coordB, accQ, accR, rA, rA2, rB,
-                rBl, sK, sG, sSq, sSl):
-        """accQ += dSq[blk, jb] @ B, accR += dL[blk, jb] @ B, B[d, j] = k_j exp2(G_r0 - G_j) over column block jb
-        (B = rB + rBl)."""
-        r0 = blk * _BC
+    def row_mma(self, blk: cutlass.Constexpr, jb: cutlass.Constexpr, ref, d0, lane, mma, coordB, accQ, accR, rA, rA2,
+                rB, rBl, sK, sG, sSq, sSl):
+        """accQ += dSq[blk, jb] @ B, accR += dL[blk, jb] @ B, B[d, j] = k_j exp2(G_ref - G_j) over column block jb
+        (B = rB + rBl; G_ref of channel d0 + c: ref[0, c])."""
         for e in cutlass.range_constexpr(cute.size(rB)):
             cc, jj = coordB[e]
             j = jb * _BC + jj
             d = d0 + cc
-            self.split(sK[j, d].to(cutlass.Float32) * _exp2(sG[r0, d] - sG[j, d]), rB, rBl, e)
+            self.split(sK[j, d].to(cutlass.Float32) * _exp2(ref[0, cc] - sG[j, d]), rB, rBl, e)
         self.load_a(mma, lane, cute.local_tile(sSq, (_BC, _BC), (blk, jb)), False, rA)
         self.load_a(mma, lane, cute.local_tile(sSl, (_BC, _BC), (blk, jb)), False, rA2)
         cute.gemm(mma, accQ, rA, rB, accQ)
@@ -344,15 +359,15 @@ class ChunkBwdIntraTC:
         cute.gemm(mma, accR, rA2, rBl, accR)
 
     @cute.jit
-    def col_mma(self, blk: cutlass.Constexpr, ib: cutlass.Constexpr, d0, lane, mma, coordB, accC, rA, rA2, rB, rB2,
-                rBl, rB2l, sK, sQ, sG, sSq, sSl, sBeta):
-        """accC += dSq[ib, blk]^T @ Bq + dL[ib, blk]^T @ Bk: Bq[d, i] = q_i exp2(G_i - G_r1), Bk = beta_i k_i (same)."""
-        r1 = blk * _BC + _BC - 1
+    def col_mma(self, blk: cutlass.Constexpr, ib: cutlass.Constexpr, ref, d0, lane, mma, coordB, accC, rA, rA2, rB,
+                rB2, rBl, rB2l, sK, sQ, sG, sSq, sSl, sBeta):
+        """accC += dSq[ib, blk]^T @ Bq + dL[ib, blk]^T @ Bk: Bq[d, i] = q_i exp2(G_i - G_ref), Bk = beta_i k_i
+        (same; G_ref of channel d0 + c: ref[1, c])."""
         for e in cutlass.range_constexpr(cute.size(rB)):
             cc, ii = coordB[e]
             i = ib * _BC + ii
             d = d0 + cc
-            x = _exp2(sG[i, d] - sG[r1, d])
+            x = _exp2(sG[i, d] - ref[1, cc])
             self.split(sQ[i, d].to(cutlass.Float32) * x, rB, rBl, e)
             self.split((sBeta[i] * sK[i, d].to(cutlass.Float32)) * x, rB2, rB2l, e)
         # A[j, i] = dSq[i, j]: the (ib, blk) tile seen transposed, loaded with ldmatrix.trans
