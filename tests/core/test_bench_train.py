@@ -35,3 +35,32 @@ def test_compile_in_parallel_runs_each_call_in_its_own_process(tmp_path):
     assert [(tmp_path / f"mark{i}").exists() for i in range(3)] == [True, True, False]
     _, failed = fla_tuning.compile_in_parallel("sys", "exit", [(0,), (3,)])
     assert failed == [(3,)]
+
+
+def test_shards_partition_the_grid():
+    import pytest
+
+    n = 4
+    shards = [train.shard(train.GRID, f"{i}/{n}") for i in range(n)]
+    labels = [train.label(s) for part in shards for s in part]
+    assert sorted(labels) == sorted(train.label(s) for s in train.GRID)
+    assert len(set(labels)) == len(labels)
+    assert [train.label(s) for s in shards[1]] == [train.label(s) for s in train.GRID[1::n]]
+    assert train.shard(train.QUICK, None) == train.QUICK
+    for bad in ("4/4", "-1/4", "1", "a/b"):
+        with pytest.raises(ValueError, match="--shard"):
+            train.shard(train.GRID, bad)
+
+
+def test_earlier_rows_keep_file_order_and_refuse_another_card(tmp_path):
+    import json
+
+    import pytest
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps([dict(shape="s1", gpu="H100"), dict(shape="s2")]))
+    b.write_text(json.dumps([dict(shape="s3", gpu="H100")]))
+    rows = train.earlier_rows([a, b], "H100")
+    assert [r["shape"] for r in rows] == ["s1", "s2", "s3"]
+    with pytest.raises(ValueError, match="a.json: row 's1' was timed on H100, this process runs on H200"):
+        train.earlier_rows([a, b], "H200")

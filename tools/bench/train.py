@@ -3,7 +3,7 @@ the forward alone, the whole forward + backward, and the peak extra GPU memory o
 inputs in one process.
 
     python -m tools.bench.train [--smoke | --quick] [--out docs/benchmarks/train.md] [--json FILE [--resume]]
-                                [--no-warm]
+                                [--no-warm] [--shard I/N] [--merge FILE ...]
 
 Every call: raw g with the safe gate (lower_bound = -5, A_log, dt_bias) and q/k L2 norm in kernel, K = V = 128,
 gradients of q, k, v, g, beta, A_log and dt_bias. Shapes (issue 19's grid): B in (1, 2), T in (1024, 4096, 8192,
@@ -20,6 +20,10 @@ inputs and the output gradient), per implementation. The table for this run's ca
 of `--out`. `--json FILE` is rewritten after every row; with `--resume`, the rows already in FILE (from an earlier
 process on the same card and commit) are kept and only the missing shapes are timed, each still with FLA tuned in
 this process on it, so a grid longer than one session's process limit can be timed in several processes.
+`--shard I/N` times the shapes I, I + N, I + 2N, ... of the grid only: on a machine with N GPUs, N processes (each
+with CUDA_VISIBLE_DEVICES=I and its own --json) time the grid together, each row still with FLA tuned in the
+process that times it; `--merge FILE ...` then counts the rows of those files as timed (a shape none of them has is
+timed as usual) and writes the whole table. Every row records its card; rows of another card are refused.
 """
 
 from __future__ import annotations
@@ -147,7 +151,7 @@ def rel(a, b) -> float:
 
 def run_shape(shape: dict, warmup: int, rep: int) -> dict:
     x = make_inputs(shape)
-    row = dict(shape=label(shape))
+    row = dict(shape=label(shape), gpu=torch.cuda.get_device_name())
     ours_g, fla_g = step("cula", x, True)(), None
     fla_tuning.retune()
     fla_g = step("fla", x, True)()  # FLA tunes its forward and backward kernels on this shape
@@ -207,6 +211,31 @@ def timed_rows(shapes: list[dict], done: list[dict], measure, save) -> list[dict
     return rows
 
 
+def shard(shapes: list[dict], spec: str | None) -> list[dict]:
+    """The shapes of shard `spec` ("I/N": every N-th shape from the I-th, 0 <= I < N), all of them for None."""
+    if spec is None:
+        return list(shapes)
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard must be I/N with integers I and N, got {spec!r}") from None
+    if not 0 <= i < n:
+        raise ValueError(f"--shard I/N needs 0 <= I < N, got {spec!r}")
+    return list(shapes[i::n])
+
+
+def earlier_rows(files: list[Path], gpu: str) -> list[dict]:
+    """The rows of earlier runs in `files` (JSON lists of rows), in file order; a row timed on another card than
+    `gpu` raises ValueError naming its file."""
+    rows = []
+    for f in files:
+        for r in json.loads(Path(f).read_text()):
+            if r.get("gpu", gpu) != gpu:
+                raise ValueError(f"{f}: row {r['shape']!r} was timed on {r['gpu']}, this process runs on {gpu}")
+            rows.append(r)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true")
@@ -215,6 +244,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="rows as JSON, rewritten after every row")
     ap.add_argument("--resume", action="store_true", help="keep the rows already in --json; time the others")
     ap.add_argument("--no-warm", action="store_true", help="no parallel compile of FLA's kernels before the rows")
+    ap.add_argument("--shard", metavar="I/N", help="time every N-th shape from the I-th only (one process per GPU)")
+    ap.add_argument("--merge", type=Path, nargs="+", default=[], help="rows of earlier processes, counted as timed")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rep", type=int, default=10)
     args = ap.parse_args(argv)
@@ -224,8 +255,12 @@ def main(argv=None) -> int:
     if args.resume and not args.json:
         ap.error("--resume needs --json")
     fla_tuning.prepare()
-    shapes = SMOKE if args.smoke else QUICK if args.quick else GRID
-    done = json.loads(args.json.read_text()) if args.resume and args.json.exists() else []
+    files = [*args.merge, *([args.json] if args.resume and args.json.exists() else [])]
+    try:
+        shapes = shard(SMOKE if args.smoke else QUICK if args.quick else GRID, args.shard)
+        done = earlier_rows(files, torch.cuda.get_device_name())
+    except ValueError as e:
+        ap.error(str(e))
     timed = {r["shape"] for r in done}
     todo = [s for s in shapes if label(s) not in timed]
     if todo and not args.no_warm:
