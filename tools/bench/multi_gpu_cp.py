@@ -4,7 +4,8 @@ FLA 0.6.0's CP (`fla.ops.kda.chunk_kda(..., cp_context=fla.ops.cp.build_cp_conte
     python tools/bench/multi_gpu_cp.py [--quick] [--gpus N] [--no-fla] [--out docs/benchmarks/multi_gpu_cp.md]
 
 One process per GPU (torch.multiprocessing spawn, NCCL, ``NCCL_NVLS_ENABLE=0``; ``CULA_STRICT=1`` so a call that
-would fall back to the reference fails instead of timing it). Inputs: bf16 q/k/v, raw gate with the safe gate in
+would fall back to the reference fails instead of timing it). FLA runs its own kernels (``FLA_FLASH_KDA=0``), with
+no autotune results read from disk, tuned again in each rank on each timed shape (tools/bench/fla_tuning.py). Inputs: bf16 q/k/v, raw gate with the safe gate in
 kernel (A_log, dt_bias, lower_bound = -5), q/k L2 norm in kernel, K = V = 128, HQK = HV = H.
 
 1. correctness: a global varlen batch (a long sequence through every rank and short ones) split over the ranks,
@@ -183,6 +184,9 @@ def _timing(rank, world, group, device, cfg, have_fla, log):
             if have_fla:
                 from fla.ops.cp import build_cp_context as fla_build
 
+                from tools.bench import fla_tuning
+
+                fla_tuning.retune()  # FLA tunes its kernels again, in this process, on this shape
                 fctx = fla_build(bounds.to(device), group, cu_seqlens_cpu=bounds)
                 row["fla_cp_ms"] = _time(_train_step(lambda z: _fla_call(z, fctx), x, do), cfg["reps"],
                                          cfg["warmup"], group, device)
@@ -288,6 +292,9 @@ def main() -> int:
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     os.environ.setdefault("CULA_STRICT", "1")
     sys.path.insert(0, str(ROOT))
+    from tools.bench import fla_tuning
+
+    fla_tuning.prepare()  # before FLA is imported, here and in the spawned ranks (they inherit the environment)
     import torch
     import torch.multiprocessing as mp
 
