@@ -19,8 +19,9 @@ G_{16 I} - G_m and G_m - G_{16 I + 15} (log2 units, max over the warp's channels
 factor, on and off the diagonal, is at most 2^MILD_LOG2 (G is non-increasing in a chunk: g <= 0, as the forward
 assumes; off the diagonal the operand factors are <= 1) and the diagonal block goes through the same MMA (dSq / dL
 are zero above the diagonal, so no masked term can be inf * 0). The safe gate at lower_bound >= -5 is always mild
-(8 steps of at most 5 nats: 57.7 < 60 in log2 units). An underflow to 0 drops only terms whose decay from the
-block's first row is below 2^-(126 - MILD_LOG2). Otherwise ("strong") the references are the block's first row
+(8 steps of at most 5 nats: 57.7 < 60 in log2 units). An underflow to 0 drops only terms whose decay to the
+block's first row (row side) or from its last row (column side) is below 2^-(126 - MILD_LOG2), against 2^-126
+with those rows as references. Otherwise ("strong") the references are the block's first row
 (row side) and last row (column side), so the operand factors off the diagonal are <= 1 however strong the decay,
 and that warp does the diagonal block exactly on CUDA cores (fp32 arithmetic, one exp per (pair, element), FLA's
 non-safe-gate diagonal loop) from the same bf16 dSq / dL tiles. Correct for any decay either way.
