@@ -226,7 +226,8 @@ def shard(shapes: list[dict], spec: str | None) -> list[dict]:
 
 def earlier_rows(files: list[Path], gpu: str) -> list[dict]:
     """The rows of earlier runs in `files` (JSON lists of rows), in file order; a row timed on another card than
-    `gpu` raises ValueError naming its file."""
+    `gpu` raises ValueError naming its file (a row that records no card, written before rows did, is taken as
+    timed on `gpu`)."""
     rows = []
     for f in files:
         for r in json.loads(Path(f).read_text()):
