@@ -41,6 +41,8 @@ PACK_MIN_SAVING = 8  # pack stage 1 when that removes at least 1 / 8 (12.5%) of 
 # the safe gate's lower bound down to which the TC stage 1 serves (FLA's safe range): its block-boundary score
 # factors reach e^(16 |lower_bound|) (e^80 here), below fp32 / bf16 overflow (e^88.7)
 TC_LOWER_BOUND_MIN = -5.0
+# the lower bound a call that gives None runs with (intra_kind and the stage-1 scalar agree on it)
+DEFAULT_LOWER_BOUND = -5.0
 
 
 INTRA, STATE = "sm90.prefill.intra", "sm90.prefill.state"
@@ -64,8 +66,8 @@ def launch_stream() -> int:
 @functools.cache
 def intra_kind(gate: str, lower_bound: float | None) -> str:
     """Which stage 1 serves a call: "tc" (chunk_intra_tc.py, tensor-core scores: the safe gate with a lower bound
-    the factorised operands cannot overflow with; None: the default -5) or "simt" (chunk_intra.py: any gate)."""
-    lb = -5.0 if lower_bound is None else lower_bound
+    the factorised operands cannot overflow with; None: DEFAULT_LOWER_BOUND) or "simt" (chunk_intra.py: any gate)."""
+    lb = DEFAULT_LOWER_BOUND if lower_bound is None else lower_bound
     return "tc" if gate == "safe" and TC_LOWER_BOUND_MIN <= lb <= 0.0 else "simt"
 
 
@@ -381,7 +383,7 @@ def launch_spec(B, T, HQK, HV, N, tables, qkv_dtype, g_dtype, beta_dtype, has_a_
     TT = B * T
     NC = max(tables["NC"], 1)
     nbytes, offsets = scratch_layout(TT, HV, NC, with_aqk=not residuals)
-    lb = -5.0 if lower_bound is None else float(lower_bound)
+    lb = DEFAULT_LOWER_BOUND if lower_bound is None else float(lower_bound)
     kind = intra_kind(gate, lower_bound)
     if residuals and kind != "tc":
         raise ValueError(f"the sm90 prefill saves residuals with the tensor-core stage 1 only (the safe gate with "
