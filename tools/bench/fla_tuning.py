@@ -64,7 +64,8 @@ def triton_cache_dir() -> Path:
     return Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
 
 
-def compile_in_parallel(module: str, function: str, calls: list[tuple], keep_autotune: bool = False) -> tuple[float, list]:
+def compile_in_parallel(module: str, function: str, calls: list[tuple],
+                        keep_autotune: bool = False) -> tuple[float, list]:
     """Run `module.function(*args)` for each `args` of `calls`, each in its own process, all at once, and wait for
     them. FLA's first call per autotuning key compiles every configuration of each kernel, serially (minutes in one
     process); processes in parallel fill Triton's on-disk compile cache, so the timing process then only tunes (its
