@@ -1,6 +1,10 @@
 """tools/bench/train.py's row bookkeeping (CPU): with --resume, rows already timed are kept and only the missing
 shapes are measured; the rows are saved after every shape."""
 
+import json
+
+import pytest
+
 from tools.bench import train
 
 
@@ -38,8 +42,6 @@ def test_compile_in_parallel_runs_each_call_in_its_own_process(tmp_path):
 
 
 def test_shards_partition_the_grid():
-    import pytest
-
     n = 4
     shards = [train.shard(train.GRID, f"{i}/{n}") for i in range(n)]
     labels = [train.label(s) for part in shards for s in part]
@@ -53,10 +55,6 @@ def test_shards_partition_the_grid():
 
 
 def test_earlier_rows_keep_file_order_and_refuse_another_card(tmp_path):
-    import json
-
-    import pytest
-
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps([dict(shape="s1", gpu="H100"), dict(shape="s2")]))
     b.write_text(json.dumps([dict(shape="s3", gpu="H100")]))
