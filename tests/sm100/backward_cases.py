@@ -6,6 +6,7 @@ reference's intermediates in the backward's layout, and the kernel compile list.
 
 from __future__ import annotations
 
+import itertools
 import time
 from types import SimpleNamespace
 
@@ -94,6 +95,8 @@ def kernels():
             "chunk_bwd_dhu[dht, dh0]": lambda: launch.dhu_kernel(True, True),
             "chunk_bwd_dhu[no states]": lambda: launch.dhu_kernel(False, False),
             "chunk_bwd_dhu[dht, dh0, BV=32]": lambda: launch.dhu_kernel(True, True, 32),
+            "chunk_bwd_dhu[dht, dh0, BV=32, 2 stages]": lambda: launch.dhu_kernel(True, True, 32, 2),
+            "chunk_bwd_dhu[no states, 2 stages]": lambda: launch.dhu_kernel(False, False, 64, 2),
             "gate_bwd[softplus, A_log, dt_bias, fp32 g, bf16 beta]":
                 lambda: launch.gate_bwd_kernel("softplus", True, True, None, "none", torch.float32, torch.bfloat16),
             "gate_bwd[safe, dt_bias, bf16 g, sigmoid fp32 beta]":
@@ -194,15 +197,14 @@ def _memcheck():
         launch.finish(dq, dk, dv, db, dG, None, q.detach(), k.detach(), g.detach(), beta.detach(), A_log.detach(),
                       dt_bias.detach(), None, ctab, v_dtype=torch.bfloat16, use_qk_l2norm_in_kernel=l2, gate=gate,
                       lower_bound=-5.0 if gate == "safe" else None, beta_activation=act)
-    # chunk_bwd_dhu with both V slice widths (the dispatch picks 32 for these few heads) on the same odd chunks
+    # chunk_bwd_dhu with both V slice widths and pipeline depths on the same odd chunks
     ctab, stab = fwd.tables(1, T, cu_cpu.cuda(), cu_cpu, "cuda")
-    kg, w = (torch.randn(T, 2, 128, device="cuda").bfloat16() for _ in range(2))
+    qg, kg, w = (torch.randn(T, 2, 128, device="cuda").bfloat16() for _ in range(3))
     G = -torch.rand(T, 2, 128, device="cuda")
     do, dv = (torch.randn(T, 2, 128, device="cuda").bfloat16() for _ in range(2))
     dht = torch.randn(len(lengths), 2, 128, 128, device="cuda")
-    for bv in (32, 64):
-        launch.chunk_bwd_dhu(q.detach().reshape(T, 1, 128), kg, w, G, do, dv, dht, ctab, stab, scale=0.1,
-                             want_dh0=True, bv=bv)
+    for bv, stages in itertools.product((32, 64), (1, 2)):
+        launch.chunk_bwd_dhu(qg, kg, w, G, do, dv, dht, ctab, stab, want_dh0=True, bv=bv, stages=stages)
     # chunk_bwd_intra on chunk lengths of every residue mod its 4-row blocks (1, 2, 3, 7, 63, 64, 65, 130) and
     # empty sequences, GVA 2
     lengths = [1, 0, 2, 3, 63, 64, 65, 130, 7]

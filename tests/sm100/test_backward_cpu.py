@@ -65,11 +65,10 @@ def _stand_in_stages(monkeypatch, it, bounds):
         dA, dv = torch_stages.dav(do, Aqk, v_new, ch)
         return ch.unchunk(dA.permute(0, 2, 1, 3)), ch.unchunk(dv).to(do.dtype)
 
-    def dhu(q, kg, w, G, do, dv, dht, ctab, stab, *, scale, want_dh0, bv):
+    def dhu(qg, kg, w, G, do, dv, dht, ctab, stab, *, want_dh0, bv):
         assert bv in (32, 64)
-        qg = q.repeat_interleave(G.shape[1] // q.shape[1], dim=1) * torch.exp(G)
-        dh, dh0, dv2 = torch_stages.dhu(qg, kg, w, G, do, ch.chunk(dv).float(), dht, ch, scale=scale,
-                                        want_dh0=want_dh0)
+        dh, dh0, dv2 = torch_stages.dhu(qg, kg, w, G, do, ch.chunk(dv).float(), dht, ch, scale=1.0,
+                                        want_dh0=want_dh0)  # qg carries the scale
         return dh, dv2, dh0
 
     def wy(q, k, v, v_new, G, beta, Akk, h, do, dh, dv, ctab, *, scale):
@@ -89,7 +88,10 @@ def _stand_in_stages(monkeypatch, it, bounds):
     def logged(name, fn):
         return lambda *a, **kw: order.append(name) or fn(*a, **kw)
 
-    monkeypatch.setattr(launch, "recompute", logged("recompute", lambda *a, **kw: it))
+    def recompute(*a, scale, **kw):
+        return it, it.q.repeat_interleave(it.g_cumsum.shape[1] // it.q.shape[1], dim=1) * torch.exp(it.g_cumsum) * scale
+
+    monkeypatch.setattr(launch, "recompute", logged("recompute", recompute))
     for name, fn in (("chunk_bwd_dav", dav), ("chunk_bwd_dhu", dhu), ("chunk_wy_dqkg", wy),
                      ("chunk_bwd_intra", intra), ("finish", finish)):
         monkeypatch.setattr(launch, name, logged(name, fn))
@@ -222,9 +224,17 @@ def test_dhu_slice_width_dispatch(monkeypatch):
     monkeypatch.setattr(launch.fwd, "launch_kernel", lambda kernel, *a: asked.append(kernel))
     for N, HV, bv, want in ((2, 32, None, 32), (2, 64, None, 64), (2, 32, 64, 64), (2, 64, 32, 32)):
         TT = 3 * N
-        q = torch.zeros(TT, 1, 128, dtype=torch.bfloat16)
         x = torch.zeros(TT, HV, 128, dtype=torch.bfloat16)
         G = torch.zeros(TT, HV, 128)
         ctab, stab = torch.zeros(N, 2, dtype=torch.int32), torch.zeros(N, 3, dtype=torch.int32)
-        launch.chunk_bwd_dhu(q, x, x, G, x, x, None, ctab, stab, scale=0.1, want_dh0=False, bv=bv)
-        assert asked[-1] == launch.dhu_kernel(False, False, want), (N, HV, bv)
+        launch.chunk_bwd_dhu(x, x, x, G, x, x, None, ctab, stab, want_dh0=False, bv=bv, stages=1)
+        assert asked[-1] == launch.dhu_kernel(False, False, want, 1), (N, HV, bv)
+
+
+def test_dhu_stages_dispatch():
+    """chunk_bwd_dhu takes 2 pipeline stages (one CTA per SM, each tile loaded a chunk ahead) when its grid fits
+    the SMs and 1 above; the two are distinct kernel configurations."""
+    from cula_sm100.backward import launch
+
+    assert [launch.dhu_stages(ctas, 132) for ctas in (1, 64, 132, 133, 1024)] == [2, 2, 2, 1, 1]
+    assert launch.dhu_kernel(True, True, 32, 1) != launch.dhu_kernel(True, True, 32, 2)

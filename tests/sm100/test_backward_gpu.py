@@ -268,11 +268,12 @@ def test_memcheck_clean_on_odd_shapes():
     assert "ERROR SUMMARY: 0 errors" in proc.stdout
 
 
+@pytest.mark.parametrize("stages", [1, 2])
 @pytest.mark.parametrize("bv", [32, 64])
 @pytest.mark.parametrize("lengths,states", [(None, True), ([17, 1, 64, 65, 0, 200], True), (None, False)])
-def test_chunk_bwd_dhu_matches_torch_stage(lengths, states, bv):
+def test_chunk_bwd_dhu_matches_torch_stage(lengths, states, bv, stages):
     """chunk_bwd_dhu (the kernel the live backward uses) against the PyTorch stage torch_stages.dhu in fp32 on
-    the same inputs, with each V slice width (launch.dhu_slice_width picks 32 for these few heads)."""
+    the same inputs, with each V slice width and pipeline depth (launch.dhu_slice_width / dhu_stages pick)."""
     require_gpu()
     import torch_stages
     from cula_sm100.backward import launch
@@ -297,15 +298,16 @@ def test_chunk_bwd_dhu_matches_torch_stage(lengths, states, bv):
     N = stab.shape[0]
     dht = 0.1 * r(N, HV, 128, 128) if states else None
     scale = 128 ** -0.5
-    dh, dv2, dh0 = launch.chunk_bwd_dhu(q, kg, w, G.contiguous(), do, dv, dht, ctab, stab, scale=scale,
-                                        want_dh0=states, bv=bv)
     qg = q.float().repeat_interleave(HV // HQK, dim=1) * torch.exp(G)
+    dh, dv2, dh0 = launch.chunk_bwd_dhu((qg * scale).bfloat16(), kg, w, G.contiguous(), do, dv, dht, ctab, stab,
+                                        want_dh0=states, bv=bv, stages=stages)
     e_dh, e_h0, e_dv = torch_stages.dhu(qg, kg, w, G, do, ch.chunk(dv).float(), dht, ch, scale=scale,
                                         want_dh0=states)
     errs = dict(dh=rel_err(dh, e_dh), dv=rel_err(dv2, e_dv))
     if states:
         errs["dh0"] = rel_err(dh0, e_h0)
-    print(f"\nchunk_bwd_dhu {lengths=} {states=} {bv=}: " + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
+    print(f"\nchunk_bwd_dhu {lengths=} {states=} {bv=} {stages=}: "
+          + " ".join(f"{n}={e:.2e}" for n, e in errs.items()))
     for n, e in errs.items():
         assert e < 2e-2, f"{n}: rel err {e:.3e}"
 

@@ -56,7 +56,9 @@ def test_every_kernel_registered_per_arch():
 
 def _served_calls():
     """(forward / backward keyword sets) of every served setup (cula_sm100.kernels' docstring), on two shapes:
-    few heads (chunk_delta_h plain, chunk_bwd_dhu's 32-column slices) and many (clusters, 64 columns)."""
+    few heads (chunk_delta_h plain, chunk_bwd_dhu's 32-column slices, 2 stages) and many (clusters, 64 columns,
+    1 stage); then one setup at the heads where chunk_bwd_dhu takes 32 columns in 1 stage (HV = 32: 256 CTAs) and
+    64 columns in 2 (HV = 33: 132 CTAs)."""
     from cula_sm100 import kernels
 
     for (gate, params, lb), g_dtype, beta_dtype, act, l2, h0, ht, HV in itertools.product(
@@ -64,6 +66,10 @@ def _served_calls():
             (False, True), (False, True), (False, True), (2, 128)):
         yield dict(gate=gate, params=params, lower_bound=lb, g_dtype=g_dtype, beta_dtype=beta_dtype,
                    beta_activation=act, use_qk_l2norm_in_kernel=l2, h0=h0, output_final_state=ht, HV=HV)
+    (gate, params, lb), f32 = kernels.GATES[0], torch.float32
+    for h0, ht, HV in itertools.product((False, True), (False, True), (32, 33)):
+        yield dict(gate=gate, params=params, lower_bound=lb, g_dtype=f32, beta_dtype=f32, beta_activation="none",
+                   use_qk_l2norm_in_kernel=True, h0=h0, output_final_state=ht, HV=HV)
 
 
 def _inputs(c, B=2, T=3, HQK=2):
@@ -80,9 +86,12 @@ def _inputs(c, B=2, T=3, HQK=2):
 
 @pytest.fixture
 def recorded(monkeypatch):
-    """Launches recorded, not run: (kernel, dtypes, tensors); each checked by runtime.addresses first."""
+    """Launches recorded, not run: (kernel, dtypes, tensors); each checked by runtime.addresses first. The device
+    reads as an H100's 132 SMs (grid-size dispatch: chunk_bwd_dhu's pipeline depth)."""
+    from cula_core import cute_runtime as rt
     from cula_sm100 import runtime
 
+    monkeypatch.setattr(rt, "sm_count", lambda index: 132)
     calls = []
 
     def record(kernel, dtypes, tensors, scalars):
@@ -195,8 +204,8 @@ def _stage_calls():
                           fwd.delta_h_kernel(True, True, False)),
         "fwd_o": (lambda: fwd.fwd_o_qg(v, h, A64, v, ctab, scale=0.1), fwd.fwd_o_kernel(True)),
         "chunk_bwd_dav": (lambda: bwd.chunk_bwd_dav(v, v, A64, ctab), bwd.dav_kernel()),
-        "chunk_bwd_dhu": (lambda: bwd.chunk_bwd_dhu(q, v, v, G, v, v, z(N, HV, 128, 128), ctab, stab, scale=0.1,
-                                                    want_dh0=True, bv=32), bwd.dhu_kernel(True, True, 32)),
+        "chunk_bwd_dhu": (lambda: bwd.chunk_bwd_dhu(v, v, v, G, v, v, z(N, HV, 128, 128), ctab, stab, want_dh0=True,
+                                                    bv=32, stages=2), bwd.dhu_kernel(True, True, 32, 2)),
         "chunk_wy_dqkg": (lambda: bwd.chunk_wy_dqkg(q, k, v, v, G, z(TT, HV), A64, h, v, h, v, ctab, scale=0.1),
                           bwd.wy_dqkg_kernel()),
         "chunk_bwd_intra_tc": (lambda: bwd.chunk_bwd_intra(q, k, G, z(TT, HV), z(TT, HV, 64), z(TT, HV, 64),

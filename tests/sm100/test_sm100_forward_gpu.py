@@ -107,7 +107,8 @@ GATE_KERNEL_CASES = [("softplus", torch.float32, True, True, None), ("softplus",
 @pytest.mark.parametrize("lengths", [[1, 63, 0, 64, 65, 200], [130]], ids=["varlen", "one"])
 def test_gate_cumsum_modes(gate, g_dtype, has_A, has_b, lb, lengths):
     """gate_cumsum in every gate mode, fp32 and bf16 g, A_log / dt_bias present or not, HV % 4 != 0 (idle warps in
-    the last CTA column), chunks of 1..64 tokens: G against the fp64 reference's chunk-local cumsum."""
+    the last CTA column), chunks of 1..64 tokens: G against the fp64 reference's chunk-local cumsum; gate_cumsum_qg
+    on the same inputs (GVA 2): the same G, and qg."""
     require_gpu()
     from cula_core.reference.gates import log_decay
     from cula_sm100.forward import launch
@@ -126,6 +127,14 @@ def test_gate_cumsum_modes(gate, g_dtype, has_A, has_b, lb, lengths):
     for t0, n in ctab.tolist():
         ref[t0:t0 + n] = x[t0:t0 + n].cumsum(0)
     assert rel_err(G, ref) < TOL["g_cumsum"]
+    # with qg_out (the backward's recompute): the same G bitwise, and qg = bf16(q e^G scale) of q at hv // 2
+    q = torch.randn(T, HV // 2, 128, generator=gen, device="cuda").bfloat16()
+    G2, qg = launch.gate_cumsum_qg(g.reshape(T, HV, 128), A_log, dt_bias, q, ctab, gate=gate, lower_bound=lb,
+                                   scale=0.1)
+    assert torch.equal(G2, G)
+    expect = q.float().repeat_interleave(2, dim=1) * torch.exp(G) * 0.1
+    assert qg.dtype == torch.bfloat16
+    assert rel_err(qg, expect) < 4e-3  # bf16 rounding (2^-9 relative) plus the approximate exp
 
 
 def test_gva_equals_expanded_qk_bitwise():

@@ -8,7 +8,7 @@
 
 `--cula-only`: for each CULA_ONLY_E2E shape, cula's backward stage times (`stage_times`) and its whole forward +
 backward (`e2e_fn`, CUDA events, median of 7 calls after 3); then chunk_bwd_dhu alone (do_bench) at both V slice
-widths on DHU_SHAPES (random inputs, no states). For comparing two trees of cula's kernels on one machine.
+widths and pipeline depths on DHU_SHAPES (random inputs, no states). For comparing two trees of cula's kernels on one machine.
 
 The issue's grid. Kernel rows: H = 32 q/k heads, HV in (32, 64), B in (1, 2), T in (256 ... 8192), plus varlen
 (B = 1, 8192 tokens) with 10 and 20 sequences of uniform, random and skewed lengths. Whole forward + backward rows
@@ -30,6 +30,7 @@ through tools/bench/harness.py.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -241,7 +242,7 @@ STAGES = ("recompute", "dav", "dhu", "chunk_wy_dqkg", "intra", "finish")
 CULA_ONLY_E2E = [dict(B=2, T=8192, HV=32), dict(B=2, T=8192, HV=64), dict(B=1, T=8192, HV=32),
                  dict(B=2, T=4096, HV=32), dict(B=1, T=TOKENS, HV=32, varlen=("skewed", 20)),
                  dict(B=1, T=TOKENS, HV=32, varlen=("random", 10))]
-DHU_SHAPES = [(2, 8192, 32), (2, 8192, 64), (1, 8192, 32), (1, 16384, 32)]
+DHU_SHAPES = [(2, 8192, 32), (2, 8192, 64), (1, 8192, 32), (1, 16384, 32), (1, 16384, 16)]
 
 
 def stage_times(shape, reps=3):
@@ -290,16 +291,16 @@ def cula_only(timing) -> None:
                               cula_fwd_bwd_ms=round(step.median_ms, 3))), flush=True)
     for B, T, HV in DHU_SHAPES:
         TT = B * T
-        q = torch.randn(TT, H, K, device="cuda").bfloat16()
-        kg, w, do, dv = (torch.randn(TT, HV, K, device="cuda").bfloat16() for _ in range(4))
+        qg, kg, w, do, dv = (torch.randn(TT, HV, K, device="cuda").bfloat16() for _ in range(5))
         G = -0.1 * torch.rand(TT, HV, K, device="cuda")
         ctab, stab = fwd.tables(B, T, None, None, "cuda")
         ms = {}
-        for bv in (32, 64):
-            ms[bv] = round(measure(lambda bv=bv: launch.chunk_bwd_dhu(q, kg, w, G, do, dv, None, ctab, stab,
-                                                                      scale=K ** -0.5, want_dh0=False, bv=bv),
-                                   [()], timing).median_ms, 4)
-        print(json.dumps(dict(dhu=f"B={B} T={T} HV={HV}", ms_by_slice_width=ms)), flush=True)
+        for bv, stages in itertools.product((32, 64), (1, 2)):
+            ms[f"BV={bv} stages={stages}"] = round(measure(
+                lambda bv=bv, stages=stages: launch.chunk_bwd_dhu(qg, kg, w, G, do, dv, None, ctab, stab,
+                                                                  want_dh0=False, bv=bv, stages=stages),
+                [()], timing).median_ms, 4)
+        print(json.dumps(dict(dhu=f"B={B} T={T} HV={HV}", ms=ms)), flush=True)
 
 
 def shape_label(s):

@@ -3,8 +3,9 @@ cula_core.cute_runtime loads them without compiling.
 
 The set is every configuration the launch code can pick for the served setups below, forward (chunk_kda's
 forward: the qg path) and backward (chunk_kda_backward, with the forward's residuals or without), at every
-tiling its dispatch chooses from (chunk_delta_h plain or in clusters, chunk_bwd_dhu's two V slice widths), for each
-arch of `archs` (cula_sm100.runtime.ARCHS by default: the kernel is registered once per arch). Anything outside the
+tiling its dispatch chooses from (chunk_delta_h plain or in clusters, chunk_bwd_dhu's two V slice widths and two
+pipeline depths), for each arch of `archs` (cula_sm100.runtime.ARCHS by default: the kernel is registered once per
+arch). Anything outside the
 served setups (other g / beta / A_log / dt_bias dtypes, another safe-gate lower_bound, the stage functions' oracle
 variants) still runs: compiled on its first launch and cached on disk.
 
@@ -57,15 +58,14 @@ def backward_kernels() -> list[tuple[str, tuple]]:
     out = [fwd.l2norm_kernel(QKV_DTYPE), bwd.l2norm_bwd_kernel(QKV_DTYPE), bwd.dav_kernel(), bwd.wy_dqkg_kernel(),
            bwd.intra_tc_kernel()]
     for (gate, params, lb), g in itertools.product(GATES, GATE_INPUT_DTYPES):
-        out.append(fwd.gate_kernel(gate, g, f32, f32, params, params, lb))
+        out.append(fwd.gate_kernel(gate, g, f32, f32, params, params, lb, qg_out=True))
     for beta, act in itertools.product(GATE_INPUT_DTYPES, BETA_ACTIVATIONS):
         out.extend((fwd.wu_kernel(beta, act), fwd.intra_wu_kernel(beta, act)))
     for (gate, params, lb), g, beta, act in itertools.product(GATES, GATE_INPUT_DTYPES, GATE_INPUT_DTYPES,
                                                               BETA_ACTIVATIONS):
         out.append(bwd.gate_bwd_kernel(gate, params, params, lb, act, g, beta))
     out.extend(fwd.delta_h_kernel(h0, False, cluster) for h0, cluster in itertools.product((False, True), repeat=2))
-    out.extend(bwd.dhu_kernel(dht, dh0, bv) for dht, dh0, bv in itertools.product((False, True), (False, True),
-                                                                                  (32, 64)))
+    out.extend(bwd.dhu_kernel(*flags) for flags in itertools.product((False, True), (False, True), (32, 64), (1, 2)))
     return out
 
 

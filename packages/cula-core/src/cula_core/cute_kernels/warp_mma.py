@@ -27,16 +27,17 @@ def tiled_mma(warps_m: int, warps_n: int = 1, dtype=BFloat16):
                                permutation_mnk=(warps_m * 16, warps_n * 16, 16))
 
 
-def smem_tile_layout(rows: int, cols: int, stages: int = 1):
+def smem_tile_layout(rows: int, cols: int, stages: int | None = None):
     """Layout of a row-major bf16 (rows, cols) shared-memory tile, XOR-swizzled in 8 x 64 atoms (8 x 32 when cols
     is not a multiple of 64): ldmatrix, plain and transposed, reads it without bank conflicts and 16-byte cp.async
-    writes stay contiguous. `stages` > 1: that many such tiles, selected by a third mode (a multi-buffered
-    pipeline). rows must be a multiple of 8, cols of 32."""
+    writes stay contiguous. `stages` given: that many such tiles, selected by a third mode (a multi-buffered
+    pipeline; 1 keeps the mode, for kernels whose stage count is a compile-time choice). rows must be a multiple of
+    8, cols of 32."""
     atom_cols = 64 if cols % 64 == 0 else 32
     bits = 3 if atom_cols == 64 else 2
     atom = cute.make_composed_layout(cute.make_swizzle(bits, 3, 3), 0,
                                      cute.make_layout((8, atom_cols), stride=(atom_cols, 1)))
-    if stages == 1:
+    if stages is None:
         return cute.tile_to_shape(atom, (rows, cols), (0, 1))
     return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
 

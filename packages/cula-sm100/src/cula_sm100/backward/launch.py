@@ -36,6 +36,7 @@ import itertools
 
 import torch
 
+from cula_core import cute_runtime as rt
 from cula_core import reference as ref
 from cula_sm100 import runtime
 from cula_sm100.forward import launch as fwd
@@ -118,9 +119,9 @@ def chunk_bwd_intra(q, k, G, beta, dAqk, dL, dq, dk, dbeta, dG, ctab, *, scale, 
                           (TT, NC, HQK, HV, float(scale)))
 
 
-def dhu_kernel(has_dht: bool, want_dh0: bool, bv: int = 64) -> runtime.Kernel:
-    """chunk_bwd_dhu per (dht given, dh0 wanted, V slice width)."""
-    return DHU, (bool(has_dht), bool(want_dh0), int(bv))
+def dhu_kernel(has_dht: bool, want_dh0: bool, bv: int = 64, stages: int = 1) -> runtime.Kernel:
+    """chunk_bwd_dhu per (dht given, dh0 wanted, V slice width, pipeline stages)."""
+    return DHU, (bool(has_dht), bool(want_dh0), int(bv), int(stages))
 
 
 # chunk_bwd_dhu's V slice: 32 columns (4 CTAs per (sequence, head)) up to this many busy (sequence, head) chains,
@@ -142,25 +143,34 @@ def dhu_slice_width(busy: float, HV: int) -> int:
     return 32 if busy * HV <= DHU_NARROW_MAX_PAIRS else 64
 
 
-# chunk_bwd_dhu's pointer arguments: q, kg, w, G, do, dv, dht (or None), dh, dv_tot, dh0 (or None), sequence table
+def dhu_stages(ctas: int, num_sms: int) -> int:
+    """chunk_bwd_dhu's pipeline stages for a grid of `ctas` CTAs: 2 (each tile loaded a whole chunk ahead, one
+    CTA per SM) when the grid fits the SMs, where each CTA's chain of chunks is alone on its SM and its load
+    latency is the walk's time; 1 (two or three CTAs per SM, hiding each other's latency) above."""
+    return 2 if ctas <= num_sms else 1
+
+
+# chunk_bwd_dhu's pointer arguments: qg, kg, w, G, do, dv, dht (or None), dh, dv_tot, dh0 (or None), sequence table
 DHU_DTYPES = (_BF, _BF, _BF, _F32, _BF, _BF, _F32, _BF, _BF, _F32, _I32)
 
 
-def chunk_bwd_dhu(q, kg, w, G, do, dv, dht, ctab, stab, *, scale, want_dh0, bv=None):
-    """The reverse state recurrence as a kernel (chunk_bwd_dhu.py). q [TT, HQK, K] bf16; kg, w [TT, HV, K]
-    bf16; G [TT, HV, K] fp32; do, dv [TT, HV, V] bf16 (dv: gradient of v_new through o); dht [N, HV, K, V] fp32 or None.
-    Returns dh [NC, HV, K, V] bf16, dv_tot [TT, HV, V] bf16, dh0 [N, HV, K, V] fp32 or None. `bv`: the V slice
-    width, None picks by dhu_slice_width as for N equal sequences (chunk_kda_backward passes the lengths' pick)."""
+def chunk_bwd_dhu(qg, kg, w, G, do, dv, dht, ctab, stab, *, want_dh0, bv=None, stages=None):
+    """The reverse state recurrence as a kernel (chunk_bwd_dhu.py). qg, kg, w [TT, HV, K] bf16 (qg = bf16(q e^G
+    scale): fwd.gate_cumsum_qg); G [TT, HV, K] fp32; do, dv [TT, HV, V] bf16 (dv: gradient of v_new through o);
+    dht [N, HV, K, V] fp32 or None. Returns dh [NC, HV, K, V] bf16, dv_tot [TT, HV, V] bf16, dh0 [N, HV, K, V] fp32
+    or None. `bv`: the V slice width, None picks by dhu_slice_width as for N equal sequences (chunk_kda_backward
+    passes the lengths' pick); `stages`: None picks by dhu_stages."""
     TT, HV, K = G.shape
-    HQK, V = q.shape[1], do.shape[-1]
+    V = do.shape[-1]
     NC, N = ctab.shape[0], stab.shape[0]
     dh = torch.empty(NC, HV, K, V, device=G.device, dtype=torch.bfloat16)
     dv2 = torch.empty_like(dv)
     dh0 = torch.empty(N, HV, K, V, device=G.device, dtype=torch.float32) if want_dh0 else None
     if N:
         bv = bv or dhu_slice_width(N, HV)  # the lengths are not known here: as if all were equal
-        fwd.launch_kernel(dhu_kernel(dht is not None, want_dh0, bv), DHU_DTYPES,
-                          (q, kg, w, G, do, dv, dht, dh, dv2, dh0, stab), (TT, NC, N, HQK, HV, float(scale)))
+        stages = stages or dhu_stages(N * HV * (V // bv), rt.sm_count(G.device.index or 0))
+        fwd.launch_kernel(dhu_kernel(dht is not None, want_dh0, bv, stages), DHU_DTYPES,
+                          (qg, kg, w, G, do, dv, dht, dh, dv2, dh0, stab), (TT, NC, N, HV))
     return dh, dv2, dh0
 
 
@@ -233,7 +243,7 @@ def _build_intra_tc(config):
 def _build_dhu(config):
     from cula_sm100.backward.chunk_bwd_dhu import ChunkBwdDhu
 
-    return ChunkBwdDhu(*config), runtime.fake_args(DHU_DTYPES, 1, 1, 1, 1, 1, 1.0)
+    return ChunkBwdDhu(*config), runtime.fake_args(DHU_DTYPES, 1, 1, 1, 1)
 
 
 def _build_gate_bwd(config):
@@ -301,23 +311,26 @@ def finish(dq, dk, dv, dbeta, dG, dh0, q, k, g, beta, A_log, dt_bias, initial_st
 def recompute(q, k, v, g, beta, A_log, dt_bias, initial_state, ctab, stab, *, scale, use_qk_l2norm_in_kernel, gate,
               lower_bound, beta_activation, residuals=None):
     """The forward's intermediates with cula_sm100.forward's kernels: its composition (`forward.launch.forward`)
-    less the output o, which the backward does not read. `residuals`: the forward's (Aqk, Akk) [B, T, HV, 64],
-    which then are not recomputed (recompute_w_u alone runs in place of chunk_intra_wu)."""
+    less the output o, which the backward does not read, and chunk_bwd_dhu's qg = bf16(q e^G scale) [TT, HV, K]
+    (made with G): returns (Intermediates, qg). `residuals`: the forward's (Aqk, Akk) [B, T, HV, 64], which then
+    are not recomputed (recompute_w_u alone runs in place of chunk_intra_wu)."""
     B, T, HQK, K = q.shape
     HV = v.shape[2]
     if use_qk_l2norm_in_kernel:
         q, k = fwd.l2norm(q), fwd.l2norm(k)
     A_log = A_log.contiguous() if A_log is not None else None
     dt_bias = dt_bias.contiguous() if dt_bias is not None else None
-    G = fwd.gate_cumsum(g.reshape(B * T, HV, K), A_log, dt_bias, ctab, gate=gate, lower_bound=lower_bound)
+    G, qg = fwd.gate_cumsum_qg(g.reshape(B * T, HV, K), A_log, dt_bias, q.reshape(B * T, HQK, K), ctab, gate=gate,
+                               lower_bound=lower_bound, scale=scale)
     if residuals is not None:
         Aqk, Akk = (r.reshape(B * T, HV, fwd.BT) for r in residuals)
         w, u, kg = fwd.recompute_w_u(k, v, G, beta, Akk, ctab, beta_activation=beta_activation)
     else:
         Aqk, Akk, w, u, kg = fwd.chunk_intra_wu(q, k, v, G, beta, ctab, scale=scale, beta_activation=beta_activation)
     h, v_new, _ = fwd.chunk_delta_h(w, u, kg, G, initial_state, ctab, stab, output_final_state=False)
-    return fwd.Intermediates(q=q.reshape(B * T, HQK, K), k=k.reshape(B * T, HQK, K), g_cumsum=G, Aqk=Aqk,
-                             Akk=Akk, w=w, u=u, kg=kg, h=h, v_new=v_new)
+    it = fwd.Intermediates(q=q.reshape(B * T, HQK, K), k=k.reshape(B * T, HQK, K), g_cumsum=G, Aqk=Aqk,
+                           Akk=Akk, w=w, u=u, kg=kg, h=h, v_new=v_new)
+    return it, qg
 
 
 def chunk_kda_backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, *,
@@ -340,7 +353,7 @@ def chunk_kda_backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state,
         residuals = fwd.aligned(*residuals)
     bounds = fwd.sequence_bounds(B, T, cu_seqlens, cu_seqlens_cpu)
     ctab, stab = fwd.tables(B, T, cu_seqlens, cu_seqlens_cpu, q.device)
-    it = recompute(q, k, v, g, beta, A_log, dt_bias, initial_state, ctab, stab, scale=scale,
+    it, qg = recompute(q, k, v, g, beta, A_log, dt_bias, initial_state, ctab, stab, scale=scale,
                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, gate=gate, lower_bound=lower_bound,
                    beta_activation=beta_activation, residuals=residuals)
     do_t = do.reshape(TT, HV, V)
@@ -349,7 +362,7 @@ def chunk_kda_backward(do, dht, q, k, v, g, beta, A_log, dt_bias, initial_state,
     mark("start")
     dAqk, dv = chunk_bwd_dav(do_t, it.v_new, it.Aqk, ctab)
     mark("dav")
-    dh, dv, dh0 = chunk_bwd_dhu(it.q, it.kg, it.w, it.g_cumsum, do_t, dv, dht, ctab, stab, scale=scale,
+    dh, dv, dh0 = chunk_bwd_dhu(qg, it.kg, it.w, it.g_cumsum, do_t, dv, dht, ctab, stab,
                                 want_dh0=initial_state is not None,
                                 bv=dhu_slice_width(busy_sequences(bounds), HV))
     mark("dhu")

@@ -63,8 +63,8 @@ def l2norm_dtypes(dtype):  # x, y
     return (dtype, dtype)
 
 
-def gate_dtypes(g_dtype, a_dtype, b_dtype):  # g, A_log, dt_bias, G, chunk table
-    return (g_dtype, a_dtype, b_dtype, _F32, _I32)
+def gate_dtypes(g_dtype, a_dtype, b_dtype):  # g, A_log, dt_bias, G, chunk table, q and qg (read only with qg_out)
+    return (g_dtype, a_dtype, b_dtype, _F32, _I32, _BF, _BF)
 
 
 def intra_dtypes(beta_dtype):  # q, k, G, beta, Aqk, Akk, chunk table
@@ -99,8 +99,8 @@ def l2norm_kernel(dtype: torch.dtype) -> runtime.Kernel:
 
 
 def gate_kernel(gate: str, g_dtype, a_dtype, b_dtype, has_A_log: bool, has_dt_bias: bool,
-                lower_bound) -> runtime.Kernel:
-    return GATE, (gate, g_dtype, a_dtype, b_dtype, bool(has_A_log), bool(has_dt_bias), lower_bound)
+                lower_bound, qg_out: bool = False) -> runtime.Kernel:
+    return GATE, (gate, g_dtype, a_dtype, b_dtype, bool(has_A_log), bool(has_dt_bias), lower_bound, bool(qg_out))
 
 
 def intra_kernel(beta_dtype: torch.dtype, beta_activation: str) -> runtime.Kernel:
@@ -139,9 +139,9 @@ def _build_l2norm(config):
 def _build_gate(config):
     from cula_sm100.forward.gate_cumsum import GateCumsum
 
-    gate, g_dtype, a_dtype, b_dtype, has_A_log, has_dt_bias, lower_bound = config
-    return (GateCumsum(gate, has_A_log, has_dt_bias, lower_bound),
-            runtime.fake_args(gate_dtypes(g_dtype, a_dtype, b_dtype), 1, 1, 1))
+    gate, g_dtype, a_dtype, b_dtype, has_A_log, has_dt_bias, lower_bound, qg_out = config
+    return (GateCumsum(gate, has_A_log, has_dt_bias, lower_bound, qg_out),
+            runtime.fake_args(gate_dtypes(g_dtype, a_dtype, b_dtype), 1, 1, 1, 1, 1.0))
 
 
 def _build_intra(config):
@@ -295,8 +295,25 @@ def gate_cumsum(g, A_log, dt_bias, ctab, *, gate, lower_bound):
     G = _empty(TT, HV, K, like=g, dtype=torch.float32)
     if ctab.shape[0]:
         key = _gate_key(g, A_log, dt_bias, gate, lower_bound)
-        launch_kernel(gate_kernel(*key), gate_dtypes(*key[1:4]), (g, A_log, dt_bias, G, ctab), (TT, ctab.shape[0], HV))
+        launch_kernel(gate_kernel(*key), gate_dtypes(*key[1:4]), (g, A_log, dt_bias, G, ctab, None, None),
+                      (TT, ctab.shape[0], 1, HV, 1.0))
     return G
+
+
+def gate_cumsum_qg(g, A_log, dt_bias, q, ctab, *, gate, lower_bound, scale):
+    """(G [TT, HV, K] fp32, qg [TT, HV, K] bf16 = bf16(q exp(G) scale), q read at head hv // (HV // HQK)):
+    gate_cumsum and the backward's chunk_bwd_dhu operand in one pass (kernel: gate_cumsum.py with qg_out).
+    q [.., HQK, K] bf16 (L2-normalised where the forward normalises)."""
+    HV, K = g.shape[-2:]
+    TT = g.numel() // (HV * K)
+    HQK = q.shape[-2]
+    G = _empty(TT, HV, K, like=g, dtype=torch.float32)
+    qg = _empty(TT, HV, K, like=q)
+    if ctab.shape[0]:
+        key = _gate_key(g, A_log, dt_bias, gate, lower_bound)
+        launch_kernel(gate_kernel(*key, qg_out=True), gate_dtypes(*key[1:4]), (g, A_log, dt_bias, G, ctab, q, qg),
+                      (TT, ctab.shape[0], HQK, HV, float(scale)))
+    return G, qg
 
 
 def chunk_intra(q, k, G, beta, ctab, *, scale, beta_activation):
