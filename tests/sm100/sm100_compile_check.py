@@ -31,6 +31,7 @@ KERNELS = {
     "chunk_delta_h": lambda: launch.delta_h_kernel(True, True),
     "chunk_delta_h[no states]": lambda: launch.delta_h_kernel(False, False),
     "chunk_delta_h[no cluster]": lambda: launch.delta_h_kernel(False, False, False),
+    "chunk_delta_h[2 stages]": lambda: launch.delta_h_kernel(True, True, False, 2),
     "fwd_o": lambda: launch.fwd_o_kernel(),
     "fwd_o[qg_in]": lambda: launch.fwd_o_kernel(True),
 }

@@ -36,9 +36,10 @@ def main():
                                   lower_bound=None, beta_activation="none")
         n += 1
         ctab, stab = launch.tables(1, sum(lengths), cu, cu_cpu, q.device)
-        for cluster in (True, False):  # both launch forms of chunk_delta_h, whatever the dispatch picks here
+        # every launch form of chunk_delta_h, whatever the dispatch picks here
+        for cluster, stages in ((True, 1), (False, 1), (False, 2)):
             launch.chunk_delta_h(it.w, it.u, it.kg, it.g_cumsum, h0 if final else None, ctab, stab,
-                                 output_final_state=final, cluster=cluster)
+                                 output_final_state=final, cluster=cluster, stages=stages)
             n += 1
     for T, HQK, HV in ((1, 1, 2), (65, 2, 4)):  # every diagonal block through the fp32 sub-block path
         q, k, v, g, beta, _ = make_inputs(1, T, HQK, HV, seed=T, decay="extreme")

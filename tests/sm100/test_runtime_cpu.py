@@ -200,7 +200,7 @@ def _stage_calls():
             q, k, v, G, z(HV), z(HV * 128), beta, ctab, gate="softplus", lower_bound=None, scale=0.1,
             beta_activation="none", qg_out=True), fwd.intra_wu_gate_kernel(*gate_key, bf, "none", True)),
         "chunk_delta_h": (lambda: fwd.chunk_delta_h(v, v, v, G, z(N, HV, 128, 128), ctab, stab,
-                                                    output_final_state=True, cluster=False),
+                                                    output_final_state=True, cluster=False, stages=1),
                           fwd.delta_h_kernel(True, True, False)),
         "fwd_o": (lambda: fwd.fwd_o_qg(v, h, A64, v, ctab, scale=0.1), fwd.fwd_o_kernel(True)),
         "chunk_bwd_dav": (lambda: bwd.chunk_bwd_dav(v, v, A64, ctab), bwd.dav_kernel()),

@@ -60,12 +60,15 @@ def test_chunk_delta_h_cluster_dispatch(monkeypatch):
 
     asked = []
     monkeypatch.setattr(launch, "launch_kernel", lambda kernel, *a: asked.append(kernel))
-    for N, HV, cluster, want in ((2, 64, None, False), (4, 64, None, True), (2, 128, None, True),
-                                 (4, 64, False, False), (2, 64, True, True)):
+    monkeypatch.setattr(launch.rt, "sm_count", lambda index: 132)  # an H100's SMs (the stage choice)
+    # plain CTAs take 2 w / kg stages while the grid (N HV 4 CTAs) fits the 132 SMs, 1 above; clusters 1
+    for N, HV, cluster, want, stages in ((2, 64, None, False, 1), (4, 64, None, True, 1), (2, 128, None, True, 1),
+                                         (4, 64, False, False, 1), (2, 64, True, True, 1), (1, 33, None, False, 2),
+                                         (1, 34, None, False, 1), (2, 16, False, False, 2)):
         TT = 3 * N
         G = torch.zeros(TT, HV, 128)
         w = u = kg = torch.zeros(TT, HV, 128, dtype=torch.bfloat16)
         ctab = torch.zeros(N, 2, dtype=torch.int32)
         stab = torch.zeros(N, 3, dtype=torch.int32)
         launch.chunk_delta_h(w, u, kg, G, None, ctab, stab, output_final_state=False, cluster=cluster)
-        assert asked[-1] == launch.delta_h_kernel(False, False, want), (N, HV, cluster)
+        assert asked[-1] == launch.delta_h_kernel(False, False, want, stages), (N, HV, cluster)

@@ -43,8 +43,12 @@ def _run_kernels(q, k, v, g, beta, h0, cu, cu_cpu, B, T):
     _check("w", w, flat(it.w), errs)
     _check("u", u, flat(it.u), errs)
     _check("kg", kg, flat(it.kg), errs)
-    h, v_new, ht = launch.chunk_delta_h(*(flat(x).to(bf).contiguous() for x in (it.w, it.u, it.kg)), Gr, h0, ctab,
-                                        stab, output_final_state=True)
+    wukg = [flat(x).to(bf).contiguous() for x in (it.w, it.u, it.kg)]
+    h, v_new, ht = launch.chunk_delta_h(*wukg, Gr, h0, ctab, stab, output_final_state=True)
+    # plain CTAs with one and two w / kg stages: the same arithmetic, so bitwise the same results
+    plain = [launch.chunk_delta_h(*wukg, Gr, h0, ctab, stab, output_final_state=True, cluster=False, stages=st)
+             for st in (1, 2)]
+    assert all(torch.equal(a, b) for a, b in zip(*plain, strict=True))
     _check("h", h, flat(it.h), errs)
     _check("v_new", v_new, flat(it.v_new), errs)
     _check("ht", ht, ht_ref, errs)

@@ -18,12 +18,16 @@ hit L2. (Without clusters the slices drift apart in later waves and the time gro
 of waves; below launch.DELTA_H_CLUSTER_MIN_PAIRS pairs plain CTAs are faster: docs/benchmarks/train_fwd.md.)
 Pipeline, 48.5 KiB of shared memory and a launch bound of 4 CTAs per SM (128 registers), so 528 CTAs run at
 once on an H100's 132 SMs (N HV 4 CTAs: one wave at B = 2, HV = 64; see docs/sm100.md for HV >= 128):
-  * w and kg have one buffer each, refilled by cp.async with chunk ci + 1's tile (rows past the end zero) as
-    soon as chunk ci's GEMM that reads it is done: w after `w @ h`, kg after the state update;
+  * w and kg have one buffer each (`stages` = 1), refilled by cp.async with chunk ci + 1's tile (rows past the end
+    zero) as soon as chunk ci's GEMM that reads it is done: w after `w @ h`, kg after the state update;
   * u has two stages, and v_new replaces u in its stage (each element is read and written by one thread);
   * G at chunk ci + 1's last row is loaded during chunk ci;
   * h and v_new leave from their bf16 shared tiles (the GEMM operands) in 16-byte rows.
-(Chosen over double-buffered w / kg / u at 2 CTAs per SM by measurement: docs/sm100.md.)
+(Chosen over double-buffered w / kg / u at 2 CTAs per SM by measurement where several CTAs share an SM:
+docs/sm100.md.) `stages` = 2 (launch.delta_h_stages: when the grid fits the SMs, no cluster): w and kg get two
+buffers too, and chunk ci + 1's w, kg and u are all issued when chunk ci starts, so each chunk's loads have a
+whole chunk of work to land in; 80.5 KiB of shared memory. A CTA alone on its SM has nobody to hide its load
+latency behind, and that latency is then the walk's time.
 """
 
 from __future__ import annotations
@@ -45,7 +49,9 @@ class ChunkDeltaH:
     threads = 128
     MIN_CTAS = 4  # per SM: the launch bound caps registers at 65536 / (128 x 4) = 128
 
-    def __init__(self, has_initial_state: bool, output_final_state: bool, cluster: bool = True):
+    def __init__(self, has_initial_state: bool, output_final_state: bool, cluster: bool = True, stages: int = 1):
+        assert stages in (1, 2) and not (cluster and stages == 2), (cluster, stages)
+        self.stages = stages
         self.has_h0 = has_initial_state
         self.store_ht = output_final_state
         # the 4 V slices of a (sequence, head) as one thread-block cluster: launched together in every wave, so
@@ -93,8 +99,9 @@ class ChunkDeltaH:
         v0 = vb * BV
 
         smem = cutlass.utils.SmemAllocator()
-        sW = smem.allocate_tensor(cutlass.BFloat16, smem_tile_layout(BT, K), 128)
-        sKg = smem.allocate_tensor(cutlass.BFloat16, smem_tile_layout(BT, K), 128)
+        S = self.stages
+        sW = smem.allocate_tensor(cutlass.BFloat16, smem_tile_layout(BT, K, S), 128)
+        sKg = smem.allocate_tensor(cutlass.BFloat16, smem_tile_layout(BT, K, S), 128)
         sU = smem.allocate_tensor(cutlass.BFloat16, smem_tile_layout(BT, BV, 2), 128)  # u, then v_new in its place
         sH = smem.allocate_tensor(cutlass.BFloat16, smem_tile_layout(K, BV), 128)
         sGl = smem.allocate_tensor(cutlass.Float32, cute.make_layout((K,)), 16)
@@ -106,8 +113,8 @@ class ChunkDeltaH:
         gl = cutlass.Float32(0.0)  # G at the last row of the current chunk, channel tidx (loaded one chunk ahead)
         cp_k = g2s_tiled_copy(K, self.threads)
         if nchunks > 0:
-            self.load_rows(cp_k, mW, sW, bos, eos, 0, hv)
-            self.load_rows(cp_k, mKg, sKg, bos, eos, 0, hv)
+            self.load_rows(cp_k, mW, sW[None, None, 0], bos, eos, 0, hv)
+            self.load_rows(cp_k, mKg, sKg[None, None, 0], bos, eos, 0, hv)
             self.load_u(mU, sU, bos, eos, 0, 0, hv, vb, tidx)
             gl = self.last_g(mG, bos, eos, hv, tidx)
         cute.arch.cp_async_commit_group()
@@ -116,10 +123,15 @@ class ChunkDeltaH:
             more = ci + 1 < nchunks
             t0 = bos + ci * BT
             n = cutlass.min(eos - t0, BT)
-            # cp.async groups: each chunk commits [u next], [w next], [kg next], in that order; waiting for all
-            # but the newest group below leaves this chunk's w, kg and u landed
+            # cp.async groups: each chunk commits [u next], [w next], [kg next] (1 stage) or [u, w, kg next]
+            # (2 stages); waiting for all but the newest group below leaves this chunk's w, kg and u landed
+            wst = stage if S == 2 else 0      # the stage of w and kg
+            sW_s, sKg_s = sW[None, None, wst], sKg[None, None, wst]
             if more:
                 self.load_u(mU, sU, bos, eos, ci + 1, 1 - stage, hv, vb, tidx)
+                if cutlass.const_expr(S == 2):
+                    self.load_rows(cp_k, mW, sW[None, None, 1 - stage], bos, eos, ci + 1, hv)
+                    self.load_rows(cp_k, mKg, sKg[None, None, 1 - stage], bos, eos, ci + 1, hv)
             cute.arch.cp_async_commit_group()
             sGl[tidx] = cute.math.exp(gl, fastmath=True)
             if more:  # the next chunk's last-row G: its latency hides behind this chunk's work
@@ -134,7 +146,7 @@ class ChunkDeltaH:
             sU_s = sU[None, None, stage]
             sU_part = thr.partition_C(sU_s)
             acc_v.fill(0.0)
-            gemm(mma, acc_v, sW, transposed(sH, K, BV), tidx, False, True)
+            gemm(mma, acc_v, sW_s, transposed(sH, K, BV), tidx, False, True)
             for i in cutlass.range_constexpr(cute.size(acc_v)):
                 r2, _ = coord_v[i]
                 x = cutlass.Float32(0.0)
@@ -142,19 +154,21 @@ class ChunkDeltaH:
                     x = sU_part[i].to(cutlass.Float32) - acc_v[i]
                 sU_part[i] = x.to(cutlass.BFloat16)  # v_new, bf16 as FLA (GEMM operand and output)
             cute.arch.sync_threads()  # every warp is done with w; v_new is complete
-            if more:
-                self.load_rows(cp_k, mW, sW, bos, eos, ci + 1, hv)
-            cute.arch.cp_async_commit_group()
+            if cutlass.const_expr(S == 1):
+                if more:
+                    self.load_rows(cp_k, mW, sW_s, bos, eos, ci + 1, hv)
+                cute.arch.cp_async_commit_group()
             store_rows_s2g(sU_s, cute.local_tile(head_rows(mVn, t0, hv, BT), (BT, BV), (0, vb)), n, tidx, self.threads)
 
             for i in cutlass.range_constexpr(cute.size(acc_h)):
                 k3, _ = coord_h[i]
                 acc_h[i] = acc_h[i] * sGl[k3]
-            gemm(mma, acc_h, transposed(sKg, BT, K), transposed(sU_s, BT, BV), tidx, True, True)
+            gemm(mma, acc_h, transposed(sKg_s, BT, K), transposed(sU_s, BT, BV), tidx, True, True)
             cute.arch.sync_threads()  # every warp is done with kg and v_new
-            if more:
-                self.load_rows(cp_k, mKg, sKg, bos, eos, ci + 1, hv)
-            cute.arch.cp_async_commit_group()
+            if cutlass.const_expr(S == 1):
+                if more:
+                    self.load_rows(cp_k, mKg, sKg_s, bos, eos, ci + 1, hv)
+                cute.arch.cp_async_commit_group()
 
         self.final_state(acc_h, coord_h, mHt, s, hv, v0, HV)
 

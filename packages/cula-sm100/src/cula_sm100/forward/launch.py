@@ -121,8 +121,9 @@ def intra_wu_gate_kernel(gate: str, g_dtype, a_dtype, b_dtype, has_A_log: bool, 
                            beta_dtype, beta_activation, bool(qg_out))
 
 
-def delta_h_kernel(has_initial_state: bool, output_final_state: bool, cluster: bool = True) -> runtime.Kernel:
-    return DELTA_H, (bool(has_initial_state), bool(output_final_state), bool(cluster))
+def delta_h_kernel(has_initial_state: bool, output_final_state: bool, cluster: bool = True,
+                   stages: int = 1) -> runtime.Kernel:
+    return DELTA_H, (bool(has_initial_state), bool(output_final_state), bool(cluster), int(stages))
 
 
 def fwd_o_kernel(qg_in: bool = False) -> runtime.Kernel:
@@ -388,20 +389,30 @@ def chunk_delta_h_cluster(N: int, HV: int) -> bool:
     return N * HV >= DELTA_H_CLUSTER_MIN_PAIRS
 
 
-def chunk_delta_h(w, u, kg, G, initial_state, ctab, stab, *, output_final_state, cluster=None):
+def delta_h_stages(ctas: int, num_sms: int) -> int:
+    """chunk_delta_h's w / kg buffers for a grid of `ctas` plain CTAs: 2 (each chunk's tiles issued a chunk
+    ahead) when the grid fits the SMs, one CTA each with its load latency exposed; 1 (up to 4 CTAs per SM hiding
+    each other's latency) above."""
+    return 2 if ctas <= num_sms else 1
+
+
+def chunk_delta_h(w, u, kg, G, initial_state, ctab, stab, *, output_final_state, cluster=None, stages=None):
     """(h [NC, HV, K, V] bf16, v_new [TT, HV, V] bf16, final state [N, HV, K, V] fp32 or None)
-    (kernel: chunk_delta_h.py). `cluster`: None picks by chunk_delta_h_cluster (the benchmark forces one)."""
+    (kernel: chunk_delta_h.py). `cluster`: None picks by chunk_delta_h_cluster (the benchmark forces one);
+    `stages` (w / kg buffers, plain CTAs only): None picks by delta_h_stages."""
     TT, HV, K = G.shape
     V = u.shape[-1]
     NC, N = ctab.shape[0], stab.shape[0]
     if cluster is None:
         cluster = chunk_delta_h_cluster(N, HV)
+    if stages is None:
+        stages = 1 if cluster or not N else delta_h_stages(N * HV * (V // 32), rt.sm_count(G.device.index or 0))
     h = _empty(NC, HV, K, V, like=G)
     v_new = _empty(TT, HV, V, like=G)
     ht = _empty(N, HV, K, V, like=G, dtype=torch.float32) if output_final_state else None
     if N:
         h0 = initial_state.contiguous() if initial_state is not None else None
-        launch_kernel(delta_h_kernel(h0 is not None, output_final_state, cluster), DELTA_H_DTYPES,
+        launch_kernel(delta_h_kernel(h0 is not None, output_final_state, cluster, stages), DELTA_H_DTYPES,
                       (w, u, kg, G, h0, h, v_new, ht, stab), (TT, NC, N, HV))
     return h, v_new, ht
 
