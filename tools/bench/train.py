@@ -4,6 +4,7 @@ inputs in one process.
 
     python -m tools.bench.train [--smoke | --quick] [--out docs/benchmarks/train.md] [--json FILE [--resume]]
                                 [--no-warm] [--shard I/N] [--merge FILE ...]
+    python -m tools.bench.train --profile B,T,H,HV     # cula's kernels in one training step, no FLA
 
 Every call: raw g with the safe gate (lower_bound = -5, A_log, dt_bias) and q/k L2 norm in kernel, K = V = 128,
 gradients of q, k, v, g, beta, A_log and dt_bias. Shapes (issue 19's grid): B in (1, 2), T in (1024, 4096, 8192,
@@ -24,6 +25,8 @@ this process on it, so a grid longer than one session's process limit can be tim
 with CUDA_VISIBLE_DEVICES=I and its own --json) time the grid together, each row still with FLA tuned in the
 process that times it; `--merge FILE ...` then counts the rows of those files as timed (a shape none of them has is
 timed as usual) and writes the whole table. Every row records its card; rows of another card are refused.
+`--profile B,T,H,HV`: the mean CUDA time per step of each kernel of cula's forward + backward on that shape
+(torch.profiler over 5 steps after 3), the step's own time (CUDA events), and exit: where a step's time goes.
 """
 
 from __future__ import annotations
@@ -149,6 +152,22 @@ def rel(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
+def profile_step(shape: dict, steps: int = 5) -> None:
+    """Print the mean CUDA time per training step (forward + backward of cula.chunk_kda) of each kernel on
+    `shape` (torch.profiler), after the step's median time by CUDA events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run = step("cula", make_inputs(shape), True)
+    print(f"{label(shape)}: forward + backward {time_ms(run, 3, 10):.3f} ms; per step:")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run()
+        torch.cuda.synchronize()
+    for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
+        if e.device_time_total > 0:
+            print(f"  {e.device_time_total / steps / 1000:8.3f} ms  x{e.count // steps:<3} {e.key[:90]}")
+
+
 def run_shape(shape: dict, warmup: int, rep: int) -> dict:
     x = make_inputs(shape)
     row = dict(shape=label(shape), gpu=torch.cuda.get_device_name())
@@ -247,12 +266,17 @@ def main(argv=None) -> int:
     ap.add_argument("--no-warm", action="store_true", help="no parallel compile of FLA's kernels before the rows")
     ap.add_argument("--shard", metavar="I/N", help="time every N-th shape from the I-th only (one process per GPU)")
     ap.add_argument("--merge", type=Path, nargs="+", default=[], help="rows of earlier processes, counted as timed")
+    ap.add_argument("--profile", metavar="B,T,H,HV", help="cula's kernels in one training step on that shape, then exit")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rep", type=int, default=10)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("train: needs a CUDA device", file=sys.stderr)
         return 1
+    if args.profile:
+        B, T, H, HV = (int(v) for v in args.profile.split(","))
+        profile_step(dict(B=B, T=T, H=H, HV=HV))
+        return 0
     if args.resume and not args.json:
         ap.error("--resume needs --json")
     fla_tuning.prepare()
