@@ -266,7 +266,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-warm", action="store_true", help="no parallel compile of FLA's kernels before the rows")
     ap.add_argument("--shard", metavar="I/N", help="time every N-th shape from the I-th only (one process per GPU)")
     ap.add_argument("--merge", type=Path, nargs="+", default=[], help="rows of earlier processes, counted as timed")
-    ap.add_argument("--profile", metavar="B,T,H,HV", help="cula's kernels in one training step on that shape, then exit")
+    ap.add_argument("--profile", metavar="B,T,H,HV",
+                    help="cula's kernels in one training step on that shape, then exit")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rep", type=int, default=10)
     args = ap.parse_args(argv)

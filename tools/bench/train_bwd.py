@@ -8,7 +8,8 @@
 
 `--cula-only`: for each CULA_ONLY_E2E shape, cula's backward stage times (`stage_times`) and its whole forward +
 backward (`e2e_fn`, CUDA events, median of 7 calls after 3); then chunk_bwd_dhu alone (do_bench) at both V slice
-widths and pipeline depths on DHU_SHAPES (random inputs, no states). For comparing two trees of cula's kernels on one machine.
+widths and pipeline depths on DHU_SHAPES (random inputs, no states). For comparing two trees of cula's kernels on
+one machine.
 
 The issue's grid. Kernel rows: H = 32 q/k heads, HV in (32, 64), B in (1, 2), T in (256 ... 8192), plus varlen
 (B = 1, 8192 tokens) with 10 and 20 sequences of uniform, random and skewed lengths. Whole forward + backward rows

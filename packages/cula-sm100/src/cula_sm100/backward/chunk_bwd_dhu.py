@@ -11,8 +11,8 @@ BV] fp32 registers, starting from dht or zeros):
     dh     = diag(exp(G_last)) dh + qg^T @ do - w^T @ dv_tot
 
 and dh0 = dh after the first chunk (fp32) if asked. qg = bf16(q exp(G) scale) per value head comes precomputed
-(launch.gate_cumsum_qg, as FLA rounds it), so the serial walk does no per-token exponentials; of G it reads one
-row per chunk, the last (the chunk's decay). FLA 0.6.0: `chunk_gated_delta_rule_bwd_dhu`.
+(cula_sm100.forward.launch.gate_cumsum_qg, as FLA rounds it), so the serial walk does no per-token exponentials;
+of G it reads one row per chunk, the last (the chunk's decay). FLA 0.6.0: `chunk_gated_delta_rule_bwd_dhu`.
 BV (compile-time): the recurrence is serial over a sequence's chunks, so the grid N HV (V / BV) is all the
 parallelism there is; with few (sequence, head) pairs BV = 32 doubles the CTAs (launch.dhu_slice_width picks).
 
@@ -21,7 +21,7 @@ Tiling: 128 threads = 4 warps along M; kg @ dh is [64 x 128] @ [128 x BV], the t
 token-major operands through ldmatrix.trans. Grid (V / BV, HV, N): the V slices of a (sequence, head) are adjacent
 CTAs, so the qg, kg and w tiles they all read come from HBM about once and from L2 after.
 
-Pipeline (STAGES, compile-time). A chunk's input tiles come in two cp.async groups: A = qg, do, kg (read by the
+Pipeline (`stages`, compile-time). A chunk's input tiles come in two cp.async groups: A = qg, do, kg (read by the
 first two products), B = w, dv (read by dv_tot and the last product); the next chunk's last-row G is read into a
 register a chunk ahead. With 2 stages (launch.dhu_stages: when the grid fits the SMs at one CTA each, the walk is
 latency-bound), every tile has two buffers and the previous chunk's groups are issued when a chunk starts, so
