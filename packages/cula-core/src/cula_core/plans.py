@@ -91,10 +91,11 @@ def signature(op: str, tensors: tuple, scalars: tuple) -> tuple | None:
             _scalar_types_seen.clear()
         _scalar_types_seen.add(types)
     key = [op, read(_BACKEND), read(_STRICT), scalars, types]
+    append = key.append  # three appends: cheaper than extending by a tuple built for the purpose
     min_device = MIN_DEVICE
     for t in tensors:
         if t is None:
-            key.append(None)
+            append(None)
             continue
         cls = type(t)
         if cls is not _Tensor and cls is not _Parameter:
@@ -102,7 +103,9 @@ def signature(op: str, tensors: tuple, scalars: tuple) -> tuple | None:
         device = t.get_device()  # -1 on the host
         if device < min_device or not t.is_contiguous():
             return None
-        key += (t.shape, t.dtype, device)
+        append(t.shape)
+        append(t.dtype)
+        append(device)
     return tuple(key)
 
 
