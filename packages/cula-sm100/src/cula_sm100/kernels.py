@@ -4,10 +4,10 @@ cula_core.cute_runtime loads them without compiling.
 The set is every configuration the launch code can pick for the served setups below, forward (chunk_kda's
 forward: the qg path) and backward (chunk_kda_backward, with the forward's residuals or without), at every
 tiling its dispatch chooses from (chunk_delta_h in clusters or plain with one or two stages, chunk_bwd_dhu's two V
-slice widths and two pipeline depths), for each arch of `archs` (cula_sm100.runtime.ARCHS by default: the kernel is registered once per
-arch). Anything outside the
-served setups (other g / beta / A_log / dt_bias dtypes, another safe-gate lower_bound, the stage functions' oracle
-variants) still runs: compiled on its first launch and cached on disk.
+slice widths and two pipeline depths), for each arch of `archs` (cula_sm100.runtime.ARCHS by default: the kernel
+is registered once per arch). Anything outside the served setups (other g / beta / A_log / dt_bias dtypes, another
+safe-gate lower_bound, the stage functions' oracle variants) still runs: compiled on its first launch and cached
+on disk.
 
 Served setups (KDA training of Kimi Linear's shape):
   q/k/v bf16; head dims K = V = 128 (the only ones the backend serves); q/k L2-normalised in the kernel or not;
@@ -43,7 +43,7 @@ def forward_kernels() -> list[tuple[str, tuple]]:
     for (gate, params, lb), g, beta, act in itertools.product(GATES, GATE_INPUT_DTYPES, GATE_INPUT_DTYPES,
                                                               BETA_ACTIVATIONS):
         out.append(launch.intra_wu_gate_kernel(gate, g, f32, f32, params, params, lb, beta, act, True))
-    out.extend(launch.delta_h_kernel(*flags) for flags in itertools.product((False, True), (False, True), (False, True)))
+    out.extend(launch.delta_h_kernel(*flags) for flags in itertools.product((False, True), repeat=3))
     out.extend(launch.delta_h_kernel(h0, ht, False, 2) for h0, ht in itertools.product((False, True), repeat=2))
     return out
 
