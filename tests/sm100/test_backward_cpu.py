@@ -233,8 +233,8 @@ def test_dhu_slice_width_dispatch(monkeypatch):
 
 def test_dhu_stages_dispatch():
     """chunk_bwd_dhu takes 2 pipeline stages (one CTA per SM, each tile loaded a chunk ahead) when its grid fits
-    the SMs and 1 above; the two are distinct kernel configurations."""
+    the SMs and 1 above (walk_stages, chunk_delta_h's rule too); the two are distinct kernel configurations."""
     from cula_sm100.backward import launch
 
-    assert [launch.dhu_stages(ctas, 132) for ctas in (1, 64, 132, 133, 1024)] == [2, 2, 2, 1, 1]
+    assert [launch.fwd.walk_stages(ctas, 132) for ctas in (1, 64, 132, 133, 1024)] == [2, 2, 2, 1, 1]
     assert launch.dhu_kernel(True, True, 32, 1) != launch.dhu_kernel(True, True, 32, 2)

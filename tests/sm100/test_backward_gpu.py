@@ -273,7 +273,7 @@ def test_memcheck_clean_on_odd_shapes():
 @pytest.mark.parametrize("lengths,states", [(None, True), ([17, 1, 64, 65, 0, 200], True), (None, False)])
 def test_chunk_bwd_dhu_matches_torch_stage(lengths, states, bv, stages):
     """chunk_bwd_dhu (the kernel the live backward uses) against the PyTorch stage torch_stages.dhu in fp32 on
-    the same inputs, with each V slice width and pipeline depth (launch.dhu_slice_width / dhu_stages pick)."""
+    the same inputs, with each V slice width and pipeline depth (launch.dhu_slice_width / fwd.walk_stages pick)."""
     require_gpu()
     import torch_stages
     from cula_sm100.backward import launch

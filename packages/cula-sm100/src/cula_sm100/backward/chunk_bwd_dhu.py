@@ -23,10 +23,11 @@ CTAs, so the qg, kg and w tiles they all read come from HBM about once and from 
 
 Pipeline (`stages`, compile-time). A chunk's input tiles come in two cp.async groups: A = qg, do, kg (read by the
 first two products), B = w, dv (read by dv_tot and the last product); the next chunk's last-row G is read into a
-register a chunk ahead. With 2 stages (launch.dhu_stages: when the grid fits the SMs at one CTA each, the walk is
-latency-bound), every tile has two buffers and the previous chunk's groups are issued when a chunk starts, so
-their loads have a whole chunk of work to land in. With 1 stage (many CTAs, two or three per SM hide each other's
-latency), group A is refilled once the first two products are done and group B at the chunk's end. Per chunk:
+register a chunk ahead. With 2 stages (forward.launch.walk_stages: when the grid fits the SMs at one CTA each,
+the walk is latency-bound), every tile has two buffers and the previous chunk's groups are issued when a chunk
+starts, so their loads have a whole chunk of work to land in. With 1 stage (many CTAs, two or three per SM hide
+each other's latency), group A is refilled once the first two products are done and group B at the chunk's end.
+Per chunk:
   1. dh to shared memory as bf16 (the GEMM operand); this chunk's group A landed; dh out in 16-byte rows;
   2. dh decayed by e^G_last in registers; dh += qg^T do; kg @ dh;
   3. group B landed; dv_tot = dv + kg @ dh in place of dv, and out;

@@ -143,13 +143,6 @@ def dhu_slice_width(busy: float, HV: int) -> int:
     return 32 if busy * HV <= DHU_NARROW_MAX_PAIRS else 64
 
 
-def dhu_stages(ctas: int, num_sms: int) -> int:
-    """chunk_bwd_dhu's pipeline stages for a grid of `ctas` CTAs: 2 (each tile loaded a whole chunk ahead, one
-    CTA per SM) when the grid fits the SMs, where each CTA's chain of chunks is alone on its SM and its load
-    latency is the walk's time; 1 (two or three CTAs per SM, hiding each other's latency) above."""
-    return 2 if ctas <= num_sms else 1
-
-
 # chunk_bwd_dhu's pointer arguments: qg, kg, w, G, do, dv, dht (or None), dh, dv_tot, dh0 (or None), sequence table
 DHU_DTYPES = (_BF, _BF, _BF, _F32, _BF, _BF, _F32, _BF, _BF, _F32, _I32)
 
@@ -159,7 +152,7 @@ def chunk_bwd_dhu(qg, kg, w, G, do, dv, dht, ctab, stab, *, want_dh0, bv=None, s
     scale): fwd.gate_cumsum_qg); G [TT, HV, K] fp32; do, dv [TT, HV, V] bf16 (dv: gradient of v_new through o);
     dht [N, HV, K, V] fp32 or None. Returns dh [NC, HV, K, V] bf16, dv_tot [TT, HV, V] bf16, dh0 [N, HV, K, V] fp32
     or None. `bv`: the V slice width, None picks by dhu_slice_width as for N equal sequences (chunk_kda_backward
-    passes the lengths' pick); `stages`: None picks by dhu_stages."""
+    passes the lengths' pick); `stages`: None picks by fwd.walk_stages."""
     TT, HV, K = G.shape
     V = do.shape[-1]
     NC, N = ctab.shape[0], stab.shape[0]
@@ -168,7 +161,7 @@ def chunk_bwd_dhu(qg, kg, w, G, do, dv, dht, ctab, stab, *, want_dh0, bv=None, s
     dh0 = torch.empty(N, HV, K, V, device=G.device, dtype=torch.float32) if want_dh0 else None
     if N:
         bv = bv or dhu_slice_width(N, HV)  # the lengths are not known here: as if all were equal
-        stages = stages or dhu_stages(N * HV * (V // bv), rt.sm_count(G.device.index or 0))
+        stages = stages or fwd.walk_stages(N * HV * (V // bv), rt.sm_count(G.device.index or 0))
         fwd.launch_kernel(dhu_kernel(dht is not None, want_dh0, bv, stages), DHU_DTYPES,
                           (qg, kg, w, G, do, dv, dht, dh, dv2, dh0, stab), (TT, NC, N, HV))
     return dh, dv2, dh0

@@ -24,7 +24,7 @@ once on an H100's 132 SMs (N HV 4 CTAs: one wave at B = 2, HV = 64; see docs/sm1
   * G at chunk ci + 1's last row is loaded during chunk ci;
   * h and v_new leave from their bf16 shared tiles (the GEMM operands) in 16-byte rows.
 (Chosen over double-buffered w / kg / u at 2 CTAs per SM by measurement where several CTAs share an SM:
-docs/sm100.md.) `stages` = 2 (launch.delta_h_stages: when the grid fits the SMs, no cluster): w and kg get two
+docs/sm100.md.) `stages` = 2 (launch.walk_stages: when the grid fits the SMs, no cluster): w and kg get two
 buffers too, and chunk ci + 1's w, kg and u are all issued when chunk ci starts, so each chunk's loads have a
 whole chunk of work to land in; 80.5 KiB of shared memory. A CTA alone on its SM has nobody to hide its load
 latency behind, and that latency is then the walk's time.

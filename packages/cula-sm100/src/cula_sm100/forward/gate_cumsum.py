@@ -72,8 +72,8 @@ class GateCumsum:
         mA = cute.make_tensor(a_ptr, cute.make_layout((HV,)))
         mB = cute.make_tensor(b_ptr, cute.make_layout((HV, self.K), stride=(self.K, 1)))
         mT = cute.make_tensor(table_ptr, cute.make_layout((NC, 2), stride=(2, 1)))
-        self.kernel(mg, mA, mB, mG, mT, mq, mqg, HQK, HV, scale).launch(grid=[NC, cute.ceil_div(HV, self.WARPS), 1],
-                                                   block=[32 * self.WARPS, 1, 1], stream=stream)
+        self.kernel(mg, mA, mB, mG, mT, mq, mqg, HQK, HV, scale).launch(
+            grid=[NC, cute.ceil_div(HV, self.WARPS), 1], block=[32 * self.WARPS, 1, 1], stream=stream)
 
     @cute.jit
     def lane_vec(self, m: cute.Tensor, off):

@@ -291,29 +291,27 @@ def _gate_key(g, A_log, dt_bias, gate, lower_bound):
 
 def gate_cumsum(g, A_log, dt_bias, ctab, *, gate, lower_bound):
     """G [TT, HV, K] fp32: gate of raw g (or g itself) and its chunk-local cumsum (kernel: gate_cumsum.py)."""
-    HV, K = g.shape[-2:]
-    TT = g.numel() // (HV * K)
-    G = _empty(TT, HV, K, like=g, dtype=torch.float32)
-    if ctab.shape[0]:
-        key = _gate_key(g, A_log, dt_bias, gate, lower_bound)
-        launch_kernel(gate_kernel(*key), gate_dtypes(*key[1:4]), (g, A_log, dt_bias, G, ctab, None, None),
-                      (TT, ctab.shape[0], 1, HV, 1.0))
-    return G
+    return _gate_pass(g, A_log, dt_bias, None, ctab, gate, lower_bound, 1.0)[0]
 
 
 def gate_cumsum_qg(g, A_log, dt_bias, q, ctab, *, gate, lower_bound, scale):
     """(G [TT, HV, K] fp32, qg [TT, HV, K] bf16 = bf16(q exp(G) scale), q read at head hv // (HV // HQK)):
     gate_cumsum and the backward's chunk_bwd_dhu operand in one pass (kernel: gate_cumsum.py with qg_out).
     q [.., HQK, K] bf16 (L2-normalised where the forward normalises)."""
+    return _gate_pass(g, A_log, dt_bias, q, ctab, gate, lower_bound, scale)
+
+
+def _gate_pass(g, A_log, dt_bias, q, ctab, gate, lower_bound, scale):
+    """gate_cumsum.py's launch: (G, qg), qg written (and q read) only when q is given, else None."""
     HV, K = g.shape[-2:]
     TT = g.numel() // (HV * K)
-    HQK = q.shape[-2]
     G = _empty(TT, HV, K, like=g, dtype=torch.float32)
-    qg = _empty(TT, HV, K, like=q)
+    qg = _empty(TT, HV, K, like=q) if q is not None else None
     if ctab.shape[0]:
         key = _gate_key(g, A_log, dt_bias, gate, lower_bound)
-        launch_kernel(gate_kernel(*key, qg_out=True), gate_dtypes(*key[1:4]), (g, A_log, dt_bias, G, ctab, q, qg),
-                      (TT, ctab.shape[0], HQK, HV, float(scale)))
+        HQK = q.shape[-2] if q is not None else 1
+        launch_kernel(gate_kernel(*key, qg_out=q is not None), gate_dtypes(*key[1:4]),
+                      (g, A_log, dt_bias, G, ctab, q, qg), (TT, ctab.shape[0], HQK, HV, float(scale)))
     return G, qg
 
 
@@ -389,24 +387,24 @@ def chunk_delta_h_cluster(N: int, HV: int) -> bool:
     return N * HV >= DELTA_H_CLUSTER_MIN_PAIRS
 
 
-def delta_h_stages(ctas: int, num_sms: int) -> int:
-    """chunk_delta_h's w / kg buffers for a grid of `ctas` plain CTAs: 2 (each chunk's tiles issued a chunk
-    ahead) when the grid fits the SMs, one CTA each with its load latency exposed; 1 (up to 4 CTAs per SM hiding
-    each other's latency) above."""
+def walk_stages(ctas: int, num_sms: int) -> int:
+    """Pipeline stages of a serial chunk walk (chunk_delta_h's w / kg buffers, the backward's chunk_bwd_dhu tiles)
+    for a grid of `ctas` CTAs: 2 (each chunk's tiles issued a chunk ahead) when the grid fits the SMs, one CTA each
+    with its load latency exposed; 1 (several CTAs per SM hiding each other's latency) above."""
     return 2 if ctas <= num_sms else 1
 
 
 def chunk_delta_h(w, u, kg, G, initial_state, ctab, stab, *, output_final_state, cluster=None, stages=None):
     """(h [NC, HV, K, V] bf16, v_new [TT, HV, V] bf16, final state [N, HV, K, V] fp32 or None)
     (kernel: chunk_delta_h.py). `cluster`: None picks by chunk_delta_h_cluster (the benchmark forces one);
-    `stages` (w / kg buffers, plain CTAs only): None picks by delta_h_stages."""
+    `stages` (w / kg buffers, plain CTAs only): None picks by walk_stages."""
     TT, HV, K = G.shape
     V = u.shape[-1]
     NC, N = ctab.shape[0], stab.shape[0]
     if cluster is None:
         cluster = chunk_delta_h_cluster(N, HV)
     if stages is None:
-        stages = 1 if cluster or not N else delta_h_stages(N * HV * (V // 32), rt.sm_count(G.device.index or 0))
+        stages = 1 if cluster or not N else walk_stages(N * HV * (V // 32), rt.sm_count(G.device.index or 0))
     h = _empty(NC, HV, K, V, like=G)
     v_new = _empty(TT, HV, V, like=G)
     ht = _empty(N, HV, K, V, like=G, dtype=torch.float32) if output_final_state else None
