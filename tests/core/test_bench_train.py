@@ -47,7 +47,11 @@ def test_shards_partition_the_grid():
     labels = [train.label(s) for part in shards for s in part]
     assert sorted(labels) == sorted(train.label(s) for s in train.GRID)
     assert len(set(labels)) == len(labels)
-    assert [train.label(s) for s in shards[1]] == [train.label(s) for s in train.GRID[1::n]]
+    order = {train.label(s): j for j, s in enumerate(train.GRID)}
+    assert all([order[train.label(s)] for s in part] == sorted(order[train.label(s)] for s in part) for part in shards)
+    # balanced: the costliest part within 10% of the mean
+    costs = [sum(train.shape_cost(s) for s in part) for part in shards]
+    assert max(costs) <= 1.1 * sum(costs) / n, costs
     assert train.shard(train.QUICK, None) == train.QUICK
     for bad in ("4/4", "-1/4", "1", "a/b"):
         with pytest.raises(ValueError, match="--shard"):

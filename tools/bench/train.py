@@ -21,9 +21,9 @@ inputs and the output gradient), per implementation. The table for this run's ca
 of `--out`. `--json FILE` is rewritten after every row; with `--resume`, the rows already in FILE (from an earlier
 process on the same card and commit) are kept and only the missing shapes are timed, each still with FLA tuned in
 this process on it, so a grid longer than one session's process limit can be timed in several processes.
-`--shard I/N` times the shapes I, I + N, I + 2N, ... of the grid only: on a machine with N GPUs, N processes (each
-with CUDA_VISIBLE_DEVICES=I and its own --json) time the grid together, each row still with FLA tuned in the
-process that times it; `--merge FILE ...` then counts the rows of those files as timed (a shape none of them has is
+`--shard I/N` times part I of N parts of the grid, balanced by a rough cost per row (`shard`): on a machine with N
+GPUs, N processes (each with CUDA_VISIBLE_DEVICES=I and its own --json) time the grid together, each row still with
+FLA tuned in the process that times it; `--merge FILE ...` then counts the rows of those files as timed (a shape none of them has is
 timed as usual) and writes the whole table. Every row records its card; rows of another card are refused.
 `--profile B,T,H,HV`: the mean CUDA time per step of each kernel of cula's forward + backward on that shape
 (torch.profiler over 5 steps after 3), the step's own time (CUDA events), and exit: where a step's time goes.
@@ -230,8 +230,21 @@ def timed_rows(shapes: list[dict], done: list[dict], measure, save) -> list[dict
     return rows
 
 
+#: a row's fixed cost in shape_cost's units (token-heads): FLA's in-process tuning and the timing loops of a small
+#: shape take about as long as the size-bound part of a shape of this many token-heads (H200 rows of the grid)
+ROW_COST = 1 << 19
+
+
+def shape_cost(shape: dict) -> int:
+    """Rough time of one row, for balancing shards: token-heads (B x T x HV) plus ROW_COST."""
+    return shape["B"] * shape["T"] * shape["HV"] + ROW_COST
+
+
 def shard(shapes: list[dict], spec: str | None) -> list[dict]:
-    """The shapes of shard `spec` ("I/N": every N-th shape from the I-th, 0 <= I < N), all of them for None."""
+    """The shapes of shard `spec` ("I/N", 0 <= I < N), in the order of `shapes`; all of them for None.
+
+    The N shards partition `shapes` with balanced costs (shape_cost): the costliest shape first, each to the shard
+    with the least cost so far (the lowest I on a tie), so that N processes finish together."""
     if spec is None:
         return list(shapes)
     try:
@@ -240,7 +253,14 @@ def shard(shapes: list[dict], spec: str | None) -> list[dict]:
         raise ValueError(f"--shard must be I/N with integers I and N, got {spec!r}") from None
     if not 0 <= i < n:
         raise ValueError(f"--shard I/N needs 0 <= I < N, got {spec!r}")
-    return list(shapes[i::n])
+    load = [0] * n
+    mine = set()
+    for j in sorted(range(len(shapes)), key=lambda j: -shape_cost(shapes[j])):
+        k = min(range(n), key=lambda k: load[k])
+        load[k] += shape_cost(shapes[j])
+        if k == i:
+            mine.add(j)
+    return [s for j, s in enumerate(shapes) if j in mine]
 
 
 def earlier_rows(files: list[Path], gpu: str) -> list[dict]:
@@ -264,7 +284,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="rows as JSON, rewritten after every row")
     ap.add_argument("--resume", action="store_true", help="keep the rows already in --json; time the others")
     ap.add_argument("--no-warm", action="store_true", help="no parallel compile of FLA's kernels before the rows")
-    ap.add_argument("--shard", metavar="I/N", help="time every N-th shape from the I-th only (one process per GPU)")
+    ap.add_argument("--shard", metavar="I/N",
+                    help="time part I of N cost-balanced parts of the grid (one process per GPU)")
     ap.add_argument("--merge", type=Path, nargs="+", default=[], help="rows of earlier processes, counted as timed")
     ap.add_argument("--profile", metavar="B,T,H,HV",
                     help="cula's kernels in one training step on that shape, then exit")
