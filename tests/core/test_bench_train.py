@@ -41,6 +41,56 @@ def test_compile_in_parallel_runs_each_call_in_its_own_process(tmp_path):
     assert failed == [(3,)]
 
 
+def test_compile_in_parallel_bounds_the_processes_and_spreads_them_over_gpus(tmp_path):
+    from tools.bench import fla_tuning
+
+    calls = [(f"echo $CUDA_VISIBLE_DEVICES > {tmp_path / f'gpu{i}'}",) for i in range(5)]
+    _, failed = fla_tuning.compile_in_parallel("os", "system", calls, jobs=2, devices=["3", "5"])
+    assert failed == []
+    assert [(tmp_path / f"gpu{i}").read_text().strip() for i in range(5)] == ["3", "5", "3", "5", "3"]
+
+
+class _Tuner:
+    def __init__(self, n, prune=None):
+        self.configs = [f"c{i}" for i in range(n)]
+        self.early_config_prune = prune
+
+
+def test_restrict_configs_splits_every_tuner_over_the_parts():
+    from tools.bench import fla_tuning
+
+    sizes, parts = (1, 3, 7, 12), 4
+    seen = {n: [] for n in sizes}
+    for part in range(parts):
+        tuners = [_Tuner(n) for n in sizes]
+        assert fla_tuning.restrict_configs(part, parts, tuners) == len(sizes)
+        for t, n in zip(tuners, sizes):
+            assert t.configs, (n, part)  # every process runs its kernels
+            seen[n] += t.configs
+    # between them the parts compile every configuration, and a tuner with enough of them splits evenly
+    assert all(set(seen[n]) == {f"c{i}" for i in range(n)} for n in sizes)
+    assert sorted(seen[12]) == sorted(f"c{i}" for i in range(12))
+    pruning = _Tuner(5, prune=lambda configs, nargs: configs)  # may prune a part empty: left whole
+    assert fla_tuning.restrict_configs(1, parts, [pruning, _Tuner(5)]) == 1
+    assert len(pruning.configs) == 5
+    for bad in ((4, 4), (-1, 4)):
+        with pytest.raises(ValueError, match="part"):
+            fla_tuning.restrict_configs(*bad, [])
+
+
+def test_warm_calls_one_shape_per_compile_class():
+    calls = train.warm_calls(train.GRID, jobs=64)
+    classes = {train.compile_class(s) for s in train.GRID}
+    assert len(classes) == 9  # B x (H, HV) pairs, and the varlen rows
+    parts = 64 // len(classes)
+    assert len(calls) == len(classes) * parts
+    assert {train.compile_class(s) for s, _, _ in calls} == classes
+    assert all(n == parts for _, _, n in calls)
+    assert sorted((train.compile_class(s), j) for s, j, _ in calls) == sorted(
+        (c, j) for c in classes for j in range(parts))
+    assert len(train.warm_calls(train.GRID, jobs=4)) == len(classes)  # at least one part per class
+
+
 def test_shards_partition_the_grid():
     n = 4
     shards = [train.shard(train.GRID, f"{i}/{n}") for i in range(n)]

@@ -64,20 +64,52 @@ def triton_cache_dir() -> Path:
     return Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
 
 
-def compile_in_parallel(module: str, function: str, calls: list[tuple],
-                        keep_autotune: bool = False) -> tuple[float, list]:
-    """Run `module.function(*args)` for each `args` of `calls`, each in its own process, all at once, and wait for
-    them. FLA's first call per autotuning key compiles every configuration of each kernel, serially (minutes in one
-    process); processes in parallel fill Triton's on-disk compile cache, so the timing process then only tunes (its
-    autotuners benchmark the already compiled configurations on the timed shape). Autotune results those processes
-    wrote to disk (made with the GPU shared) are deleted unless `keep_autotune`. The processes inherit this one's
-    environment (run `prepare` first). Returns (seconds, the `args` whose process failed)."""
+def restrict_configs(part: int, parts: int, tuners: list | None = None) -> int:
+    """Keep, in each autotuner (FLA's by default), every `parts`-th configuration from the `part`-th; a tuner with
+    no configuration at that offset keeps its configuration `part % len`. For compile-only processes: `parts` of
+    them, given parts 0 .. parts - 1, compile every configuration between them, each a `parts`-th of the serial
+    work (the timing process, unrestricted, then finds them all in Triton's cache). A tuner that prunes its
+    configurations by the call's arguments (`early_config_prune`) keeps them all: a part could be pruned empty.
+    Returns how many tuners were restricted."""
+    if not 0 <= part < parts:
+        raise ValueError(f"part {part} of {parts}: expected 0 <= part < parts")
+    tuners = autotuners() if tuners is None else tuners
+    restricted = 0
+    for tuner in tuners:
+        configs = list(tuner.configs)
+        if configs and getattr(tuner, "early_config_prune", None) is None:
+            tuner.configs = configs[part::parts] or [configs[part % len(configs)]]
+            restricted += 1
+    return restricted
+
+
+def compile_in_parallel(module: str, function: str, calls: list[tuple], keep_autotune: bool = False,
+                        jobs: int | None = None, devices: list[str] | None = None) -> tuple[float, list]:
+    """Run `module.function(*args)` for each `args` of `calls`, each in its own process, at most `jobs` at once
+    (all at once by default), and wait for them. FLA's first call per autotuning key compiles every configuration
+    of each kernel, serially (minutes in one process); processes in parallel fill Triton's on-disk compile cache,
+    so the timing process then only tunes (its autotuners benchmark the already compiled configurations on the
+    timed shape). `devices`: CUDA_VISIBLE_DEVICES values handed to the processes in turn (default: this process's
+    GPUs). Autotune results those processes wrote to disk (made with the GPU shared) are deleted unless
+    `keep_autotune`. The processes inherit this one's environment (run `prepare` first). Returns (seconds, the
+    `args` whose process failed)."""
     t0 = time.perf_counter()
     before = set(triton_cache_dir().rglob("*.autotune.json"))
-    procs = [(args, subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
-                                      f"from {module} import {function}; {function}(*{args!r})"]))
-             for args in calls]
-    failed = [args for args, proc in procs if proc.wait() != 0]
+    pending = list(enumerate(calls))
+    running, failed = [], []
+    limit = max(1, jobs or len(calls))
+    while pending or running:
+        while pending and len(running) < limit:
+            k, args = pending.pop(0)
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=devices[k % len(devices)]) if devices else None
+            code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from {module} import {function}; "
+                    f"{function}(*{args!r})")
+            running.append((args, subprocess.Popen([sys.executable, "-c", code], env=env)))
+        time.sleep(0.1)
+        for args, proc in [r for r in running if r[1].poll() is not None]:
+            running.remove((args, proc))
+            if proc.returncode != 0:
+                failed.append(args)
     if not keep_autotune:
         for f in set(triton_cache_dir().rglob("*.autotune.json")) - before:
             f.unlink()

@@ -1,9 +1,9 @@
-"""Benchmark of KDA training through the public op: `cula.chunk_kda` against FLA 0.6.0's `fla.ops.kda.chunk_kda`,
-the forward alone, the whole forward + backward, and the peak extra GPU memory of a training step, on the same bf16
+"""Benchmark of KDA training through the public op: `cula.chunk_kda` against FLA 0.6.0's `fla.ops.kda.chunk_kda`, the
+forward alone, the whole forward + backward, and the peak extra GPU memory of a training step, on the same bf16
 inputs in one process.
 
     python -m tools.bench.train [--smoke | --quick] [--out docs/benchmarks/train.md] [--json FILE [--resume]]
-                                [--no-warm] [--shard I/N] [--merge FILE ...]
+                                [--no-warm | --warm-only] [--warm-jobs J] [--shard I/N] [--merge FILE ...]
     python -m tools.bench.train --profile B,T,H,HV     # cula's kernels in one training step, no FLA
 
 Every call: raw g with the safe gate (lower_bound = -5, A_log, dt_bias) and q/k L2 norm in kernel, K = V = 128,
@@ -13,20 +13,24 @@ skewed lengths at HQK = HV = 32. `--quick`: six rows across the grid's corners.
 
 FLA runs its own Triton kernels, autotuned in this process on each exact shape (tools/bench/fla_tuning.py: every
 tuned choice is forgotten before a shape's first call). Before the rows, FLA's kernels are compiled for every shape
-to time in parallel processes (`warm_one`, on the shape cut to 1024 tokens; `--no-warm` skips it), so that this
-process only tunes: compiling every configuration serially takes minutes per new shape. Timing: CUDA events, median over `--rep` calls after
-`--warmup` calls (a training step is milliseconds: no do_bench rotation needed). `speed-up` = FLA ms / cula ms.
-Memory: `torch.cuda.max_memory_allocated` during one forward + backward minus what was allocated before it (the
-inputs and the output gradient), per implementation. The table for this run's card replaces that card's section
-of `--out`. `--json FILE` is rewritten after every row; with `--resume`, the rows already in FILE (from an earlier
-process on the same card and commit) are kept and only the missing shapes are timed, each still with FLA tuned in
-this process on it, so a grid longer than one session's process limit can be timed in several processes.
-`--shard I/N` times part I of N parts of the grid, balanced by a rough cost per row (`shard`): on a machine with N
-GPUs, N processes (each with CUDA_VISIBLE_DEVICES=I and its own --json) time the grid together, each row still with
-FLA tuned in the process that times it; `--merge FILE ...` then counts the rows of those files as timed (a shape none of them has is
-timed as usual) and writes the whole table. Every row records its card; rows of another card are refused.
-`--profile B,T,H,HV`: the mean CUDA time per step of each kernel of cula's forward + backward on that shape
-(torch.profiler over 5 steps after 3), the step's own time (CUDA events), and exit: where a step's time goes.
+to time in parallel processes, so that this process only tunes (compiling every configuration serially takes minutes
+per new shape): `warm_one` runs FLA on a shape cut to 1024 tokens, one shape per compile class (batch, heads,
+varlen), each class's autotuning configurations split into parts compiled by separate processes, at most
+`--warm-jobs` at once, spread over the visible GPUs. `--no-warm` skips it; `--warm-only` does only that (on a
+machine with several GPUs: once for the whole grid, then one `--no-warm` process per GPU). Timing: CUDA events,
+median over `--rep` calls after `--warmup` calls (a training step is milliseconds: no do_bench rotation needed).
+`speed-up` = FLA ms / cula ms. Memory: `torch.cuda.max_memory_allocated` during one forward + backward minus what
+was allocated before it (the inputs and the output gradient), per implementation. The table for this run's card
+replaces that card's section of `--out`. `--json FILE` is rewritten after every row; with `--resume`, the rows
+already in FILE (from an earlier process on the same card and commit) are kept and only the missing shapes are
+timed, each still with FLA tuned in this process on it, so a grid longer than one session's process limit can be
+timed in several processes. `--shard I/N` times part I of N parts of the grid, balanced by a rough cost per row
+(`shard`): on a machine with N GPUs, N processes (each with CUDA_VISIBLE_DEVICES=I and its own --json) time the grid
+together, each row still with FLA tuned in the process that times it; `--merge FILE ...` then counts the rows of
+those files as timed (a shape none of them has is timed as usual) and writes the whole table. Every row records its
+card; rows of another card are refused. `--profile B,T,H,HV`: the mean CUDA time per step of each kernel of cula's
+forward + backward on that shape (torch.profiler over 5 steps after 3), the step's own time (CUDA events), and exit:
+where a step's time goes.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -112,16 +117,41 @@ def step(impl: str, x: dict, backward: bool):
     return run
 
 
-def warm_one(shape: dict) -> None:
+def warm_one(shape: dict, part: int = 0, parts: int = 1) -> None:
     """One FLA forward + backward on `shape` cut to 1024 tokens (its B, heads and kind kept; varlen: at most 8
-    sequences): compiles the Triton kernels the rows of this shape run. Run by fla_tuning.compile_in_parallel, one
-    process per shape."""
+    sequences), with each FLA autotuner restricted to part `part` of `parts` of its configurations
+    (fla_tuning.restrict_configs): compiles those configurations of the Triton kernels the rows of this shape run.
+    Run by fla_tuning.compile_in_parallel (warm_calls), one process per (shape class, part)."""
     fla_tuning.prepare()
+    import fla.ops.kda  # noqa: F401  (defines the autotuners restrict_configs narrows)
+
+    fla_tuning.restrict_configs(part, parts)
     small = dict(shape, T=1024)
     if "N" in small:
         small["N"] = min(small["N"], 8)
     step("fla", make_inputs(small), True)()
     torch.cuda.synchronize()
+
+
+def compile_class(shape: dict) -> tuple:
+    """What FLA's compiled kernels of a row depend on, as far as warm_one's inputs go: batch, heads, varlen."""
+    return shape["B"], shape["H"], shape["HV"], "N" in shape
+
+
+def warm_calls(shapes: list[dict], jobs: int) -> list[tuple]:
+    """warm_one's arguments for `shapes`: one shape per compile class, each class's configurations cut into as
+    many parts as `jobs` processes allow (at least one part per class)."""
+    classes = list({compile_class(s): s for s in reversed(shapes)}.values())[::-1]
+    parts = max(1, jobs // max(1, len(classes)))
+    return [(s, j, parts) for s in classes for j in range(parts)]
+
+
+def visible_gpus() -> list[str]:
+    """CUDA_VISIBLE_DEVICES entries of this process (or the indices of its GPUs)."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env:
+        return [d.strip() for d in env.split(",") if d.strip()]
+    return [str(i) for i in range(torch.cuda.device_count())]
 
 
 def time_ms(fn, warmup: int, rep: int) -> float:
@@ -284,6 +314,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="rows as JSON, rewritten after every row")
     ap.add_argument("--resume", action="store_true", help="keep the rows already in --json; time the others")
     ap.add_argument("--no-warm", action="store_true", help="no parallel compile of FLA's kernels before the rows")
+    ap.add_argument("--warm-only", action="store_true",
+                    help="compile FLA's kernels for the shapes to time (on every visible GPU) and exit")
+    ap.add_argument("--warm-jobs", type=int, default=os.cpu_count() or 1,
+                    help="processes compiling FLA's kernels at once (default: the CPU count)")
     ap.add_argument("--shard", metavar="I/N",
                     help="time part I of N cost-balanced parts of the grid (one process per GPU)")
     ap.add_argument("--merge", type=Path, nargs="+", default=[], help="rows of earlier processes, counted as timed")
@@ -301,6 +335,8 @@ def main(argv=None) -> int:
         return 0
     if args.resume and not args.json:
         ap.error("--resume needs --json")
+    if args.warm_only and args.no_warm:
+        ap.error("--warm-only and --no-warm exclude each other")
     fla_tuning.prepare()
     files = [*args.merge, *([args.json] if args.resume and args.json.exists() else [])]
     try:
@@ -311,9 +347,13 @@ def main(argv=None) -> int:
     timed = {r["shape"] for r in done}
     todo = [s for s in shapes if label(s) not in timed]
     if todo and not args.no_warm:
-        seconds, failed = fla_tuning.compile_in_parallel("tools.bench.train", "warm_one", [(s,) for s in todo])
-        print(f"FLA compiled for {len(todo)} shapes in parallel processes: {seconds:.0f} s (failed: {failed})",
+        calls = warm_calls(todo, args.warm_jobs)
+        seconds, failed = fla_tuning.compile_in_parallel("tools.bench.train", "warm_one", calls,
+                                                         jobs=args.warm_jobs, devices=visible_gpus())
+        print(f"FLA compiled for {len(todo)} shapes ({len(calls)} processes): {seconds:.0f} s (failed: {failed})",
               flush=True)
+    if args.warm_only:
+        return 0
     save = (lambda rows: args.json.write_text(json.dumps(rows, indent=2))) if args.json else (lambda rows: None)
     rows = timed_rows(shapes, done, lambda s: run_shape(s, args.warmup, args.rep), save)
     publish("train", rows, render, args, argv, header=HEADER)
