@@ -1,6 +1,6 @@
 """The CPU side of tools/bench/prefill.py and tools/bench/fla_dispatch.py: the rendering of a card's table from
 synthetic rows (no GPU, no FLA), with FLA timed on every shape, on a subset (`--fla-subset`) or on none
-(`--no-fla`); fla_dispatch's check that each call reached the backend it was sent to."""
+(`--no-fla`); fla_dispatch's check that each call reached the backend it was sent to; the FLA compile classes."""
 
 from __future__ import annotations
 
@@ -92,3 +92,15 @@ def test_a_new_table_file_starts_with_its_benchmarks_header(tmp_path):
     text = out.read_text()
     assert text.startswith("# FLA's chunk_kda dispatched to cula or to FlashKDA")
     assert text.count("## Card A") == 1 and "new rows" in text and "## Card B" in text
+
+
+def test_fla_warm_covers_every_compile_class_of_the_grid():
+    from tools.bench import fla_tuning
+
+    shapes = bench.FIXED + bench.VARLEN + bench.EXTRA
+    classes = {bench.compile_class(s) for s in shapes}
+    # T = 100 (not a multiple of 16) is its own class beside T = 512 at the same batch and heads
+    assert bench.compile_class(dict(B=1, T=100, H=64)) != bench.compile_class(dict(B=1, T=512, H=64))
+    calls = fla_tuning.warm_calls(shapes, bench.compile_class, jobs=2 * len(classes))
+    assert {bench.compile_class(s) for s, _, _ in calls} == classes
+    assert len(calls) == 2 * len(classes) and {(j, n) for _, j, n in calls} == {(0, 2), (1, 2)}

@@ -79,7 +79,9 @@ def test_restrict_configs_splits_every_tuner_over_the_parts():
 
 
 def test_warm_calls_one_shape_per_compile_class():
-    calls = train.warm_calls(train.GRID, jobs=64)
+    from tools.bench import fla_tuning
+
+    calls = fla_tuning.warm_calls(train.GRID, train.compile_class, jobs=64)
     classes = {train.compile_class(s) for s in train.GRID}
     assert len(classes) == 9  # B x (H, HV) pairs, and the varlen rows
     parts = 64 // len(classes)
@@ -88,7 +90,8 @@ def test_warm_calls_one_shape_per_compile_class():
     assert all(n == parts for _, _, n in calls)
     assert sorted((train.compile_class(s), j) for s, j, _ in calls) == sorted(
         (c, j) for c in classes for j in range(parts))
-    assert len(train.warm_calls(train.GRID, jobs=4)) == len(classes)  # at least one part per class
+    # at least one part per class
+    assert len(fla_tuning.warm_calls(train.GRID, train.compile_class, jobs=4)) == len(classes)
 
 
 def test_shards_partition_the_grid():

@@ -3,7 +3,8 @@
 on the same bf16 inputs in one process.
 
     python -m tools.bench.prefill [--smoke] [--no-fla | --fla-subset] [--out docs/benchmarks/prefill.md]
-                                  [--json FILE] [--warmup MS] [--rep MS] [--profile B,T,H] [--packing]
+                                  [--json FILE] [--warmup MS] [--rep MS] [--no-warm] [--warm-jobs J]
+                                  [--profile B,T,H] [--packing]
 
 Every call does what FlashKDA does: safe gate (lower_bound = -5) from raw g with A_log / dt_bias, q/k L2 norm and
 sigmoid(beta) in kernel (beta passed as logits), K = V = 128, no initial state, the final state returned.
@@ -16,8 +17,11 @@ cula through the public op (validation, dispatch, `intracard_cp="auto"`, `cu_seq
 outputs allocated in the call, FLA under `torch.no_grad` with `FLA_FLASH_KDA=0` (its own kernels) and autotuned in
 this process on each exact shape (tools/bench/fla_tuning.py). Columns: `vs FlashKDA` = FlashKDA ms / cula ms,
 `vs FLA` = FLA ms / cula ms; `err vs FlashKDA` = max |cula - FlashKDA| / max |FlashKDA| over o and the final state.
-FLA's tuning takes about a minute per shape in a fresh process, so `--fla-subset` times FLA on FLA_SUBSET only (six
-shapes, one of each kind; "-" elsewhere, its geomean over those). The table for this run's card replaces that
+Before the rows, FLA's kernels are compiled for the shapes it is timed on in parallel processes (`warm_one`: one shape
+per compile class, each class's autotuning configurations split over processes, at most `--warm-jobs` at once;
+`--no-warm` skips it), so that this process only tunes. Tuning on each shape still takes this process several
+seconds, so `--fla-subset` times FLA on FLA_SUBSET only (six shapes, one of each kind; "-" elsewhere, its geomean
+over those). The table for this run's card replaces that
 card's section of `--out` (one section per card).
 
 `--packing`: the sm90 stage 1 over packed tiles against the unpacked one (`cula_sm90.prefill.forward.prefill`'s
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -109,6 +114,27 @@ def fla_prefill(x: dict):
     with torch.no_grad():
         return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=None if cu is None else cu.long(),
                          cu_seqlens_cpu=None if cu is None else x["cu_seqlens_cpu"].long(), **gate_kwargs(x))
+
+
+def warm_one(shape: dict, part: int = 0, parts: int = 1) -> None:
+    """One FLA prefill on `shape` cut to at most 1024 tokens (its B, heads and kind kept; varlen: at most 8
+    sequences), each FLA autotuner restricted to part `part` of `parts` of its configurations: compiles those
+    configurations of the kernels the shape's FLA column runs. Run by fla_tuning.warm."""
+    fla_tuning.prepare()
+    import fla.ops.kda  # noqa: F401  (defines the autotuners restrict_configs narrows)
+
+    fla_tuning.restrict_configs(part, parts)
+    small = dict(shape, T=min(shape["T"], 1024))
+    if "N" in small:
+        small["N"] = min(small["N"], 8)
+    fla_prefill(make_inputs(small))
+    torch.cuda.synchronize()
+
+
+def compile_class(shape: dict) -> tuple:
+    """What FLA's compiled kernels of a shape depend on, as far as warm_one's inputs go: batch, heads, varlen, and
+    whether the token count is a multiple of 16 (Triton specialises integer arguments on it)."""
+    return shape["B"], shape["H"], "N" in shape, shape["T"] % 16 == 0
 
 
 def flashkda_prefill(x: dict):
@@ -279,6 +305,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="markdown file whose section for this card is rewritten")
     ap.add_argument("--json", type=Path)
     add_do_bench_args(ap)
+    ap.add_argument("--no-warm", action="store_true", help="no parallel compile of FLA's kernels before the rows")
+    ap.add_argument("--warm-jobs", type=int, default=os.cpu_count() or 1,
+                    help="processes compiling FLA's kernels at once (default: the CPU count)")
     ap.add_argument("--profile", metavar="B,T,H", help="per-kernel CUDA times of cula at one shape, then exit")
     ap.add_argument("--packing", action="store_true",
                     help="stage 1 packed vs unpacked on the varlen 64-sequence shapes, then exit")
@@ -286,8 +315,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("prefill: needs a CUDA device", file=sys.stderr)
         return 1
-    import os
-
     os.environ["CULA_BACKEND"] = "sm90"  # fail loudly rather than time the reference
     if args.profile:
         B, T, H = (int(v) for v in args.profile.split(","))
@@ -300,6 +327,9 @@ def main(argv=None) -> int:
     if fla_shapes != []:
         fla_tuning.prepare()
     shapes = SMOKE if args.smoke else FIXED + VARLEN + EXTRA
+    if fla_shapes != [] and not args.no_warm:
+        to_warm = shapes if fla_shapes is None else [s for s in shapes if s in fla_shapes]
+        print(fla_tuning.warm("tools.bench.prefill", "warm_one", to_warm, compile_class, args.warm_jobs), flush=True)
     rows = run(shapes, Timing(warmup=args.warmup, repeats=args.rep, method="do_bench"), fla_shapes)
     publish("prefill", rows, render, args, argv)
     return 0

@@ -121,7 +121,7 @@ def warm_one(shape: dict, part: int = 0, parts: int = 1) -> None:
     """One FLA forward + backward on `shape` cut to 1024 tokens (its B, heads and kind kept; varlen: at most 8
     sequences), with each FLA autotuner restricted to part `part` of `parts` of its configurations
     (fla_tuning.restrict_configs): compiles those configurations of the Triton kernels the rows of this shape run.
-    Run by fla_tuning.compile_in_parallel (warm_calls), one process per (shape class, part)."""
+    Run by fla_tuning.warm, one process per (compile class, part)."""
     fla_tuning.prepare()
     import fla.ops.kda  # noqa: F401  (defines the autotuners restrict_configs narrows)
 
@@ -136,22 +136,6 @@ def warm_one(shape: dict, part: int = 0, parts: int = 1) -> None:
 def compile_class(shape: dict) -> tuple:
     """What FLA's compiled kernels of a row depend on, as far as warm_one's inputs go: batch, heads, varlen."""
     return shape["B"], shape["H"], shape["HV"], "N" in shape
-
-
-def warm_calls(shapes: list[dict], jobs: int) -> list[tuple]:
-    """warm_one's arguments for `shapes`: one shape per compile class, each class's configurations cut into as
-    many parts as `jobs` processes allow (at least one part per class)."""
-    classes = list({compile_class(s): s for s in reversed(shapes)}.values())[::-1]
-    parts = max(1, jobs // max(1, len(classes)))
-    return [(s, j, parts) for s in classes for j in range(parts)]
-
-
-def visible_gpus() -> list[str]:
-    """CUDA_VISIBLE_DEVICES entries of this process (or the indices of its GPUs)."""
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env:
-        return [d.strip() for d in env.split(",") if d.strip()]
-    return [str(i) for i in range(torch.cuda.device_count())]
 
 
 def time_ms(fn, warmup: int, rep: int) -> float:
@@ -347,11 +331,7 @@ def main(argv=None) -> int:
     timed = {r["shape"] for r in done}
     todo = [s for s in shapes if label(s) not in timed]
     if todo and not args.no_warm:
-        calls = warm_calls(todo, args.warm_jobs)
-        seconds, failed = fla_tuning.compile_in_parallel("tools.bench.train", "warm_one", calls,
-                                                         jobs=args.warm_jobs, devices=visible_gpus())
-        print(f"FLA compiled for {len(todo)} shapes ({len(calls)} processes): {seconds:.0f} s (failed: {failed})",
-              flush=True)
+        print(fla_tuning.warm("tools.bench.train", "warm_one", todo, compile_class, args.warm_jobs), flush=True)
     if args.warm_only:
         return 0
     save = (lambda rows: args.json.write_text(json.dumps(rows, indent=2))) if args.json else (lambda rows: None)
