@@ -119,3 +119,25 @@ def test_earlier_rows_keep_file_order_and_refuse_another_card(tmp_path):
     assert [r["shape"] for r in rows] == ["s1", "s2", "s3"]
     with pytest.raises(ValueError, match="a.json: row 's1' was timed on H100, this process runs on H200"):
         train.earlier_rows([a, b], "H200")
+
+
+def test_kernel_chain_reaches_an_autotuner_under_heuristics():
+    """FLA's kernels are heuristics(autotune(jit(fn))): retune and restrict_configs must reach the autotuner in the
+    middle (each wrapper keeps the next in `.fn`), and stop at the Python function."""
+    from tools.bench import fla_tuning
+
+    def body():
+        pass
+
+    class Wrapper:
+        def __init__(self, fn):
+            self.fn = fn
+
+    jit = Wrapper(body)
+    tuner = Wrapper(jit)
+    heuristics = Wrapper(tuner)
+    assert fla_tuning.kernel_chain(heuristics) == [heuristics, tuner, jit]
+    assert fla_tuning.kernel_chain(body) == [] and fla_tuning.kernel_chain(fla_tuning) == []
+    loop = Wrapper(None)
+    loop.fn = loop  # a cycle ends at the limit
+    assert len(fla_tuning.kernel_chain(loop)) == 8

@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,15 +40,29 @@ def prepare() -> None:
     os.environ["FLA_FLASH_KDA"] = "0"
 
 
+def kernel_chain(value, limit: int = 8) -> list:
+    """`value` and the kernels it wraps, outermost first: Triton's kernel wrappers keep the wrapped one in `.fn`
+    (FLA stacks `triton.heuristics` over its autotuner over `triton.jit`); the chain stops at a plain function, a
+    module or a class."""
+    chain = []
+    while value is not None and len(chain) < limit and not isinstance(value, (types.FunctionType, types.ModuleType,
+                                                                                   type)):
+        chain.append(value)
+        value = getattr(value, "fn", None)
+    return chain
+
+
 def autotuners() -> list:
-    """Every Triton autotuner defined by an imported FLA module (FLA's own cached autotuner subclasses it)."""
+    """Every Triton autotuner defined by an imported FLA module (FLA's own cached autotuner subclasses it), also
+    under the `triton.heuristics` wrapper FLA puts over nearly every autotuned kernel."""
     from triton.runtime.autotuner import Autotuner
 
     found = {}
     for module in _fla_modules():
         for value in vars(module).values():
-            if isinstance(value, Autotuner):
-                found[id(value)] = value
+            for kernel in kernel_chain(value):
+                if isinstance(kernel, Autotuner):
+                    found[id(kernel)] = kernel
     return list(found.values())
 
 
