@@ -244,9 +244,10 @@ def timed_rows(shapes: list[dict], done: list[dict], measure, save) -> list[dict
     return rows
 
 
-#: a row's fixed cost in shape_cost's units (token-heads): FLA's in-process tuning and the timing loops of a small
-#: shape take about as long as the size-bound part of a shape of this many token-heads (H200 rows of the grid)
-ROW_COST = 1 << 19
+#: a row's fixed cost in shape_cost's units (token-heads): FLA's in-process tuning (Triton benchmarks every
+#: configuration of every kernel for a fixed time, whatever the shape) outweighs the size-bound part of a row; a
+#: rough guess that keeps the parts near equal in rows and tilts them by size
+ROW_COST = 1 << 22
 
 
 def shape_cost(shape: dict) -> int:
