@@ -38,11 +38,11 @@ request and head) and its share of the card's HBM peak (issue 21 asks >= 80% for
 max |cula - FLA| / max |FLA| over o and the pool slots written (or the final state) after one call of each on
 identical copies of the inputs. Under tables 1 and 3: the least and largest speed-up.
 
-FLA runs its own Triton kernels (FLA_FLASH_KDA=0, FLA_CULA=0), retuned in this process on each shape
-(tools/bench/fla_tuning.py). cula runs with CULA_BACKEND=sm90 (a declined call fails instead of timing the
-reference). The section for this run's card replaces
-that card's section of `--out` (one `## <card>` section per card). `--quick`: N in (1, 16, 128), new-state and
-speculative rows at H = 64 only; meant to take about three minutes on an H100, compilation included.
+FLA runs its own Triton kernel (FLA_FLASH_KDA=0, FLA_CULA=0); it has no autotuner, and `fla_tuning.retune` before
+each shape keeps that true should a later FLA add one (tools/bench/fla_tuning.py). cula runs with CULA_BACKEND=sm90
+(a declined call fails instead of timing the reference). The section for this run's card replaces that card's
+section of `--out` (one `## <card>` section per card). `--quick`: N in (1, 16, 128), new-state and speculative rows
+at H = 64 only; meant to take about three minutes on an H100, compilation included.
 """
 
 from __future__ import annotations
@@ -71,8 +71,9 @@ QUICK_NS = (1, 16, 128)
 SPEC_TS = (2, 4)  # draft tokens per request in the speculative pool step
 HEADER = ("# fused_recurrent_kda on Hopper: cula (sm90 decode kernels) vs FLA 0.6.0\n\n"
           "One section per card; inputs, timing and columns: `tools/bench/fused_recurrent.py`'s docstring. FLA "
-          "runs its own Triton\nkernel (`FLA_FLASH_KDA=0`, `FLA_CULA=0`), autotuned in the timing process on each "
-          "exact shape (no restored\ntuning); FlashKDA has no decode kernel, so it has no column here.\n")
+          "runs its own Triton\nkernel (`FLA_FLASH_KDA=0`, `FLA_CULA=0`), which has no autotuner (its launch "
+          "parameters come from\n`triton.heuristics`: nothing tuned carries over between shapes); FlashKDA has no "
+          "decode kernel, so it has no column\nhere.\n")
 
 
 def make_inputs(N: int, H: int, T: int = 1, pool_dtype=torch.float32, seed: int = 0, *, device="cuda",
