@@ -141,3 +141,26 @@ def test_kernel_chain_reaches_an_autotuner_under_heuristics():
     loop = Wrapper(None)
     loop.fn = loop  # a cycle ends at the limit
     assert len(fla_tuning.kernel_chain(loop)) == 8
+
+
+@pytest.mark.gpu
+def test_retune_reaches_flas_chunk_kernels():
+    """On a machine with FLA (the GPU kit): the autotuners retune resets include those of FLA's chunked KDA kernels,
+    which sit under triton.heuristics (the state recurrence and the intra-chunk kernels among them)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (FLA's import probes the device)")
+    pytest.importorskip("fla")
+    from fla.ops.common import chunk_delta_h
+    from fla.ops.kda import chunk_intra, wy_fast
+    from triton.runtime.autotuner import Autotuner
+
+    from tools.bench import fla_tuning
+
+    found = {id(t) for t in fla_tuning.autotuners()}
+    kernels = (chunk_delta_h.chunk_gated_delta_rule_fwd_kernel_h_blockdim64,
+               chunk_intra.chunk_kda_fwd_kernel_inter_solve_fused, wy_fast.recompute_w_u_fwd_kda_kernel)
+    inner = [[t for t in fla_tuning.kernel_chain(k) if isinstance(t, Autotuner)] for k in kernels]
+    assert all(len(tuners) == 1 and id(tuners[0]) in found for tuners in inner)
+    assert fla_tuning.retune() == len(found) >= 10
