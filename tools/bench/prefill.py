@@ -230,8 +230,9 @@ def run(shapes, timing: Timing, fla_shapes) -> list[dict]:
             fla_tuning.retune()
             fla_prefill(x)  # tunes on this shape
             row["fla_ms"] = measure(fla_prefill, [(x,)], timing).median_ms
+            row["fla_tuners"] = len(fla_tuning.autotuners())  # what retune reaches (printed: a check of the method)
         rows.append(row)
-        fla = f"{row['fla_ms']:.3f}" if with_fla else "-"
+        fla = f"{row['fla_ms']:.3f} (autotuners {row['fla_tuners']})" if with_fla else "-"
         print(f"{row['shape']:<48} cula {row['cula_ms']:.3f}  FlashKDA {row['flashkda_ms']:.3f}  FLA {fla}  "
               f"err {row['err_flashkda']:.2e}", flush=True)
         del x

@@ -12,26 +12,25 @@ gradients of q, k, v, g, beta, A_log and dt_bias. Shapes (issue 19's grid): B in
 skewed lengths at HQK = HV = 32. `--quick`: six rows across the grid's corners.
 
 FLA runs its own Triton kernels, autotuned in this process on each exact shape (tools/bench/fla_tuning.py: every
-tuned choice is forgotten before a shape's first call). Before the rows, FLA's kernels are compiled for every shape
-to time in parallel processes, so that this process only tunes (compiling every configuration serially takes minutes
-per new shape): `warm_one` runs FLA on a shape cut to 1024 tokens, one shape per compile class (batch, heads,
-varlen), each class's autotuning configurations split into parts compiled by separate processes, at most
-`--warm-jobs` at once, spread over the visible GPUs. `--no-warm` skips it; `--warm-only` does only that (on a
-machine with several GPUs: once for the whole grid, then one `--no-warm` process per GPU). Timing: CUDA events,
-median over `--rep` calls after `--warmup` calls (a training step is milliseconds: no do_bench rotation needed).
-`speed-up` = FLA ms / cula ms. Memory: `torch.cuda.max_memory_allocated` during one forward + backward minus what
-was allocated before it (the inputs and the output gradient), per implementation. The table for this run's card
-replaces that card's section of `--out`. `--json FILE` is rewritten after every row; with `--resume`, the rows
-already in FILE (from an earlier process on the same card and commit) are kept and only the missing shapes are
-timed, each still with FLA tuned in this process on it, so a grid longer than one session's process limit can be
-timed in several processes. `--shard I/N` times part I of N parts of the grid, balanced by a rough cost per row
-(`shard`): on a machine with N GPUs, N processes (each with CUDA_VISIBLE_DEVICES=I and its own --json) time the grid
-together, each row still with FLA tuned in the process that times it; `--merge FILE ...` then counts the rows of
-those files as timed (a shape none of them has is timed as usual) and writes the whole table. Every row records its
-card; rows of another card are refused. `--profile B,T,H,HV`: the mean CUDA time per step of each kernel of cula's
-forward + backward on that shape (torch.profiler over 5 steps after 3), the step's own time (CUDA events), and exit:
-where a step's time goes.
-"""
+tuned choice is forgotten before a shape's first call; each row's line and JSON give how many FLA autotuners that
+reaches, `fla_tuners`). Before the rows, FLA's kernels are compiled for every shape to time in parallel processes,
+so that this process only tunes (compiling every configuration serially takes minutes per new shape): `warm_one`
+runs FLA on a shape cut to 1024 tokens, one shape per compile class (batch, heads, varlen), each class's autotuning
+configurations split into parts compiled by separate processes, at most `--warm-jobs` at once, spread over the
+visible GPUs. `--no-warm` skips it; `--warm-only` does only that (on a machine with several GPUs: once for the whole
+grid, then one `--no-warm` process per GPU). Timing: CUDA events, median over `--rep` calls after `--warmup` calls
+(a training step is milliseconds: no do_bench rotation needed). `speed-up` = FLA ms / cula ms. Memory:
+`torch.cuda.max_memory_allocated` during one forward + backward minus what was allocated before it (the inputs and
+the output gradient), per implementation. The table for this run's card replaces that card's section of `--out`.
+`--json FILE` is rewritten after every row; with `--resume`, the rows already in FILE (from an earlier process on
+the same card and commit) are kept and only the missing shapes are timed, each still with FLA tuned in this process
+on it, so a grid longer than one session's process limit can be timed in several processes. `--shard I/N` times part
+I of N parts of the grid, balanced by a rough cost per row (`shard`): on a machine with N GPUs, N processes (each
+with CUDA_VISIBLE_DEVICES=I and its own --json) time the grid together, each row still with FLA tuned in the process
+that times it; `--merge FILE ...` then counts the rows of those files as timed (a shape none of them has is timed as
+usual) and writes the whole table. Every row records its card; rows of another card are refused. `--profile
+B,T,H,HV`: the mean CUDA time per step of each kernel of cula's forward + backward on that shape (torch.profiler
+over 5 steps after 3), the step's own time (CUDA events), and exit: where a step's time goes."""
 
 from __future__ import annotations
 
@@ -186,8 +185,9 @@ def run_shape(shape: dict, warmup: int, rep: int) -> dict:
     x = make_inputs(shape)
     row = dict(shape=label(shape), gpu=torch.cuda.get_device_name())
     ours_g, fla_g = step("cula", x, True)(), None
-    fla_tuning.retune()
+    reset = fla_tuning.retune()  # 0 before FLA's first call in this process (nothing tuned yet)
     fla_g = step("fla", x, True)()  # FLA tunes its forward and backward kernels on this shape
+    row["fla_tuners"] = len(fla_tuning.autotuners())  # what retune reaches: the log shows every row was re-tuned
     row["grad_rel_err"] = max(rel(a, b) for a, b in zip(ours_g, fla_g))
     del ours_g, fla_g
     for impl in ("cula", "fla"):
@@ -196,7 +196,8 @@ def run_shape(shape: dict, warmup: int, rep: int) -> dict:
         row[f"{impl}_mib"] = peak_extra_mib(step(impl, x, True))
     print(f"{row['shape']:<40} fwd cula {row['cula_fwd_ms']:.3f} FLA {row['fla_fwd_ms']:.3f} | fwd+bwd cula "
           f"{row['cula_step_ms']:.3f} FLA {row['fla_step_ms']:.3f} | MiB cula {row['cula_mib']:.0f} FLA "
-          f"{row['fla_mib']:.0f} | grad err {row['grad_rel_err']:.1e}", flush=True)
+          f"{row['fla_mib']:.0f} | grad err {row['grad_rel_err']:.1e} | FLA autotuners reset {reset} of "
+          f"{row['fla_tuners']}", flush=True)
     del x
     torch.cuda.empty_cache()
     return row
