@@ -98,6 +98,15 @@ def restrict_configs(part: int, parts: int, tuners: list | None = None) -> int:
     return restricted
 
 
+def prepare_compile_part(part: int, parts: int) -> None:
+    """Set up a compile-only process (a warm function's first step): `prepare`, FLA's KDA ops imported (which
+    defines their autotuners), and every FLA autotuner narrowed to part `part` of `parts` (`restrict_configs`)."""
+    prepare()
+    import fla.ops.kda  # noqa: F401
+
+    restrict_configs(part, parts)
+
+
 def visible_gpus() -> list[str]:
     """This process's CUDA_VISIBLE_DEVICES entries (or the indices of its GPUs)."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -112,15 +121,17 @@ def warm_calls(shapes: list[dict], compile_class, jobs: int) -> list[tuple]:
     """Arguments (shape, part, parts) of a warm function for `shapes`: one shape per compile class
     (`compile_class(shape)`: what FLA's compiled kernels of the shape depend on), each class's configurations cut
     into as many parts as `jobs` processes allow (at least one part per class)."""
-    classes = list({compile_class(s): s for s in reversed(shapes)}.values())[::-1]
-    parts = max(1, jobs // max(1, len(classes)))
-    return [(s, j, parts) for s in classes for j in range(parts)]
+    first_of_class = {}
+    for s in shapes:
+        first_of_class.setdefault(compile_class(s), s)
+    parts = max(1, jobs // max(1, len(first_of_class)))
+    return [(s, j, parts) for s in first_of_class.values() for j in range(parts)]
 
 
 def warm(module: str, function: str, shapes: list[dict], compile_class, jobs: int) -> str:
     """Compile FLA's kernels for `shapes` before they are timed: `module.function(shape, part, parts)` (which runs
-    FLA on a small cut of the shape after `restrict_configs(part, parts)`) for warm_calls' arguments, at most `jobs`
-    processes at once, spread over the visible GPUs. Returns a line saying what it did."""
+    FLA on a small cut of the shape after `prepare_compile_part(part, parts)`) for warm_calls' arguments, at most
+    `jobs` processes at once, spread over the visible GPUs. Returns a line saying what it did."""
     calls = warm_calls(shapes, compile_class, jobs)
     seconds, failed = compile_in_parallel(module, function, calls, jobs=jobs, devices=visible_gpus())
     return f"FLA compiled for {len(shapes)} shapes ({len(calls)} processes): {seconds:.0f} s (failed: {failed})"

@@ -120,10 +120,7 @@ def warm_one(shape: dict, part: int = 0, parts: int = 1) -> None:
     """One FLA prefill on `shape` cut to at most 1024 tokens (its B, heads and kind kept; varlen: at most 8
     sequences), each FLA autotuner restricted to part `part` of `parts` of its configurations: compiles those
     configurations of the kernels the shape's FLA column runs. Run by fla_tuning.warm."""
-    fla_tuning.prepare()
-    import fla.ops.kda  # noqa: F401  (defines the autotuners restrict_configs narrows)
-
-    fla_tuning.restrict_configs(part, parts)
+    fla_tuning.prepare_compile_part(part, parts)
     small = dict(shape, T=min(shape["T"], 1024))
     if "N" in small:
         small["N"] = min(small["N"], 8)

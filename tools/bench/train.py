@@ -119,12 +119,9 @@ def step(impl: str, x: dict, backward: bool):
 def warm_one(shape: dict, part: int = 0, parts: int = 1) -> None:
     """One FLA forward + backward on `shape` cut to 1024 tokens (its B, heads and kind kept; varlen: at most 8
     sequences), with each FLA autotuner restricted to part `part` of `parts` of its configurations
-    (fla_tuning.restrict_configs): compiles those configurations of the Triton kernels the rows of this shape run.
+    (fla_tuning.prepare_compile_part): compiles those configurations of the Triton kernels the rows of this shape run.
     Run by fla_tuning.warm, one process per (compile class, part)."""
-    fla_tuning.prepare()
-    import fla.ops.kda  # noqa: F401  (defines the autotuners restrict_configs narrows)
-
-    fla_tuning.restrict_configs(part, parts)
+    fla_tuning.prepare_compile_part(part, parts)
     small = dict(shape, T=1024)
     if "N" in small:
         small["N"] = min(small["N"], 8)
