@@ -54,8 +54,36 @@ def test_without_fla_no_fla_columns():
 
 
 def test_the_fla_subset_is_part_of_the_grid():
-    grid = bench.FIXED + bench.VARLEN + bench.EXTRA
-    assert len(bench.FLA_SUBSET) == 6 and all(s in grid for s in bench.FLA_SUBSET)
+    assert bench.GRID == bench.FIXED + bench.VARLEN + bench.EXTRA
+    assert len(bench.FLA_SUBSET) == 6 and all(s in bench.GRID for s in bench.FLA_SUBSET)
+
+
+@pytest.mark.parametrize("fla_shapes", [None, "subset", []])
+def test_shards_partition_the_grid_and_spread_flas_rows(fla_shapes):
+    from tools.bench import grid
+
+    fla_shapes = bench.FLA_SUBSET if fla_shapes == "subset" else fla_shapes
+    n = 4
+
+    def cost(s):
+        return bench.row_cost(s, bench.timed_by_fla(s, fla_shapes))
+
+    parts = [grid.shard(bench.GRID, f"{i}/{n}", cost) for i in range(n)]
+    labels = [bench.label(s) for part in parts for s in part]
+    assert sorted(labels) == sorted(bench.label(s) for s in bench.GRID) and len(set(labels)) == len(labels)
+    loads = [sum(cost(s) for s in part) for part in parts]
+    # balanced: the costliest part at most one row's cost above the mean
+    assert max(loads) <= sum(loads) / n + max(cost(s) for s in bench.GRID), loads
+    if fla_shapes:  # FLA's six tuned rows, the costly ones, do not pile up in one process
+        assert max(sum(bench.timed_by_fla(s, fla_shapes) for s in part) for part in parts) == 2
+
+
+def test_prefill_cli_refuses_resume_without_json_and_warm_only_with_no_warm(capsys):
+    for argv, message in ((["--resume"], "--resume needs --json"),
+                          (["--warm-only", "--no-warm"], "--warm-only and --no-warm exclude each other")):
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+        assert message in capsys.readouterr().err
 
 
 def test_no_fla_and_fla_subset_exclude_each_other():

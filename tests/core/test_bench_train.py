@@ -1,11 +1,12 @@
-"""tools/bench/train.py's row bookkeeping (CPU): with --resume, rows already timed are kept and only the missing
-shapes are measured; the rows are saved after every shape."""
+"""tools/bench/train.py's row bookkeeping (CPU, through tools/bench/grid.py): with --resume, rows already timed are
+kept and only the missing shapes are measured; the rows are saved after every shape; shards partition the grid;
+FLA's compile before the rows."""
 
 import json
 
 import pytest
 
-from tools.bench import train
+from tools.bench import grid, train
 
 
 def test_timed_rows_measures_only_missing_shapes_and_saves_each_step():
@@ -17,7 +18,7 @@ def test_timed_rows_measures_only_missing_shapes_and_saves_each_step():
         measured.append(train.label(shape))
         return dict(shape=train.label(shape), cula_fwd_ms=2.0)
 
-    rows = train.timed_rows(shapes, [kept], measure, saved.append)
+    rows = grid.timed_rows(shapes, [kept], measure, saved.append, train.label)
     assert measured == [train.label(shapes[0]), train.label(shapes[2])]
     assert [r["shape"] for r in rows] == [train.label(s) for s in shapes]
     assert rows[1] is kept
@@ -26,7 +27,7 @@ def test_timed_rows_measures_only_missing_shapes_and_saves_each_step():
 
 def test_timed_rows_without_earlier_rows_measures_every_shape():
     shapes = train.QUICK[:2]
-    rows = train.timed_rows(shapes, [], lambda s: dict(shape=train.label(s)), lambda rows: None)
+    rows = grid.timed_rows(shapes, [], lambda s: dict(shape=train.label(s)), lambda rows: None, train.label)
     assert [r["shape"] for r in rows] == [train.label(s) for s in shapes]
 
 
@@ -96,7 +97,7 @@ def test_warm_calls_one_shape_per_compile_class():
 
 def test_shards_partition_the_grid():
     n = 4
-    shards = [train.shard(train.GRID, f"{i}/{n}") for i in range(n)]
+    shards = [grid.shard(train.GRID, f"{i}/{n}", train.shape_cost) for i in range(n)]
     labels = [train.label(s) for part in shards for s in part]
     assert sorted(labels) == sorted(train.label(s) for s in train.GRID)
     assert len(set(labels)) == len(labels)
@@ -105,20 +106,28 @@ def test_shards_partition_the_grid():
     # balanced: the costliest part within 10% of the mean
     costs = [sum(train.shape_cost(s) for s in part) for part in shards]
     assert max(costs) <= 1.1 * sum(costs) / n, costs
-    assert train.shard(train.QUICK, None) == train.QUICK
+    assert grid.shard(train.QUICK, None, train.shape_cost) == train.QUICK
     for bad in ("4/4", "-1/4", "1", "a/b"):
         with pytest.raises(ValueError, match="--shard"):
-            train.shard(train.GRID, bad)
+            grid.shard(train.GRID, bad, train.shape_cost)
+
+
+def test_train_cli_refuses_resume_without_json_and_warm_only_with_no_warm(capsys):
+    for argv, message in ((["--resume"], "--resume needs --json"),
+                          (["--warm-only", "--no-warm"], "--warm-only and --no-warm exclude each other")):
+        with pytest.raises(SystemExit):
+            train.main(argv)
+        assert message in capsys.readouterr().err
 
 
 def test_earlier_rows_keep_file_order_and_refuse_another_card(tmp_path):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps([dict(shape="s1", gpu="H100"), dict(shape="s2")]))
     b.write_text(json.dumps([dict(shape="s3", gpu="H100")]))
-    rows = train.earlier_rows([a, b], "H100")
+    rows = grid.earlier_rows([a, b], "H100")
     assert [r["shape"] for r in rows] == ["s1", "s2", "s3"]
     with pytest.raises(ValueError, match="a.json: row 's1' was timed on H100, this process runs on H200"):
-        train.earlier_rows([a, b], "H200")
+        grid.earlier_rows([a, b], "H200")
 
 
 def test_kernel_chain_reaches_an_autotuner_under_heuristics():

@@ -238,3 +238,11 @@ def test_dhu_stages_dispatch():
 
     assert [launch.fwd.walk_stages(ctas, 132) for ctas in (1, 64, 132, 133, 1024)] == [2, 2, 2, 1, 1]
     assert launch.dhu_kernel(True, True, 32, 1) != launch.dhu_kernel(True, True, 32, 2)
+
+
+def test_delta_h_grid_width_matches_the_kernel():
+    """chunk_delta_h's stage pick counts its CTAs with launch.DELTA_H_BV columns of V each: the kernel's own BV."""
+    pytest.importorskip("cutlass")
+    from cula_sm100.forward import chunk_delta_h, launch
+
+    assert launch.DELTA_H_BV == chunk_delta_h.ChunkDeltaH.BV

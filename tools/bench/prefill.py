@@ -3,8 +3,8 @@
 on the same bf16 inputs in one process.
 
     python -m tools.bench.prefill [--smoke] [--no-fla | --fla-subset] [--out docs/benchmarks/prefill.md]
-                                  [--json FILE] [--warmup MS] [--rep MS] [--no-warm] [--warm-jobs J]
-                                  [--profile B,T,H] [--packing]
+                                  [--json FILE [--resume]] [--shard I/N] [--merge FILE ...] [--warmup MS]
+                                  [--rep MS] [--no-warm | --warm-only] [--warm-jobs J] [--profile B,T,H] [--packing]
 
 Every call does what FlashKDA does: safe gate (lower_bound = -5) from raw g with A_log / dt_bias, q/k L2 norm and
 sigmoid(beta) in kernel (beta passed as logits), K = V = 128, no initial state, the final state returned.
@@ -18,11 +18,17 @@ outputs allocated in the call, FLA under `torch.no_grad` with `FLA_FLASH_KDA=0` 
 this process on each exact shape (tools/bench/fla_tuning.py). Columns: `vs FlashKDA` = FlashKDA ms / cula ms,
 `vs FLA` = FLA ms / cula ms; `err vs FlashKDA` = max |cula - FlashKDA| / max |FlashKDA| over o and the final state.
 Before the rows, FLA's kernels are compiled for the shapes it is timed on in parallel processes (`warm_one`: one shape
-per compile class, each class's autotuning configurations split over processes, at most `--warm-jobs` at once;
-`--no-warm` skips it), so that this process only tunes. Tuning on each shape still takes this process several
-seconds, so `--fla-subset` times FLA on FLA_SUBSET only (six shapes, one of each kind; "-" elsewhere, its geomean
-over those). The table for this run's card replaces that
-card's section of `--out` (one section per card).
+per compile class, each class's autotuning configurations split over processes, at most `--warm-jobs` at once,
+spread over the visible GPUs; `--no-warm` skips it, `--warm-only` does only that), so that this process only tunes.
+Tuning on each shape still takes a process tens of seconds, so `--fla-subset` times FLA on FLA_SUBSET only (six
+shapes, one of each kind; "-" elsewhere, its geomean over those). The table for this run's card replaces that card's
+section of `--out` (one section per card).
+
+Several processes, as tools/bench/train.py's grid (tools/bench/grid.py): `--json FILE` is rewritten after every row
+and `--resume` keeps the rows already in it; `--shard I/N` times part I of N parts of the grid balanced by
+`row_cost` (on a machine with N GPUs: `--warm-only` once, then one `--no-warm` process per GPU, each with
+CUDA_VISIBLE_DEVICES=I and its own --json); `--merge FILE ...` counts the rows of those files as timed and writes
+the whole table. Every row records its card; rows of another card are refused.
 
 `--packing`: the sm90 stage 1 over packed tiles against the unpacked one (`cula_sm90.prefill.forward.prefill`'s
 `pack_stage1`), the whole call, on the varlen 64-sequence shapes, beside FlashKDA; the outputs of the two must be
@@ -32,6 +38,7 @@ equal bit for bit. Prints a table and exits (the measurement behind `forward.pac
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -43,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tools.bench import fla_tuning  # noqa: E402
+from tools.bench import fla_tuning, grid  # noqa: E402
 from tools.bench.harness import Timing, add_do_bench_args, environment, measure  # noqa: E402
 
 K = 128
@@ -52,6 +59,7 @@ FIXED = [dict(B=b, T=t, H=64) for b in (1, 2) for t in (100, 512, 1024, 4096, 81
 VARLEN = [dict(B=1, N=n, T=t, H=64, lens=kind) for n in (10, 20, 64) for t in (4096, 8192, 16384)
           for kind in ("uniform", "random", "skewed")]
 EXTRA = [dict(B=4, T=2048, H=32), dict(B=1, T=32768, H=32), dict(B=1, T=65536, H=16)]
+GRID = FIXED + VARLEN + EXTRA
 SMOKE = [dict(B=1, T=100, H=64), dict(B=1, T=4096, H=64), dict(B=1, N=10, T=4096, H=64, lens="skewed")]
 # one shape of each kind: a single sequence, a batch, varlen with few / many sequences, fewer heads, CP
 FLA_SUBSET = [dict(B=1, T=8192, H=64), dict(B=2, T=8192, H=64), dict(B=1, N=20, T=8192, H=64, lens="uniform"),
@@ -212,29 +220,39 @@ def geomean(xs):
     return math.exp(sum(math.log(v) for v in xs) / len(xs)) if xs else None
 
 
-def run(shapes, timing: Timing, fla_shapes) -> list[dict]:
-    """Time every shape; FLA only on `fla_shapes` (a list of shapes; None: every shape)."""
-    rows = []
-    for shape in shapes:
-        x = make_inputs(shape)
-        ref_o, ref_state = flashkda_prefill(x)
-        row = dict(shape=label(shape), err_flashkda=rel_err(cula_prefill(x), ref_o, ref_state))
-        del ref_o, ref_state
-        row["cula_ms"] = measure(cula_prefill, [(x,)], timing).median_ms
-        row["flashkda_ms"] = measure(flashkda_prefill, [(x,)], timing).median_ms
-        with_fla = fla_shapes is None or shape in fla_shapes
-        if with_fla:
-            fla_tuning.retune()
-            fla_prefill(x)  # tunes on this shape
-            row["fla_ms"] = measure(fla_prefill, [(x,)], timing).median_ms
-            row["fla_tuners"] = len(fla_tuning.autotuners())  # what retune reaches (printed: a check of the method)
-        rows.append(row)
-        fla = f"{row['fla_ms']:.3f} (autotuners {row['fla_tuners']})" if with_fla else "-"
-        print(f"{row['shape']:<48} cula {row['cula_ms']:.3f}  FlashKDA {row['flashkda_ms']:.3f}  FLA {fla}  "
-              f"err {row['err_flashkda']:.2e}", flush=True)
-        del x
-        torch.cuda.empty_cache()
-    return rows
+def timed_by_fla(shape: dict, fla_shapes) -> bool:
+    """Whether FLA is timed on `shape`: `fla_shapes` is a list of shapes, or None for every shape."""
+    return fla_shapes is None or shape in fla_shapes
+
+
+def row_cost(shape: dict, with_fla: bool) -> float:
+    """Rough seconds of one row, for balancing shards (grid.shard): FLA's in-process tuning (about 40 s whatever
+    the shape) outweighs the timed calls, which grow with the token-heads."""
+    size = shape["B"] * shape["T"] * shape["H"] / 2**20
+    return (40 + 2 * size) if with_fla else (2 + size)
+
+
+def run_shape(shape: dict, timing: Timing, with_fla: bool) -> dict:
+    """One row: cula and FlashKDA timed on `shape` (and FLA, tuned on it in this process, when `with_fla`), the
+    difference of cula's outputs from FlashKDA's, the card."""
+    x = make_inputs(shape)
+    ref_o, ref_state = flashkda_prefill(x)
+    row = dict(shape=label(shape), gpu=torch.cuda.get_device_name(),
+               err_flashkda=rel_err(cula_prefill(x), ref_o, ref_state))
+    del ref_o, ref_state
+    row["cula_ms"] = measure(cula_prefill, [(x,)], timing).median_ms
+    row["flashkda_ms"] = measure(flashkda_prefill, [(x,)], timing).median_ms
+    if with_fla:
+        fla_tuning.retune()
+        fla_prefill(x)  # tunes on this shape
+        row["fla_ms"] = measure(fla_prefill, [(x,)], timing).median_ms
+        row["fla_tuners"] = len(fla_tuning.autotuners())  # what retune reaches (printed: a check of the method)
+    fla = f"{row['fla_ms']:.3f} (autotuners {row['fla_tuners']})" if with_fla else "-"
+    print(f"{row['shape']:<48} cula {row['cula_ms']:.3f}  FlashKDA {row['flashkda_ms']:.3f}  FLA {fla}  "
+          f"err {row['err_flashkda']:.2e}", flush=True)
+    del x
+    torch.cuda.empty_cache()
+    return row
 
 
 def card_header(env: dict, command: str) -> list[str]:
@@ -283,8 +301,6 @@ def write_section(path: Path, section: str, header: str = HEADER) -> None:
 def publish(module: str, rows: list[dict], render_fn, args, argv, header: str = HEADER) -> None:
     """Print this card's section (`render_fn(rows, environment, command)`), write it into `args.out` (a new file
     starts with `header`) and the rows to `args.json` when given."""
-    import json
-
     command = f"python -m tools.bench.{module} " + " ".join(argv if argv is not None else sys.argv[1:])
     section = render_fn(rows, environment("cuda"), command.strip())
     print(section)
@@ -301,15 +317,25 @@ def main(argv=None) -> int:
     fla.add_argument("--no-fla", action="store_true", help="cula and FlashKDA only")
     fla.add_argument("--fla-subset", action="store_true", help="FLA timed on FLA_SUBSET's six shapes only")
     ap.add_argument("--out", type=Path, help="markdown file whose section for this card is rewritten")
-    ap.add_argument("--json", type=Path)
+    ap.add_argument("--json", type=Path, help="rows as JSON, rewritten after every row")
+    ap.add_argument("--resume", action="store_true", help="keep the rows already in --json; time the others")
+    ap.add_argument("--shard", metavar="I/N",
+                    help="time part I of N cost-balanced parts of the grid (one process per GPU)")
+    ap.add_argument("--merge", type=Path, nargs="+", default=[], help="rows of earlier processes, counted as timed")
     add_do_bench_args(ap)
     ap.add_argument("--no-warm", action="store_true", help="no parallel compile of FLA's kernels before the rows")
+    ap.add_argument("--warm-only", action="store_true",
+                    help="compile FLA's kernels for the shapes to time (on every visible GPU) and exit")
     ap.add_argument("--warm-jobs", type=int, default=os.cpu_count() or 1,
                     help="processes compiling FLA's kernels at once (default: the CPU count)")
     ap.add_argument("--profile", metavar="B,T,H", help="per-kernel CUDA times of cula at one shape, then exit")
     ap.add_argument("--packing", action="store_true",
                     help="stage 1 packed vs unpacked on the varlen 64-sequence shapes, then exit")
     args = ap.parse_args(argv)
+    if args.resume and not args.json:
+        ap.error("--resume needs --json")
+    if args.warm_only and args.no_warm:
+        ap.error("--warm-only and --no-warm exclude each other")
     if not torch.cuda.is_available():
         print("prefill: needs a CUDA device", file=sys.stderr)
         return 1
@@ -324,11 +350,22 @@ def main(argv=None) -> int:
     fla_shapes = [] if args.no_fla else FLA_SUBSET if args.fla_subset else None
     if fla_shapes != []:
         fla_tuning.prepare()
-    shapes = SMOKE if args.smoke else FIXED + VARLEN + EXTRA
-    if fla_shapes != [] and not args.no_warm:
-        to_warm = shapes if fla_shapes is None else [s for s in shapes if s in fla_shapes]
+    files = [*args.merge, *([args.json] if args.resume and args.json.exists() else [])]
+    try:
+        shapes = grid.shard(SMOKE if args.smoke else GRID, args.shard,
+                            lambda s: row_cost(s, timed_by_fla(s, fla_shapes)))
+        done = grid.earlier_rows(files, torch.cuda.get_device_name())
+    except ValueError as e:
+        ap.error(str(e))
+    timed = {r["shape"] for r in done}
+    to_warm = [s for s in shapes if label(s) not in timed and timed_by_fla(s, fla_shapes)]
+    if to_warm and not args.no_warm:
         print(fla_tuning.warm("tools.bench.prefill", "warm_one", to_warm, compile_class, args.warm_jobs), flush=True)
-    rows = run(shapes, Timing(warmup=args.warmup, repeats=args.rep, method="do_bench"), fla_shapes)
+    if args.warm_only:
+        return 0
+    timing = Timing(warmup=args.warmup, repeats=args.rep, method="do_bench")
+    save = (lambda rows: args.json.write_text(json.dumps(rows, indent=2))) if args.json else (lambda rows: None)
+    rows = grid.timed_rows(shapes, done, lambda s: run_shape(s, timing, timed_by_fla(s, fla_shapes)), save, label)
     publish("prefill", rows, render, args, argv)
     return 0
 

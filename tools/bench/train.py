@@ -25,7 +25,7 @@ the output gradient), per implementation. The table for this run's card replaces
 `--json FILE` is rewritten after every row; with `--resume`, the rows already in FILE (from an earlier process on
 the same card and commit) are kept and only the missing shapes are timed, each still with FLA tuned in this process
 on it, so a grid longer than one session's process limit can be timed in several processes. `--shard I/N` times part
-I of N parts of the grid, balanced by a rough cost per row (`shard`): on a machine with N GPUs, N processes (each
+I of N parts of the grid, balanced by a rough cost per row (`shape_cost`, `grid.shard`): on a machine with N GPUs, N processes (each
 with CUDA_VISIBLE_DEVICES=I and its own --json) time the grid together, each row still with FLA tuned in the process
 that times it; `--merge FILE ...` then counts the rows of those files as timed (a shape none of them has is timed as
 usual) and writes the whole table. Every row records its card; rows of another card are refused. `--profile
@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tools.bench import fla_tuning  # noqa: E402
+from tools.bench import fla_tuning, grid  # noqa: E402
 from tools.bench.prefill import lengths, publish  # noqa: E402
 
 # how a new --out file starts
@@ -231,17 +231,6 @@ def render(rows: list[dict], env: dict, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def timed_rows(shapes: list[dict], done: list[dict], measure, save) -> list[dict]:
-    """One row per shape, in the order of `shapes`: the row of `done` with the shape's label where there is one,
-    else `measure(shape)`; `save(rows so far)` after every row, so a process stopped mid-grid keeps its rows."""
-    known = {r["shape"]: r for r in done}
-    rows = []
-    for shape in shapes:
-        rows.append(known.get(label(shape)) or measure(shape))
-        save(list(rows))
-    return rows
-
-
 #: a row's fixed cost in shape_cost's units (token-heads): FLA's in-process tuning (Triton benchmarks every
 #: configuration of every kernel for a fixed time, whatever the shape) outweighs the size-bound part of a row; a
 #: rough guess that keeps the parts near equal in rows and tilts them by size
@@ -251,42 +240,6 @@ ROW_COST = 1 << 22
 def shape_cost(shape: dict) -> int:
     """Rough time of one row, for balancing shards: token-heads (B x T x HV) plus ROW_COST."""
     return shape["B"] * shape["T"] * shape["HV"] + ROW_COST
-
-
-def shard(shapes: list[dict], spec: str | None) -> list[dict]:
-    """The shapes of shard `spec` ("I/N", 0 <= I < N), in the order of `shapes`; all of them for None.
-
-    The N shards partition `shapes` with balanced costs (shape_cost): the costliest shape first, each to the shard
-    with the least cost so far (the lowest I on a tie), so that N processes finish together."""
-    if spec is None:
-        return list(shapes)
-    try:
-        i, n = (int(x) for x in spec.split("/"))
-    except ValueError:
-        raise ValueError(f"--shard must be I/N with integers I and N, got {spec!r}") from None
-    if not 0 <= i < n:
-        raise ValueError(f"--shard I/N needs 0 <= I < N, got {spec!r}")
-    load = [0] * n
-    mine = set()
-    for j in sorted(range(len(shapes)), key=lambda j: -shape_cost(shapes[j])):
-        k = min(range(n), key=lambda k: load[k])
-        load[k] += shape_cost(shapes[j])
-        if k == i:
-            mine.add(j)
-    return [s for j, s in enumerate(shapes) if j in mine]
-
-
-def earlier_rows(files: list[Path], gpu: str) -> list[dict]:
-    """The rows of earlier runs in `files` (JSON lists of rows), in file order; a row timed on another card than
-    `gpu` raises ValueError naming its file (a row that records no card, written before rows did, is taken as
-    timed on `gpu`)."""
-    rows = []
-    for f in files:
-        for r in json.loads(Path(f).read_text()):
-            if r.get("gpu", gpu) != gpu:
-                raise ValueError(f"{f}: row {r['shape']!r} was timed on {r['gpu']}, this process runs on {gpu}")
-            rows.append(r)
-    return rows
 
 
 def main(argv=None) -> int:
@@ -309,6 +262,10 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rep", type=int, default=10)
     args = ap.parse_args(argv)
+    if args.resume and not args.json:
+        ap.error("--resume needs --json")
+    if args.warm_only and args.no_warm:
+        ap.error("--warm-only and --no-warm exclude each other")
     if not torch.cuda.is_available():
         print("train: needs a CUDA device", file=sys.stderr)
         return 1
@@ -316,15 +273,11 @@ def main(argv=None) -> int:
         B, T, H, HV = (int(v) for v in args.profile.split(","))
         profile_step(dict(B=B, T=T, H=H, HV=HV))
         return 0
-    if args.resume and not args.json:
-        ap.error("--resume needs --json")
-    if args.warm_only and args.no_warm:
-        ap.error("--warm-only and --no-warm exclude each other")
     fla_tuning.prepare()
     files = [*args.merge, *([args.json] if args.resume and args.json.exists() else [])]
     try:
-        shapes = shard(SMOKE if args.smoke else QUICK if args.quick else GRID, args.shard)
-        done = earlier_rows(files, torch.cuda.get_device_name())
+        shapes = grid.shard(SMOKE if args.smoke else QUICK if args.quick else GRID, args.shard, shape_cost)
+        done = grid.earlier_rows(files, torch.cuda.get_device_name())
     except ValueError as e:
         ap.error(str(e))
     timed = {r["shape"] for r in done}
@@ -334,7 +287,7 @@ def main(argv=None) -> int:
     if args.warm_only:
         return 0
     save = (lambda rows: args.json.write_text(json.dumps(rows, indent=2))) if args.json else (lambda rows: None)
-    rows = timed_rows(shapes, done, lambda s: run_shape(s, args.warmup, args.rep), save)
+    rows = grid.timed_rows(shapes, done, lambda s: run_shape(s, args.warmup, args.rep), save, label)
     publish("train", rows, render, args, argv, header=HEADER)
     return 0
 

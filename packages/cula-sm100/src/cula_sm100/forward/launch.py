@@ -381,6 +381,9 @@ def chunk_intra_wu_gate(q, k, v, g, A_log, dt_bias, beta, ctab, *, gate, lower_b
 # docs/benchmarks/train_fwd.md, `python -m tools.bench.train_fwd --delta-h-sweep`)
 DELTA_H_CLUSTER_MIN_PAIRS = 256
 
+# columns of V per chunk_delta_h CTA (ChunkDeltaH.BV; a CPU test keeps the two equal): the grid is N x HV x V / BV
+DELTA_H_BV = 32
+
 
 def chunk_delta_h_cluster(N: int, HV: int) -> bool:
     """Whether chunk_delta_h launches as clusters of 4 V slices for N sequences of HV value heads."""
@@ -404,7 +407,7 @@ def chunk_delta_h(w, u, kg, G, initial_state, ctab, stab, *, output_final_state,
     if cluster is None:
         cluster = chunk_delta_h_cluster(N, HV)
     if stages is None:
-        stages = 1 if cluster or not N else walk_stages(N * HV * (V // 32), rt.sm_count(G.device.index or 0))
+        stages = 1 if cluster or not N else walk_stages(N * HV * (V // DELTA_H_BV), rt.sm_count(G.device.index or 0))
     h = _empty(NC, HV, K, V, like=G)
     v_new = _empty(TT, HV, V, like=G)
     ht = _empty(N, HV, K, V, like=G, dtype=torch.float32) if output_final_state else None
