@@ -78,19 +78,6 @@ def test_shards_partition_the_grid_and_spread_flas_rows(fla_shapes):
         assert max(sum(bench.timed_by_fla(s, fla_shapes) for s in part) for part in parts) == 2
 
 
-def test_prefill_cli_refuses_resume_without_json_and_warm_only_with_no_warm(capsys):
-    for argv, message in ((["--resume"], "--resume needs --json"),
-                          (["--warm-only", "--no-warm"], "--warm-only and --no-warm exclude each other")):
-        with pytest.raises(SystemExit):
-            bench.main(argv)
-        assert message in capsys.readouterr().err
-
-
-def test_no_fla_and_fla_subset_exclude_each_other():
-    with pytest.raises(SystemExit):
-        bench.main(["--no-fla", "--fla-subset"])
-
-
 # --- tools/bench/fla_dispatch.py (the same table machinery): rendering and the reached-backend check
 
 def test_fla_dispatch_render_flags_calls_that_missed_their_backend():

@@ -1,34 +1,9 @@
-"""tools/bench/train.py's row bookkeeping (CPU, through tools/bench/grid.py): with --resume, rows already timed are
-kept and only the missing shapes are measured; the rows are saved after every shape; shards partition the grid;
-FLA's compile before the rows."""
-
-import json
+"""tools/bench/train.py on the CPU: its shards partition the grid with balanced costs; FLA's compile before the rows
+(processes, configuration parts, compile classes); retune reaching FLA's autotuners."""
 
 import pytest
 
 from tools.bench import grid, train
-
-
-def test_timed_rows_measures_only_missing_shapes_and_saves_each_step():
-    shapes = train.QUICK[:3]
-    kept = dict(shape=train.label(shapes[1]), cula_fwd_ms=1.0)
-    measured, saved = [], []
-
-    def measure(shape):
-        measured.append(train.label(shape))
-        return dict(shape=train.label(shape), cula_fwd_ms=2.0)
-
-    rows = grid.timed_rows(shapes, [kept], measure, saved.append, train.label)
-    assert measured == [train.label(shapes[0]), train.label(shapes[2])]
-    assert [r["shape"] for r in rows] == [train.label(s) for s in shapes]
-    assert rows[1] is kept
-    assert [len(s) for s in saved] == [1, 2, 3]
-
-
-def test_timed_rows_without_earlier_rows_measures_every_shape():
-    shapes = train.QUICK[:2]
-    rows = grid.timed_rows(shapes, [], lambda s: dict(shape=train.label(s)), lambda rows: None, train.label)
-    assert [r["shape"] for r in rows] == [train.label(s) for s in shapes]
 
 
 def test_compile_in_parallel_runs_each_call_in_its_own_process(tmp_path):
@@ -106,28 +81,6 @@ def test_shards_partition_the_grid():
     # balanced: the costliest part within 10% of the mean
     costs = [sum(train.shape_cost(s) for s in part) for part in shards]
     assert max(costs) <= 1.1 * sum(costs) / n, costs
-    assert grid.shard(train.QUICK, None, train.shape_cost) == train.QUICK
-    for bad in ("4/4", "-1/4", "1", "a/b"):
-        with pytest.raises(ValueError, match="--shard"):
-            grid.shard(train.GRID, bad, train.shape_cost)
-
-
-def test_train_cli_refuses_resume_without_json_and_warm_only_with_no_warm(capsys):
-    for argv, message in ((["--resume"], "--resume needs --json"),
-                          (["--warm-only", "--no-warm"], "--warm-only and --no-warm exclude each other")):
-        with pytest.raises(SystemExit):
-            train.main(argv)
-        assert message in capsys.readouterr().err
-
-
-def test_earlier_rows_keep_file_order_and_refuse_another_card(tmp_path):
-    a, b = tmp_path / "a.json", tmp_path / "b.json"
-    a.write_text(json.dumps([dict(shape="s1", gpu="H100"), dict(shape="s2")]))
-    b.write_text(json.dumps([dict(shape="s3", gpu="H100")]))
-    rows = grid.earlier_rows([a, b], "H100")
-    assert [r["shape"] for r in rows] == ["s1", "s2", "s3"]
-    with pytest.raises(ValueError, match="a.json: row 's1' was timed on H100, this process runs on H200"):
-        grid.earlier_rows([a, b], "H200")
 
 
 def test_kernel_chain_reaches_an_autotuner_under_heuristics():

@@ -22,15 +22,15 @@ grid, then one `--no-warm` process per GPU). Timing: CUDA events, median over `-
 (a training step is milliseconds: no do_bench rotation needed). `speed-up` = FLA ms / cula ms. Memory:
 `torch.cuda.max_memory_allocated` during one forward + backward minus what was allocated before it (the inputs and
 the output gradient), per implementation. The table for this run's card replaces that card's section of `--out`.
-`--json FILE` is rewritten after every row; with `--resume`, the rows already in FILE (from an earlier process on
-the same card and commit) are kept and only the missing shapes are timed, each still with FLA tuned in this process
-on it, so a grid longer than one session's process limit can be timed in several processes. `--shard I/N` times part
-I of N parts of the grid, balanced by a rough cost per row (`shape_cost`, `grid.shard`): on a machine with N GPUs, N processes (each
-with CUDA_VISIBLE_DEVICES=I and its own --json) time the grid together, each row still with FLA tuned in the process
-that times it; `--merge FILE ...` then counts the rows of those files as timed (a shape none of them has is timed as
-usual) and writes the whole table. Every row records its card; rows of another card are refused. `--profile
-B,T,H,HV`: the mean CUDA time per step of each kernel of cula's forward + backward on that shape (torch.profiler
-over 5 steps after 3), the step's own time (CUDA events), and exit: where a step's time goes."""
+`--json FILE` is rewritten after every row; with `--resume`, the rows already in FILE (from an earlier process on the
+same card and commit) are kept and only the missing shapes are timed, each still with FLA tuned in this process on it,
+so a grid longer than one session's process limit can be timed in several processes. `--shard I/N` times part I of N
+parts of the grid, balanced by a rough cost per row (`shape_cost`, `grid.shard`): on a machine with N GPUs, N
+processes (each with CUDA_VISIBLE_DEVICES=I and its own --json) time the grid together, each row still with FLA tuned
+in the process that times it; `--merge FILE ...` then counts the rows of those files as timed (a shape none of them
+has is timed as usual) and writes the whole table. Every row records its card; rows of another card are refused.
+`--profile B,T,H,HV`: the mean CUDA time per step of each kernel of cula's forward + backward on that shape
+(torch.profiler over 5 steps after 3), the step's own time (CUDA events), and exit: where a step's time goes."""
 
 from __future__ import annotations
 
