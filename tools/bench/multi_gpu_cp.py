@@ -1,12 +1,16 @@
 """Context parallel across GPUs: `cula_core.context_parallel.chunk_kda_cp` against the single-GPU call and against
 FLA 0.6.0's CP (`fla.ops.kda.chunk_kda(..., cp_context=fla.ops.cp.build_cp_context(...))`), on one host.
 
-    python tools/bench/multi_gpu_cp.py [--quick] [--gpus N] [--no-fla] [--out docs/benchmarks/multi_gpu_cp.md]
+    python tools/bench/multi_gpu_cp.py [--quick] [--gpus N] [--no-fla] [--no-warm] [--warm-jobs J]
+                                       [--out docs/benchmarks/multi_gpu_cp.md]
 
 One process per GPU (torch.multiprocessing spawn, NCCL, ``NCCL_NVLS_ENABLE=0``; ``CULA_STRICT=1`` so a call that
 would fall back to the reference fails instead of timing it). FLA runs its own kernels (``FLA_FLASH_KDA=0``), with
-no autotune results read from disk, tuned again in each rank on each timed shape (tools/bench/fla_tuning.py). Inputs: bf16 q/k/v, raw gate with the safe gate in
-kernel (A_log, dt_bias, lower_bound = -5), q/k L2 norm in kernel, K = V = 128, HQK = HV = H.
+no autotune results read from disk, tuned again in each rank on each timed shape (tools/bench/fla_tuning.py). Before
+the ranks start, FLA's chunk kernels are compiled for the timed shapes in parallel processes (`warm_one`, one per
+head count and configuration part, at most `--warm-jobs` at once, spread over the GPUs; `--no-warm` skips it), so
+that the ranks mostly tune. Inputs: bf16 q/k/v, raw gate with the safe gate in kernel (A_log, dt_bias, lower_bound =
+-5), q/k L2 norm in kernel, K = V = 128, HQK = HV = H.
 
 1. correctness: a global varlen batch (a long sequence through every rank and short ones) split over the ranks,
    compared on every rank with the single-GPU `cula_core.chunk_kda` of the whole batch: outputs and the gradients
@@ -84,6 +88,38 @@ def _fla_call(x, cp_context):
 
     return fla_chunk_kda(*(x[n] for n in TENSORS), A_log=x["A_log"], dt_bias=x["dt_bias"], cp_context=cp_context,
                          **OPTS)[0]
+
+
+def timed_shapes(cfg: dict) -> list[dict]:
+    """The (H, T per rank) shapes of the timing table for a grid (QUICK or FULL), in the order they are timed."""
+    return [dict(H=H, T=t) for H in cfg["heads"] for t in cfg["t_rank"]]
+
+
+def compile_class(shape: dict) -> tuple:
+    """What FLA's compiled chunk kernels of a timed shape depend on, as far as warm_one's inputs go: the heads (every
+    timed T is a multiple of 16; a rank's tokens are one varlen sequence whatever T)."""
+    return (shape["H"],)
+
+
+def warm_one(shape: dict, part: int = 0, parts: int = 1) -> None:
+    """One FLA forward + backward, without CP, on one sequence of `shape["H"]` heads and 1024 tokens passed as varlen
+    (FLA's CP hands each rank's tokens to its chunk kernels as a varlen batch), each FLA autotuner restricted to part
+    `part` of `parts` of its configurations (fla_tuning.prepare_compile_part): compiles those configurations of the
+    chunk kernels FLA's CP runs; its CP-only kernels still compile in the ranks. Run by fla_tuning.warm."""
+    import torch
+
+    from tools.bench import fla_tuning
+
+    fla_tuning.prepare_compile_part(part, parts)
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    T = 1024
+    x = _inputs(T, shape["H"], "cuda", seed=0)
+    cu = torch.tensor([0, T], dtype=torch.long)
+    o = fla_chunk_kda(*(x[n] for n in TENSORS), A_log=x["A_log"], dt_bias=x["dt_bias"], cu_seqlens=cu.cuda(),
+                      cu_seqlens_cpu=cu, **OPTS)[0]
+    o.backward(torch.randn_like(o))
+    torch.cuda.synchronize()
 
 
 def _rel(a, b) -> float:
@@ -168,33 +204,33 @@ def _timing(rank, world, group, device, cfg, have_fla, log):
     from cula_core.context_parallel import build_cp_context
 
     rows = []
-    for H in cfg["heads"]:
-        for t_rank in cfg["t_rank"]:
-            total = world * t_rank
-            bounds = torch.tensor([0, total], dtype=torch.int32)
-            x = _inputs(t_rank, H, device, seed=rank)
-            do = torch.randn(1, t_rank, H, V, device=device, dtype=torch.bfloat16)
-            ctx = build_cp_context(bounds.to(device), group, cu_seqlens_cpu=bounds)
-            row = dict(H=H, T_rank=t_rank, T_total=total)
-            row["cula_cp_ms"] = _time(_train_step(lambda z: _cula_call(z, cp_context=ctx), x, do), cfg["reps"],
-                                      cfg["warmup"], group, device)
-            local = torch.tensor([0, t_rank], dtype=torch.int32)
-            row["cula_local_ms"] = _time(_train_step(lambda z: _cula_call(z, local.to(device), local), x, do),
-                                         cfg["reps"], cfg["warmup"], group, device)
-            if have_fla:
-                from fla.ops.cp import build_cp_context as fla_build
+    for shape in timed_shapes(cfg):
+        H, t_rank = shape["H"], shape["T"]
+        total = world * t_rank
+        bounds = torch.tensor([0, total], dtype=torch.int32)
+        x = _inputs(t_rank, H, device, seed=rank)
+        do = torch.randn(1, t_rank, H, V, device=device, dtype=torch.bfloat16)
+        ctx = build_cp_context(bounds.to(device), group, cu_seqlens_cpu=bounds)
+        row = dict(H=H, T_rank=t_rank, T_total=total)
+        row["cula_cp_ms"] = _time(_train_step(lambda z: _cula_call(z, cp_context=ctx), x, do), cfg["reps"],
+                                  cfg["warmup"], group, device)
+        local = torch.tensor([0, t_rank], dtype=torch.int32)
+        row["cula_local_ms"] = _time(_train_step(lambda z: _cula_call(z, local.to(device), local), x, do),
+                                     cfg["reps"], cfg["warmup"], group, device)
+        if have_fla:
+            from fla.ops.cp import build_cp_context as fla_build
 
-                from tools.bench import fla_tuning
+            from tools.bench import fla_tuning
 
-                fla_tuning.retune()  # FLA tunes its kernels again, in this process, on this shape
-                fctx = fla_build(bounds.to(device), group, cu_seqlens_cpu=bounds)
-                row["fla_cp_ms"] = _time(_train_step(lambda z: _fla_call(z, fctx), x, do), cfg["reps"],
-                                         cfg["warmup"], group, device)
-                row["speedup"] = row["fla_cp_ms"] / row["cula_cp_ms"]
-            rows.append(row)
-            log("timing: " + json.dumps(row))
-            del x, do
-            torch.cuda.empty_cache()
+            fla_tuning.retune()  # FLA tunes its kernels again, in this process, on this shape
+            fctx = fla_build(bounds.to(device), group, cu_seqlens_cpu=bounds)
+            row["fla_cp_ms"] = _time(_train_step(lambda z: _fla_call(z, fctx), x, do), cfg["reps"],
+                                     cfg["warmup"], group, device)
+            row["speedup"] = row["fla_cp_ms"] / row["cula_cp_ms"]
+        rows.append(row)
+        log("timing: " + json.dumps(row))
+        del x, do
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -256,7 +292,7 @@ def _worker(rank, world, port, cfg, have_fla, result_path):
         dist.destroy_process_group()
 
 
-def _tables(result, world, card, command) -> str:
+def render_tables(result, world, card, command) -> str:
     lines = [f"# Context parallel across GPUs: cula vs FLA 0.6.0 CP ({world} x {card})", "",
              f"Command: `{command}` (NCCL_NVLS_ENABLE=0). bf16, K = V = 128, safe gate (lower_bound = -5) and q/k L2 "
              "norm in kernel. Training step = forward + backward; time = median of a rank's repeats, maximum over "
@@ -286,6 +322,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="small grid: under 4 minutes on 2 or 4 GPUs")
     parser.add_argument("--gpus", type=int, default=None, help="ranks (default: every visible GPU)")
     parser.add_argument("--no-fla", action="store_true", help="skip FLA's CP (also skipped when FLA is absent)")
+    parser.add_argument("--no-warm", action="store_true", help="no parallel compile of FLA's kernels before the ranks")
+    parser.add_argument("--warm-jobs", type=int, default=os.cpu_count() or 1,
+                        help="processes compiling FLA's kernels at once (default: the CPU count)")
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "multi_gpu_cp.md"),
                         help="markdown table path, '-' for none")
     args = parser.parse_args()
@@ -311,10 +350,13 @@ def main() -> int:
         except ImportError as exc:
             print(f"multi_gpu_cp: FLA's CP not importable ({exc}); timing cula only")
     cfg = QUICK if args.quick else FULL
+    if have_fla and not args.no_warm:
+        print(fla_tuning.warm("tools.bench.multi_gpu_cp", "warm_one", timed_shapes(cfg), compile_class,
+                              args.warm_jobs), flush=True)
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     result_path = (out_dir or Path("/tmp")) / f"multi_gpu_cp_{os.getpid()}.json"
-    flags = [f for f, on in (("--quick", args.quick), (f"--gpus {args.gpus}", args.gpus), ("--no-fla", args.no_fla))
-             if on]
+    flags = [f for f, on in (("--quick", args.quick), (f"--gpus {args.gpus}", args.gpus), ("--no-fla", args.no_fla),
+                             ("--no-warm", args.no_warm)) if on]
     command = " ".join(["python tools/bench/multi_gpu_cp.py", *flags])
     start = time.time()
     status = 0
@@ -324,7 +366,7 @@ def main() -> int:
         traceback.print_exc()
         status = 1
     result = json.loads(result_path.read_text()) if result_path.exists() else {}
-    table = _tables(result, world, torch.cuda.get_device_name(0), command)
+    table = render_tables(result, world, torch.cuda.get_device_name(0), command)
     print(f"\n{table}\n({time.time() - start:.0f} s)")
     if args.out != "-" and status == 0:
         Path(args.out).write_text(table)

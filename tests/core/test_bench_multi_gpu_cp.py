@@ -1,0 +1,33 @@
+"""tools/bench/multi_gpu_cp.py on the CPU: the timing grid, FLA's compile classes before the ranks start (one warm
+shape per head count, every configuration part of each), the tables rendered from a result."""
+
+from tools.bench import fla_tuning
+from tools.bench import multi_gpu_cp as bench
+
+
+def test_timed_shapes_cover_the_grid_in_timing_order():
+    shapes = bench.timed_shapes(bench.FULL)
+    assert [(s["H"], s["T"]) for s in shapes] == [(h, t) for h in bench.FULL["heads"] for t in bench.FULL["t_rank"]]
+    assert all(s["T"] % 16 == 0 for cfg in (bench.QUICK, bench.FULL) for s in bench.timed_shapes(cfg))
+
+
+def test_warm_compiles_one_shape_per_head_count_in_every_part():
+    for cfg in (bench.QUICK, bench.FULL):
+        calls = fla_tuning.warm_calls(bench.timed_shapes(cfg), bench.compile_class, jobs=16)
+        heads = sorted({shape["H"] for shape, _, _ in calls})
+        assert heads == sorted(cfg["heads"])
+        parts = calls[0][2]
+        assert parts == 16 // len(heads)
+        for h in heads:
+            assert sorted(part for shape, part, _ in calls if shape["H"] == h) == list(range(parts))
+
+
+def test_tables_show_missing_fla_timings_as_not_available():
+    result = {"correctness": [{"context": "cula", "o": 1e-3}],
+              "timing": [dict(H=16, T_rank=32768, T_total=65536, cula_cp_ms=15.0, cula_local_ms=10.0)],
+              "scaling": [dict(gpus=1, T=131072, H=16, ms=40.0, efficiency=1.0),
+                          dict(gpus=2, T=131072, H=16, ms=25.0, efficiency=0.8)]}
+    text = bench.render_tables(result, 2, "Test GPU", "cmd")
+    assert "| cula | 1.00e-03 |" in text
+    assert "| 16 | 32768 | 65536 | 15.00 | n/a | n/a | 10.00 | 1.50x |" in text
+    assert "| 2 | 131072 | 16 | 25.00 | 80% |" in text
