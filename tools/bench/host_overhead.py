@@ -3,10 +3,10 @@ minus the GPU time of the same calls (replayed from a CUDA graph), per call, in 
 
     python -m tools.bench.host_overhead [--calls 1000]
 
-Rows: one decode kernel launched through cula-sm90's launch layer (`launch.run_recurrent`: the configuration's
-TVM-FFI function from cula_core.cute_runtime, called with integer addresses and the raw stream: what every launch in
-cula-sm90 costs on the host), and the public ops (validation,
-dispatch (a repeated call runs its plan: cula_core.plans), the launches): the decode ops, kda_prefill and chunk_kda
+Rows: one decode kernel launched through cula-sm90's launch layer (`launch.run_recurrent`: the configuration's TVM-FFI
+function from cula_core.cute_runtime, called with integer addresses and the raw stream: what every launch in cula-sm90
+costs on the host), and the public ops (validation, dispatch (a repeated call runs its plan: cula_core.plans), the
+launches): the decode ops, kda_prefill (softplus gate: the SIMT stage 1; safe gate: the tensor-core one) and chunk_kda
 under no_grad (the sm90 prefill's two launches). Tiny shapes keep the GPU idle most of the time, so that wall minus
 GPU is the host's share; the enqueue column times the calls alone without waiting for the GPU (the B = 1, T = 512,
 H = 64 prefill row: its GPU part is the longer one).
@@ -98,6 +98,10 @@ def main(argv=None) -> int:
                                                                                        **gate),
         "op: kda_prefill (T=64, 2 kernels)": lambda: cula.kda_prefill(qp, kp, vp, gp, bp, use_gate_in_kernel=True,
                                                                       **gate),
+        # the safe gate (FlashKDA's configuration, issue 18's calls): the tensor-core stage 1, whose GPU part at this
+        # size is short enough for wall - GPU to show the host's share
+        "op: kda_prefill safe gate (T=64, 2 kernels)": lambda: cula.kda_prefill(
+            qp, kp, vp, gp, bp, use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0, **gate),
         # no input requires grad: the inference forward (the sm90 prefill's), no graph recorded
         "op: chunk_kda no grad (T=64, 2 kernels)": lambda: cula.chunk_kda(qp, kp, vp, gp, bp, use_gate_in_kernel=True,
                                                                           **gate),
