@@ -60,3 +60,31 @@ def test_cli_refuses_resume_without_json_and_warm_only_with_no_warm(main, capsys
         with pytest.raises(SystemExit):
             main(argv)
         assert message in capsys.readouterr().err
+
+
+def test_select_takes_merged_and_resumed_rows_and_leaves_the_rest_to_time(tmp_path):
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    grid.add_arguments(ap)
+    merged, own = tmp_path / "merged.json", tmp_path / "own.json"
+    merged.write_text(json.dumps([dict(shape=label(SHAPES[0]), gpu="H100")]))
+    own.write_text(json.dumps([dict(shape=label(SHAPES[2]), gpu="H100")]))
+    args = ap.parse_args(["--merge", str(merged), "--json", str(own), "--resume"])
+    mine, done, todo = grid.select(ap, args, SHAPES, lambda s: s["T"], label, "H100")
+    assert mine == SHAPES and [r["shape"] for r in done] == [label(SHAPES[0]), label(SHAPES[2])]
+    assert todo == [SHAPES[1]]
+    # without --resume the --json file's rows are not counted as timed
+    args = ap.parse_args(["--merge", str(merged), "--json", str(own)])
+    assert grid.select(ap, args, SHAPES, lambda s: s["T"], label, "H100")[2] == SHAPES[1:]
+    with pytest.raises(SystemExit):  # another card's rows: an argparse error
+        grid.select(ap, ap.parse_args(["--merge", str(merged)]), SHAPES, lambda s: s["T"], label, "H200")
+
+
+def test_saver_rewrites_the_file_with_the_rows_so_far(tmp_path):
+    path = tmp_path / "rows.json"
+    save = grid.saver(path)
+    save([dict(shape="a")])
+    save([dict(shape="a"), dict(shape="b")])
+    assert json.loads(path.read_text()) == [dict(shape="a"), dict(shape="b")]
+    grid.saver(None)([dict(shape="a")])  # no path: nothing written, nothing raised

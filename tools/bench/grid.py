@@ -3,11 +3,14 @@ bookkeeping that tools/bench/train.py and tools/bench/prefill.py share.
 
 Each row is a dict with a `shape` label and the card it was timed on (`gpu`). A process times the part of the grid
 `shard` gives it, skips the rows that earlier processes' JSON files already hold (`earlier_rows`, `timed_rows`) and
-saves its rows after every one, so that a process stopped by a time limit keeps what it timed."""
+saves its rows after every one, so that a process stopped by a time limit keeps what it timed. A benchmark's `main`
+takes the options with `add_arguments` / `check_arguments`, its part of the grid with `select`, and saves through
+`saver`."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -60,3 +63,47 @@ def timed_rows(shapes: list[dict], done: list[dict], measure: Callable[[dict], d
         save(list(rows))
     return rows
 
+
+
+def add_arguments(ap) -> None:
+    """The grid's options on an argparse parser: --json, --resume, --shard, --merge, and FLA's compile before the rows
+    (--no-warm, --warm-only, --warm-jobs)."""
+    ap.add_argument("--json", type=Path, help="rows as JSON, rewritten after every row")
+    ap.add_argument("--resume", action="store_true", help="keep the rows already in --json; time the others")
+    ap.add_argument("--shard", metavar="I/N",
+                    help="time part I of N cost-balanced parts of the grid (one process per GPU)")
+    ap.add_argument("--merge", type=Path, nargs="+", default=[], help="rows of earlier processes, counted as timed")
+    ap.add_argument("--no-warm", action="store_true", help="no parallel compile of FLA's kernels before the rows")
+    ap.add_argument("--warm-only", action="store_true",
+                    help="compile FLA's kernels for the shapes to time (on every visible GPU) and exit")
+    ap.add_argument("--warm-jobs", type=int, default=os.cpu_count() or 1,
+                    help="processes compiling FLA's kernels at once (default: the CPU count)")
+
+
+def check_arguments(ap, args) -> None:
+    """Refuse (ap.error) the grid options that contradict each other."""
+    if args.resume and not args.json:
+        ap.error("--resume needs --json")
+    if args.warm_only and args.no_warm:
+        ap.error("--warm-only and --no-warm exclude each other")
+
+
+def select(ap, args, shapes: list[dict], cost: Callable[[dict], float], label: Callable[[dict], str],
+           gpu: str) -> tuple[list[dict], list[dict], list[dict]]:
+    """(this process's shapes: its shard of `shapes`; the rows already timed: --merge's files, then --json's with
+    --resume; the shapes of its shard that no such row holds). A bad --shard or a row of another card: ap.error."""
+    files = [*args.merge, *([args.json] if args.resume and args.json.exists() else [])]
+    try:
+        mine = shard(shapes, args.shard, cost)
+        done = earlier_rows(files, gpu)
+    except ValueError as e:
+        ap.error(str(e))
+    timed = {r["shape"] for r in done}
+    return mine, done, [s for s in mine if label(s) not in timed]
+
+
+def saver(path: Path | None) -> Callable[[list], None]:
+    """save(rows): rewrite `path` with the rows as JSON (nothing without a path)."""
+    if path is None:
+        return lambda rows: None
+    return lambda rows: path.write_text(json.dumps(rows, indent=2))

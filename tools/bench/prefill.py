@@ -317,25 +317,13 @@ def main(argv=None) -> int:
     fla.add_argument("--no-fla", action="store_true", help="cula and FlashKDA only")
     fla.add_argument("--fla-subset", action="store_true", help="FLA timed on FLA_SUBSET's six shapes only")
     ap.add_argument("--out", type=Path, help="markdown file whose section for this card is rewritten")
-    ap.add_argument("--json", type=Path, help="rows as JSON, rewritten after every row")
-    ap.add_argument("--resume", action="store_true", help="keep the rows already in --json; time the others")
-    ap.add_argument("--shard", metavar="I/N",
-                    help="time part I of N cost-balanced parts of the grid (one process per GPU)")
-    ap.add_argument("--merge", type=Path, nargs="+", default=[], help="rows of earlier processes, counted as timed")
+    grid.add_arguments(ap)
     add_do_bench_args(ap)
-    ap.add_argument("--no-warm", action="store_true", help="no parallel compile of FLA's kernels before the rows")
-    ap.add_argument("--warm-only", action="store_true",
-                    help="compile FLA's kernels for the shapes to time (on every visible GPU) and exit")
-    ap.add_argument("--warm-jobs", type=int, default=os.cpu_count() or 1,
-                    help="processes compiling FLA's kernels at once (default: the CPU count)")
     ap.add_argument("--profile", metavar="B,T,H", help="per-kernel CUDA times of cula at one shape, then exit")
     ap.add_argument("--packing", action="store_true",
                     help="stage 1 packed vs unpacked on the varlen 64-sequence shapes, then exit")
     args = ap.parse_args(argv)
-    if args.resume and not args.json:
-        ap.error("--resume needs --json")
-    if args.warm_only and args.no_warm:
-        ap.error("--warm-only and --no-warm exclude each other")
+    grid.check_arguments(ap, args)
     if not torch.cuda.is_available():
         print("prefill: needs a CUDA device", file=sys.stderr)
         return 1
@@ -350,22 +338,17 @@ def main(argv=None) -> int:
     fla_shapes = [] if args.no_fla else FLA_SUBSET if args.fla_subset else None
     if fla_shapes != []:
         fla_tuning.prepare()
-    files = [*args.merge, *([args.json] if args.resume and args.json.exists() else [])]
-    try:
-        shapes = grid.shard(SMOKE if args.smoke else GRID, args.shard,
-                            lambda s: row_cost(s, timed_by_fla(s, fla_shapes)))
-        done = grid.earlier_rows(files, torch.cuda.get_device_name())
-    except ValueError as e:
-        ap.error(str(e))
-    timed = {r["shape"] for r in done}
-    to_warm = [s for s in shapes if label(s) not in timed and timed_by_fla(s, fla_shapes)]
+    shapes, done, todo = grid.select(ap, args, SMOKE if args.smoke else GRID,
+                                     lambda s: row_cost(s, timed_by_fla(s, fla_shapes)), label,
+                                     torch.cuda.get_device_name())
+    to_warm = [s for s in todo if timed_by_fla(s, fla_shapes)]
     if to_warm and not args.no_warm:
         print(fla_tuning.warm("tools.bench.prefill", "warm_one", to_warm, compile_class, args.warm_jobs), flush=True)
     if args.warm_only:
         return 0
     timing = Timing(warmup=args.warmup, repeats=args.rep, method="do_bench")
-    save = (lambda rows: args.json.write_text(json.dumps(rows, indent=2))) if args.json else (lambda rows: None)
-    rows = grid.timed_rows(shapes, done, lambda s: run_shape(s, timing, timed_by_fla(s, fla_shapes)), save, label)
+    rows = grid.timed_rows(shapes, done, lambda s: run_shape(s, timing, timed_by_fla(s, fla_shapes)),
+                           grid.saver(args.json), label)
     publish("prefill", rows, render, args, argv)
     return 0
 

@@ -35,9 +35,7 @@ has is timed as usual) and writes the whole table. Every row records its card; r
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -247,25 +245,13 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--quick", action="store_true", help="six rows across the grid's corners")
     ap.add_argument("--out", type=Path, help="markdown file whose section for this card is rewritten")
-    ap.add_argument("--json", type=Path, help="rows as JSON, rewritten after every row")
-    ap.add_argument("--resume", action="store_true", help="keep the rows already in --json; time the others")
-    ap.add_argument("--no-warm", action="store_true", help="no parallel compile of FLA's kernels before the rows")
-    ap.add_argument("--warm-only", action="store_true",
-                    help="compile FLA's kernels for the shapes to time (on every visible GPU) and exit")
-    ap.add_argument("--warm-jobs", type=int, default=os.cpu_count() or 1,
-                    help="processes compiling FLA's kernels at once (default: the CPU count)")
-    ap.add_argument("--shard", metavar="I/N",
-                    help="time part I of N cost-balanced parts of the grid (one process per GPU)")
-    ap.add_argument("--merge", type=Path, nargs="+", default=[], help="rows of earlier processes, counted as timed")
+    grid.add_arguments(ap)
     ap.add_argument("--profile", metavar="B,T,H,HV",
                     help="cula's kernels in one training step on that shape, then exit")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rep", type=int, default=10)
     args = ap.parse_args(argv)
-    if args.resume and not args.json:
-        ap.error("--resume needs --json")
-    if args.warm_only and args.no_warm:
-        ap.error("--warm-only and --no-warm exclude each other")
+    grid.check_arguments(ap, args)
     if not torch.cuda.is_available():
         print("train: needs a CUDA device", file=sys.stderr)
         return 1
@@ -274,20 +260,13 @@ def main(argv=None) -> int:
         profile_step(dict(B=B, T=T, H=H, HV=HV))
         return 0
     fla_tuning.prepare()
-    files = [*args.merge, *([args.json] if args.resume and args.json.exists() else [])]
-    try:
-        shapes = grid.shard(SMOKE if args.smoke else QUICK if args.quick else GRID, args.shard, shape_cost)
-        done = grid.earlier_rows(files, torch.cuda.get_device_name())
-    except ValueError as e:
-        ap.error(str(e))
-    timed = {r["shape"] for r in done}
-    todo = [s for s in shapes if label(s) not in timed]
+    shapes, done, todo = grid.select(ap, args, SMOKE if args.smoke else QUICK if args.quick else GRID, shape_cost,
+                                     label, torch.cuda.get_device_name())
     if todo and not args.no_warm:
         print(fla_tuning.warm("tools.bench.train", "warm_one", todo, compile_class, args.warm_jobs), flush=True)
     if args.warm_only:
         return 0
-    save = (lambda rows: args.json.write_text(json.dumps(rows, indent=2))) if args.json else (lambda rows: None)
-    rows = grid.timed_rows(shapes, done, lambda s: run_shape(s, args.warmup, args.rep), save, label)
+    rows = grid.timed_rows(shapes, done, lambda s: run_shape(s, args.warmup, args.rep), grid.saver(args.json), label)
     publish("train", rows, render, args, argv, header=HEADER)
     return 0
 
