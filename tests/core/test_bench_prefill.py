@@ -119,3 +119,50 @@ def test_fla_warm_covers_every_compile_class_of_the_grid():
     calls = fla_tuning.warm_calls(shapes, bench.compile_class, jobs=2 * len(classes))
     assert {bench.compile_class(s) for s, _, _ in calls} == classes
     assert len(calls) == 2 * len(classes) and {(j, n) for _, j, n in calls} == {(0, 2), (1, 2)}
+
+
+def test_peers_get_the_same_int64_offsets_on_every_call(monkeypatch):
+    """FLA caches its chunk indices by the identity of cu_seqlens / cu_seqlens_cpu: the bench must hand FLA (and
+    FlashKDA) the same int64 tensors on every timed call, made once with the inputs, as a model does for its layers;
+    a conversion inside the call would rebuild FLA's indices (a host round trip) on every call."""
+    import types
+
+    import torch
+
+    from tools.bench import fla_dispatch
+
+    seen = []
+
+    def fake_chunk_kda(q, k, v, g, beta, cu_seqlens=None, cu_seqlens_cpu=None, **kw):
+        seen.append(("fla", cu_seqlens, cu_seqlens_cpu))
+        return v, None
+
+    def fake_fwd(q, k, v, g, beta, scale, out, cu_seqlens=None, **kw):
+        seen.append(("flashkda", cu_seqlens, None))
+
+    fla = types.ModuleType("fla")
+    fla.ops = types.ModuleType("fla.ops")
+    fla.ops.kda = types.ModuleType("fla.ops.kda")
+    fla.ops.kda.chunk_kda = fake_chunk_kda
+    flash_kda = types.ModuleType("flash_kda")
+    flash_kda.fwd = fake_fwd
+    monkeypatch.setitem(sys.modules, "fla", fla)
+    monkeypatch.setitem(sys.modules, "fla.ops", fla.ops)
+    monkeypatch.setitem(sys.modules, "fla.ops.kda", fla.ops.kda)
+    monkeypatch.setitem(sys.modules, "flash_kda", flash_kda)
+
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    x = dict(q=torch.zeros(1, 8, 2, bench.K), k=torch.zeros(1, 8, 2, bench.K), v=torch.zeros(1, 8, 2, bench.K),
+             g=torch.zeros(1, 8, 2, bench.K), beta=torch.zeros(1, 8, 2), A_log=torch.zeros(2),
+             dt_bias=torch.zeros(2 * bench.K), cu_seqlens=cu, cu_seqlens_cpu=cu, cu_seqlens_i64=cu.long(),
+             cu_seqlens_cpu_i64=cu.long())
+    for _ in range(2):
+        bench.fla_prefill(x)
+        bench.flashkda_prefill(x)
+        fla_dispatch.fla_call(x)
+    fla_calls = [s for s in seen if s[0] == "fla"]
+    fk_calls = [s for s in seen if s[0] == "flashkda"]
+    assert len(fla_calls) == 4 and len(fk_calls) == 2
+    assert all(c[1] is x["cu_seqlens_i64"] and c[2] is x["cu_seqlens_cpu_i64"] for c in fla_calls)
+    assert all(c[1] is x["cu_seqlens_i64"] for c in fk_calls)
+    assert x["cu_seqlens_i64"].dtype == torch.int64

@@ -53,10 +53,9 @@ def fla_call(x: dict):
     """FLA's chunk_kda as FLA's layer calls it for inference: V-first final state."""
     from fla.ops.kda import chunk_kda
 
-    cu = x.get("cu_seqlens")
     with torch.no_grad():
-        return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=None if cu is None else cu.long(),
-                         cu_seqlens_cpu=None if cu is None else x["cu_seqlens_cpu"].long(), state_v_first=True,
+        return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=x.get("cu_seqlens_i64"),
+                         cu_seqlens_cpu=x.get("cu_seqlens_cpu_i64"), state_v_first=True,
                          **pb.gate_kwargs(x))
 
 

@@ -83,8 +83,11 @@ def lengths(N: int, T: int, kind: str, seed: int = 0) -> list[int]:
 
 
 def make_inputs(shape: dict, seed: int = 0) -> dict:
-    """One input set on the GPU: raw g, beta logits, A_log [H] and dt_bias [H * K] fp32, cu_seqlens (int32 on the
-    GPU and on the host) for varlen shapes."""
+    """One input set on the GPU: raw g, beta logits, A_log [H] and dt_bias [H * K] fp32; for varlen shapes
+    cu_seqlens int32 on the GPU and on the host (cula's), and int64 copies of both made here once (FLA's and
+    FlashKDA's index type): as a model builds its batch's offsets once for every layer. FLA caches its chunk indices
+    by the identity of these tensors, so a conversion inside the timed call would redo that work (a host round trip)
+    on every call."""
     B, T, H = shape["B"], shape["T"], shape["H"]
     gen = torch.Generator(device="cuda").manual_seed(seed)
 
@@ -97,7 +100,7 @@ def make_inputs(shape: dict, seed: int = 0) -> dict:
     if "N" in shape:
         cu = torch.tensor([0, *torch.tensor(lengths(shape["N"], T, shape["lens"])).cumsum(0).tolist()],
                           dtype=torch.int32)
-        x.update(cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)
+        x.update(cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu, cu_seqlens_i64=cu.long().cuda(), cu_seqlens_cpu_i64=cu.long())
     return x
 
 
@@ -118,10 +121,9 @@ def cula_prefill(x: dict, intracard_cp="auto"):
 def fla_prefill(x: dict):
     from fla.ops.kda import chunk_kda
 
-    cu = x.get("cu_seqlens")
     with torch.no_grad():
-        return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=None if cu is None else cu.long(),
-                         cu_seqlens_cpu=None if cu is None else x["cu_seqlens_cpu"].long(), **gate_kwargs(x))
+        return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=x.get("cu_seqlens_i64"),
+                         cu_seqlens_cpu=x.get("cu_seqlens_cpu_i64"), **gate_kwargs(x))
 
 
 def warm_one(shape: dict, part: int = 0, parts: int = 1) -> None:
@@ -154,7 +156,7 @@ def flashkda_prefill(x: dict):
     final = torch.empty(N, H, K, K, dtype=torch.float32, device=q.device)
     flash_kda.fwd(q, x["k"], x["v"], x["g"], x["beta"], K ** -0.5, out, A_log=x["A_log"],
                   dt_bias=x["dt_bias"].view(H, K), lower_bound=LOWER_BOUND, initial_state=None, final_state=final,
-                  cu_seqlens=None if cu is None else cu.long())
+                  cu_seqlens=x.get("cu_seqlens_i64"))
     return out, final
 
 

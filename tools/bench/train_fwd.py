@@ -64,25 +64,27 @@ def make_inputs(B, T, HV, varlen=False, seed=0):
     if varlen:
         cu = torch.tensor([0, *torch.tensor(VARLEN).cumsum(0).tolist()], dtype=torch.int32)
         x["cu_seqlens"], x["cu_seqlens_cpu"] = cu.cuda(), cu
+        # FLA's int64 offsets, made once: FLA caches its chunk indices by the identity of this tensor
+        x["fla_cu_seqlens"] = cu.long().cuda()
     return x
 
 
 FLAGS = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True)
 
 
-def cula_e2e(q, k, v, g, beta, A_log, dt_bias, cu_seqlens=None, cu_seqlens_cpu=None):
+def cula_e2e(q, k, v, g, beta, A_log, dt_bias, cu_seqlens=None, cu_seqlens_cpu=None, fla_cu_seqlens=None):
+    """cula's chunk_kda on make_inputs' tensors (fla_cu_seqlens, FLA's int64 copy of the offsets, is not used)."""
     import cula_core
 
     return cula_core.chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
                                cu_seqlens_cpu=cu_seqlens_cpu, **FLAGS)[0]
 
 
-def fla_e2e(q, k, v, g, beta, A_log, dt_bias, cu_seqlens=None, cu_seqlens_cpu=None):
+def fla_e2e(q, k, v, g, beta, A_log, dt_bias, cu_seqlens=None, cu_seqlens_cpu=None, fla_cu_seqlens=None):
     from fla.ops.kda import chunk_kda
 
     with torch.no_grad():
-        return chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias,
-                         cu_seqlens=cu_seqlens.long() if cu_seqlens is not None else None, **FLAGS)[0]
+        return chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, cu_seqlens=fla_cu_seqlens, **FLAGS)[0]
 
 
 def stage_inputs(x):
