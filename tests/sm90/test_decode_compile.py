@@ -546,9 +546,35 @@ def test_single_token_dispatch_streams_large_batches_and_v_first_pools(monkeypat
         (name, _, args), = launches
         assert name == expected, (N, v_first, tiling)
         if name == launch.STREAM:
-            items = N * HV * (K // configs.STREAM_TILING[0])
-            ctas = configs.stream_ctas_per_sm(K, 4, v_first, configs.stream_stages(4))
+            bv = configs.stream_tiling(K, 4, v_first)[0]
+            items = N * HV * (K // bv)
+            ctas = configs.stream_ctas_per_sm(K, 4, v_first, configs.stream_stages(4), bv)
             assert args[-2] == min(items, 132 * ctas) and len(args) == 22   # 20 kernel arguments, ctas, stream
+
+
+def test_stream_tiling_by_pool_dtype_and_layout(monkeypatch):
+    """The streamed decode's column block: 128 value columns (8 per lane: 16-byte row segments) for [K, V] bf16 pools,
+    64 for fp32 pools and for V-first bf16 pools, narrowed to V for smaller heads; the launch sizes its CTA count
+    (resident CTAs per SM times the SMs, at most the work items N * HV * V / BV) with the same block."""
+    from cula_sm90.decode import configs, launch
+
+    assert configs.stream_tiling(128, 2, False) == (128, 4, 4)
+    assert configs.stream_tiling(128, 2, True) == (64, 4, 4)
+    assert configs.stream_tiling(128, 4, False) == configs.stream_tiling(128, 4, True) == (64, 4, 4)
+    assert configs.stream_tiling(64, 2, False) == (64, 4, 4)
+    assert configs.stream_ctas_per_sm(128, 2, False, configs.stream_stages(2), 128) == 3
+
+    launches = _record_launches(monkeypatch)
+    K, HV, N = 128, 4, 300   # 1200 request-heads: streamed on either layout
+    for v_first, bv in ((False, 128), (True, 64)):
+        inputs = _decode_inputs("final", 1, K, BF16, F32, F32, True, True, N=N, HV=HV, pool_dtype=BF16)
+        launches.clear()
+        launch.run_recurrent("final", *inputs, scale=0.125, lower_bound=None, use_qk_l2norm_in_kernel=True,
+                             state_v_first=v_first)
+        (name, _, args), = launches
+        assert name == launch.STREAM
+        ctas = configs.stream_ctas_per_sm(K, 2, v_first, configs.stream_stages(2), bv)
+        assert args[-2] == min(N * HV * (K // bv), 132 * ctas), v_first
 
 
 def test_slots_mode_keeps_the_64_column_tiling_at_large_batches():

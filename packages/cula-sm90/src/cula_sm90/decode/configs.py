@@ -32,8 +32,11 @@ TILINGS = ((32, 4, 4, 0), (64, 4, 4, 0), (16, 4, 4, 0), (32, 4, 2, 0), (16, 4, 2
            (32, 4, 4, 1), (32, 2, 4, 1), (64, 2, 4, 1), (32, 2, 2, 1))
 
 
-#: the streamed T = 1 decode's tiling (stream.py): (BV columns per item, lanes along V, warps)
-STREAM_TILING = (64, 4, 4)
+#: the streamed T = 1 decode's tiling (stream.py) by (bytes of a pool element, V-first pool): (BV columns per item,
+#: lanes along V, warps). [K, V] bf16 pools take 128 columns, 8 per lane, so that each lane's row segment is one
+#: 16-byte store; measured against 64 columns (docs/sm90_decode.md, "Streamed decode"), this wins on [K, V] bf16
+#: pools on both cards and loses on V-first bf16 pools of few requests, which keep 64. stream_tiling narrows BV to V.
+STREAM_TILINGS = {(4, False): (64, 4, 4), (4, True): (64, 4, 4), (2, False): (128, 4, 4), (2, True): (64, 4, 4)}
 #: its slice stages per CTA, by bytes of a pool element
 STREAM_STAGES = {4: 2, 2: 2}
 #: shared memory of a Hopper SM and what the hardware reserves per CTA (bytes); the stream kernel's copy unit
@@ -56,19 +59,25 @@ def streams(mode: str, T: int, N: int, HV: int, v_first: bool) -> bool:
     return stream_serves(mode, T) and (v_first or N * HV >= STREAM_MIN_HEADS)
 
 
+def stream_tiling(V: int, pool_bytes: int, v_first: bool) -> tuple[int, int, int]:
+    """(BV, lanes along V, warps) of the streamed decode for heads of V columns, a pool element size and layout."""
+    bv, vl, nw = STREAM_TILINGS[pool_bytes, bool(v_first)]
+    return min(bv, V), vl, nw
+
+
 def stream_stages(pool_bytes: int) -> int:
     """Slice stages of a stream CTA (the current item's and stages - 1 ahead) for a pool element size."""
     return STREAM_STAGES[pool_bytes]
 
 
-def stream_smem_bytes(K: int, pool_bytes: int, v_first: bool, stages: int, block_v: int = STREAM_TILING[0]) -> int:
+def stream_smem_bytes(K: int, pool_bytes: int, v_first: bool, stages: int, block_v: int) -> int:
     """Shared memory of one stream CTA: `stages` stages of a K x block_v state slice in the pool's dtype, rows padded
     by one 16-byte chunk ([K][BV] for [K, V] pools, [BV][K] for [V, K]), and three fp32 K-vectors."""
     rows, cols = (block_v, K) if v_first else (K, block_v)
     return stages * rows * (cols + CHUNK_BYTES // pool_bytes) * pool_bytes + 3 * K * 4
 
 
-def stream_ctas_per_sm(K: int, pool_bytes: int, v_first: bool, stages: int, block_v: int = STREAM_TILING[0]) -> int:
+def stream_ctas_per_sm(K: int, pool_bytes: int, v_first: bool, stages: int, block_v: int) -> int:
     """Stream CTAs resident on one SM: as many as its shared memory holds (at most 8). The kernel's launch bound
     (min_blocks_per_mp) is the same number, so ptxas keeps the registers within it; the host launches this many
     CTAs per SM (persistent: each walks work items)."""

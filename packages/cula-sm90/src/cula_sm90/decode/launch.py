@@ -76,7 +76,7 @@ def verify_config(T: int, K: int, V: int, qkv: torch.dtype, g: torch.dtype, beta
 def stream_config(K: int, V: int, qkv: torch.dtype, g: torch.dtype, beta: torch.dtype, has_A_log: bool,
                   has_dt_bias: bool, safe: bool, l2norm: bool, pool: torch.dtype = _F32,
                   v_first: bool = False) -> tuple:
-    """Compile-time configuration of the streamed T = 1 decode (stream.StreamDecode, configs.STREAM_TILING)."""
+    """Compile-time configuration of the streamed T = 1 decode (stream.StreamDecode, configs.stream_tiling)."""
     return (K, V, qkv, g, beta, _F32 if has_A_log else None, _F32 if has_dt_bias else None, bool(safe), bool(l2norm),
             pool, bool(v_first))
 
@@ -125,7 +125,7 @@ def _build_stream(config: tuple):
     from cula_sm90.decode.stream import StreamDecode
 
     K, V, qkv, gdt, bdt, adt, ddt, safe, l2norm, pool, v_first = config
-    bv, vl, nw = configs.STREAM_TILING
+    bv, vl, nw = configs.stream_tiling(V, pool.itemsize, v_first)
     kern = StreamDecode(K=K, V=V, safe_gate=safe, has_A_log=adt is not None, has_dt_bias=ddt is not None,
                         l2norm=l2norm, block_v=bv, lanes_v=vl, num_warps=nw, pool_bytes=pool.itemsize,
                         state_v_first=v_first, stages=configs.stream_stages(pool.itemsize))
@@ -378,8 +378,9 @@ def _launcher(key: tuple, device: torch.device, unaligned_pool=None, o_only: boo
         if tiling is None and verify_variant is None and configs.streams(mode, T, N, HV, v_first):
             # the streamed decode's one more argument: the CTAs launched, as many as are resident at once
             pool_bytes = pool.itemsize
-            ctas_per_sm = configs.stream_ctas_per_sm(K, pool_bytes, v_first, configs.stream_stages(pool_bytes))
-            scalars += (min(N * HV * (V // configs.STREAM_TILING[0]), ctas_per_sm * rt.sm_count(index)),)
+            bv = configs.stream_tiling(V, pool_bytes, v_first)[0]
+            ctas_per_sm = configs.stream_ctas_per_sm(K, pool_bytes, v_first, configs.stream_stages(pool_bytes), bv)
+            scalars += (min(N * HV * (V // bv), ctas_per_sm * rt.sm_count(index)),)
     slots = mode == configs.MODE_SLOTS
     empty, empty_like = torch.empty, torch.empty_like
 
