@@ -166,3 +166,12 @@ def test_peers_get_the_same_int64_offsets_on_every_call(monkeypatch):
     assert all(c[1] is x["cu_seqlens_i64"] and c[2] is x["cu_seqlens_cpu_i64"] for c in fla_calls)
     assert all(c[1] is x["cu_seqlens_i64"] for c in fk_calls)
     assert x["cu_seqlens_i64"].dtype == torch.int64
+
+
+def test_a_varlen_input_set_without_int64_offsets_is_an_error_not_a_dense_call():
+    import torch
+
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    with pytest.raises(KeyError, match="cu_seqlens_i64"):
+        bench.fla_offsets(dict(cu_seqlens=cu, cu_seqlens_cpu=cu))
+    assert bench.fla_offsets(dict(q=torch.zeros(1))) == {}

@@ -54,8 +54,7 @@ def fla_call(x: dict):
     from fla.ops.kda import chunk_kda
 
     with torch.no_grad():
-        return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=x.get("cu_seqlens_i64"),
-                         cu_seqlens_cpu=x.get("cu_seqlens_cpu_i64"), state_v_first=True,
+        return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **pb.fla_offsets(x), state_v_first=True,
                          **pb.gate_kwargs(x))
 
 

@@ -53,7 +53,7 @@ def make_inputs(shape, seed=0):
     lens = shape["lens"]
     x = pb.make_inputs(dict(B=1, T=sum(lens), H=shape["H"]), seed)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    x.update(cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu)
+    x.update(pb.varlen_offsets(cu))
     return x
 
 

@@ -100,8 +100,14 @@ def make_inputs(shape: dict, seed: int = 0) -> dict:
     if "N" in shape:
         cu = torch.tensor([0, *torch.tensor(lengths(shape["N"], T, shape["lens"])).cumsum(0).tolist()],
                           dtype=torch.int32)
-        x.update(cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu, cu_seqlens_i64=cu.long().cuda(), cu_seqlens_cpu_i64=cu.long())
+        x.update(varlen_offsets(cu))
     return x
+
+
+def varlen_offsets(cu: torch.Tensor) -> dict:
+    """The offsets of a varlen input set from int32 host offsets `cu`: cula's (int32, on the GPU and the host) and
+    FLA's / FlashKDA's int64 copies, made once (see make_inputs)."""
+    return dict(cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu, cu_seqlens_i64=cu.long().cuda(), cu_seqlens_cpu_i64=cu.long())
 
 
 def gate_kwargs(x: dict) -> dict:
@@ -118,12 +124,19 @@ def cula_prefill(x: dict, intracard_cp="auto"):
                             cu_seqlens_cpu=x.get("cu_seqlens_cpu"), intracard_cp=intracard_cp, **gate_kwargs(x))
 
 
+def fla_offsets(x: dict) -> dict:
+    """FLA's cu_seqlens / cu_seqlens_cpu keywords for the input set x: varlen_offsets' int64 tensors (a varlen set
+    without them is a KeyError, never a dense call), none for a dense set."""
+    if "cu_seqlens" not in x:
+        return {}
+    return dict(cu_seqlens=x["cu_seqlens_i64"], cu_seqlens_cpu=x["cu_seqlens_cpu_i64"])
+
+
 def fla_prefill(x: dict):
     from fla.ops.kda import chunk_kda
 
     with torch.no_grad():
-        return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=x.get("cu_seqlens_i64"),
-                         cu_seqlens_cpu=x.get("cu_seqlens_cpu_i64"), **gate_kwargs(x))
+        return chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **fla_offsets(x), **gate_kwargs(x))
 
 
 def warm_one(shape: dict, part: int = 0, parts: int = 1) -> None:
@@ -156,7 +169,7 @@ def flashkda_prefill(x: dict):
     final = torch.empty(N, H, K, K, dtype=torch.float32, device=q.device)
     flash_kda.fwd(q, x["k"], x["v"], x["g"], x["beta"], K ** -0.5, out, A_log=x["A_log"],
                   dt_bias=x["dt_bias"].view(H, K), lower_bound=LOWER_BOUND, initial_state=None, final_state=final,
-                  cu_seqlens=x.get("cu_seqlens_i64"))
+                  cu_seqlens=fla_offsets(x).get("cu_seqlens"))
     return out, final
 
 
