@@ -15,7 +15,9 @@ sequence holds half), H = 64; B = 4 T = 2048 H = 32; B = 1 T = 32768 H = 32; B =
 Timing: `triton.testing.do_bench` median after warm-up (tools/bench/harness.py), each op called as a user calls it:
 cula through the public op (validation, dispatch, `intracard_cp="auto"`, `cu_seqlens_cpu` given), FlashKDA with its
 outputs allocated in the call, FLA under `torch.no_grad` with `FLA_FLASH_KDA=0` (its own kernels) and autotuned in
-this process on each exact shape (tools/bench/fla_tuning.py). Columns: `vs FlashKDA` = FlashKDA ms / cula ms,
+this process on each exact shape (tools/bench/fla_tuning.py). Varlen offsets are made once per input set, int32 for
+cula and int64 for FLA and FlashKDA (`varlen_offsets`), and every call gets the same tensors: FLA caches its chunk
+indices by tensor identity, as a model's layers reuse one batch's offsets. Columns: `vs FlashKDA` = FlashKDA ms / cula ms,
 `vs FLA` = FLA ms / cula ms; `err vs FlashKDA` = max |cula - FlashKDA| / max |FlashKDA| over o and the final state.
 Before the rows, FLA's kernels are compiled for the shapes it is timed on in parallel processes (`warm_one`: one shape
 per compile class, each class's autotuning configurations split over processes, at most `--warm-jobs` at once,
