@@ -31,3 +31,19 @@ def test_tables_show_missing_fla_timings_as_not_available():
     assert "| cula | 1.00e-03 |" in text
     assert "| 16 | 32768 | 65536 | 15.00 | n/a | n/a | 10.00 | 1.50x |" in text
     assert "| 2 | 131072 | 16 | 25.00 | 80% |" in text
+
+
+def test_a_run_replaces_its_machines_section_and_keeps_the_others(tmp_path):
+    from tools.bench.prefill import write_section
+
+    result = {"timing": [dict(H=16, T_rank=32768, T_total=131072, cula_cp_ms=13.0, cula_local_ms=8.0,
+                              fla_cp_ms=19.5, speedup=1.5)]}
+    doc = tmp_path / "multi_gpu_cp.md"
+    write_section(doc, bench.render_tables({}, 2, "GPU A", "cmd"), bench.HEADER)
+    write_section(doc, bench.render_tables({}, 4, "GPU A", "cmd"), bench.HEADER)
+    write_section(doc, bench.render_tables(result, 2, "GPU A", "cmd"), bench.HEADER)
+    text = doc.read_text()
+    assert text.startswith(bench.HEADER)
+    assert text.count("## 2 x GPU A\n") == 1 and text.count("## 4 x GPU A\n") == 1
+    assert text.count("### Correctness") == 2 and text.count("### Scaling (cula)") == 2
+    assert "| 16 | 32768 | 131072 | 13.00 | 19.50 | 1.50x | 8.00 | 1.62x |" in text

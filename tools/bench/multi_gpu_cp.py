@@ -2,7 +2,7 @@
 FLA 0.6.0's CP (`fla.ops.kda.chunk_kda(..., cp_context=fla.ops.cp.build_cp_context(...))`), on one host.
 
     python tools/bench/multi_gpu_cp.py [--quick] [--gpus N] [--no-fla] [--no-warm] [--warm-jobs J]
-                                       [--out docs/benchmarks/multi_gpu_cp.md]
+                                       [--out docs/benchmarks/multi_gpu_cp.md] [--profile]
 
 One process per GPU (torch.multiprocessing spawn, NCCL, ``NCCL_NVLS_ENABLE=0``; ``CULA_STRICT=1`` so a call that
 would fall back to the reference fails instead of timing it). FLA runs its own kernels (``FLA_FLASH_KDA=0``), with
@@ -22,8 +22,14 @@ that the ranks mostly tune. Inputs: bf16 q/k/v, raw gate with the safe gate in k
 3. scaling at ``T = 512K`` (``--quick``: 128K) tokens, one sequence: 1 GPU (plain call) and CP over 2, 4, ... GPUs;
    efficiency = t_1 / (n * t_n).
 
-Prints the tables at the end; writes them to ``--out`` (default docs/benchmarks/multi_gpu_cp.md; ``-`` for none)
-and, when ``$OUT`` is set, a log and JSON there. ``--quick`` is sized to run in under 4 minutes on 2 or 4 GPUs.
+Prints this machine's section (``## W x <card>``) at the end; it replaces that machine's section of ``--out``
+(default docs/benchmarks/multi_gpu_cp.md; ``-`` for none), keeping the other machines' sections, and, when ``$OUT``
+is set, the section and the JSON go there too. ``--quick`` is sized to run in under 4 minutes on 2 or 4 GPUs.
+
+``--profile`` replaces the three parts: on the first timed shape, every rank profiles three training steps of cula's
+CP call and three of its single-GPU call on the rank's tokens alone (torch.profiler, CPU and CUDA, after warm-up)
+and writes the kernel tables, sorted by CUDA time, to ``cp_profile_{cp,local}_rank{R}.txt`` in ``$OUT`` (or /tmp):
+where a CP step's time goes beyond the local call's.
 """
 
 from __future__ import annotations
@@ -267,6 +273,38 @@ def _scaling(rank, world, device, cfg, log):
     return rows
 
 
+def _profile(rank, world, group, device, cfg, out_dir, log):
+    """--profile: the kernel tables of three cula CP steps and three single-GPU steps on this rank's tokens."""
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from cula_core.context_parallel import build_cp_context
+
+    shape = timed_shapes(cfg)[0]
+    H, t_rank = shape["H"], shape["T"]
+    bounds = torch.tensor([0, world * t_rank], dtype=torch.int32)
+    local = torch.tensor([0, t_rank], dtype=torch.int32)
+    x = _inputs(t_rank, H, device, seed=rank)
+    do = torch.randn(1, t_rank, H, V, device=device, dtype=torch.bfloat16)
+    ctx = build_cp_context(bounds.to(device), group, cu_seqlens_cpu=bounds)
+    calls = {"cp": lambda z: _cula_call(z, cp_context=ctx), "local": lambda z: _cula_call(z, local.to(device), local)}
+    for name, call in calls.items():
+        step = _train_step(call, x, do)
+        for _ in range(cfg["warmup"] + 1):
+            step()
+        torch.cuda.synchronize()
+        dist.barrier(group=group)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+        path = Path(out_dir) / f"cp_profile_{name}_rank{rank}.txt"
+        path.write_text(f"{name}, rank {rank} of {world}, H={H}, T per rank={t_rank}, 3 training steps\n{table}\n")
+        log(f"profile [{name}]: {path}")
+
+
 def _worker(rank, world, port, cfg, have_fla, result_path):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     import torch
@@ -282,6 +320,12 @@ def _worker(rank, world, port, cfg, have_fla, result_path):
             print(msg, flush=True)
 
     result = {}
+    if cfg.get("profile"):
+        try:
+            _profile(rank, world, group, device, cfg, Path(result_path).parent, log)
+        finally:
+            dist.destroy_process_group()
+        return
     try:
         result["correctness"] = _correctness(rank, world, group, device, have_fla, log)
         result["timing"] = _timing(rank, world, group, device, cfg, have_fla, log)
@@ -292,17 +336,22 @@ def _worker(rank, world, port, cfg, have_fla, result_path):
         dist.destroy_process_group()
 
 
+HEADER = ("# Context parallel across GPUs: cula vs FLA 0.6.0 CP\n\n"
+          "One section per machine; the script, inputs and columns: `tools/bench/multi_gpu_cp.py`'s docstring.\n")
+
+
 def render_tables(result, world, card, command) -> str:
-    lines = [f"# Context parallel across GPUs: cula vs FLA 0.6.0 CP ({world} x {card})", "",
+    """This machine's section of docs/benchmarks/multi_gpu_cp.md (`## <world> x <card>`) from a run's result."""
+    lines = [f"## {world} x {card}", "",
              f"Command: `{command}` (NCCL_NVLS_ENABLE=0). bf16, K = V = 128, safe gate (lower_bound = -5) and q/k L2 "
              "norm in kernel. Training step = forward + backward; time = median of a rank's repeats, maximum over "
-             "ranks.", "", "## Correctness (max |CP - single GPU| / max |single GPU|, worst rank)", ""]
+             "ranks.", "", "### Correctness (max |CP - single GPU| / max |single GPU|, worst rank)", ""]
     corr = result.get("correctness", [])
     if corr:
         keys = [k for k in corr[0] if k != "context"]
         lines += ["| context | " + " | ".join(keys) + " |", "|" + " --- |" * (len(keys) + 1)]
         lines += ["| " + r["context"] + " | " + " | ".join(f"{r[k]:.2e}" for k in keys) + " |" for r in corr]
-    lines += ["", "## Training step, one sequence of W * T_rank tokens", "",
+    lines += ["", "### Training step, one sequence of W * T_rank tokens", "",
               "| H | T per rank | T total | cula CP ms | FLA CP ms | speed-up (FLA / cula) "
               "| cula 1 GPU, T per rank ms | CP overhead |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result.get("timing", []):
@@ -310,7 +359,7 @@ def render_tables(result, world, card, command) -> str:
         sp = f"{r['speedup']:.2f}x" if "speedup" in r else "n/a"
         lines.append(f"| {r['H']} | {r['T_rank']} | {r['T_total']} | {r['cula_cp_ms']:.2f} | {fla} | {sp} | "
                      f"{r['cula_local_ms']:.2f} | {r['cula_cp_ms'] / r['cula_local_ms']:.2f}x |")
-    lines += ["", "## Scaling (cula), one sequence", "", "| GPUs | T | H | ms | efficiency t1 / (n tn) |",
+    lines += ["", "### Scaling (cula), one sequence", "", "| GPUs | T | H | ms | efficiency t1 / (n tn) |",
               "| --- | --- | --- | --- | --- |"]
     for r in result.get("scaling", []):
         lines.append(f"| {r['gpus']} | {r['T']} | {r['H']} | {r['ms']:.2f} | {r['efficiency'] * 100:.0f}% |")
@@ -326,7 +375,9 @@ def main() -> int:
     parser.add_argument("--warm-jobs", type=int, default=os.cpu_count() or 1,
                         help="processes compiling FLA's kernels at once (default: the CPU count)")
     parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks" / "multi_gpu_cp.md"),
-                        help="markdown table path, '-' for none")
+                        help="markdown file whose section for this machine the run replaces; '-' for none")
+    parser.add_argument("--profile", action="store_true",
+                        help="only profile cula's CP and single-GPU training steps per rank (kernel tables to $OUT)")
     args = parser.parse_args()
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     os.environ.setdefault("CULA_STRICT", "1")
@@ -349,7 +400,9 @@ def main() -> int:
             have_fla = True
         except ImportError as exc:
             print(f"multi_gpu_cp: FLA's CP not importable ({exc}); timing cula only")
-    cfg = QUICK if args.quick else FULL
+    cfg = dict(QUICK if args.quick else FULL, profile=args.profile)
+    if args.profile:
+        have_fla = False
     if have_fla and not args.no_warm:
         print(fla_tuning.warm("tools.bench.multi_gpu_cp", "warm_one", timed_shapes(cfg), compile_class,
                               args.warm_jobs), flush=True)
@@ -365,13 +418,18 @@ def main() -> int:
     except Exception:  # a rank failed: still print what was measured
         traceback.print_exc()
         status = 1
+    if args.profile:
+        print(f"({time.time() - start:.0f} s)")
+        return status
     result = json.loads(result_path.read_text()) if result_path.exists() else {}
     table = render_tables(result, world, torch.cuda.get_device_name(0), command)
     print(f"\n{table}\n({time.time() - start:.0f} s)")
+    from tools.bench.prefill import write_section
+
     if args.out != "-" and status == 0:
-        Path(args.out).write_text(table)
+        write_section(Path(args.out), table, HEADER)
     if out_dir is not None:
-        (out_dir / "multi_gpu_cp.md").write_text(table)
+        (out_dir / "multi_gpu_cp.md").write_text(HEADER + "\n" + table)
     return status
 
 
