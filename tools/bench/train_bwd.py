@@ -3,7 +3,7 @@
 
     python -m tools.bench.train_bwd [--smoke | --quick] [--no-e2e | --no-kernels] [--varlen-only]
                                     [--out docs/benchmarks/train_bwd.md] [--json FILE]
-                                    [--deadline-s 400] [--keep-autotune] [--save-autotune FILE.tar]
+                                    [--deadline-s 400]
     python -m tools.bench.train_bwd --cula-only     # cula against itself, no FLA: JSON lines on stdout
 
 `--cula-only`: for each CULA_ONLY_E2E shape, cula's backward stage times (`stage_times`) and its whole forward +
@@ -18,10 +18,10 @@ use_qk_l2norm_in_kernel, then `.backward(do)`), each with cula's per-stage backw
 Both kernels get the same inputs in their own conventions (ours: G in natural log, dq/dk summed per q/k head inside
 the kernel; FLA: g in log2 units and dq/dk per value head; the FLA row includes the GVA sum FLA's caller does, a
 `.view(...).sum()`).
-FLA autotuned: its Triton kernels compile in parallel processes first (one per autotuning key: HV, kernel or whole
-op), whose autotuning choices are then dropped (they ran with the GPU shared) unless `--keep-autotune` (choices
-of an earlier run, tuned alone, restored from .bench-cache); this process then tunes alone. `--save-autotune`
-writes Triton's autotune results to a tar for the next run's .bench-cache.
+FLA at its best (tools/bench/fla_tuning.py): no autotune choice read from disk (`fla_tuning.prepare`), its Triton
+kernels compiled in parallel processes first (one per autotuning key: HV, kernel or whole op; their choices, made
+with the GPU shared, dropped), then on every row this process forgets every choice (`fla_tuning.retune`: FLA's keys
+leave out B and T) and makes one untimed call that tunes on the row's shape before FLA is timed.
 One device slot: the rows are written (markdown and JSON) as they finish; past `--deadline-s` the remaining rows
 are skipped and listed as not run.
 Timing: median of `triton.testing.do_bench` (kernel rows) or of CUDA events over 5 calls after 2 (whole op),
@@ -177,25 +177,11 @@ def warm_one(kind: str, hv: int, varlen: bool = False):
     torch.cuda.synchronize()
 
 
-def warm_fla(keys, keep_autotune: bool) -> None:
+def warm_fla(keys) -> None:
     """FLA's kernels of every autotuning key in `keys` ((kind, HV, varlen): `warm_one`'s arguments) compiled in
-    parallel processes (fla_tuning.compile_in_parallel). Their autotuning choices (made with the GPU shared) are
-    dropped unless `keep_autotune`; choices restored from .bench-cache before (an earlier run's, tuned alone) are
-    kept either way, so that this process tunes alone only what is new."""
-    seconds, failed = fla_tuning.compile_in_parallel("tools.bench.train_bwd", "warm_one", list(keys), keep_autotune)
+    parallel processes (fla_tuning.compile_in_parallel); the choices they made (with the GPU shared) are dropped."""
+    seconds, failed = fla_tuning.compile_in_parallel("tools.bench.train_bwd", "warm_one", list(keys))
     print(f"FLA warm-up: {len(keys)} processes in {seconds:.0f} s (failures: {failed})", flush=True)
-
-
-def save_autotune(path: Path) -> None:
-    """Triton's autotune results (FLA's choices, tuned in this process) as a tar for .bench-cache."""
-    import tarfile
-
-    root = fla_tuning.triton_cache_dir()
-    files = sorted(root.rglob("*.autotune.json"))
-    with tarfile.open(path, "w") as tar:
-        for f in files:
-            tar.add(f, arcname=str(f.relative_to(root)))
-    print(f"saved {len(files)} autotune results to {path}", flush=True)
 
 
 def e2e_inputs(shape, seed=0):
@@ -327,9 +313,6 @@ def main(argv=None) -> int:
     ap.add_argument("--no-kernels", action="store_true", help="whole-op rows only")
     ap.add_argument("--varlen-only", action="store_true", help="only the varlen rows (of the tables selected)")
     ap.add_argument("--no-warm", action="store_true", help="no parallel FLA compile processes")
-    ap.add_argument("--keep-autotune", action="store_true",
-                    help="keep the warm-up processes' autotune choices (Triton's cache holds an earlier run's)")
-    ap.add_argument("--save-autotune", type=Path, help="tar of Triton's autotune results, written at the end")
     ap.add_argument("--deadline-s", type=float, default=1e9, help="skip the rows left after this many seconds")
     ap.add_argument("--cula-only", action="store_true",
                     help="cula against itself, no FLA: stage times, whole forward + backward and chunk_bwd_dhu at "
@@ -349,6 +332,7 @@ def main(argv=None) -> int:
     eshapes = [] if args.no_e2e else (SMOKE_E2E if args.smoke else QUICK_E2E if args.quick else E2E_SHAPES)
     if args.varlen_only:
         kshapes, eshapes = ([x for x in shapes if "varlen" in x] for shapes in (kshapes, eshapes))
+    fla_tuning.prepare()  # before FLA is imported: no autotune choice from disk, FLA's own kernels
     try:
         import fla  # noqa: F401
         have_fla = True
@@ -356,7 +340,7 @@ def main(argv=None) -> int:
         have_fla = False
     if have_fla and not args.no_warm:
         warm_fla(sorted({("wy", s["HV"], "varlen" in s) for s in kshapes}
-                        | {("e2e", s["HV"], "varlen" in s) for s in eshapes}), args.keep_autotune)
+                        | {("e2e", s["HV"], "varlen" in s) for s in eshapes}))
     raw = {"kernel": [], "e2e": [], "skipped": []}
     env = environment("cuda")
     cmd = "python -m tools.bench.train_bwd " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -383,7 +367,12 @@ def main(argv=None) -> int:
             continue
         x, ctab, cu = kernel_inputs(s)
         ours = measure(lambda x=x, ctab=ctab: ours_kernel(x, ctab), [()], timing).median_ms
-        fla_ms = measure(fla_kernel_fn(x, s, cu), [()], timing).median_ms if have_fla else None
+        fla_ms = None
+        if have_fla:
+            fla_tuning.retune()
+            fla_fn = fla_kernel_fn(x, s, cu)
+            fla_fn()  # tunes on this row's shape, untimed
+            fla_ms = measure(fla_fn, [()], timing).median_ms
         raw["kernel"].append(dict(shape=s, fla_ms=fla_ms, cula_ms=ours, bytes=wy_bytes(s)))
         print(kernel_row(raw["kernel"][-1]), flush=True)
         save()
@@ -397,7 +386,9 @@ def main(argv=None) -> int:
         ours = measure(ours_fn, [()], Timing(warmup=2, repeats=5, method="events")).median_ms
         fla_ms, diff = None, None
         if have_fla:
+            fla_tuning.retune()
             fla_fn = e2e_fn("fla", x)
+            fla_fn()  # tunes on this row's shape, untimed
             fla_ms = measure(fla_fn, [()], Timing(warmup=2, repeats=5, method="events")).median_ms
             diff = max(rel(a, b) for a, b in zip(ours_fn(), fla_fn(), strict=False))
         del x
@@ -407,8 +398,6 @@ def main(argv=None) -> int:
         save()
         torch.cuda.empty_cache()
     print(save())
-    if args.save_autotune:
-        save_autotune(args.save_autotune)
     print(f"train_bwd: {time.perf_counter() - t_start:.0f} s", flush=True)
     return 0
 
