@@ -137,16 +137,15 @@ def warm(module: str, function: str, shapes: list[dict], compile_class, jobs: in
     return f"FLA compiled for {len(shapes)} shapes ({len(calls)} processes): {seconds:.0f} s (failed: {failed})"
 
 
-def compile_in_parallel(module: str, function: str, calls: list[tuple], keep_autotune: bool = False,
-                        jobs: int | None = None, devices: list[str] | None = None) -> tuple[float, list]:
+def compile_in_parallel(module: str, function: str, calls: list[tuple], jobs: int | None = None,
+                        devices: list[str] | None = None) -> tuple[float, list]:
     """Run `module.function(*args)` for each `args` of `calls`, each in its own process, at most `jobs` at once
     (all at once by default), and wait for them. FLA's first call per autotuning key compiles every configuration
     of each kernel, serially (minutes in one process); processes in parallel fill Triton's on-disk compile cache,
     so the timing process then only tunes (its autotuners benchmark the already compiled configurations on the
     timed shape). `devices`: CUDA_VISIBLE_DEVICES values handed to the processes in turn (default: this process's
-    GPUs). Autotune results those processes wrote to disk (made with the GPU shared) are deleted unless
-    `keep_autotune`. The processes inherit this one's environment (run `prepare` first). Returns (seconds, the
-    `args` whose process failed)."""
+    GPUs). Autotune results those processes wrote to disk (made with the GPU shared) are deleted. The processes
+    inherit this one's environment (run `prepare` first). Returns (seconds, the `args` whose process failed)."""
     t0 = time.perf_counter()
     before = set(triton_cache_dir().rglob("*.autotune.json"))
     pending = list(enumerate(calls))
@@ -164,7 +163,6 @@ def compile_in_parallel(module: str, function: str, calls: list[tuple], keep_aut
             running.remove((args, proc))
             if proc.returncode != 0:
                 failed.append(args)
-    if not keep_autotune:
-        for f in set(triton_cache_dir().rglob("*.autotune.json")) - before:
-            f.unlink()
+    for f in set(triton_cache_dir().rglob("*.autotune.json")) - before:
+        f.unlink()
     return time.perf_counter() - t0, failed

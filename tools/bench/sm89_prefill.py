@@ -11,6 +11,10 @@ log decay (logsigmoid / 8), beta in (0, 1), no initial state. Timing: the median
 Errors: ||out - ref|| / ||ref|| of o against cula_core.reference in fp64, measured on a B = 1, H = 4 slice of each
 (T, K) (the errors depend on T and K, not on the batch), for cula (fp32), FLA fp32 and FLA bf16.
 
+FLA at its best (tools/bench/fla_tuning.py): no autotune choice read from disk, its kernels compiled in parallel
+processes first (their choices dropped), then on every shape and dtype this process forgets every choice and makes
+one untimed call that tunes on it.
+
 Columns: `speed-up` = FLA fp32 ms / cula ms; `vs FLA bf16` = FLA bf16 ms / cula ms (above 1: cula's fp32 is
 faster than FLA's bf16).
 """
@@ -29,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tools.bench import fla_tuning  # noqa: E402
 from tools.bench.harness import Timing, add_do_bench_args, environment, measure  # noqa: E402
 
 SHAPES = [dict(B=b, T=t, H=h, K=k) for k in (64, 128) for h in (16, 32) for b in (1, 2, 4) for t in (1024, 4096, 16384)]
@@ -77,30 +82,13 @@ def warm_one(H, K, dtype):
     torch.cuda.synchronize()
 
 
-def triton_cache_dir() -> Path:
-    return Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
-
-
-def warm_fla(shapes, keep_autotune=False) -> None:
-    """FLA's first call per (H, K, dtype) compiles ~12 configurations of each kernel and autotunes among them:
-    minutes in all. Compile them in parallel processes (one per (H, K, dtype)), then forget the autotuning
-    those processes did (it ran with the GPU shared), so that this process autotunes alone, on compiled
-    kernels. With `keep_autotune` (results of an earlier run, tuned alone, already in Triton's cache) the
-    processes only compile the chosen configurations and the results are kept."""
-    import subprocess
-    import time
-
-    t0 = time.perf_counter()
-    procs = [subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
-                               f"from tools.bench.sm89_prefill import warm_one; warm_one({H}, {K}, {dt!r})"])
-             for H, K in sorted({(s["H"], s["K"]) for s in shapes}) for dt in ("fp32", "bf16")]
-    bad = [p.args for p in procs if p.wait() != 0]
-    removed = 0
-    for f in [] if keep_autotune else triton_cache_dir().rglob("*.autotune.json"):
-        f.unlink()
-        removed += 1
-    print(f"FLA warm-up: {len(procs)} processes compiled in {time.perf_counter() - t0:.0f} s "
-          f"({removed} autotune results dropped; failures: {bad})", flush=True)
+def warm_fla(shapes) -> None:
+    """FLA's first call per (H, K, dtype) compiles ~12 configurations of each kernel: minutes in all. Compile them
+    in parallel processes, one per (H, K, dtype) (fla_tuning.compile_in_parallel, which drops the choices they
+    made with the GPU shared), so that this process tunes alone, on compiled kernels."""
+    calls = [(H, K, dt) for H, K in sorted({(s["H"], s["K"]) for s in shapes}) for dt in ("fp32", "bf16")]
+    seconds, bad = fla_tuning.compile_in_parallel("tools.bench.sm89_prefill", "warm_one", calls)
+    print(f"FLA warm-up: {len(calls)} processes compiled in {seconds:.0f} s (failures: {bad})", flush=True)
 
 
 def bf16(q, k, v, g, beta):
@@ -185,8 +173,6 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="two shapes only (CI)")
     ap.add_argument("--chunks", action="store_true", help="also time each chunk size per K")
     ap.add_argument("--chunks-only", action="store_true", help="only the chunk-size table (no FLA, no errors)")
-    ap.add_argument("--keep-autotune", action="store_true",
-                    help="Triton's cache already holds FLA's autotuning results (of an earlier run): keep them")
     ap.add_argument("--out", type=Path, help="write the markdown report here")
     ap.add_argument("--json", type=Path, help="write the raw numbers here")
     add_do_bench_args(ap)
@@ -199,6 +185,7 @@ def main(argv=None) -> int:
         print(chunk_table(timing))
         return 0
     cula = cula_fn()
+    fla_tuning.prepare()  # before FLA is imported: no autotune choice from disk, FLA's own kernels
     try:
         fla = fla_fn()
     except ImportError as exc:
@@ -208,7 +195,7 @@ def main(argv=None) -> int:
     shapes = SMOKE if args.smoke else SHAPES
     if fla is not None:
         # H = 4: the error runs
-        warm_fla(shapes + [dict(H=4, K=K) for K in {s["K"] for s in shapes}], keep_autotune=args.keep_autotune)
+        warm_fla(shapes + [dict(H=4, K=K) for K in {s["K"] for s in shapes}])
     errs = {}
     for T, K in sorted({(s["T"], s["K"]) for s in shapes}):
         errs[(T, K)] = errors(T, K, fla)
@@ -222,10 +209,14 @@ def main(argv=None) -> int:
         if fla is not None:
             with torch.no_grad():
                 try:
+                    fla_tuning.retune()
+                    fla(*x)  # tunes on this shape, untimed
                     row["fla32"] = measure(fla, [x], timing).median_ms
                 except Exception as exc:  # a failing FLA configuration is reported, not fatal
                     row["note"] = f"FLA fp32 failed: {type(exc).__name__}"
                 xb = bf16(*x)
+                fla_tuning.retune()
+                fla(*xb)  # tunes on this shape and dtype, untimed
                 row["fla16"] = measure(fla, [xb], timing).median_ms
                 del xb
         row.update({f"err_{k}": v for k, v in errs[(s["T"], s["K"])].items()})
