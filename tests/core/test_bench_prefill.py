@@ -175,3 +175,14 @@ def test_a_varlen_input_set_without_int64_offsets_is_an_error_not_a_dense_call()
     with pytest.raises(KeyError, match="cu_seqlens_i64"):
         bench.fla_offsets(dict(cu_seqlens=cu, cu_seqlens_cpu=cu))
     assert bench.fla_offsets(dict(q=torch.zeros(1))) == {}
+
+
+def test_profile_shape_takes_fixed_and_varlen_shapes_of_the_grid():
+    import argparse
+
+    assert bench.profile_shape("2,8192,64") == dict(B=2, T=8192, H=64)
+    varlen = bench.profile_shape("64,4096,64,uniform")
+    assert varlen == dict(B=1, N=64, T=4096, H=64, lens="uniform") and varlen in bench.VARLEN
+    for bad in ("2,8192", "64,4096,64,sorted", "a,b,c", "1,2,3,4,5"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected B,T,H or N,T,H,LENS"):
+            bench.profile_shape(bad)

@@ -4,7 +4,7 @@ on the same bf16 inputs in one process.
 
     python -m tools.bench.prefill [--smoke] [--no-fla | --fla-subset] [--out docs/benchmarks/prefill.md]
                                   [--json FILE [--resume]] [--shard I/N] [--merge FILE ...] [--warmup MS]
-                                  [--rep MS] [--no-warm | --warm-only] [--warm-jobs J] [--profile B,T,H] [--packing]
+                                  [--rep MS] [--no-warm | --warm-only] [--warm-jobs J] [--profile SHAPE] [--packing]
 
 Every call does what FlashKDA does: safe gate (lower_bound = -5) from raw g with A_log / dt_bias, q/k L2 norm and
 sigmoid(beta) in kernel (beta passed as logits), K = V = 128, no initial state, the final state returned.
@@ -183,21 +183,44 @@ def rel_err(ours, ref_out, ref_state_vfirst) -> float:
                ((state - ref_state).abs().max() / ref_state.abs().max()).item())
 
 
+def profile_shape(text: str) -> dict:
+    """`--profile`'s shape: "B,T,H" (fixed length) or "N,T,H,LENS" (varlen: N sequences of T tokens in all, LENS
+    one of uniform / random / skewed, as the grid's varlen shapes)."""
+    parts = text.split(",")
+    try:
+        if len(parts) == 3:
+            B, T, H = (int(v) for v in parts)
+            return dict(B=B, T=T, H=H)
+        if len(parts) == 4 and parts[3] in ("uniform", "random", "skewed"):
+            N, T, H = (int(v) for v in parts[:3])
+            return dict(B=1, N=N, T=T, H=H, lens=parts[3])
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"{text!r}: expected B,T,H or N,T,H,LENS with LENS uniform, random or skewed")
+
+
 def profile_kernels(shape: dict, calls: int = 10) -> None:
-    """Mean CUDA time per call of each kernel of cula's prefill at one shape (torch.profiler)."""
+    """Mean CUDA time per call of each kernel of cula's prefill, then of FlashKDA's, at one shape (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
     x = make_inputs(shape)
-    for _ in range(3):
-        cula_prefill(x)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            cula_prefill(x)
+    runs = [("cula", cula_prefill)]
+    try:
+        import flash_kda  # noqa: F401
+        runs.append(("FlashKDA", flashkda_prefill))
+    except ImportError:
+        print("FlashKDA not importable: cula only")
+    for name, fn in runs:
+        for _ in range(3):
+            fn(x)
         torch.cuda.synchronize()
-    print(f"profile {shape}: per call")
-    for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]:
-        print(f"  {e.device_time_total / calls / 1000:8.3f} ms  {e.key[:90]}")
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn(x)
+            torch.cuda.synchronize()
+        print(f"profile {name}, {label(shape)}: per call")
+        for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]:
+            print(f"  {e.device_time_total / calls / 1000:8.3f} ms  {e.key[:90]}")
 
 
 def packing_ab(timing: Timing) -> None:
@@ -336,7 +359,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="markdown file whose section for this card is rewritten")
     grid.add_arguments(ap)
     add_do_bench_args(ap)
-    ap.add_argument("--profile", metavar="B,T,H", help="per-kernel CUDA times of cula at one shape, then exit")
+    ap.add_argument("--profile", metavar="SHAPE", type=profile_shape,
+                    help="per-kernel CUDA times of cula and FlashKDA at one shape (B,T,H or N,T,H,LENS for varlen: "
+                         "LENS uniform, random or skewed), then exit")
     ap.add_argument("--packing", action="store_true",
                     help="stage 1 packed vs unpacked on the varlen 64-sequence shapes, then exit")
     args = ap.parse_args(argv)
@@ -346,8 +371,7 @@ def main(argv=None) -> int:
         return 1
     os.environ["CULA_BACKEND"] = "sm90"  # fail loudly rather than time the reference
     if args.profile:
-        B, T, H = (int(v) for v in args.profile.split(","))
-        profile_kernels(dict(B=B, T=T, H=H))
+        profile_kernels(args.profile)
         return 0
     if args.packing:
         packing_ab(Timing(warmup=args.warmup, repeats=args.rep, method="do_bench"))
