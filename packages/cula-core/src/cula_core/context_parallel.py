@@ -272,7 +272,7 @@ def _response_transpose(R: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
     out = R.new_zeros(R.shape[1], R.shape[2], do.shape[2], dtype=dtype)
     for s in range(0, R.shape[0], _RESPONSE_BLOCK):
         r, d = R[s:s + _RESPONSE_BLOCK].to(dtype), do[s:s + _RESPONSE_BLOCK].to(dtype)
-        out += torch.einsum("thk,thv->hkv", r, d)
+        out.baddbmm_(r.permute(1, 2, 0), d.transpose(0, 1))   # [HV, K, t] @ [HV, t, V], summed into out
     return out
 
 
@@ -465,13 +465,15 @@ def chunk_kda_cp(
                 entering[s.first_seq] = apply_state_maps([(m[..., :K], m[..., K:]) for m in before])
 
         # -- step 3: the state entering each such sequence, added through its linear parts: o += R S_in on its
-        # tokens, final state += M S_in (the local run started it from zero)
+        # tokens, final state += M S_in (the local run started it from zero). The product is taken per head in
+        # the state's precision and added in place: the sum is formed in that precision and rounded to o's dtype
+        # once, without an fp32 copy of o
         for s in slots:
             if s.pre:
                 S_in = entering[s.first_seq].to(state_dtype)
                 a, b = s.first_range
                 r = R[0, start[s.first_seq]:start[s.first_seq] + b - a].to(state_dtype)
-                o[0, a:b] = (o[0, a:b].to(state_dtype) + torch.einsum("thk,hkv->thv", r, S_in)).to(o.dtype)
+                o[0, a:b].add_(torch.bmm(r.transpose(0, 1), S_in).transpose(0, 1))
                 final_state[s.first_seq] += M[row[s.first_seq]].to(state_dtype) @ S_in
 
     if needs_grad:
