@@ -64,7 +64,6 @@ def timed_rows(shapes: list[dict], done: list[dict], measure: Callable[[dict], d
     return rows
 
 
-
 def add_arguments(ap) -> None:
     """The grid's options on an argparse parser: --json, --resume, --shard, --merge, and FLA's compile before the rows
     (--no-warm, --warm-only, --warm-jobs)."""

@@ -204,26 +204,36 @@ def _train_step(call, x, do):
     return step
 
 
-def _timing(rank, world, group, device, cfg, have_fla, log):
+def _shape_steps(shape, rank, world, group, device):
+    """One timed shape on this rank: (the global offsets on the host, the rank's inputs x and output gradient do,
+    and cula's training steps on them: "cp" through its CP context over the group, "local" the single-GPU call on
+    the rank's tokens alone). Offsets go to the device here, once, not inside a step."""
     import torch
 
     from cula_core.context_parallel import build_cp_context
 
+    H, t_rank = shape["H"], shape["T"]
+    bounds = torch.tensor([0, world * t_rank], dtype=torch.int32)
+    local = torch.tensor([0, t_rank], dtype=torch.int32)
+    x = _inputs(t_rank, H, device, seed=rank)
+    do = torch.randn(1, t_rank, H, V, device=device, dtype=torch.bfloat16)
+    ctx = build_cp_context(bounds.to(device), group, cu_seqlens_cpu=bounds)
+    local_dev = local.to(device)
+    steps = {"cp": _train_step(lambda z: _cula_call(z, cp_context=ctx), x, do),
+             "local": _train_step(lambda z: _cula_call(z, local_dev, local), x, do)}
+    return bounds, x, do, steps
+
+
+def _timing(rank, world, group, device, cfg, have_fla, log):
+    import torch
+
     rows = []
     for shape in timed_shapes(cfg):
         H, t_rank = shape["H"], shape["T"]
-        total = world * t_rank
-        bounds = torch.tensor([0, total], dtype=torch.int32)
-        x = _inputs(t_rank, H, device, seed=rank)
-        do = torch.randn(1, t_rank, H, V, device=device, dtype=torch.bfloat16)
-        ctx = build_cp_context(bounds.to(device), group, cu_seqlens_cpu=bounds)
-        row = dict(H=H, T_rank=t_rank, T_total=total)
-        row["cula_cp_ms"] = _time(_train_step(lambda z: _cula_call(z, cp_context=ctx), x, do), cfg["reps"],
-                                  cfg["warmup"], group, device)
-        local = torch.tensor([0, t_rank], dtype=torch.int32)
-        local_dev = local.to(device)  # once: a copy inside the timed step would be timed with it
-        row["cula_local_ms"] = _time(_train_step(lambda z: _cula_call(z, local_dev, local), x, do),
-                                     cfg["reps"], cfg["warmup"], group, device)
+        bounds, x, do, steps = _shape_steps(shape, rank, world, group, device)
+        row = dict(H=H, T_rank=t_rank, T_total=world * t_rank)
+        row["cula_cp_ms"] = _time(steps["cp"], cfg["reps"], cfg["warmup"], group, device)
+        row["cula_local_ms"] = _time(steps["local"], cfg["reps"], cfg["warmup"], group, device)
         if have_fla:
             from fla.ops.cp import build_cp_context as fla_build
 
@@ -236,7 +246,7 @@ def _timing(rank, world, group, device, cfg, have_fla, log):
             row["speedup"] = row["fla_cp_ms"] / row["cula_cp_ms"]
         rows.append(row)
         log("timing: " + json.dumps(row))
-        del x, do
+        del x, do, steps
         torch.cuda.empty_cache()
     return rows
 
@@ -280,19 +290,10 @@ def _profile(rank, world, group, device, cfg, out_dir, log):
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from cula_core.context_parallel import build_cp_context
-
     shape = timed_shapes(cfg)[0]
     H, t_rank = shape["H"], shape["T"]
-    bounds = torch.tensor([0, world * t_rank], dtype=torch.int32)
-    local = torch.tensor([0, t_rank], dtype=torch.int32)
-    x = _inputs(t_rank, H, device, seed=rank)
-    do = torch.randn(1, t_rank, H, V, device=device, dtype=torch.bfloat16)
-    ctx = build_cp_context(bounds.to(device), group, cu_seqlens_cpu=bounds)
-    local_dev = local.to(device)
-    calls = {"cp": lambda z: _cula_call(z, cp_context=ctx), "local": lambda z: _cula_call(z, local_dev, local)}
-    for name, call in calls.items():
-        step = _train_step(call, x, do)
+    _, _, _, steps = _shape_steps(shape, rank, world, group, device)
+    for name, step in steps.items():
         for _ in range(cfg["warmup"] + 1):
             step()
         torch.cuda.synchronize()

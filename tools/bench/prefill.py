@@ -17,8 +17,8 @@ cula through the public op (validation, dispatch, `intracard_cp="auto"`, `cu_seq
 outputs allocated in the call, FLA under `torch.no_grad` with `FLA_FLASH_KDA=0` (its own kernels) and autotuned in
 this process on each exact shape (tools/bench/fla_tuning.py). Varlen offsets are made once per input set, int32 for
 cula and int64 for FLA and FlashKDA (`varlen_offsets`), and every call gets the same tensors: FLA caches its chunk
-indices by tensor identity, as a model's layers reuse one batch's offsets. Columns: `vs FlashKDA` = FlashKDA ms / cula ms,
-`vs FLA` = FLA ms / cula ms; `err vs FlashKDA` = max |cula - FlashKDA| / max |FlashKDA| over o and the final state.
+indices by tensor identity, as a model's layers reuse one batch's offsets. Columns: `vs FlashKDA` = FlashKDA ms /
+cula ms, `vs FLA` = FLA ms / cula ms; `err vs FlashKDA` = max |cula - FlashKDA| / max |FlashKDA| over o and the final state.
 Before the rows, FLA's kernels are compiled for the shapes it is timed on in parallel processes (`warm_one`: one shape
 per compile class, each class's autotuning configurations split over processes, at most `--warm-jobs` at once,
 spread over the visible GPUs; `--no-warm` skips it, `--warm-only` does only that), so that this process only tunes.
