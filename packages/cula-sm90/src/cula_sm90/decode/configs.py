@@ -34,8 +34,8 @@ TILINGS = ((32, 4, 4, 0), (64, 4, 4, 0), (16, 4, 4, 0), (32, 4, 2, 0), (16, 4, 2
 
 #: the streamed T = 1 decode's tiling (stream.py) by (bytes of a pool element, V-first pool): (BV columns per item,
 #: lanes along V, warps). [K, V] bf16 pools take 128 columns, 8 per lane, so that each lane's row segment is one
-#: 16-byte store; measured against 64 columns (docs/sm90_decode.md, "Streamed decode"), this wins on [K, V] bf16
-#: pools on both cards and loses on V-first bf16 pools of few requests, which keep 64. stream_tiling narrows BV to V.
+#: 16-byte store: against 64 columns (docs/benchmarks/mtp_decode.md, "Streamed decode: 128 value columns") it wins
+#: on [K, V] bf16 pools and loses on V-first bf16 pools of few requests, which keep 64. stream_tiling narrows BV to V.
 STREAM_TILINGS = {(4, False): (64, 4, 4), (4, True): (64, 4, 4), (2, False): (128, 4, 4), (2, True): (64, 4, 4)}
 #: its slice stages per CTA, by bytes of a pool element
 STREAM_STAGES = {4: 2, 2: 2}
