@@ -407,6 +407,19 @@ def environment(device: str | None = None) -> dict[str, Any]:
     return meta
 
 
+def peak_hbm_gbs(device: int = 0) -> float:
+    """The card's HBM peak in GB/s, from its memory clock and bus width (two transfers per clock); 3352 (H100 SXM5
+    HBM3) where torch does not report them."""
+    import torch
+
+    p = torch.cuda.get_device_properties(device)
+    clock = getattr(p, "memory_clock_rate", 0)  # kHz
+    bus = getattr(p, "memory_bus_width", 0)     # bits
+    if clock and bus:
+        return 2 * clock * 1e3 * bus / 8 / 1e9
+    return 3352.0
+
+
 def compare(shapes: Sequence[Mapping[str, Any]], make_inputs: Callable[..., Any], cula_fn: Callable,
             fla_fn: Callable | None = None, *, timing: Timing = Timing(), device: str | None = None,
             title: str = "cula vs FLA", check: bool = True) -> Report:

@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tools.bench.harness import Timing, add_do_bench_args, environment, errors, measure  # noqa: E402
+from tools.bench.harness import Timing, add_do_bench_args, environment, errors, measure, peak_hbm_gbs  # noqa: E402
 
 NS = (1, 2, 4, 8, 16, 32, 64, 128)
 TS = (2, 3, 4, 6)
@@ -211,15 +211,6 @@ def graph_ms(fn, args, timing, reps=20):
     ms = triton.testing.do_bench(g.replay, warmup=timing.warmup, rep=timing.repeats, return_mode="median") / reps
     del g
     return ms
-
-
-def peak_hbm_gbs() -> float:
-    p = torch.cuda.get_device_properties(0)
-    clock = getattr(p, "memory_clock_rate", 0)  # kHz
-    bus = getattr(p, "memory_bus_width", 0)     # bits
-    if clock and bus:
-        return 2 * clock * 1e3 * bus / 8 / 1e9
-    return 3352.0  # H100 SXM5 HBM3
 
 
 def host_overhead(reps=2000):
