@@ -1,7 +1,7 @@
 """Run under compute-sanitizer by test_prefill_gpu.py::test_memcheck_clean_on_odd_shapes: odd lengths (1, 63, 65)
 with GVA and states, a varlen batch with empty and 1-token sequences (host and device-only lengths), and a CP
-run with an uneven split; a varlen batch and a CP run with 32 value heads (128-column stage-2 CTAs); V-first
-states, serial and with CP. Prints
+run with an uneven split; a varlen batch and a CP run with 32 value heads (128-column stage-2 CTAs); 300 short
+sequences (more stage-2 items than SMs); V-first states, serial and with CP. Prints
 "cases ok" at the end; memcheck reports any out-of-bounds access."""
 
 import os
@@ -48,6 +48,14 @@ def main():
                          output_final_state=True, cu_seqlens=cu_cpu.cuda(), cu_seqlens_cpu=cu_cpu, intracard_cp=cp,
                          use_qk_l2norm_in_kernel=True, **gate_kwargs("safe", A_log, dt_bias))
         n += 1
+    # more stage-2 items than SMs (1200 at HV = 4): persistent CTAs walk several, loading each next one ahead
+    lens = [(29 * n) % 140 if n % 7 else 0 for n in range(300)]
+    cu_cpu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    q, k, v, g, beta, A_log, dt_bias = make_raw(1, sum(lens), 2, 4, gate="safe", seed=6)
+    cula.kda_prefill(q, k, v, g, beta, initial_state=torch.randn(len(lens), 4, 128, 128, device="cuda"),
+                     output_final_state=True, cu_seqlens=cu_cpu.cuda(), cu_seqlens_cpu=cu_cpu,
+                     use_qk_l2norm_in_kernel=True, **gate_kwargs("safe", A_log, dt_bias))
+    n += 1
     # V-first initial / final states (FLA's layout) indexed by stage 2 itself, serial and with CP
     for cp in (False, True):
         lens = [3000, 1, 0, 65]

@@ -86,7 +86,7 @@ def test_stage2_compiles(affine, cols):
     from cula_sm90.prefill import forward
 
     fn = forward.compile_state(affine, torch.bfloat16, cols)
-    with pytest.raises(TypeError, match="Expects 17 parameters"):  # 10 addresses, 6 sizes, the stream
+    with pytest.raises(TypeError, match="Expects 18 parameters"):  # 10 addresses, 6 sizes, the CTAs, the stream
         fn(1)
 
 
@@ -98,7 +98,7 @@ def test_stage2_compiles_with_v_first_states(cols):
     from cula_sm90.prefill.chunk_state_wg import ChunkStateWGKernel
 
     fn = forward.compile_state(False, torch.bfloat16, cols, True)
-    with pytest.raises(TypeError, match="Expects 17 parameters"):
+    with pytest.raises(TypeError, match="Expects 18 parameters"):
         fn(1)
     with pytest.raises(AssertionError, match="K-first"):
         ChunkStateWGKernel(True, cols, True)
@@ -124,6 +124,17 @@ def test_stage2_width_fills_the_sms():
     assert forward.state_cols(128, 132) == 128  # B = 2, H = 64
     assert forward.planner_kwargs(None, 64) == {"slices": 2}
     assert forward.planner_kwargs(3, 128) == {"slices": 1, "force_pieces": 3}
+
+
+def test_stage2_grid_is_one_persistent_cta_per_sm():
+    """Stage 2 launches min(items, SMs) CTAs, an item being (segment, value head, column block); the affine-map
+    pass's items span the 2 K columns of [M | c]."""
+    from cula_sm90.prefill import forward
+
+    assert forward.state_ctas(64, 64, 128, False, 132) == 132  # 64 one-chunk sequences, H = 64: 4096 items
+    assert forward.state_ctas(1, 64, 64, False, 132) == 128  # B = 1, H = 64 at 64 columns: one wave
+    assert forward.state_ctas(2, 16, 128, True, 132) == 64  # affine: two column blocks of 128 per head
+    assert forward.state_ctas(0, 16, 128, False, 132) == 1  # never an empty grid
 
 
 def _call(**kw):

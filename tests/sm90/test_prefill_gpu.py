@@ -1,7 +1,7 @@
 """GPU tests of the cula-sm90 prefill (kda_prefill and no-grad chunk_kda, forced onto the sm90 backend) against
 cula_core.reference in fp64 and FLA 0.6.0 on the same bf16 inputs: B in {1, 2}, T in {1, 63, 64, 65, 1000, 4096},
-varlen with 1, 3 and 20 sequences (lengths 0 and 1 included, with and without cu_seqlens_cpu), GVA 1/2/4, the
-three gate modes, with and without initial state; CP on == off; compute-sanitizer memcheck on odd shapes.
+varlen with 1, 3, 20, 70 and 300 sequences (lengths 0 and 1 included, with and without cu_seqlens_cpu), GVA 1/2/4,
+the three gate modes, with and without initial state; CP on == off; compute-sanitizer memcheck on odd shapes.
 
 Bounds (prefill_cases): REL_TOL = 1e-2 on ||ours - ref|| / ||ref|| for o and the final state; FLA_TOL = 2e-2
 against FLA; CP on vs off: CP_TOL_STATE = 5e-4 (final state), CP_TOL_O = 2e-3 (o, bf16)."""
@@ -87,6 +87,9 @@ VARLEN = {
     "20seq": [0, 1, 64, 65, 200, 0, 3, 128, 1000, 17, 63, 2, 0, 300, 129, 1, 90, 500, 33, 64],
     # more than 32 sequences (stage 1's 32-ary chunk search takes two steps), with pairs of empty sequences
     "70seq": [(37 * n) % 150 if n % 9 > 1 else 0 for n in range(70)],
+    # 1200 stage-2 items at HV = 4: every persistent CTA walks several, empty ones and one-chunk ones among them,
+    # each loading the next one's first chunk ahead
+    "300seq": [(29 * n) % 140 if n % 7 else 0 for n in range(300)],
 }
 
 

@@ -100,7 +100,9 @@ def _intra_emulator(gate, beta_activation, l2norm, has_a_log, has_dt_bias, qkv_d
 
 
 def _state_emulator(affine, o_dtype, cols, state_v_first=False):
-    def run(w, u, qg, kg, aqk, gl, seg, h0, ht, o, TT, NC, S, HV, NH0, NHT, _s):
+    def run(w, u, qg, kg, aqk, gl, seg, h0, ht, o, TT, NC, S, HV, NH0, NHT, ctas, _s):
+        # the grid: one persistent CTA per SM (the fixture's 132), or one per item where there are fewer
+        assert ctas == min(S * HV * ((2 * K if affine else K) // cols), 132), (ctas, S, HV, cols, affine)
         d = torch.float64
         w, u, qg, kg = (_at(a, bf16, TT, HV, K) for a in (w, u, qg, kg))
         aqk, gl, seg = _at(aqk, bf16, TT, HV, BT), _at(gl, f32, NC, HV, K), _at(seg, i32, S, 5)

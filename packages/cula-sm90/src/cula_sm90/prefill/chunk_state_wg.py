@@ -1,9 +1,12 @@
 """KDA prefill, stage 2 on Hopper warpgroup MMA (wgmma): the serial state recurrence over the chunks of a segment,
 and o.
 
-One CTA per (segment, value head, C state columns), C = 128 or 64, two warpgroups of 128 threads; warpgroup j owns
-the columns [j C / 2, (j + 1) C / 2) of the CTA's slice and runs the recurrence on them alone, the CTA's two
-warpgroups sharing each chunk's loads. Per chunk of 64 tokens, with h a warpgroup's fp32 state slice
+Work items: (segment, value head, C state columns), C = 128 or 64. The grid is `ctas` persistent CTAs (the host
+gives one per SM, or one per item where there are fewer); CTA b walks the items b, b + ctas, b + 2 ctas, ... (value
+head fastest, then segment, then column block), and its pipeline runs on across them: the last chunk of an item
+loads the first chunk of the CTA's next item, so batches of many short sequences do not pay a cold load per item.
+Two warpgroups of 128 threads; warpgroup j owns the columns [j C / 2, (j + 1) C / 2) of the item's slice and runs
+the recurrence on them alone, the CTA's two warpgroups sharing each chunk's loads. Per chunk of 64 tokens, with h a warpgroup's fp32 state slice
 [K = 128, N = C / 2] (registers, wgmma accumulator layout) and the stage-1 intermediates (chunk_intra*.py; bf16):
 
     v_new = u - w @ h                    [64 x 128] @ [128 x N]
@@ -73,12 +76,13 @@ class ChunkStateWGKernel:
         self.cols = cols
         self.wg_cols = cols // WARPGROUPS
         self.threads = WG_THREADS * WARPGROUPS
+        self.col_blocks = (2 * DK if affine else DK) // cols  # column blocks of the state (or of [M | c])
 
     @cute.jit
     def __call__(self, w_ptr: cute.Pointer, u_ptr: cute.Pointer, qg_ptr: cute.Pointer, kg_ptr: cute.Pointer,
                  aqk_ptr: cute.Pointer, gl_ptr: cute.Pointer, seg_ptr: cute.Pointer, h0_ptr: cute.Pointer,
                  ht_ptr: cute.Pointer, o_ptr: cute.Pointer, TT: Int32, NC: Int32, S: Int32, HV: Int32,
-                 NH0: Int32, NHT: Int32, stream):
+                 NH0: Int32, NHT: Int32, ctas: Int32, stream):
         tok = cute.make_layout((TT, HV, DK), stride=(HV * DK, DK, 1))
         w = cute.make_tensor(w_ptr, tok)
         u = cute.make_tensor(u_ptr, tok)
@@ -101,14 +105,15 @@ class ChunkStateWGKernel:
             ht_kv = (width, 1)
         ht = cute.make_tensor(ht_ptr, cute.make_layout((NHT, HV, DK, width),
                                                        stride=(HV * DK * width, DK * width, *ht_kv)))
-        self.kernel(w, u, qg, kg, aqk, gl, seg, h0, ht, o).launch(
-            grid=[S, HV, width // self.cols], block=[self.threads, 1, 1], stream=stream)
+        self.kernel(w, u, qg, kg, aqk, gl, seg, h0, ht, o, S, HV, ctas).launch(
+            grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, w: cute.Tensor, u: cute.Tensor, qg: cute.Tensor, kg: cute.Tensor, aqk: cute.Tensor,
-               gl: cute.Tensor, seg: cute.Tensor, h0: cute.Tensor, ht: cute.Tensor, o: cute.Tensor):
+               gl: cute.Tensor, seg: cute.Tensor, h0: cute.Tensor, ht: cute.Tensor, o: cute.Tensor, S: Int32,
+               HV: Int32, ctas: Int32):
         tid, _, _ = cute.arch.thread_idx()
-        s, hv, vs = cute.arch.block_idx()
+        cta, _, _ = cute.arch.block_idx()
         wg = tid // WG_THREADS
         wtid = tid % WG_THREADS
         K_SW128 = warpgroup.SmemLayoutAtomKind.K_SW128
@@ -134,19 +139,6 @@ class ChunkStateWGKernel:
         sVl = alloc_operand_tile(smem, MN_COLS, (self.wg_cols, BT, WARPGROUPS))
         sDecay = smem.allocate_tensor(Float32, cute.make_layout(DK), 16)
 
-        start = seg[s, 0]
-        end = seg[s, 1]
-        chunk0 = seg[s, 2]
-        h0_idx = seg[s, 3]
-        ht_idx = seg[s, 4]
-
-        col0 = vs * self.cols + wg * self.wg_cols  # this warpgroup's first column of the state (or of [M | c])
-        is_m = False
-        ucol0 = col0
-        if const_expr(self.affine):
-            is_m = col0 < DK
-            ucol0 = col0 - DK
-
         mma_k = tiled_mma(K_MAJOR, MN_MAJOR, self.wg_cols)  # w @ h, qg @ h, Aqk @ v_new
         mma_mn = tiled_mma(MN_MAJOR, MN_MAJOR, self.wg_cols)  # kg^T @ v_new
         thr_k = mma_k.get_slice(wtid)
@@ -171,98 +163,148 @@ class ChunkStateWGKernel:
         acc_v = cute.make_rmem_tensor(thr_k.partition_shape_C((BT, self.wg_cols)), Float32)
         acc_o = cute.make_rmem_tensor(thr_k.partition_shape_C((BT, self.wg_cols)), Float32)
 
-        for i in cutlass.range_constexpr(cute.size(acc_h)):
-            kr, c = at_h[i]
-            x = Float32(0.0)
-            if const_expr(self.affine):
-                if is_m:
-                    if kr == col0 + c:
-                        x = Float32(1.0)
-            else:
-                if h0_idx >= 0:
-                    x = h0[h0_idx, hv, kr, col0 + c]
-            acc_h[i] = x
-
-        n_chunks = (end - start + BT - 1) // BT
+        # Persistent walk: this CTA takes the items cta, cta + ctas, ... (an item: one segment, value head and
+        # column block); the first chunk of its next item is loaded while the last chunk of the current one runs.
+        items = S * HV * self.col_blocks
+        step = Int32(0)  # chunks walked so far by this CTA: chunk `step` sits in stage step % 2
+        prefetched = Int32(0)  # the current item's first chunk and its log decay are already in flight
         # the log decay of a chunk's last token is read one chunk ahead: its load never stalls the chunk's math
         gl_next = Float32(0.0)
-        if tid < DK and n_chunks > 0:
-            gl_next = gl[chunk0, hv, tid]
-        if n_chunks > 0:
-            self.load_chunk(w, u, qg, kg, aqk, sW2, sKt2, sQg2, sA2, sU2, start, end, hv, ucol0, is_m, 0, tid, wg,
-                            wtid)
-        cute.arch.cp_async_commit_group()
-        for ci in cutlass.range(n_chunks, unroll=1):
-            t0 = start + ci * BT
-            n = cutlass.min(end - t0, BT)
-            st = ci % 2
-            if tid < DK:
-                sDecay[tid] = cute.math.exp(gl_next, fastmath=True)
-                if ci + 1 < n_chunks:
-                    gl_next = gl[chunk0 + ci + 1, hv, tid]
-            store_split(mma_mn, acc_h, sHh_rows, sHl_rows, wtid)  # h into this warpgroup's B tiles
-            cute.arch.cp_async_wait_group(0)  # chunk ci has landed (the only group in flight)
-            cute.arch.fence_proxy("async.shared", space="cta")  # generic-proxy writes -> wgmma's operand reads
-            cute.arch.sync_threads()
+        for item in cutlass.range(cta, items, ctas, unroll=1):
+            s, hv, col0 = self.item_coords(item, S, HV, wg)
+            start = seg[s, 0]
+            end = seg[s, 1]
+            chunk0 = seg[s, 2]
+            h0_idx = seg[s, 3]
+            ht_idx = seg[s, 4]
+            n_chunks = (end - start + BT - 1) // BT
+            is_m, ucol0 = self.u_columns(col0)
 
-            sU_w = sU2[None, None, st, wg]
-            sU_rows = rows_view(sU_w, BT, self.wg_cols)  # u, then v_new's hi half, then o: (token, column)
-            rVh = thr_k.make_fragment_B(thr_k.partition_B(sU_w))
-            pU = thr_k.partition_C(sU_rows)
+            # the next item of this CTA, whose first chunk the last chunk of this one loads ahead
+            nxt = item + ctas
+            nxt_s, nxt_hv, nxt_col0 = self.item_coords(cutlass.min(nxt, items - 1), S, HV, wg)
+            nxt_start = seg[nxt_s, 0]
+            nxt_end = seg[nxt_s, 1]
+            nxt_chunk0 = seg[nxt_s, 2]
+            nxt_is_m, nxt_ucol0 = self.u_columns(nxt_col0)
+            ahead = Int32(0)
+            if nxt < items and nxt_end > nxt_start:
+                ahead = Int32(1)
 
-            # group 1: v_new's product w @ h (split h); group 2: o's first product qg @ h
-            warpgroup.fence()
-            gemm(mma_k, acc_v, rW2[None, None, None, st], rHh, False)
-            gemm(mma_k, acc_v, rW2[None, None, None, st], rHl, True)
-            warpgroup.commit_group()
-            if const_expr(not self.affine):
-                gemm(mma_k, acc_o, rQg2[None, None, None, st], rHh, False)
-                warpgroup.commit_group()
-                warpgroup.wait_group(1)
-            else:
-                warpgroup.wait_group(0)
-            if const_expr(self.affine):
-                if is_m:  # u = 0 on the M columns
-                    for i in cutlass.range_constexpr(cute.size(acc_v)):
-                        acc_v[i] = -acc_v[i]
-                else:
-                    _subtract_from(acc_v, pU)
-            else:
-                _subtract_from(acc_v, pU)
-            # rows past the end: u = w = 0 there, so v_new = 0
-            store_split(mma_k, acc_v, sU_rows, sVl_rows, wtid)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=1 + wg, number_of_threads=WG_THREADS)
-            # the next chunk's copies start only now: the proxy fences above wait for every memory access of
-            # the thread still in flight (copies included), so copies issued earlier would be waited for here
-            if ci + 1 < n_chunks:
-                self.load_chunk(w, u, qg, kg, aqk, sW2, sKt2, sQg2, sA2, sU2, t0 + BT, end, hv, ucol0, is_m, 1 - st,
-                                tid, wg, wtid)
-            cute.arch.cp_async_commit_group()
-
-            if const_expr(not self.affine):
-                gemm(mma_k, acc_o, rA2[None, None, None, st], rVh, True)
-                warpgroup.commit_group()
-            for i in cutlass.range_constexpr(cute.size(acc_h)):
-                kr, _ = at_h[i]
-                acc_h[i] = acc_h[i] * sDecay[kr]
-            warpgroup.fence()
-            gemm(mma_mn, acc_h, rKt2[None, None, None, st], rVh, True)
-            gemm(mma_mn, acc_h, rKt2[None, None, None, st], rVl, True)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-
-            if const_expr(not self.affine):
-                # o leaves through the (now free) v_new tile in whole 16-byte rows
-                store_acc(mma_k, acc_o, sU_rows, wtid)
-                cute.arch.barrier(barrier_id=1 + wg, number_of_threads=WG_THREADS)
-                store_rows_s2g(sU_rows, head_rows(o, t0, hv, BT, col0, self.wg_cols), n, wtid, WG_THREADS)
-            cute.arch.sync_threads()  # every reader of this stage is done before the next copies into it
-
-        if ht_idx >= 0:
             for i in cutlass.range_constexpr(cute.size(acc_h)):
                 kr, c = at_h[i]
-                ht[ht_idx, hv, kr, col0 + c] = acc_h[i]
+                x = Float32(0.0)
+                if const_expr(self.affine):
+                    if is_m:
+                        if kr == col0 + c:
+                            x = Float32(1.0)
+                else:
+                    if h0_idx >= 0:
+                        x = h0[h0_idx, hv, kr, col0 + c]
+                acc_h[i] = x
+
+            if n_chunks > 0 and prefetched == 0:
+                if tid < DK:
+                    gl_next = gl[chunk0, hv, tid]
+                self.load_chunk(w, u, qg, kg, aqk, sW2, sKt2, sQg2, sA2, sU2, start, end, hv, ucol0, is_m, step % 2,
+                                tid, wg, wtid)
+                cute.arch.cp_async_commit_group()
+            for ci in cutlass.range(n_chunks, unroll=1):
+                t0 = start + ci * BT
+                n = cutlass.min(end - t0, BT)
+                st = step % 2
+                last = ci + 1 == n_chunks
+                if tid < DK:
+                    sDecay[tid] = cute.math.exp(gl_next, fastmath=True)
+                    if not last:
+                        gl_next = gl[chunk0 + ci + 1, hv, tid]
+                    elif ahead != 0:
+                        gl_next = gl[nxt_chunk0, nxt_hv, tid]
+                store_split(mma_mn, acc_h, sHh_rows, sHl_rows, wtid)  # h into this warpgroup's B tiles
+                cute.arch.cp_async_wait_group(0)  # chunk ci has landed (the only group in flight)
+                cute.arch.fence_proxy("async.shared", space="cta")  # generic-proxy writes -> wgmma's operand reads
+                cute.arch.sync_threads()
+
+                sU_w = sU2[None, None, st, wg]
+                sU_rows = rows_view(sU_w, BT, self.wg_cols)  # u, then v_new's hi half, then o: (token, column)
+                rVh = thr_k.make_fragment_B(thr_k.partition_B(sU_w))
+                pU = thr_k.partition_C(sU_rows)
+
+                # group 1: v_new's product w @ h (split h); group 2: o's first product qg @ h
+                warpgroup.fence()
+                gemm(mma_k, acc_v, rW2[None, None, None, st], rHh, False)
+                gemm(mma_k, acc_v, rW2[None, None, None, st], rHl, True)
+                warpgroup.commit_group()
+                if const_expr(not self.affine):
+                    gemm(mma_k, acc_o, rQg2[None, None, None, st], rHh, False)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(1)
+                else:
+                    warpgroup.wait_group(0)
+                if const_expr(self.affine):
+                    if is_m:  # u = 0 on the M columns
+                        for i in cutlass.range_constexpr(cute.size(acc_v)):
+                            acc_v[i] = -acc_v[i]
+                    else:
+                        _subtract_from(acc_v, pU)
+                else:
+                    _subtract_from(acc_v, pU)
+                # rows past the end: u = w = 0 there, so v_new = 0
+                store_split(mma_k, acc_v, sU_rows, sVl_rows, wtid)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=1 + wg, number_of_threads=WG_THREADS)
+                # the next chunk's copies (of this item, or the next item's first) start only now: the proxy fences
+                # above wait for every memory access of the thread still in flight (copies included), so copies
+                # issued earlier would be waited for here
+                if not last:
+                    self.load_chunk(w, u, qg, kg, aqk, sW2, sKt2, sQg2, sA2, sU2, t0 + BT, end, hv, ucol0, is_m,
+                                    1 - st, tid, wg, wtid)
+                elif ahead != 0:
+                    self.load_chunk(w, u, qg, kg, aqk, sW2, sKt2, sQg2, sA2, sU2, nxt_start, nxt_end, nxt_hv,
+                                    nxt_ucol0, nxt_is_m, 1 - st, tid, wg, wtid)
+                cute.arch.cp_async_commit_group()
+
+                if const_expr(not self.affine):
+                    gemm(mma_k, acc_o, rA2[None, None, None, st], rVh, True)
+                    warpgroup.commit_group()
+                for i in cutlass.range_constexpr(cute.size(acc_h)):
+                    kr, _ = at_h[i]
+                    acc_h[i] = acc_h[i] * sDecay[kr]
+                warpgroup.fence()
+                gemm(mma_mn, acc_h, rKt2[None, None, None, st], rVh, True)
+                gemm(mma_mn, acc_h, rKt2[None, None, None, st], rVl, True)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+
+                if const_expr(not self.affine):
+                    # o leaves through the (now free) v_new tile in whole 16-byte rows
+                    store_acc(mma_k, acc_o, sU_rows, wtid)
+                    cute.arch.barrier(barrier_id=1 + wg, number_of_threads=WG_THREADS)
+                    store_rows_s2g(sU_rows, head_rows(o, t0, hv, BT, col0, self.wg_cols), n, wtid, WG_THREADS)
+                cute.arch.sync_threads()  # every reader of this stage is done before the next copies into it
+                step += 1
+            prefetched = Int32(0)
+            if n_chunks > 0:
+                prefetched = ahead
+
+            if ht_idx >= 0:
+                for i in cutlass.range_constexpr(cute.size(acc_h)):
+                    kr, c = at_h[i]
+                    ht[ht_idx, hv, kr, col0 + c] = acc_h[i]
+
+    def item_coords(self, item, S, HV, wg):
+        """(segment, value head, this warpgroup's first state column) of an item; the value head varies fastest,
+        then the segment, then the column block."""
+        hv = item % HV
+        rest = item // HV
+        return rest % S, hv, (rest // S) * self.cols + wg * self.wg_cols
+
+    def u_columns(self, col0):
+        """(whether the warpgroup's columns are the maps' M columns, their first column of u) in affine mode; u's
+        columns are the state's otherwise."""
+        if const_expr(self.affine):
+            return col0 < DK, col0 - DK
+        return False, col0
 
     @cute.jit
     def load_chunk(self, w, u, qg, kg, aqk, sW2, sKt2, sQg2, sA2, sU2, t0, end, hv, ucol0, is_m, st, tid, wg, wtid):

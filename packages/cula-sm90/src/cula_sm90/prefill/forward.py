@@ -9,8 +9,8 @@ cula_core; the math is in the kernels.
              cula-sm100's backward reads (docs/backends.md, "Residuals")
              chunk_intra_tc_packed.ChunkIntraTCPackedKernel: the same over tiles that pack the partial chunks of
              a batch (host-known lengths, inference, where packing_pays)
-    stage 2  chunk_state_wg.ChunkStateWGKernel   per (segment, head, state_cols state columns): the serial
-             recurrence and o, on wgmma
+    stage 2  chunk_state_wg.ChunkStateWGKernel   persistent CTAs (state_ctas) walking the items (segment,
+             head, state_cols state columns): the serial recurrence and o, on wgmma
 
 CP (cula_core.cp_planner decides from host lengths): stage 2 in affine mode gives every piece's map (M, c),
 a scan over the pieces of each sequence (batched fp64 matmuls on the device, immune to a global TF32 setting;
@@ -123,6 +123,13 @@ def state_cols(seq_heads: int, num_sms: int) -> int:
     return 64 if 2 * seq_heads <= num_sms else 128
 
 
+def state_ctas(segments: int, HV: int, cols: int, affine: bool, num_sms: int) -> int:
+    """Stage 2's grid: one persistent CTA per SM (its shared memory allows one), or one per item where there are
+    fewer items (an item: a segment, value head and block of `cols` columns of the state, or of the affine pass's
+    [M | c], 2 K wide)."""
+    return max(1, min(segments * HV * ((2 * DK if affine else DK) // cols), num_sms))
+
+
 def state_config(affine: bool, o_dtype: torch.dtype, cols: int, state_v_first: bool = False) -> tuple:
     """Compile-time configuration of stage 2 (chunk_state_wg, `cols` state columns per CTA; `state_v_first`:
     initial and final states [N, HV, V, K], normal mode only)."""
@@ -138,7 +145,7 @@ def _build_state(config: tuple):
     p, f32 = rt.fake_ptr, torch.float32
     return ChunkStateWGKernel(affine, cols, state_v_first), (
         *(p(torch.bfloat16, 16) for _ in range(5)), p(f32, None), p(torch.int32, None), p(f32, None), p(f32, None),
-        p(o_dtype, 16), *(cutlass.Int32(1) for _ in range(6)), rt.fake_stream())
+        p(o_dtype, 16), *(cutlass.Int32(1) for _ in range(7)), rt.fake_stream())
 
 
 _COMMON = ("cula_sm90.prefill.common", "cula_core.cute_kernels.copies", "cula_core.cute_kernels.warp_mma",
@@ -369,7 +376,7 @@ class Launch(NamedTuple):
     nbytes: int               # scratch_layout
     offsets: tuple[int, ...]
     intra_sizes: tuple        # TT, N, NC (packed stage 1: tiles), scan steps, HQK, G, scale, lower bound
-    state_sizes: tuple        # TT, NC, segments, HV, rows of h0, rows of ht
+    state_sizes: tuple        # TT, NC, segments, HV, rows of h0, rows of ht, CTAs (state_ctas)
     final_shape: tuple[int, ...] | None
     aligned: bool             # stage 1 loads q, k, v (and a bf16 g) in 16-byte vectors
     residuals: bool           # stage 1 writes Akk; Aqk and Akk go to their own [B, T, HV, BT] tensors
@@ -397,7 +404,8 @@ def launch_spec(B, T, HQK, HV, N, tables, qkv_dtype, g_dtype, beta_dtype, has_a_
                   ((tables["tiles"] if packed else tables["cu"]).data_ptr(), tables["co"].data_ptr(), seg.data_ptr()),
                   plan is not None and plan.split, nbytes, offsets,
                   (TT, N, tables["n_tiles"] if packed else NC, search_steps(N), HQK, HV // HQK, float(scale), lb),
-                  (TT, NC, seg.shape[0], HV, max(h0_rows, 1), N if want_ht else 1),
+                  (TT, NC, seg.shape[0], HV, max(h0_rows, 1), N if want_ht else 1,
+                   state_ctas(seg.shape[0], HV, tables["state_cols"], False, rt.sm_count(seg.device.index or 0))),
                   (N, HV, DK, DK) if want_ht else None, kind == "tc", bool(residuals))
 
 
@@ -585,8 +593,9 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     map_seg = tables["map_seg"]
     R = map_seg.shape[0]
     maps = torch.empty(R, HV, K, 2 * K, dtype=torch.float32, device=device)
-    compile_state(True, v.dtype, tables["state_cols"])(w, u, qg, kg, aqk, gl, map_seg.data_ptr(), base,
-                                                       maps.data_ptr(), o.data_ptr(), TT, NC, R, HV, 1, R, stream)
+    cols, sms = tables["state_cols"], rt.sm_count(device.index or 0)
+    compile_state(True, v.dtype, cols)(w, u, qg, kg, aqk, gl, map_seg.data_ptr(), base, maps.data_ptr(), o.data_ptr(),
+                                       TT, NC, R, HV, 1, R, state_ctas(R, HV, cols, True, sms), stream)
     # the pieces' initial states, in the call's state layout (the main pass reads them as it reads initial_state)
     starts = torch.empty(S, HV, K, K, dtype=torch.float32, device=device)
     if has_h0:
@@ -609,7 +618,7 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
         reached = composed[..., :K] @ (h0.transpose(-1, -2) if state_v_first else h0) + reached
     starts[tables["scan_dst"]] = (reached.transpose(-1, -2) if state_v_first else reached).float()
     spec.state(w, u, qg, kg, aqk, gl, seg_addr, starts.data_ptr(), ht, o.data_ptr(),
-               TT, NC, S, HV, S, N if final is not None else 1, stream)
+               TT, NC, S, HV, S, N if final is not None else 1, spec.state_sizes[6], stream)
     if spec.residuals:
         return o, final, residuals
     return o, final
