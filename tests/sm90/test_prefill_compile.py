@@ -137,6 +137,17 @@ def test_stage2_grid_is_one_persistent_cta_per_sm():
     assert forward.state_ctas(0, 16, 128, False, 132) == 1  # never an empty grid
 
 
+def test_segment_rows_longest_first():
+    """Stage 2's CTAs take the items round robin in segment-table order: the rows go longest first (ties in their
+    order), each still naming its own initial / final state rows."""
+    from cula_sm90.prefill import forward
+
+    rows = [[0, 10, 0, 0, 0], [10, 200, 1, 1, 1], [200, 200, 4, 2, 2], [200, 210, 4, 3, 3], [210, 400, 5, 4, 4]]
+    assert forward.longest_first(rows) == [rows[1], rows[4], rows[0], rows[3], rows[2]]
+    tables = forward.planned_device_tables((10, 190, 0, 10, 190), 4, 132, "off", "cpu", True, True, None, 128)
+    assert [r[3] for r in tables["seg"].tolist()] == [1, 4, 0, 3, 2]
+
+
 def _call(**kw):
     from cula_core.backend import CallConfig, DeviceInfo
 
