@@ -7,7 +7,8 @@ head fastest, then segment-table row, then column block; where the host knows th
 longest first), and its pipeline runs on across them: the last chunk of an item loads the first chunk of the CTA's
 next item. Two warpgroups of 128 threads; warpgroup j owns the columns [j C / 2, (j + 1) C / 2) of the item's slice
 and runs the recurrence on them alone, the CTA's two warpgroups sharing each chunk's loads. Per chunk of 64 tokens,
-with h a warpgroup's fp32 state slice [K = 128, N = C / 2] (registers, wgmma accumulator layout) and the stage-1 intermediates (chunk_intra*.py; bf16):
+with h a warpgroup's fp32 state slice [K = 128, N = C / 2] (registers, wgmma accumulator layout) and the stage-1
+intermediates (chunk_intra*.py; bf16):
 
     v_new = u - w @ h                    [64 x 128] @ [128 x N]
     o     = qg @ h + Aqk @ v_new         (qg carries scale)
