@@ -55,6 +55,6 @@ def test_check_launch_refuses_a_wrong_argument_count():
 
     config = forward.state_config(False, torch.bfloat16, 128)
     launch = Launches("check").get(forward.STATE, config)
-    launch(*range(17))
-    with pytest.raises(TypeError, match="takes 17 arguments"):
-        launch(*range(16))
+    launch(*range(18))  # 10 addresses, 7 sizes (the CTAs among them), the stream
+    with pytest.raises(TypeError, match="takes 18 arguments"):
+        launch(*range(17))
