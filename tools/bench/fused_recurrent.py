@@ -59,8 +59,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from tools.bench import fla_tuning  # noqa: E402
-from tools.bench.harness import Timing, add_do_bench_args, errors, measure  # noqa: E402
-from tools.bench.mtp_decode import graph_ms, peak_hbm_gbs  # noqa: E402
+from tools.bench.harness import Timing, add_do_bench_args, errors, measure, peak_hbm_gbs  # noqa: E402
+from tools.bench.mtp_decode import graph_ms  # noqa: E402
 from tools.bench.prefill import publish  # noqa: E402
 
 K = V = 128

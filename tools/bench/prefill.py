@@ -18,7 +18,8 @@ outputs allocated in the call, FLA under `torch.no_grad` with `FLA_FLASH_KDA=0` 
 this process on each exact shape (tools/bench/fla_tuning.py). Varlen offsets are made once per input set, int32 for
 cula and int64 for FLA and FlashKDA (`varlen_offsets`), and every call gets the same tensors: FLA caches its chunk
 indices by tensor identity, as a model's layers reuse one batch's offsets. Columns: `vs FlashKDA` = FlashKDA ms /
-cula ms, `vs FLA` = FLA ms / cula ms; `err vs FlashKDA` = max |cula - FlashKDA| / max |FlashKDA| over o and the final state.
+cula ms, `vs FLA` = FLA ms / cula ms; `err vs FlashKDA` = max |cula - FlashKDA| / max |FlashKDA| over o and the
+final state.
 Before the rows, FLA's kernels are compiled for the shapes it is timed on in parallel processes (`warm_one`: one shape
 per compile class, each class's autotuning configurations split over processes, at most `--warm-jobs` at once,
 spread over the visible GPUs; `--no-warm` skips it, `--warm-only` does only that), so that this process only tunes.
@@ -58,8 +59,9 @@ from tools.bench.harness import Timing, add_do_bench_args, environment, measure 
 K = 128
 LOWER_BOUND = -5.0
 FIXED = [dict(B=b, T=t, H=64) for b in (1, 2) for t in (100, 512, 1024, 4096, 8192, 16384)]
+LENGTH_KINDS = ("uniform", "random", "skewed")  # how `lengths` splits a varlen shape's tokens
 VARLEN = [dict(B=1, N=n, T=t, H=64, lens=kind) for n in (10, 20, 64) for t in (4096, 8192, 16384)
-          for kind in ("uniform", "random", "skewed")]
+          for kind in LENGTH_KINDS]
 EXTRA = [dict(B=4, T=2048, H=32), dict(B=1, T=32768, H=32), dict(B=1, T=65536, H=16)]
 GRID = FIXED + VARLEN + EXTRA
 SMOKE = [dict(B=1, T=100, H=64), dict(B=1, T=4096, H=64), dict(B=1, N=10, T=4096, H=64, lens="skewed")]
@@ -191,12 +193,13 @@ def profile_shape(text: str) -> dict:
         if len(parts) == 3:
             B, T, H = (int(v) for v in parts)
             return dict(B=B, T=T, H=H)
-        if len(parts) == 4 and parts[3] in ("uniform", "random", "skewed"):
+        if len(parts) == 4 and parts[3] in LENGTH_KINDS:
             N, T, H = (int(v) for v in parts[:3])
             return dict(B=1, N=N, T=T, H=H, lens=parts[3])
     except ValueError:
         pass
-    raise argparse.ArgumentTypeError(f"{text!r}: expected B,T,H or N,T,H,LENS with LENS uniform, random or skewed")
+    kinds = ", ".join(LENGTH_KINDS)
+    raise argparse.ArgumentTypeError(f"{text!r}: expected B,T,H or N,T,H,LENS with LENS one of {kinds}")
 
 
 def profile_kernels(shape: dict, calls: int = 10) -> None:

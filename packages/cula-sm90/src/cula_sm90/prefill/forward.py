@@ -315,6 +315,7 @@ def planned_device_tables(lengths, num_heads, num_sms, mode, device, has_h0, wan
     need = [i for i, s in enumerate(segs) if not s.last]
     tables["map_seg"] = _device_int32(longest_first([[segs[i].start, segs[i].end, segs[i].chunk0, -1, r]
                                                      for r, i in enumerate(need)]), device)
+    tables["map_ctas"] = state_ctas(len(need), num_heads, cols, True, num_sms)  # the map pass's grid
     # main pass: piece i starts from row i of the starts buffer
     tables["seg"] = _device_int32(longest_first([[s.start, s.end, s.chunk0, i, s.seq if (s.last and want_ht) else -1]
                                                  for i, s in enumerate(segs)]), device)
@@ -600,9 +601,9 @@ def prefill(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seql
     map_seg = tables["map_seg"]
     R = map_seg.shape[0]
     maps = torch.empty(R, HV, K, 2 * K, dtype=torch.float32, device=device)
-    cols, sms = tables["state_cols"], rt.sm_count(device.index or 0)
-    compile_state(True, v.dtype, cols)(w, u, qg, kg, aqk, gl, map_seg.data_ptr(), base, maps.data_ptr(), o.data_ptr(),
-                                       TT, NC, R, HV, 1, R, state_ctas(R, HV, cols, True, sms), stream)
+    compile_state(True, v.dtype, tables["state_cols"])(w, u, qg, kg, aqk, gl, map_seg.data_ptr(), base,
+                                                       maps.data_ptr(), o.data_ptr(), TT, NC, R, HV, 1, R,
+                                                       tables["map_ctas"], stream)
     # the pieces' initial states, in the call's state layout (the main pass reads them as it reads initial_state)
     starts = torch.empty(S, HV, K, K, dtype=torch.float32, device=device)
     if has_h0:
