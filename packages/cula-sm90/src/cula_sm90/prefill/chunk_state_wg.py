@@ -35,8 +35,10 @@ Modes (compile time): normal (h0_idx / ht_idx from the segment table, o written)
 the augmented state [M | c], K + V = 256 columns: the M columns start from the identity with u = 0, the c
 columns from zero; no qg, Aqk or o). Segment table `seg` [S, 5] int32: (first token, end token, first global
 chunk, h0_idx, ht_idx). States h0 / ht are [rows, HV, K, V] fp32, or [rows, HV, V, K] with `state_v_first` (FLA's
-state_v_first layout, indexed as it is: no transposing copy; normal mode only). Assumes K = V = 128 and 16-byte
-aligned intermediates and o (allocated by forward.py).
+state_v_first layout, indexed as it is: no transposing copy; normal mode only). The final state (or map) leaves
+from the accumulator: with K-first storage a thread's fragment holds column pairs (c, c + 1) of a row, one 64-bit
+store each (a 32-bit store instruction covered every other word of the sectors it wrote); V-first storage is stored an
+element at a time. Assumes K = V = 128 and 16-byte aligned intermediates, o and ht (allocated by forward.py).
 """
 
 from __future__ import annotations
@@ -289,9 +291,24 @@ class ChunkStateWGKernel:
                 prefetched = ahead
 
             if ht_idx >= 0:
-                for i in cutlass.range_constexpr(cute.size(acc_h)):
-                    kr, c = at_h[i]
-                    ht[ht_idx, hv, kr, col0 + c] = acc_h[i]
+                if const_expr(self.state_v_first):
+                    for i in cutlass.range_constexpr(cute.size(acc_h)):
+                        kr, c = at_h[i]
+                        ht[ht_idx, hv, kr, col0 + c] = acc_h[i]
+                else:
+                    # fragment elements 2 p, 2 p + 1 hold columns c, c + 1 of one row: one 64-bit store each
+                    pairs = cute.make_rmem_tensor((cute.size(acc_h),), Float32)
+                    for i in cutlass.range_constexpr(cute.size(acc_h)):
+                        pairs[i] = acc_h[i]
+                    width = DK
+                    if const_expr(self.affine):
+                        width = 2 * DK
+                    base = (ht_idx * HV + hv) * (DK * width) + col0  # [rows, HV, K, width], width contiguous
+                    for p in cutlass.range_constexpr(cute.size(acc_h) // 2):
+                        kr, c = at_h[2 * p]
+                        off = cute.assume(base + kr * width + c, divby=2)
+                        cute.autovec_copy(cute.local_tile(pairs, (2,), (p,)),
+                                          cute.make_tensor(ht.iterator + off, cute.make_layout(2)))
 
     def item_coords(self, item, S, HV, wg):
         """(segment, value head, this warpgroup's first state column) of an item; the value head varies fastest,

@@ -144,7 +144,7 @@ def _build_state(config: tuple):
     affine, o_dtype, cols, state_v_first = config
     p, f32 = rt.fake_ptr, torch.float32
     return ChunkStateWGKernel(affine, cols, state_v_first), (
-        *(p(torch.bfloat16, 16) for _ in range(5)), p(f32, None), p(torch.int32, None), p(f32, None), p(f32, None),
+        *(p(torch.bfloat16, 16) for _ in range(5)), p(f32, None), p(torch.int32, None), p(f32, None), p(f32, 16),
         p(o_dtype, 16), *(cutlass.Int32(1) for _ in range(7)), rt.fake_stream())
 
 
