@@ -95,10 +95,12 @@ def _leaves(x):
     return {n: t.clone().requires_grad_(True) for n, t in x.items()}
 
 
-def _worker(rank, world, port, lengths, layout, HQK, HV, K, V, check_no_grad, result_dir, saver_dir):
+def _worker(rank, world, port, lengths, layout, HQK, HV, K, V, check_no_grad, result_dir, saver_dir, block):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
+    if block is not None:  # R S_in and R^T do formed a few tokens at a time: several slices per boundary sequence
+        cula_core.context_parallel.RESPONSE_BLOCK = block
     saver = None
     if saver_dir is not None:  # the test-only backends on this process's path, found by the registry
         sys.path.insert(0, saver_dir)
@@ -198,9 +200,10 @@ def _check_rank(rank, world, lengths, layout, HQK, HV, K, V, check_no_grad, save
     torch.testing.assert_close(grads["h0"], expect_h0, rtol=TOL, atol=TOL)
 
 
-def _spawn(world, lengths, layout, tmp_path, HQK=1, HV=2, K=8, V=8, check_no_grad=False, saver_dir=None):
+def _spawn(world, lengths, layout, tmp_path, HQK=1, HV=2, K=8, V=8, check_no_grad=False, saver_dir=None,
+           block=None):
     mp.spawn(_worker, args=(world, _free_port(), lengths, layout, HQK, HV, K, V, check_no_grad, str(tmp_path),
-                            saver_dir), nprocs=world, join=True)
+                            saver_dir, block), nprocs=world, join=True)
     assert sorted(os.listdir(tmp_path)) == [f"rank{r}.ok" for r in range(world)]
 
 
@@ -217,6 +220,12 @@ def test_four_ranks_one_sequence_through_a_middle_rank(tmp_path):
 def test_two_ranks_zigzag(tmp_path):
     # slots of 32: sequence 0 runs through slots 0, 1, 2 (ranks 0, 1, 1) and ends in slot 3 (rank 0's back part)
     _spawn(2, [100, 28], "zigzag", tmp_path)
+
+
+def test_four_ranks_response_in_slices(tmp_path):
+    # as the middle-rank case, with R S_in and R^T do formed 7 tokens at a time (a last slice shorter than the
+    # others); inference checked as well
+    _spawn(4, [10, 250, 60, 64], "contiguous", tmp_path, HQK=2, HV=4, K=8, V=4, check_no_grad=True, block=7)
 
 
 def test_ranks_on_a_backend_that_saves_residuals(tmp_path_factory):

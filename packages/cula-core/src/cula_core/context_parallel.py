@@ -50,8 +50,10 @@ from cula_core.reference.context_parallel import apply_state_maps, apply_state_m
 
 __all__ = ["CPContext", "build_cp_context", "chunk_kda_cp"]
 
-# Tokens per slice when R^T do is formed in fp32 (bounds the fp32 copies of R and do).
-_RESPONSE_BLOCK = 16384
+#: Tokens per slice when R S_in (forward) and R^T do (backward) are formed in the state's precision: it bounds
+#: the fp32 copies of R and do and the product (a few hundred MiB at HV = 32, where whole-sequence copies at 128K
+#: tokens per rank take GiBs). Results do not depend on it beyond rounding.
+RESPONSE_BLOCK = 16384
 
 
 @dataclass
@@ -270,8 +272,8 @@ def _response_transpose(R: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
     """``R^T do`` per head in fp32 (fp64 for fp64 inputs): ``R [T, HV, K]``, ``do [T, HV, V]`` -> ``[HV, K, V]``."""
     dtype = torch.promote_types(torch.promote_types(R.dtype, do.dtype), torch.float32)
     out = R.new_zeros(R.shape[1], R.shape[2], do.shape[2], dtype=dtype)
-    for s in range(0, R.shape[0], _RESPONSE_BLOCK):
-        r, d = R[s:s + _RESPONSE_BLOCK].to(dtype), do[s:s + _RESPONSE_BLOCK].to(dtype)
+    for s in range(0, R.shape[0], RESPONSE_BLOCK):
+        r, d = R[s:s + RESPONSE_BLOCK].to(dtype), do[s:s + RESPONSE_BLOCK].to(dtype)
         out.baddbmm_(r.permute(1, 2, 0), d.transpose(0, 1))   # [HV, K, t] @ [HV, t, V], summed into out
     return out
 
@@ -466,14 +468,17 @@ def chunk_kda_cp(
 
         # -- step 3: the state entering each such sequence, added through its linear parts: o += R S_in on its
         # tokens, final state += M S_in (the local run started it from zero). The product is taken per head in
-        # the state's precision and added in place: the sum is formed in that precision and rounded to o's dtype
-        # once, without an fp32 copy of o
+        # the state's precision, a block of tokens at a time, and added in place: the sum is formed in that
+        # precision and rounded to o's dtype once, without an fp32 copy of o
         for s in slots:
             if s.pre:
                 S_in = entering[s.first_seq].to(state_dtype)
                 a, b = s.first_range
-                r = R[0, start[s.first_seq]:start[s.first_seq] + b - a].to(state_dtype)
-                o[0, a:b].add_(torch.bmm(r.transpose(0, 1), S_in).transpose(0, 1))
+                r0 = start[s.first_seq] - a  # R's row of local token t is r0 + t
+                for t0 in range(a, b, RESPONSE_BLOCK):
+                    t1 = min(b, t0 + RESPONSE_BLOCK)
+                    r = R[0, r0 + t0:r0 + t1].to(state_dtype)
+                    o[0, t0:t1].add_(torch.bmm(r.transpose(0, 1), S_in).transpose(0, 1))
                 final_state[s.first_seq] += M[row[s.first_seq]].to(state_dtype) @ S_in
 
     if needs_grad:
