@@ -247,8 +247,12 @@ def _take(x: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
 
 
 def _offsets(ranges: list[tuple[int, int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(device, host) int32 offsets of `ranges` packed one after the other. The device copy is queued from pinned
+    memory: one from pageable memory would first wait for the stream (CUDA's rule for pageable host-to-device
+    copies), leaving the GPU idle while the host then queues the next kernels."""
     host = torch.tensor([0, *itertools.accumulate(b - a for a, b in ranges)], dtype=torch.int32)
-    return host.to(device, non_blocking=True), host
+    staged = host.pin_memory() if torch.device(device).type == "cuda" else host
+    return staged.to(device, non_blocking=True), host
 
 
 def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
@@ -422,13 +426,14 @@ def chunk_kda_cp(
     # the local run's initial states: the caller's rows, zero for first sequences that come from an earlier slot
     # (their true state is known after the gather); present whenever the true call has one, so that both calls
     # are served by the same backend (whose residuals the backward then reuses)
-    from_before = sorted(s.first_seq for s in slots if s.pre)
+    from_before = sorted(s.first_seq for s in slots if s.pre)  # at most one per slot: rows set one by one
     h0_local = initial_state
     if from_before:
         # the rows every state of this call starts from (the caller's, or zeros), and the rows that come from before
         base = initial_state if initial_state is not None else q.new_zeros(N, HV, K, V, dtype=state_dtype)
-        idx = torch.tensor(from_before, dtype=torch.long).to(device, non_blocking=True)
-        h0_local = base.detach().index_fill(0, idx, 0.0)
+        h0_local = base.detach().clone()
+        for i in from_before:
+            h0_local[i] = 0.0
     local_args = (q, k, v, g, beta, A_log, dt_bias, h0_local, cu, cu_host, call.scale, True,
                   bool(use_qk_l2norm_in_kernel), call.gate, call.lower_bound, call.beta_activation, needs_grad, False)
 
@@ -486,7 +491,9 @@ def chunk_kda_cp(
         # the inputs and the residuals, which do not depend on the state)
         h0 = initial_state
         if from_before:
-            h0 = base.index_put((idx,), torch.stack([entering[i] for i in from_before]).to(base.dtype))
+            h0 = base.clone()  # differentiable: the rows set below pass no gradient back to the caller's
+            for i in from_before:
+                h0[i] = entering[i].to(base.dtype)
         o, final_state = _LocalOutputs.apply(*local_args[:7], h0, *local_args[8:], o, final_state, Aqk, Akk)
         response, first_map = {}, {}
         for s in slots:
