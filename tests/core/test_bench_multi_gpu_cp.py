@@ -47,3 +47,42 @@ def test_a_run_replaces_its_machines_section_and_keeps_the_others(tmp_path):
     assert text.count("## 2 x GPU A\n") == 1 and text.count("## 4 x GPU A\n") == 1
     assert text.count("### Correctness") == 2 and text.count("### Scaling (cula)") == 2
     assert "| 16 | 32768 | 131072 | 13.00 | 19.50 | 1.50x | 8.00 | 1.62x |" in text
+
+
+def test_merged_runs_show_every_row_once_and_every_command():
+    """A grid run in pieces (--parts / --t-rank / --heads, then --merge): each row once, a row timed again replaces
+    the earlier one, each run's command listed in order."""
+    first = {"command": "cmd --parts correctness,timing --heads 16",
+             "correctness": [{"context": "cula", "o": 2e-3}],
+             "timing": [dict(H=16, T_rank=32768, T_total=131072, cula_cp_ms=13.0, cula_local_ms=8.0),
+                        dict(H=16, T_rank=65536, T_total=262144, cula_cp_ms=30.0, cula_local_ms=16.0)]}
+    second = {"command": "cmd --parts timing,scaling --heads 16 32",
+              "timing": [dict(H=16, T_rank=65536, T_total=262144, cula_cp_ms=26.0, cula_local_ms=16.0),
+                         dict(H=32, T_rank=32768, T_total=131072, cula_cp_ms=20.0, cula_local_ms=12.0)],
+              "scaling": [dict(gpus=1, T=524288, H=16, ms=100.0, efficiency=1.0)]}
+    merged = bench.merge_results([first, second])
+    assert merged["commands"] == [first["command"], second["command"]]
+    assert [(r["H"], r["T_rank"], r["cula_cp_ms"]) for r in merged["timing"]] == [(16, 32768, 13.0),
+                                                                                  (16, 65536, 26.0),
+                                                                                  (32, 32768, 20.0)]
+    assert [r["context"] for r in merged["correctness"]] == ["cula"] and len(merged["scaling"]) == 1
+    text = bench.render_tables(merged, 4, "GPU A", second["command"])
+    assert f"Commands: `{first['command']}`; `{second['command']}` (NCCL_NVLS_ENABLE=0)" in text
+    assert "| 16 | 65536 | 262144 | 26.00 |" in text and "| 16 | 65536 | 262144 | 30.00 |" not in text
+    assert "| 1 | 524288 | 16 | 100.00 | 100% |" in text
+    single = bench.render_tables(first, 4, "GPU A", first["command"])
+    assert f"Command: `{first['command']}` (NCCL" in single
+
+
+def test_bad_piece_options_are_refused():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    for argv, message in ((["--parts", "timing,speed"], "--parts takes a comma-separated subset"),
+                          (["--t-rank", "1000"], "--t-rank: positive multiples of 16"),
+                          (["--heads", "0"], "--heads: positive counts")):
+        proc = subprocess.run([sys.executable, "tools/bench/multi_gpu_cp.py", *argv], cwd=root, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-500:]

@@ -3,6 +3,8 @@ FLA 0.6.0's CP (`fla.ops.kda.chunk_kda(..., cp_context=fla.ops.cp.build_cp_conte
 
     python tools/bench/multi_gpu_cp.py [--quick] [--gpus N] [--no-fla] [--no-warm] [--warm-jobs J]
                                        [--out docs/benchmarks/multi_gpu_cp.md] [--profile]
+                                       [--parts correctness,timing,scaling] [--t-rank T ...] [--heads H ...]
+                                       [--merge RESULT.json ...]
 
 One process per GPU (torch.multiprocessing spawn, NCCL, ``NCCL_NVLS_ENABLE=0``; ``CULA_STRICT=1`` so a call that
 would fall back to the reference fails instead of timing it). FLA runs its own kernels (``FLA_FLASH_KDA=0``), with
@@ -25,6 +27,11 @@ that the ranks mostly tune. Inputs: bf16 q/k/v, raw gate with the safe gate in k
 Prints this machine's section (``## W x <card>``) at the end; it replaces that machine's section of ``--out``
 (default docs/benchmarks/multi_gpu_cp.md; ``-`` for none), keeping the other machines' sections, and, when ``$OUT``
 is set, the section and the JSON go there too. ``--quick`` is sized to run in under 4 minutes on 2 or 4 GPUs.
+
+A grid too long for one call runs in pieces: ``--parts`` picks the parts to run, ``--t-rank`` / ``--heads`` narrow
+the timing grid, and ``--merge`` takes the result JSON of earlier runs on the same kind of machine (each run writes
+``multi_gpu_cp_<pid>.json`` to ``$OUT``, or /tmp), whose rows the section shows with this run's (a row timed again
+replaces the earlier one; every run's command is listed).
 
 ``--profile`` replaces the three parts: on the first timed shape, every rank profiles three training steps of cula's
 CP call and three of its single-GPU call on the rank's tokens alone (torch.profiler, CPU and CUDA, after warm-up)
@@ -330,9 +337,12 @@ def _worker(rank, world, port, cfg, have_fla, result_path):
             dist.destroy_process_group()
         return
     try:
-        result["correctness"] = _correctness(rank, world, group, device, have_fla, log)
-        result["timing"] = _timing(rank, world, group, device, cfg, have_fla, log)
-        result["scaling"] = _scaling(rank, world, device, cfg, log)
+        if "correctness" in cfg["parts"]:
+            result["correctness"] = _correctness(rank, world, group, device, have_fla, log)
+        if "timing" in cfg["parts"]:
+            result["timing"] = _timing(rank, world, group, device, cfg, have_fla, log)
+        if "scaling" in cfg["parts"]:
+            result["scaling"] = _scaling(rank, world, device, cfg, log)
     finally:
         if rank == 0:
             Path(result_path).write_text(json.dumps(result))
@@ -343,12 +353,37 @@ HEADER = ("# Context parallel across GPUs: cula vs FLA 0.6.0 CP\n\n"
           "One section per machine; the script, inputs and columns: `tools/bench/multi_gpu_cp.py`'s docstring.\n")
 
 
+PARTS = ("correctness", "timing", "scaling")
+
+
+def merge_results(results: list[dict]) -> dict:
+    """One result from several runs' results, in run order: rows keyed by their context (correctness), (H, T per
+    rank) (timing) or (GPUs, T, H) (scaling), a later run's row replacing an earlier one; the runs' commands."""
+    keys = {"correctness": lambda r: r["context"], "timing": lambda r: (r["H"], r["T_rank"]),
+            "scaling": lambda r: (r["gpus"], r["T"], r["H"])}
+    merged = {part: {} for part in PARTS}
+    commands = []
+    for result in results:
+        for part in PARTS:
+            for row in result.get(part, []):
+                merged[part][keys[part](row)] = row
+        if result.get("command") and result["command"] not in commands:
+            commands.append(result["command"])
+    out = {part: list(rows.values()) for part, rows in merged.items() if rows}
+    out["commands"] = commands
+    return out
+
+
 def render_tables(result, world, card, command) -> str:
-    """This machine's section of docs/benchmarks/multi_gpu_cp.md (`## <world> x <card>`) from a run's result."""
+    """This machine's section of docs/benchmarks/multi_gpu_cp.md (`## <world> x <card>`) from a run's result (or
+    merge_results' of several, whose commands are listed before `command`)."""
+    commands = [c for c in result.get("commands", []) if c != command] + [command]
+    shown = "; ".join(f"`{c}`" for c in commands)
     lines = [f"## {world} x {card}", "",
-             f"Command: `{command}` (NCCL_NVLS_ENABLE=0). bf16, K = V = 128, safe gate (lower_bound = -5) and q/k L2 "
-             "norm in kernel. Training step = forward + backward; time = median of a rank's repeats, maximum over "
-             "ranks.", "", "### Correctness (max |CP - single GPU| / max |single GPU|, worst rank)", ""]
+             f"Command{'s' if len(commands) > 1 else ''}: {shown} (NCCL_NVLS_ENABLE=0). bf16, K = V = 128, safe "
+             "gate (lower_bound = -5) and q/k L2 norm in kernel. Training step = forward + backward; time = median "
+             "of a rank's repeats, maximum over ranks.", "",
+             "### Correctness (max |CP - single GPU| / max |single GPU|, worst rank)", ""]
     corr = result.get("correctness", [])
     if corr:
         keys = [k for k in corr[0] if k != "context"]
@@ -381,7 +416,23 @@ def main() -> int:
                         help="markdown file whose section for this machine the run replaces; '-' for none")
     parser.add_argument("--profile", action="store_true",
                         help="only profile cula's CP and single-GPU training steps per rank (kernel tables to $OUT)")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated parts to run, of {', '.join(PARTS)} (default: all)")
+    parser.add_argument("--t-rank", type=int, nargs="+",
+                        help="tokens per rank of the timing grid (default: the grid's)")
+    parser.add_argument("--heads", type=int, nargs="+", help="head counts of the timing grid (default: the grid's)")
+    parser.add_argument("--merge", type=Path, nargs="+", default=[],
+                        help="result JSON of earlier runs on this machine, shown with this run's rows")
     args = parser.parse_args()
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown or not parts:
+        parser.error(f"--parts takes a comma-separated subset of {', '.join(PARTS)}, got {args.parts!r}")
+    if any(t <= 0 or t % 16 for t in args.t_rank or ()):
+        parser.error(f"--t-rank: positive multiples of 16, got {args.t_rank}")
+    if any(h <= 0 for h in args.heads or ()):
+        parser.error(f"--heads: positive counts, got {args.heads}")
+    earlier = [json.loads(f.read_text()) for f in args.merge]
     os.environ["NCCL_NVLS_ENABLE"] = "0"
     os.environ.setdefault("CULA_STRICT", "1")
     sys.path.insert(0, str(ROOT))
@@ -395,6 +446,10 @@ def main() -> int:
     if world < 1:
         print("multi_gpu_cp: no CUDA device", file=sys.stderr)
         return 2
+    card = torch.cuda.get_device_name(0)
+    for f, r in zip(args.merge, earlier, strict=True):
+        if (r.get("world"), r.get("card")) != (world, card):
+            parser.error(f"--merge {f}: a run on {r.get('world')} x {r.get('card')}, this one is {world} x {card}")
     have_fla = False
     if not args.no_fla:
         try:
@@ -403,16 +458,22 @@ def main() -> int:
             have_fla = True
         except ImportError as exc:
             print(f"multi_gpu_cp: FLA's CP not importable ({exc}); timing cula only")
-    cfg = dict(QUICK if args.quick else FULL, profile=args.profile)
+    cfg = dict(QUICK if args.quick else FULL, profile=args.profile, parts=parts)
+    if args.t_rank:
+        cfg["t_rank"] = args.t_rank
+    if args.heads:
+        cfg["heads"] = args.heads
     if args.profile:
         have_fla = False
-    if have_fla and not args.no_warm:
+    if have_fla and not args.no_warm and "timing" in parts:
         print(fla_tuning.warm("tools.bench.multi_gpu_cp", "warm_one", timed_shapes(cfg), compile_class,
                               args.warm_jobs), flush=True)
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     result_path = (out_dir or Path("/tmp")) / f"multi_gpu_cp_{os.getpid()}.json"
     flags = [f for f, on in (("--quick", args.quick), (f"--gpus {args.gpus}", args.gpus), ("--no-fla", args.no_fla),
-                             ("--no-warm", args.no_warm)) if on]
+                             ("--no-warm", args.no_warm), (f"--parts {args.parts}", parts != list(PARTS)),
+                             (f"--t-rank {' '.join(map(str, args.t_rank or ()))}", args.t_rank),
+                             (f"--heads {' '.join(map(str, args.heads or ()))}", args.heads)) if on]
     command = " ".join(["python tools/bench/multi_gpu_cp.py", *flags])
     start = time.time()
     status = 0
@@ -425,7 +486,9 @@ def main() -> int:
         print(f"({time.time() - start:.0f} s)")
         return status
     result = json.loads(result_path.read_text()) if result_path.exists() else {}
-    table = render_tables(result, world, torch.cuda.get_device_name(0), command)
+    result.update(command=command, world=world, card=card)
+    result_path.write_text(json.dumps(result))  # for a later run's --merge
+    table = render_tables(merge_results([*earlier, result]), world, card, command)
     print(f"\n{table}\n({time.time() - start:.0f} s)")
     from tools.bench.prefill import write_section
 
