@@ -79,7 +79,8 @@ class ChunkStateWGKernel:
         self.cols = cols
         self.wg_cols = cols // WARPGROUPS
         self.threads = WG_THREADS * WARPGROUPS
-        self.col_blocks = (2 * DK if affine else DK) // cols  # column blocks of the state (or of [M | c])
+        self.width = 2 * DK if affine else DK  # columns of an ht row: the state's V, or [M | c]'s K + V
+        self.col_blocks = self.width // cols  # column blocks of the state (or of [M | c])
 
     @cute.jit
     def __call__(self, w_ptr: cute.Pointer, u_ptr: cute.Pointer, qg_ptr: cute.Pointer, kg_ptr: cute.Pointer,
@@ -100,9 +101,7 @@ class ChunkStateWGKernel:
         if const_expr(self.state_v_first):
             state_kv = (1, DK)
         h0 = cute.make_tensor(h0_ptr, cute.make_layout((NH0, HV, DK, DK), stride=(HV * DK * DK, DK * DK, *state_kv)))
-        width = DK
-        if const_expr(self.affine):
-            width = 2 * DK
+        width = self.width
         ht_kv = state_kv  # the final states, in the layout of the initial ones; the maps buffer is K-first
         if const_expr(self.affine):
             ht_kv = (width, 1)
@@ -300,9 +299,7 @@ class ChunkStateWGKernel:
                     pairs = cute.make_rmem_tensor((cute.size(acc_h),), Float32)
                     for i in cutlass.range_constexpr(cute.size(acc_h)):
                         pairs[i] = acc_h[i]
-                    width = DK
-                    if const_expr(self.affine):
-                        width = 2 * DK
+                    width = self.width
                     base = (ht_idx * HV + hv) * (DK * width) + col0  # [rows, HV, K, width], width contiguous
                     for p in cutlass.range_constexpr(cute.size(acc_h) // 2):
                         kr, c = at_h[2 * p]
