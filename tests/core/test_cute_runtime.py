@@ -63,6 +63,15 @@ def test_sequence_bounds():
     assert rt.sequence_bounds(1, 9, cu, None) is None  # device-only bounds: never read (no synchronisation)
 
 
+def test_device_int32_takes_lists_and_host_tensors():
+    rows = [[0, 64, 0, 1, -1], [64, 100, 1, 0, 2]]
+    t = rt.device_int32(rows, "cpu")
+    assert t.dtype == torch.int32 and t.tolist() == rows
+    host = torch.tensor([0, 5, 9], dtype=torch.int64)
+    assert rt.device_int32(host, torch.device("cpu")).tolist() == [0, 5, 9]
+    assert rt.device_int32(host, "cpu").dtype == torch.int32
+
+
 # ---------------------------------------------------------------- compiling, caching, shipping (CuTe DSL needed)
 
 @pytest.fixture

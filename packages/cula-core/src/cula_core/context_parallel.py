@@ -44,6 +44,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from cula_core.cute_runtime.convert import device_int32
 from cula_core.fla_args import resolve_chunk_call, state_v_first_from
 from cula_core.ops.chunk_kda import _backward, _chunk_kda, _setup_context
 from cula_core.reference.context_parallel import apply_state_maps, apply_state_maps_adjoint
@@ -171,7 +172,7 @@ def build_cp_context(
 
     def local_offsets(offsets):
         as_int = torch.tensor(offsets, dtype=torch.int32)
-        return as_int.to(cu_seqlens.device, non_blocking=True), as_int
+        return device_int32(as_int, cu_seqlens.device), as_int
 
     if layout == "contiguous":
         offsets, conv, pre, post = _interval(bounds, rank * part_len, (rank + 1) * part_len, rank, part_len)
@@ -247,12 +248,10 @@ def _take(x: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
 
 
 def _offsets(ranges: list[tuple[int, int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(device, host) int32 offsets of `ranges` packed one after the other. The device copy is queued from pinned
-    memory: one from pageable memory would first wait for the stream (CUDA's rule for pageable host-to-device
-    copies), leaving the GPU idle while the host then queues the next kernels."""
+    """(device, host) int32 offsets of `ranges` packed one after the other (the device copy queued, no stream
+    synchronisation)."""
     host = torch.tensor([0, *itertools.accumulate(b - a for a, b in ranges)], dtype=torch.int32)
-    staged = host.pin_memory() if torch.device(device).type == "cuda" else host
-    return staged.to(device, non_blocking=True), host
+    return device_int32(host, device), host
 
 
 def _all_gather(x: torch.Tensor, group) -> torch.Tensor:

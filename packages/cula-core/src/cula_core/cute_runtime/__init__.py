@@ -26,8 +26,8 @@ process, `JitCompileWarning`). `listing()` tells what is shipped and cached (`cu
 """
 
 from cula_core.cute_runtime.chunks import chunk_offsets, chunk_table, sequence_bounds, sequence_table
-from cula_core.cute_runtime.convert import (aligned16, current_stream, data_ptr, dsl_dtype, fake_ptr, fake_stream,
-                                           sm_count)
+from cula_core.cute_runtime.convert import (aligned16, current_stream, data_ptr, device_int32, dsl_dtype, fake_ptr,
+                                           fake_stream, sm_count)
 from cula_core.cute_runtime.registry import (
     Artifact,
     JitCompileWarning,
@@ -60,6 +60,7 @@ __all__ = [
     "compile_kernel",
     "current_stream",
     "data_ptr",
+    "device_int32",
     "dsl_dtype",
     "fake_ptr",
     "fake_stream",

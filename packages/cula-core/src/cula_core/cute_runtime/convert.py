@@ -66,6 +66,16 @@ def current_stream(device: torch.device | int | None = None) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
+def device_int32(values, device) -> torch.Tensor:
+    """`values` (a list of ints or a host tensor) as an int32 tensor on `device`, copied from pinned memory where
+    the device is a GPU: a copy from pageable memory first waits for the stream (CUDA's rule for pageable
+    host-to-device copies), leaving the GPU idle while the host queues the next kernels."""
+    host = torch.as_tensor(values, dtype=torch.int32)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def data_ptr(t: torch.Tensor | None) -> int:
     """The address a kernel takes for `t`; DUMMY_ADDRESS for an absent optional tensor."""
     return DUMMY_ADDRESS if t is None else t.data_ptr()

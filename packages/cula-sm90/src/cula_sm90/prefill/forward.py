@@ -281,11 +281,6 @@ def host_tables(lengths: tuple[int, ...], num_heads: int, num_sms: int, mode: st
     return cu, co, p
 
 
-def _device_int32(values, device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32).pin_memory().to(device, non_blocking=True) \
-        if torch.cuda.is_available() else torch.tensor(values, dtype=torch.int32, device=device)
-
-
 def longest_first(rows: list[list[int]]) -> list[list[int]]:
     """Segment-table rows (first token, end token, ...) ordered by decreasing length, ties in their order: stage 2's
     persistent CTAs take the items round robin in row order, so each CTA gets one of the longest, then shorter
@@ -300,25 +295,25 @@ def planned_device_tables(lengths, num_heads, num_sms, mode, device, has_h0, wan
     tile count "n_tiles"; cached by every argument)."""
     cu, co, p = host_tables(lengths, num_heads, num_sms, mode, tuple(sorted(planner_kwargs(cp_pieces, cols).items())))
     N = len(lengths)
-    tables = {"cu": _device_int32(cu, device), "co": _device_int32(co, device), "plan": p, "NC": co[-1],
+    tables = {"cu": rt.device_int32(cu, device), "co": rt.device_int32(co, device), "plan": p, "NC": co[-1],
               "state_cols": cols}
     if packed:
         tiles = packed_tiles(tuple(lengths))
-        tables["tiles"] = _device_int32(tile_table(tiles), device)
+        tables["tiles"] = rt.device_int32(tile_table(tiles), device)
         tables["n_tiles"] = len(tiles)
     if not p.split:
-        tables["seg"] = _device_int32(longest_first(
+        tables["seg"] = rt.device_int32(longest_first(
             [[cu[n], cu[n + 1], co[n], n if has_h0 else -1, n if want_ht else -1] for n in range(N)]), device)
         return tables
     segs = p.segments
     # map pass: every piece but the last of its sequence; its map goes to row r of the maps buffer
     need = [i for i, s in enumerate(segs) if not s.last]
-    tables["map_seg"] = _device_int32(longest_first([[segs[i].start, segs[i].end, segs[i].chunk0, -1, r]
-                                                     for r, i in enumerate(need)]), device)
+    tables["map_seg"] = rt.device_int32(longest_first([[segs[i].start, segs[i].end, segs[i].chunk0, -1, r]
+                                                       for r, i in enumerate(need)]), device)
     tables["map_ctas"] = state_ctas(len(need), num_heads, cols, True, num_sms)  # the map pass's grid
     # main pass: piece i starts from row i of the starts buffer
-    tables["seg"] = _device_int32(longest_first([[s.start, s.end, s.chunk0, i, s.seq if (s.last and want_ht) else -1]
-                                                 for i, s in enumerate(segs)]), device)
+    tables["seg"] = rt.device_int32(longest_first([[s.start, s.end, s.chunk0, i, s.seq if (s.last and want_ht) else -1]
+                                                   for i, s in enumerate(segs)]), device)
     # the scan, in log2(max pieces) steps instead of one per piece index (each step is a few launches, so
     # launches, not flops, bound it): row r's map becomes the composition of its sequence's maps up to r
     # (Hillis-Steele); step d composes row r with row r - d wherever both belong to one sequence
