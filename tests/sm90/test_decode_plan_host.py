@@ -1,7 +1,9 @@
 """CPU tests of the sm90 decode ops' plans (cula_sm90.decode.ops.planned, launch.recurrent_launcher): with host
 tensors described as an sm_90 device and the kernels replaced by a recorder (nothing compiles or runs), a repeated
 call launches what the full path launches, a call that differs in shape, dtype or contiguity misses the plan (a bad
-one is refused every time), and a pool view at an odd address runs the reference instead of a kernel."""
+one is refused every time), and a pool view at an odd address runs the reference instead of a kernel. The repeated
+calls run the plan's program in the compiled plan table (cula_core.cute_runtime.plan_table), which calls the
+recorder through TVM-FFI."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch
 import cula
 from cula_core import plans, reference_backend
 from cula_core.backend import DeviceInfo
+from cula_core.cute_runtime import plan_table
 
 # shapes no other test of this session launches (launch.py keeps the launch of each batch shape it has seen)
 N, T, HQK, HV, K, P = 5, 3, 3, 9, 64, 7
@@ -66,8 +69,8 @@ OPS = [("kda_decode", {}), ("kda_decode_mtp", {}), ("kda_decode_mtp", {"output_p
 def test_a_plan_launches_what_the_full_path_launches(launches, op, extra):
     x, kw = _inputs(T=1 if op == "kda_decode" else T)
     run = getattr(cula, op)
-    results = [run(*x, **kw, **extra) for _ in range(2)]  # makes the plan, then runs it
-    assert plans.count() == 1
+    results = [run(*x, **kw, **extra) for _ in range(2)]  # makes the plan, then runs its program (the plan table)
+    assert plans.count() == 1 and plan_table.count() == 1
     full = run(_strided(x[0]), *x[1:], **kw, **extra)  # a non-contiguous q: no signature, the full path
     assert plans.count() == 1 and len(launches) == 3
     (config, args), (config_plan, args_plan), (config_full, args_full) = launches

@@ -1,8 +1,9 @@
 """The sm90 prefill's plan path on a GPU (cula_core.plans; cula_sm90.prefill.forward.planned): a repeated
 kda_prefill / chunk_kda call resolves its launch once and reads its tensors' addresses and the current stream on
-every call. Checked here: bitwise the full path's results (forced by a non-contiguous view, which never gets a
-signature) on new inputs, on another stream, on two streams at once, and inside a CUDA graph replayed with new
-inputs."""
+every call; the compiled plan table (cula_core.cute_runtime.plan_table) serves the repeats from C++. Checked here:
+bitwise the full path's results (forced by a non-contiguous view, which never gets a signature) on new inputs, on
+another stream, on two streams at once, inside a CUDA graph replayed with new inputs, and for a misaligned input
+(which the table declines and the Python plan copies)."""
 
 from __future__ import annotations
 
@@ -44,10 +45,12 @@ def _call(op, x, kw, q=None):
 def test_plan_on_new_inputs_and_another_stream_matches_the_full_path(op):
     from cula_core import plans
 
+    from cula_core.cute_runtime import plan_table
+
     plans.forget()
     x, kw = _case(1)
-    _call(op, x, kw)  # makes the plan
-    assert plans.count() == 1
+    _call(op, x, kw)  # makes the plan and registers its program
+    assert plans.count() == 1 and plan_table.count() == 1
     for seed, on_side_stream in ((2, False), (3, True)):
         new, _ = _case(seed)
         for t, n in zip(x, new, strict=True):
@@ -116,3 +119,22 @@ def test_plan_under_cuda_graph_capture_replays_with_new_inputs():
     o_e, s_e = _call("kda_prefill", x, kw, q=_strided(x[0]))
     torch.cuda.synchronize()
     assert torch.equal(o_g, o_e) and torch.equal(s_g, s_e)
+
+
+def test_misaligned_input_is_declined_by_the_table_and_copied_by_the_python_plan():
+    """q as a view 2 bytes into a buffer: the stage-1 kernel reads 16-byte vectors, so the compiled table declines
+    the call and the Python plan runs it on an aligned copy; results bitwise the aligned call's."""
+    from cula_core import plans
+    from cula_core.cute_runtime import plan_table
+
+    plans.forget()
+    x, kw = _case(8)
+    want = _call("kda_prefill", x, kw)
+    buffer = torch.empty(x[0].numel() + 1, dtype=x[0].dtype, device="cuda")
+    shifted = buffer[1:].view(x[0].shape)
+    shifted.copy_(x[0])
+    assert shifted.data_ptr() % 16 != 0
+    got = _call("kda_prefill", x, kw, q=shifted)
+    torch.cuda.synchronize()
+    assert plans.count() == 1 and plan_table.count() == 1
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

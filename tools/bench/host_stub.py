@@ -2,8 +2,9 @@
 
     python -m tools.bench.host_stub [--calls 2000] [--runs 5] [--launch nop|check]
 
-What runs: the repeated call of each public op (its plan, cula_core.plans: signature, lookup, the backend's launch
-code, the allocations) on small host tensors, exactly as on the GPU machine but for what cannot run without a GPU:
+What runs: the repeated call of each public op on small host tensors (the compiled plan table's program where the
+backend states one, cula_core.cute_runtime.plan_table; else its Python plan, cula_core.plans: signature, lookup, the
+backend's launch code, the allocations), exactly as on the GPU machine but for what cannot run without a GPU:
 
   * the kernels: `cula_core.cute_runtime.get` hands out a stand-in for every (kernel, configuration). `--launch nop`
     (default): TVM-FFI's own no-op function (``testing.nop``), so each launch still pays TVM-FFI's conversion of its

@@ -27,6 +27,8 @@ from collections.abc import Callable
 
 import torch
 
+from cula_core.cute_runtime import plan_table
+
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _SCALAR_TYPES = frozenset((int, float, bool, str, type(None)))
 _is_compiling = torch.compiler.is_compiling
@@ -124,9 +126,42 @@ def remember(key: tuple, plan: Callable) -> Callable:
 
 
 def forget() -> None:
-    """Drop every plan: the next call of each signature takes the full path again."""
+    """Drop every plan (and every program of the compiled plan table): the next call of each signature takes the
+    full path again."""
     with _lock:
         _plans.clear()
+    plan_table.clear()
+
+
+_PLAIN_TYPES = frozenset((_Tensor, _Parameter, type(None)))
+
+
+def plain_eager(tensors: tuple) -> bool:
+    """Whether a call with these tensor arguments may be served by the compiled plan table
+    (cula_core.cute_runtime.plan_table): not traced by torch.compile, no dispatch mode active, every tensor a plain
+    `torch.Tensor` or `Parameter` (or None). The table checks the rest (contiguity, devices, the environment)."""
+    return not (_is_compiling() or _dispatch_modes()) and _PLAIN_TYPES.issuperset(map(type, tensors))
+
+
+def run_compiled(op: int, scalars: tuple, tensors: tuple):
+    """The compiled plan table's answer for this call of `op` (cula_core.cute_runtime.plan_table): the first result
+    of the program registered for its signature, or None, where the op takes its Python path: no program, a call
+    `plain_eager` or the table does not serve, or a tensor TVM-FFI cannot take (meta, sparse), whose error the full
+    path gives. The program's further results: `plan_table.next_result`."""
+    if not plain_eager(tensors):
+        return None
+    try:
+        return plan_table.call(op, len(scalars), *scalars, *tensors)
+    except Exception:
+        return None
+
+
+def register_compiled(op: int, scalars: tuple, tensors: tuple, plan: Callable) -> None:
+    """Register `plan`'s program (its `program` attribute, a plan_table.Program, where the backend states one) in
+    the compiled plan table for this call's signature; plans without one stay Python-only."""
+    program = getattr(plan, "program", None)
+    if program is not None:
+        plan_table.register(op, scalars, tensors, program)
 
 
 def count() -> int:

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from cula_core.cute_runtime import registry
+from cula_core.cute_runtime import plan_table, registry
 
 JOBS_ENV = "CULA_AOT_JOBS"
 LIMIT_ENV = "CULA_AOT_LIMIT"
@@ -97,9 +97,10 @@ def wheel_tag() -> str:
 
 def build_artifacts(items: Sequence[tuple[str, tuple]], out_dir: Path | str, *, distribution: str, version: str,
                     archs: Sequence[str], jobs: int, say: Callable[[str], None] = print) -> list[Path]:
-    """Compile `items` with `jobs` workers, link `<out_dir>/kernels.so` and write `<out_dir>/manifest.json`
-    (format of registry.write_manifest; its arch field names `archs`, space-separated). Returns [library,
-    manifest]. `say` receives progress lines."""
+    """Compile `items` with `jobs` workers, link `<out_dir>/kernels.so`, write `<out_dir>/manifest.json`
+    (format of registry.write_manifest; its arch field names `archs`, space-separated) and build the compiled plan
+    table beside them (plan_table.library_name(), found there at run time). Returns [library, manifest, plan
+    table]. `say` receives progress lines."""
     out_dir = Path(out_dir)
     items = list(items)
     t0 = time.monotonic()
@@ -113,8 +114,9 @@ def build_artifacts(items: Sequence[tuple[str, tuple]], out_dir: Path | str, *, 
         objects = registry.build_objects(items, tmp, jobs=jobs, progress=progress)
         registry.link_library(objects, out_dir / registry.LIBRARY)
     manifest = registry.write_manifest(out_dir, distribution, version, " ".join(archs), items)
+    table = plan_table.build(out_dir / plan_table.library_name())
     say(f"{distribution} AOT: {len(items)} kernels for {' '.join(archs)} built in {time.monotonic() - t0:.0f} s")
-    return [out_dir / registry.LIBRARY, manifest]
+    return [out_dir / registry.LIBRARY, manifest, table]
 
 
 def build_into_wheel(build_data: dict, *, distribution: str, version: str, package: str,

@@ -164,7 +164,8 @@ def _cache_folder(kdef: KernelDef) -> Path:
 
 # ------------------------------------------------------------------------------------------ shipped artifacts
 
-def _package_dir(package: str) -> Path | None:
+def package_dir(package: str) -> Path | None:
+    """The folder of installed import package `package`, or None."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -179,8 +180,8 @@ def _manifest(package: str) -> dict | None:
 @functools.cache
 def _manifests() -> dict[str, dict]:
     found = {}
-    for package in _arch_packages():
-        root = _package_dir(package)
+    for package in arch_packages():
+        root = package_dir(package)
         path = root / AOT_FOLDER / MANIFEST if root is not None else None
         if path is None or not path.is_file():
             continue
@@ -192,7 +193,7 @@ def _manifests() -> dict[str, dict]:
     return found
 
 
-def _arch_packages() -> list[str]:
+def arch_packages() -> list[str]:
     """Import packages of the installed backends (entry points of `cula.backends`) and of registered kernels."""
     names = {kdef.package for kdef in _DEFS.values()}
     for ep in importlib.metadata.entry_points(group="cula.backends"):
@@ -419,7 +420,7 @@ def write_manifest(out_dir: Path | str, distribution: str, version: str, arch: s
 def _tvm_ffi():
     """tvm_ffi, with CuTe DSL's runtime library loaded first (the exported kernels link against it; found in the
     installed nvidia-cutlass-dsl without importing the DSL)."""
-    root = _package_dir("nvidia_cutlass_dsl")
+    root = package_dir("nvidia_cutlass_dsl")
     libs = sorted(glob.glob(str(root / "*" / "lib" / "libcute_dsl_runtime.so"))) if root is not None else []
     if not libs:
         raise RuntimeError("libcute_dsl_runtime.so not found in the installed nvidia-cutlass-dsl")

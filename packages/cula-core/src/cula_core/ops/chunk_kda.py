@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from cula_core import dispatch, plans
+from cula_core.cute_runtime import plan_table
 from cula_core.backend import CHUNK_KDA_RESIDUALS, RESIDUAL_CHUNK
 from cula_core.fla_args import resolve_chunk_call
 from cula_core.ops._common import (
@@ -327,10 +328,14 @@ def chunk_kda(
     # inference (no input records a graph): a repeated signature runs its plan (cula_core.plans), made below
     key = None
     if not (kwargs or return_intermediate_states or _records_graph(q, k, v, g, beta, A_log, dt_bias, initial_state)):
-        key = plans.signature("chunk_kda.inference", (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens), (
-            scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-            allow_neg_eigval, safe_gate, lower_bound, disable_recompute, state_v_first, cu_seqlens_cpu is None,
-            use_graph, max_num_seqs))
+        tensors = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
+        scalars = (scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                   allow_neg_eigval, safe_gate, lower_bound, disable_recompute, state_v_first, cu_seqlens_cpu is None,
+                   use_graph, max_num_seqs)
+        o = plans.run_compiled(plan_table.CHUNK_KDA_INFERENCE, scalars, tensors)  # a repeat served without Python host work
+        if o is not None:
+            return o, (plan_table.next_result(o) if output_final_state else None)
+        key = plans.signature("chunk_kda.inference", tensors, scalars)
         plan = None if key is None else plans.lookup(key)
         if plan is not None:
             return plan(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu)
@@ -354,6 +359,8 @@ def chunk_kda(
     if key is not None:
         plan = plans.remember(key, prefill_plan(call, bool(output_final_state), bool(use_qk_l2norm_in_kernel), None,
                                                 bool(use_gate_in_kernel), A_log, dt_bias))
+        plans.register_compiled(plan_table.CHUNK_KDA_INFERENCE, scalars, (q, k, v, g, beta, A_log, dt_bias,
+                                                                          initial_state, cu_seqlens), plan)
         return plan(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu)
     args = (*tensors, call.cu_seqlens, call.cu_seqlens_cpu, call.scale, bool(output_final_state),
             bool(use_qk_l2norm_in_kernel), call.gate, call.lower_bound, call.beta_activation, requires_grad,

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from cula_core import plans
+from cula_core.cute_runtime import plan_table
 from cula_core.ops._common import absent_like, call_op, make_call, select
 from cula_core.validation import validate_decode
 
@@ -75,15 +76,26 @@ def decode_kernel(op: str, q: Tensor, v: Tensor, state_pool: Tensor, scale: floa
     return functools.partial(backend.kernel(op), **flags)
 
 
+#: the compiled plan table's op id of each decode-family op with plans
+_TABLE_OPS = {"kda_decode": plan_table.KDA_DECODE, "kda_decode_mtp": plan_table.KDA_DECODE_MTP,
+              "kda_decode_mtp_kvbuffer": plan_table.KDA_DECODE_MTP_KVBUFFER}
+
+
 def decode_plan(key: tuple, op: str, tensors: tuple, scale, lower_bound, use_qk_l2norm_in_kernel, state_v_first,
-                null_slot, **options):
+                null_slot, keyed: tuple | None = None, **options):
     """Make and remember (under `key`, cula_core.plans) the plan of a decode-family call on contiguous CUDA tensors
-    (`tensors` in the kernel's argument order): validate, then `decode_kernel` planned for these arguments."""
-    _shapes, _tensors, _params, scale = validate_decode_call(
+    (`tensors` in the kernel's argument order): validate, then `decode_kernel` planned for these arguments; its
+    program, where the backend states one, goes to the compiled plan table under the op's scalars as the call gave
+    them (`keyed`; default: the five common ones)."""
+    _shapes, _tensors, _params, scale_ = validate_decode_call(
         *tensors, scale, lower_bound, single_token=op == "kda_decode", state_v_first=state_v_first,
         null_slot=null_slot)
-    return plans.remember(key, decode_kernel(op, tensors[0], tensors[2], tensors[5], scale, lower_bound,
+    plan = plans.remember(key, decode_kernel(op, tensors[0], tensors[2], tensors[5], scale_, lower_bound,
                                              use_qk_l2norm_in_kernel, state_v_first, null_slot, tensors, **options))
+    if keyed is None:
+        keyed = (scale, lower_bound, use_qk_l2norm_in_kernel, state_v_first, null_slot)
+    plans.register_compiled(_TABLE_OPS[op], keyed, tensors, plan)
+    return plan
 
 
 def _kda_decode(
@@ -175,6 +187,10 @@ def kda_decode(
     # a repeated signature runs its plan (cula_core.plans); the scalars are keyed as given, with their types
     tensors = (q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias)
     scalars = (scale, lower_bound, use_qk_l2norm_in_kernel, state_v_first, null_slot)
+    o = plans.run_compiled(plan_table.KDA_DECODE, scalars, tensors)  # a repeat served without Python host work
+    if o is not None:
+        torch.autograd.graph.increment_version(state_pool)
+        return o
     key = plans.signature("kda_decode", tensors, scalars)
     if key is not None:
         o = (plans.lookup(key) or decode_plan(key, "kda_decode", tensors, *scalars))(*tensors)
@@ -222,9 +238,14 @@ def kda_decode_mtp(
     """
     tensors = (q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias)
     scalars = (scale, lower_bound, use_qk_l2norm_in_kernel, state_v_first, null_slot)
-    key = plans.signature("kda_decode_mtp", tensors, (*scalars, output_per_token_states))
+    keyed = (*scalars, output_per_token_states)
+    o = plans.run_compiled(plan_table.KDA_DECODE_MTP, keyed, tensors)  # a repeat served without Python host work
+    if o is not None:
+        torch.autograd.graph.increment_version(state_pool)
+        return o, (plan_table.next_result(o) if output_per_token_states else None)
+    key = plans.signature("kda_decode_mtp", tensors, keyed)
     if key is not None:
-        o, states = (plans.lookup(key) or decode_plan(key, "kda_decode_mtp", tensors, *scalars,
+        o, states = (plans.lookup(key) or decode_plan(key, "kda_decode_mtp", tensors, *scalars, keyed=keyed,
                                                       output_per_token_states=bool(output_per_token_states)))(*tensors)
         torch.autograd.graph.increment_version(state_pool)
         return o, (states if output_per_token_states else None)

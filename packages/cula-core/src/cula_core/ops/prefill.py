@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from cula_core import plans
+from cula_core.cute_runtime import plan_table
 from cula_core.fla_args import ChunkCall, resolve_chunk_call
 from cula_core.ops._common import (
     absent_like,
@@ -63,6 +64,8 @@ def forward_kernel(call, sizes: dict, args: tuple | None = None, **flags):
             o, *states = bound(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu)
             return (o, *[unaliased(s, initial_state) for s in states])
 
+        # a program allocates every output itself: none can be the input state
+        fresh.program = getattr(bound, "program", None)
         return fresh
 
     def run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu):
@@ -204,6 +207,8 @@ def prefill_plan(call: ChunkCall, output_final_state: bool, use_qk_l2norm_in_ker
             o, final_state = kernel(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu)
         return o, (final_state if output_final_state else None)
 
+    # the kernel's plan-table program serves the same calls, unless the host lengths need their check each call
+    run.program = None if check_lengths else getattr(kernel, "program", None)
     return run
 
 
@@ -255,10 +260,13 @@ def kda_prefill(
     key = None
     if not (kwargs or return_intermediate_states or cp_context is not None):
         tensors = (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
-        key = plans.signature("kda_prefill", tensors, (
-            scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-            allow_neg_eigval, safe_gate, lower_bound, disable_recompute, state_v_first, cu_seqlens_cpu is None,
-            use_graph, max_num_seqs, intracard_cp))
+        scalars = (scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                   allow_neg_eigval, safe_gate, lower_bound, disable_recompute, state_v_first, cu_seqlens_cpu is None,
+                   use_graph, max_num_seqs, intracard_cp)
+        o = plans.run_compiled(plan_table.KDA_PREFILL, scalars, tensors)  # a repeat served without Python host work
+        if o is not None:
+            return o, (plan_table.next_result(o) if output_final_state else None)
+        key = plans.signature("kda_prefill", tensors, scalars)
     if key is not None:
         plan = plans.lookup(key)
         if plan is not None:
@@ -285,6 +293,7 @@ def kda_prefill(
     if key is not None:
         plan = plans.remember(key, prefill_plan(call, bool(output_final_state), bool(use_qk_l2norm_in_kernel), cp,
                                                 bool(use_gate_in_kernel), A_log, dt_bias))
+        plans.register_compiled(plan_table.KDA_PREFILL, scalars, tensors, plan)
         return plan(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu)
     with torch.no_grad():
         o, final_state = torch.ops.cula.kda_prefill(

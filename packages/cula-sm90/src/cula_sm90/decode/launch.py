@@ -44,6 +44,7 @@ from __future__ import annotations
 import torch
 
 from cula_core import cute_runtime as rt
+from cula_core.cute_runtime import plan_table
 from cula_sm90.decode import configs
 
 RECURRENT, VERIFY, FLUSH = "sm90.decode.recurrent", "sm90.decode.verify", "sm90.decode.flush"
@@ -433,7 +434,33 @@ def _launcher(key: tuple, device: torch.device, unaligned_pool=None, o_only: boo
                o.data_ptr(), out_addr, *scalars, rt.current_stream(index))
         return o if o_only else (o, out)
 
+    # the compiled plan table serves a plan's calls that need no conversion (cula_core.cute_runtime.plan_table)
+    plain = fn is not None and not (slots or g_float or beta_float or a_float or d_float)
+    launch.program = None
+    if plain and (unaligned_pool is not None or o_only):  # a plan's own launcher
+        launch.program = _launch_program(fn, scalars, v_shape, qkv, out_shape, out_dtype, has_A_log, has_dt_bias,
+                                         precomputed)
     return launch
+
+
+def _launch_program(fn, scalars: tuple, v_shape, v_dtype, out_shape, out_dtype, has_A_log: bool, has_dt_bias: bool,
+                    precomputed: bool) -> plan_table.Program:
+    """`_launcher`'s launch as a plan-table program: inputs (q, k, v, g, beta, state_pool, cache_idx, A_log,
+    dt_bias), results o (v's shape and dtype) and, in the modes that have one, the per-token output. The inputs
+    the kernel reads in 16-byte vectors (q, k, v, g, the pool, dt_bias) must be 16-byte aligned, else the call is
+    declined (the Python launcher copies them, or runs the reference for the pool)."""
+    program = plan_table.Program(9)
+    q, k, v, g, beta, pool, cache_idx, a_log, dt_bias = range(9)
+    o = program.alloc(v_shape, v_dtype, q)
+    out = None if out_shape is None else program.alloc(out_shape, out_dtype, q)
+    at = plan_table.Address
+    a_addr = at(a_log) if has_A_log and not precomputed else at(pool)  # never read otherwise
+    d_addr = at(dt_bias) if has_dt_bias and not precomputed else at(pool)
+    program.launch(fn, at(q), at(k), at(v), at(g), at(beta), a_addr, d_addr, at(pool), at(cache_idx), at(o),
+                   at(pool) if out is None else at(out), *scalars, plan_table.STREAM)
+    program.require_aligned(q, k, v, g, pool, *((dt_bias,) if has_dt_bias and not precomputed else ()))
+    program.returns(o) if out is None else program.returns(o, out)
+    return program
 
 
 def _check_slot_table(mode, cache_idx, num_accepted_tokens, N: int, T: int) -> None:

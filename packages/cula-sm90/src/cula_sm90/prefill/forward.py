@@ -32,6 +32,7 @@ from typing import NamedTuple
 import torch
 
 from cula_core import cute_runtime as rt
+from cula_core.cute_runtime import plan_table
 
 BT = 64
 DK = 128
@@ -524,7 +525,40 @@ def _launcher(spec: Launch, args: tuple, stage2: bool = True) -> Callable:
         return o, final
 
     run.launch = spec  # its device tables, whose addresses the launches take, live as long as `run`
+    # the compiled plan table serves the calls that need no conversion (cula_core.cute_runtime.plan_table)
+    plain = not (g_float or beta_float or a_log_float or dt_bias_float or residuals)
+    run.program = (launch_program(spec, tuple(_v.shape), _v.dtype, has_a_log, has_dt_bias, has_h0) if stage2 and plain
+                   else None)
     return run
+
+
+def launch_program(spec: Launch, v_shape: tuple, v_dtype: torch.dtype, has_a_log: bool, has_dt_bias: bool,
+                   has_h0: bool) -> plan_table.Program:
+    """`_launcher`'s run as a plan-table program, for calls whose g, beta, A_log and dt_bias need no conversion
+    and that keep no residuals: its inputs are (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens), its
+    results o (v's shape and dtype) and, where spec has one, the final state. The tables' addresses are literals: the program keeps
+    the tables."""
+    program = plan_table.Program(9)
+    q, k, v, g, beta, a_log, dt_bias, h0 = range(8)
+    # slot numbers of the allocations follow the inputs: the scratch (stage 1's outputs at spec.offsets; its base
+    # also stands for every absent optional tensor, as in _launcher), o, the final state
+    scratch = program.alloc([spec.nbytes], torch.uint8, q)
+    o = program.alloc(v_shape, v_dtype, q)
+    final = None if spec.final_shape is None else program.alloc(spec.final_shape, torch.float32, q)
+    _, u_off, qg_off, kg_off, aqk_off, gl_off = spec.offsets
+    cu_addr, co_addr, seg_addr = spec.table_addrs
+    at = plan_table.Address
+    stage1_out = (at(scratch), at(scratch, u_off), at(scratch, qg_off), at(scratch, kg_off), at(scratch, aqk_off))
+    program.launch(spec.intra, at(q), at(k), at(v), at(g), at(beta), at(a_log) if has_a_log else at(scratch),
+                   at(dt_bias) if has_dt_bias else at(scratch), cu_addr, co_addr, *stage1_out,
+                   at(scratch, aqk_off), at(scratch, gl_off), *spec.intra_sizes, plan_table.STREAM)
+    program.launch(spec.state, *stage1_out, at(scratch, gl_off), seg_addr, at(h0) if has_h0 else at(scratch),
+                   at(scratch) if final is None else at(final), at(o), *spec.state_sizes, plan_table.STREAM)
+    if spec.aligned:
+        program.require_aligned(q, k, v, g)
+    program.returns(o) if final is None else program.returns(o, final)
+    program.keep += [t for t in spec.tables.values() if isinstance(t, torch.Tensor)]
+    return program
 
 
 def planned(args: tuple, *, intracard_cp="off", cp_pieces=None, state_v_first=False, pack_stage1=None,
