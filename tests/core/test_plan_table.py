@@ -268,3 +268,39 @@ def test_public_ops_with_the_table_loaded_still_give_their_validation_errors(op)
         call = lambda: getattr(cula, op)(q, k, v, g, beta)  # noqa: E731
     with pytest.raises(ValueError, match="all tensors must be on one device"):
         call()
+
+
+_LOAD = """
+import warnings
+warnings.simplefilter("always")
+from cula_core.cute_runtime import plan_table as pt
+with warnings.catch_warnings(record=True) as seen:
+    first, second = pt.load(), pt.load()
+print(first, second, pt.call(1, 0), len(seen), seen[0].category.__name__ if seen else "", str(seen[0].message)
+      if seen else "")
+"""
+
+
+def _load_in_subprocess(tmp_path, **env):
+    import os
+    import subprocess
+    import sys
+
+    run_env = dict(os.environ, CULA_CACHE_DIR=str(tmp_path), **env)
+    proc = subprocess.run([sys.executable, "-c", _LOAD], capture_output=True, text=True, env=run_env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip()
+
+
+def test_without_a_compiler_the_table_is_unavailable_with_one_warning(tmp_path):
+    out = _load_in_subprocess(tmp_path, CXX="/nonexistent/c++")
+    assert out.startswith("False False None 1 RuntimeWarning"), out
+    assert "repeated calls take the Python path" in out
+
+
+def test_a_damaged_cached_library_is_reported_and_not_used(tmp_path):
+    (tmp_path / "plan_table").mkdir()
+    (tmp_path / "plan_table" / pt.library_name()).write_bytes(b"not a shared library")
+    out = _load_in_subprocess(tmp_path)
+    assert out.startswith("False False None 1 RuntimeWarning"), out
+    assert "does not load" in out

@@ -168,6 +168,7 @@ print(json.dumps({
     "origins": sorted({rt.resolve(*item).origin for item in built}),
     "functions": sorted({type(f).__name__ for f in fns}), "dsl_imported": "cutlass" in sys.modules,
     "names": [n for n, _ in built],
+    "plan_table": str(__import__("cula_core.cute_runtime.plan_table").cute_runtime.plan_table.library_path()),
 }))
 """
 
@@ -181,7 +182,7 @@ def test_opt_in_wheel_ships_kernels_that_load_without_compiling(tmp_path, dist, 
     """HATCH_BUILD_HOOK_ENABLE_CUSTOM=true with CULA_AOT_LIMIT=2 and 2 jobs: a py3-none-<platform> wheel holding
     <package>/_aot/ (2 kernels), requiring the CuTe DSL it was built with; installed into a folder of its own, its
     kernels resolve as shipped and load with no compile (no notice, no DSL import, empty cache), the next
-    configurations of the set do not resolve."""
+    configurations of the set do not resolve; the compiled plan table ships beside them and is found there."""
     pytest.importorskip("cutlass")
     pytest.importorskip("tvm_ffi")
     pytest.importorskip(package)
@@ -200,7 +201,10 @@ def test_opt_in_wheel_ships_kernels_that_load_without_compiling(tmp_path, dist, 
         meta = email.parser.Parser().parsestr(
             z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode())
         manifest = json.loads(z.read(f"{package}/_aot/manifest.json"))
-    assert aot_files == [f"{package}/_aot/kernels.so", f"{package}/_aot/manifest.json"]
+    from cula_core.cute_runtime import plan_table
+
+    table = f"{package}/_aot/{plan_table.library_name()}"
+    assert aot_files == sorted([f"{package}/_aot/kernels.so", f"{package}/_aot/manifest.json", table])
     assert f"nvidia-cutlass-dsl=={version('nvidia-cutlass-dsl')}" in meta.get_all("Requires-Dist")
     assert len(manifest["kernels"]) == 2 and manifest["distribution"] == dist
 
@@ -218,4 +222,5 @@ def test_opt_in_wheel_ships_kernels_that_load_without_compiling(tmp_path, dist, 
     assert out["origins"] == ["shipped"] and out["functions"] == ["Function"] and out["dsl_imported"] is False
     if archs_env:
         assert all(n.endswith("@sm_103a") for n in out["names"]), out["names"]
+    assert out["plan_table"] == str(site / table)  # the shipped plan table: nothing built
     assert not (tmp_path / "cache").exists()

@@ -155,7 +155,9 @@ class Backend:
         passes positional arguments with the types, shapes, dtypes and devices of `args` (contiguous tensors, the
         same ones None); only their values and addresses change. The default binds the flags; a backend may
         instead resolve here, once, what those decide (compiled kernels, launch tables, sizes), leaving each call
-        only its per-call work."""
+        only its per-call work. The returned callable may carry a `program` attribute (a
+        cula_core.cute_runtime.plan_table.Program, or None): the same calls stated as allocations and launches,
+        which the compiled plan table then runs without Python (docs/runtime.md)."""
         return functools.partial(self.kernel(op), **flags)
 
     def residual_format(self, call: CallConfig) -> str:

@@ -175,6 +175,7 @@ next_result = _no_library
 
 _lock = threading.Lock()
 _functions: dict = {}
+_unavailable = False
 
 
 def source_hash() -> str:
@@ -247,19 +248,30 @@ def library_path() -> Path | None:
 
 
 def load() -> bool:
-    """Load the library (building it if needed) and route `call` / `next_result` to it. False if unavailable."""
-    global call, next_result
+    """Load the library (building it if needed) and route `call` / `next_result` to it. False (with one warning)
+    if it is unavailable or does not load."""
+    global call, next_result, _unavailable
     with _lock:
         if _functions:
             return True
+        if _unavailable:
+            return False
         path = library_path()
         if path is None:
+            _unavailable = True
             return False
-        import tvm_ffi
+        try:
+            import tvm_ffi
 
-        module = tvm_ffi.load_module(str(path))
-        for name in ("call", "next_result", "register", "clear", "count"):
-            _functions[name] = module[f"cula_plan_{name}"]
+            module = tvm_ffi.load_module(str(path))
+            functions = {name: module[f"cula_plan_{name}"] for name in ("call", "next_result", "register", "clear",
+                                                                         "count")}
+        except Exception as e:  # a damaged cached build, an incompatible apache-tvm-ffi
+            warnings.warn(f"cula: the compiled plan table {path} does not load ({type(e).__name__}: {e}); repeated "
+                          f"calls take the Python path", RuntimeWarning, stacklevel=3)
+            _unavailable = True
+            return False
+        _functions.update(functions)
         call, next_result = _functions["call"], _functions["next_result"]
         return True
 
