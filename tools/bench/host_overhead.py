@@ -6,8 +6,9 @@ minus the GPU time of the same calls (replayed from a CUDA graph), per call, in 
 Rows: one decode kernel launched through cula-sm90's launch layer (`launch.run_recurrent`: the configuration's TVM-FFI
 function from cula_core.cute_runtime, called with integer addresses and the raw stream: what every launch in cula-sm90
 costs on the host), and the public ops (validation, dispatch (a repeated call runs its plan: cula_core.plans), the
-launches): the decode ops, kda_prefill (softplus gate: the SIMT stage 1; safe gate: the tensor-core one) and chunk_kda
-under no_grad (the sm90 prefill's two launches). Tiny shapes keep the GPU idle most of the time, so that wall minus
+launches): the decode ops, fused_recurrent_kda on a pool (FLA's signature, as vLLM calls it), kda_prefill (softplus
+gate: the SIMT stage 1; safe gate: the tensor-core one) and chunk_kda under no_grad (the sm90 prefill's two
+launches). Tiny shapes keep the GPU idle most of the time, so that wall minus
 GPU is the host's share; the enqueue column times the calls alone without waiting for the GPU (the B = 1, T = 512,
 H = 64 prefill row: its GPU part is the longer one).
 """
@@ -96,6 +97,11 @@ def main(argv=None) -> int:
         "op: kda_decode_mtp (N=1, T=4)": lambda: cula.kda_decode_mtp(qm, km, vm, gm, bm, pool, idx, **gate),
         "op: kda_decode_mtp_kvbuffer (N=1, T=4)": lambda: cula.kda_decode_mtp_kvbuffer(qm, km, vm, gm, bm, pool, idx,
                                                                                        **gate),
+        # FLA's signature as vLLM calls it (the pool in place through ssm_state_indices): no plan yet, every call
+        # validates and dispatches
+        "op: fused_recurrent_kda pool (N=1, H=4)": lambda: cula.fused_recurrent_kda(
+            q, k, v, g, beta, A_log, dt_bias, initial_state=pool, use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True, ssm_state_indices=idx),
         "op: kda_prefill (T=64, 2 kernels)": lambda: cula.kda_prefill(qp, kp, vp, gp, bp, use_gate_in_kernel=True,
                                                                       **gate),
         # the safe gate (FlashKDA's configuration, issue 18's calls): the tensor-core stage 1, whose GPU part at this
