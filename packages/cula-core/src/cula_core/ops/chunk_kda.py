@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from cula_core import dispatch, plans
-from cula_core.cute_runtime import plan_table
 from cula_core.backend import CHUNK_KDA_RESIDUALS, RESIDUAL_CHUNK
+from cula_core.cute_runtime import plan_table
 from cula_core.fla_args import resolve_chunk_call
 from cula_core.ops._common import (
     call_op,
@@ -332,7 +332,8 @@ def chunk_kda(
         scalars = (scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                    allow_neg_eigval, safe_gate, lower_bound, disable_recompute, state_v_first, cu_seqlens_cpu is None,
                    use_graph, max_num_seqs)
-        o = plans.run_compiled(plan_table.CHUNK_KDA_INFERENCE, scalars, tensors)  # a repeat served without Python host work
+        # a repeat served without Python host work
+        o = plans.run_compiled(plan_table.CHUNK_KDA_INFERENCE, scalars, tensors)
         if o is not None:
             return o, (plan_table.next_result(o) if output_final_state else None)
         key = plans.signature("chunk_kda.inference", tensors, scalars)

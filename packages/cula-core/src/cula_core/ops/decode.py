@@ -87,10 +87,10 @@ def decode_plan(key: tuple, op: str, tensors: tuple, scale, lower_bound, use_qk_
     (`tensors` in the kernel's argument order): validate, then `decode_kernel` planned for these arguments; its
     program, where the backend states one, goes to the compiled plan table under the op's scalars as the call gave
     them (`keyed`; default: the five common ones)."""
-    _shapes, _tensors, _params, scale_ = validate_decode_call(
+    _shapes, _tensors, _params, resolved_scale = validate_decode_call(
         *tensors, scale, lower_bound, single_token=op == "kda_decode", state_v_first=state_v_first,
         null_slot=null_slot)
-    plan = plans.remember(key, decode_kernel(op, tensors[0], tensors[2], tensors[5], scale_, lower_bound,
+    plan = plans.remember(key, decode_kernel(op, tensors[0], tensors[2], tensors[5], resolved_scale, lower_bound,
                                              use_qk_l2norm_in_kernel, state_v_first, null_slot, tensors, **options))
     if keyed is None:
         keyed = (scale, lower_bound, use_qk_l2norm_in_kernel, state_v_first, null_slot)

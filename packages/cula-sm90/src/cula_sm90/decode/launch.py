@@ -438,12 +438,12 @@ def _launcher(key: tuple, device: torch.device, unaligned_pool=None, o_only: boo
     plain = fn is not None and not (slots or g_float or beta_float or a_float or d_float)
     launch.program = None
     if plain and (unaligned_pool is not None or o_only):  # a plan's own launcher
-        launch.program = _launch_program(fn, scalars, v_shape, qkv, out_shape, out_dtype, has_A_log, has_dt_bias,
+        launch.program = launch_program(fn, scalars, v_shape, qkv, out_shape, out_dtype, has_A_log, has_dt_bias,
                                          precomputed)
     return launch
 
 
-def _launch_program(fn, scalars: tuple, v_shape, v_dtype, out_shape, out_dtype, has_A_log: bool, has_dt_bias: bool,
+def launch_program(fn, scalars: tuple, v_shape, v_dtype, out_shape, out_dtype, has_A_log: bool, has_dt_bias: bool,
                     precomputed: bool) -> plan_table.Program:
     """`_launcher`'s launch as a plan-table program: inputs (q, k, v, g, beta, state_pool, cache_idx, A_log,
     dt_bias), results o (v's shape and dtype) and, in the modes that have one, the per-token output. The inputs
@@ -459,7 +459,10 @@ def _launch_program(fn, scalars: tuple, v_shape, v_dtype, out_shape, out_dtype, 
     program.launch(fn, at(q), at(k), at(v), at(g), at(beta), a_addr, d_addr, at(pool), at(cache_idx), at(o),
                    at(pool) if out is None else at(out), *scalars, plan_table.STREAM)
     program.require_aligned(q, k, v, g, pool, *((dt_bias,) if has_dt_bias and not precomputed else ()))
-    program.returns(o) if out is None else program.returns(o, out)
+    if out is None:
+        program.returns(o)
+    else:
+        program.returns(o, out)
     return program
 
 

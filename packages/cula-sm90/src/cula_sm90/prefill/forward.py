@@ -536,8 +536,8 @@ def launch_program(spec: Launch, v_shape: tuple, v_dtype: torch.dtype, has_a_log
                    has_h0: bool) -> plan_table.Program:
     """`_launcher`'s run as a plan-table program, for calls whose g, beta, A_log and dt_bias need no conversion
     and that keep no residuals: its inputs are (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens), its
-    results o (v's shape and dtype) and, where spec has one, the final state. The tables' addresses are literals: the program keeps
-    the tables."""
+    results o (v's shape and dtype) and, where spec has one, the final state. The tables' addresses are literals:
+    the program keeps the tables."""
     program = plan_table.Program(9)
     q, k, v, g, beta, a_log, dt_bias, h0 = range(8)
     # slot numbers of the allocations follow the inputs: the scratch (stage 1's outputs at spec.offsets; its base
@@ -556,7 +556,10 @@ def launch_program(spec: Launch, v_shape: tuple, v_dtype: torch.dtype, has_a_log
                    at(scratch) if final is None else at(final), at(o), *spec.state_sizes, plan_table.STREAM)
     if spec.aligned:
         program.require_aligned(q, k, v, g)
-    program.returns(o) if final is None else program.returns(o, final)
+    if final is None:
+        program.returns(o)
+    else:
+        program.returns(o, final)
     program.keep += [t for t in spec.tables.values() if isinstance(t, torch.Tensor)]
     return program
 
