@@ -304,3 +304,24 @@ def test_a_damaged_cached_library_is_reported_and_not_used(tmp_path):
     out = _load_in_subprocess(tmp_path)
     assert out.startswith("False False None 1 RuntimeWarning"), out
     assert "does not load" in out
+
+
+def test_a_reordered_program_reads_the_same_tensors_from_their_new_positions():
+    """_program's inputs (q, v, h0) moved to positions (3, 0, 1) of a five-input call: the launch gets the same
+    addresses, the allocations and results follow."""
+    rec = Recorder()
+    q, v = _inputs()
+    h0 = torch.randn(2, 4, 16, 16)
+    moved = _program(rec.function, aligned=True).reordered((3, 0, 1), 5)
+    other = torch.zeros(3)
+    pt.register(OP, SCALARS, (v, h0, None, q, other), moved)
+    o = pt.call(OP, len(SCALARS), *SCALARS, v, h0, None, q, other)
+    final = pt.next_result(o)
+    (args,) = rec.calls
+    assert args[3] == q.data_ptr() and args[4] == v.data_ptr() + 32 and args[5] == h0.data_ptr()
+    assert args[7] == o.data_ptr() and args[8] == final.data_ptr()
+    assert o.dtype == torch.bfloat16 and final.shape == (2, 4, 16, 16)
+    shifted = torch.randn(q.numel() + 1)[1:].view(q.shape)  # the aligned input moved with q
+    assert pt.call(OP, len(SCALARS), *SCALARS, v, h0, None, shifted, other) is None
+    with pytest.raises(ValueError, match="distinct input slots"):
+        _program(rec.function).reordered((0, 0, 1), 5)

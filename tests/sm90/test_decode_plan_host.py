@@ -43,14 +43,16 @@ def launches(monkeypatch):
     plans.forget()
 
 
-def _inputs(T=T, g_dtype=torch.bfloat16):
+def _inputs(T=T, g_dtype=torch.bfloat16, N=N):
+    """N requests of T tokens (N up to 7: launch.py keys its launches by shape, so a test that must see its own
+    launches picks a batch no other test uses)."""
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(N, T, HQK, K, generator=gen).bfloat16() for _ in range(2))
     v = torch.randn(N, T, HV, K, generator=gen).bfloat16()
     g = torch.randn(N, T, HV, K, generator=gen).to(g_dtype)
     beta = torch.rand(N, T, HV, generator=gen).bfloat16()
     pool = 0.1 * torch.randn(P, HV, K, K, generator=gen)
-    idx = torch.tensor([4, -1, 0, 6, 2], dtype=torch.int32)
+    idx = torch.tensor([4, -1, 0, 6, 2, 1, 3][:N], dtype=torch.int32)
     return [q, k, v, g, beta, pool, idx], dict(A_log=torch.rand(HV), dt_bias=torch.rand(HV * K),
                                                use_qk_l2norm_in_kernel=True)
 
@@ -126,4 +128,74 @@ def test_a_pool_at_an_odd_address_runs_the_reference(launches, op):
         for a, b in zip((got,) if op == "kda_decode" else got, (expected,) if op == "kda_decode" else expected,
                         strict=True):
             torch.testing.assert_close(a, b)
+        torch.testing.assert_close(odd, expected_pool)
+
+
+def _fused(x, kw, pool=None, idx=None, q=None, **extra):
+    """fused_recurrent_kda as a serving engine calls it: the pool in place through ssm_state_indices."""
+    q_, k, v, g, beta, pool_, idx_ = x
+    return cula.fused_recurrent_kda(q_ if q is None else q, k, v, g, beta, kw["A_log"], kw["dt_bias"],
+                                    initial_state=pool_ if pool is None else pool, use_gate_in_kernel=True,
+                                    use_qk_l2norm_in_kernel=True, ssm_state_indices=idx_ if idx is None else idx,
+                                    **extra)
+
+
+def test_fused_recurrent_pool_plan_launches_what_the_full_path_launches(launches):
+    """A repeated pool call of fused_recurrent_kda (int32 slots, one per sequence) runs its plan's program: the
+    same kernel and arguments as the full path, the pool returned and its version bumped."""
+    x, kw = _inputs(N=6)
+    pool = x[5]
+    results = [_fused(x, kw) for _ in range(2)]  # makes the plan, then runs its program (the plan table)
+    assert plans.count() == 1 and plan_table.count() == 1
+    version = pool._version
+    results.append(_fused(x, kw))
+    assert pool._version > version
+    full = _fused(x, kw, q=_strided(x[0]))  # a non-contiguous q: no signature, the full path
+    assert plans.count() == 1 and len(launches) == 4
+    (config, args), *rest = launches
+    for c, a in rest:
+        assert c == config and len(a) == len(args) and a[1:9] + a[11:] == args[1:9] + args[11:]
+    assert [a[0] for _, a in launches[:3]] == [x[0].data_ptr()] * 3 and launches[3][1][0] != x[0].data_ptr()
+    for o, state in (*results, full):
+        assert o.shape == x[2].shape and state is pool
+
+
+@pytest.mark.parametrize("variant", ["int64_slots", "accepted_counts"])
+def test_fused_recurrent_pool_calls_without_a_program_run_their_python_plan(launches, variant):
+    """int64 slots (converted each call) and num_accepted_tokens (the slot-table mode) have a plan but no program:
+    the repeats launch what the full path launches."""
+    n = 7 if variant == "int64_slots" else 4
+    x, kw = _inputs(N=n)
+    if variant == "int64_slots":
+        extra, idx = {}, x[6].long()
+    else:
+        idx = torch.stack([x[6]] * T, dim=1).contiguous()  # a slot per token ([N, T]), read column from the counts
+        idx[:, 1:] = -1
+        extra = {"num_accepted_tokens": torch.ones(n, dtype=torch.int32)}
+    for _ in range(2):
+        _fused(x, kw, idx=idx, **extra)
+    assert plans.count() == 1 and plan_table.count() == 0
+    _fused(x, kw, idx=idx, q=_strided(x[0]), **extra)
+    assert len(launches) == 3
+    # the same arguments but q's, the outputs' and (int64 slots: an int32 copy each call) the slots' addresses
+    same = [i for i in range(1, len(launches[0][1])) if i not in (9, 10) and (i != 8 or variant != "int64_slots")]
+    (config, args), *rest = launches
+    for c, a in rest:
+        assert c == config and [a[i] for i in same] == [args[i] for i in same]
+
+
+def test_fused_recurrent_pool_at_an_odd_address_runs_the_reference(launches):
+    x, kw = _inputs()
+    pool = x[5]
+    storage = torch.empty(pool.numel() + 1)
+    odd = storage[1:].view(pool.shape)
+    expected_pool = pool.clone()
+    expected, _ = reference_backend.fused_recurrent_kda(
+        *x[:5], kw["A_log"], kw["dt_bias"], expected_pool, None, x[6], None, scale=K ** -0.5, output_final_state=False,
+        use_qk_l2norm_in_kernel=True, gate="softplus", lower_bound=None, beta_activation="none")
+    for _ in range(2):  # the plan is made on the first call and runs on the second
+        odd.copy_(pool)
+        o, state = _fused(x, kw, pool=odd)
+        assert state is odd and plans.count() == 1 and not launches
+        torch.testing.assert_close(o, expected)
         torch.testing.assert_close(odd, expected_pool)

@@ -97,8 +97,8 @@ def main(argv=None) -> int:
         "op: kda_decode_mtp (N=1, T=4)": lambda: cula.kda_decode_mtp(qm, km, vm, gm, bm, pool, idx, **gate),
         "op: kda_decode_mtp_kvbuffer (N=1, T=4)": lambda: cula.kda_decode_mtp_kvbuffer(qm, km, vm, gm, bm, pool, idx,
                                                                                        **gate),
-        # FLA's signature as vLLM calls it (the pool in place through ssm_state_indices): no plan yet, every call
-        # validates and dispatches
+        # FLA's signature as vLLM calls it (the pool in place through ssm_state_indices, int32 slots): a plan whose
+        # program the compiled plan table runs
         "op: fused_recurrent_kda pool (N=1, H=4)": lambda: cula.fused_recurrent_kda(
             q, k, v, g, beta, A_log, dt_bias, initial_state=pool, use_qk_l2norm_in_kernel=True,
             use_gate_in_kernel=True, ssm_state_indices=idx),

@@ -149,6 +149,9 @@ def rows() -> dict[str, Callable[[], object]]:
         "op: kda_decode_mtp (N=1, T=4)": lambda: cula.kda_decode_mtp(qm, km, vm, gm, bm, pool, idx, **gate),
         "op: kda_decode_mtp_kvbuffer (N=1, T=4)": lambda: cula.kda_decode_mtp_kvbuffer(qm, km, vm, gm, bm, pool, idx,
                                                                                        **gate),
+        "op: fused_recurrent_kda pool (N=1, H=4)": lambda: cula.fused_recurrent_kda(
+            q, k, v, g, beta, A_log, dt_bias, initial_state=pool, use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True, ssm_state_indices=idx),
         "op: kda_prefill (T=64)": lambda: cula.kda_prefill(qp, kp, vp, gp, bp, use_gate_in_kernel=True, **gate),
         "op: kda_prefill (T=64), final state": lambda: cula.kda_prefill(qp, kp, vp, gp, bp, use_gate_in_kernel=True,
                                                                         output_final_state=True, **gate),

@@ -45,6 +45,7 @@ CHUNK_KDA_INFERENCE = 2
 KDA_DECODE = 3
 KDA_DECODE_MTP = 4
 KDA_DECODE_MTP_KVBUFFER = 5
+FUSED_RECURRENT_POOL = 6
 
 # argument kinds of a launch (plan_table.cc's ArgKind)
 _LITERAL_INT, _LITERAL_FLOAT, _ADDRESS, _ADDRESS_OR, _STREAM = range(5)
@@ -156,6 +157,34 @@ class Program:
     @property
     def n_results(self) -> int:
         return len(self._results)
+
+    def reordered(self, slots: Sequence[int], n_inputs: int) -> Program:
+        """This program for a call whose tensor arguments come in another order: input i here is input `slots[i]`
+        of the new program, which has `n_inputs` inputs (the others unused); allocations follow the inputs."""
+        if len(slots) != self.n_inputs or len(set(slots)) != len(slots) or not all(0 <= s < n_inputs for s in slots):
+            raise ValueError(f"Program.reordered: {self.n_inputs} distinct input slots below {n_inputs} expected, "
+                             f"got {tuple(slots)}")
+        shift = n_inputs - self.n_inputs
+
+        def slot(s: int) -> int:
+            return slots[s] if s < self.n_inputs else s + shift
+
+        out = Program(n_inputs)
+        out._allocs = [[*a[:3], slots[a[3]], *a[4:]] for a in self._allocs]
+        out._kernels = list(self._kernels)
+        for triples in self._args:
+            moved = list(triples)
+            for j in range(0, len(moved), 3):
+                if moved[j] == _ADDRESS:
+                    moved[j + 1] = slot(moved[j + 1])
+                elif moved[j] == _ADDRESS_OR:
+                    moved[j + 1], moved[j + 2] = slot(moved[j + 1]), slot(moved[j + 2])
+            out._args.append(moved)
+        out._floats = list(self._floats)
+        out._aligned = [slots[s] for s in self._aligned]
+        out._results = [slot(s) for s in self._results]
+        out.keep = list(self.keep)
+        return out
 
     def spec(self) -> list:
         """The program as plan_table.cc's cula_plan_register reads it."""

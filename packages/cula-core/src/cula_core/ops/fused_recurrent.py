@@ -2,7 +2,9 @@
 the continuous-batching mode of FLA's kernel (state pools indexed by ``ssm_state_indices``, as vLLM and SGLang
 call it).
 
-Two torch custom ops carry it, both dispatched under the op name ``fused_recurrent_kda``:
+A repeated pool call without ``cu_seqlens`` runs its plan (cula_core.plans: validation and dispatch once per call
+signature; the compiled plan table where the backend states a program). Two torch custom ops carry it, both
+dispatched under the op name ``fused_recurrent_kda``:
 ``cula::fused_recurrent_kda`` (states in, a new final state out) and ``cula::fused_recurrent_kda_pool``
 (``initial_state`` is a pool, updated in place). Neither has autograd (FLA's has none either).
 """
@@ -12,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from cula_core import plans
+from cula_core.cute_runtime import plan_table
 from cula_core.fla_args import beta_activation, flatten_gate_params, state_v_first_from, validate_fused_recurrent
 from cula_core.ops._common import (
     absent_like,
@@ -128,6 +132,61 @@ def _(q, k, v, g, beta, A_log, dt_bias, state_pool, ssm_state_indices, num_accep
     return torch.empty_like(v)
 
 
+def _no_plan(*tensors) -> None:
+    return None
+
+
+def _pool_plan(key: tuple, tensors: tuple, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+               use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first):
+    """Make and remember (under `key`, cula_core.plans) the plan of a pool call of `fused_recurrent_kda` (its
+    `tensors`: q, k, v, g, beta, A_log, dt_bias, the pool, None for cu_seqlens, ssm_state_indices,
+    num_accepted_tokens): validate, select the backend, and keep its `planned_kernel` as a function of those
+    tensors that returns o; register its program, if it has one, in the compiled plan table. Where a kernel that
+    indexes only K-first pools would need the layout copy, the plan answers None: the full path runs."""
+    q, k, v, g, beta, A_log, dt_bias, pool, _, indices, accepted = tensors
+    activation = beta_activation(use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    if not use_gate_in_kernel:
+        a_log = bias = None
+    elif q.dim() == 4 and v.dim() == 4:  # as the full path: malformed q / v get validation's own errors
+        a_log, bias = flatten_gate_params(A_log, dt_bias, v.shape[2], q.shape[3])
+    else:
+        a_log, bias = A_log, dt_bias
+    shapes = validate_fused_recurrent(
+        q, k, v, g, beta, A_log=a_log, dt_bias=bias, scale=scale, initial_state=pool,
+        use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound, state_v_first=bool(state_v_first),
+        cu_seqlens=None, cu_seqlens_cpu=None, ssm_state_indices=indices, num_accepted_tokens=accepted)
+    lb = None if lower_bound is None else float(lower_bound)
+    call = _call(q, v, beta, pool, None, indices, accepted, gate=shapes.sizes.gate,
+                 use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel), beta_activation=activation,
+                 output_final_state=False, state_v_first=bool(state_v_first), lower_bound=lb, seq_len=shapes.sizes.T)
+    backend = select(call, _sizes(q, k, v, g, beta, pool, 0))
+    native = native_v_first(backend, call)
+    if state_v_first and not native:  # the layout copy of the full path: no plan to run (its answer is None)
+        return plans.remember(key, _no_plan)
+    kernel = backend.planned_kernel(
+        "fused_recurrent_kda", (q, k, v, g, beta, a_log, bias, pool, None, indices, accepted),
+        scale=float(shapes.sizes.K ** -0.5 if scale is None else scale), output_final_state=False,
+        use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel), gate=shapes.sizes.gate, lower_bound=lb,
+        beta_activation=activation, **layout_kwargs(native))
+    flatten = use_gate_in_kernel and ((A_log is not None and A_log.dim() != 1) or
+                                      (dt_bias is not None and dt_bias.dim() != 1))
+
+    def run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, ssm_state_indices, num_accepted_tokens):
+        if not use_gate_in_kernel:
+            A_log = dt_bias = None
+        elif flatten:
+            A_log = None if A_log is None else A_log.reshape(-1)
+            dt_bias = None if dt_bias is None else dt_bias.reshape(-1)
+        return kernel(q, k, v, g, beta, A_log, dt_bias, initial_state, None, ssm_state_indices,
+                      num_accepted_tokens)[0]
+
+    run.program = getattr(kernel, "program", None)
+    plan = plans.remember(key, run)
+    plans.register_compiled(plan_table.FUSED_RECURRENT_POOL, (scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                            use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first), tensors, plan)
+    return plan
+
+
 def fused_recurrent_kda(
     q: Tensor,
     k: Tensor,
@@ -190,6 +249,23 @@ def fused_recurrent_kda(
         (fp64 for fp64 inputs), or None without ``output_final_state``; with ``ssm_state_indices`` it is the
         pool itself (``initial_state``, updated), as FLA's in-place mode returns it.
     """
+    ssm_state_indices = kwargs.get("ssm_state_indices")
+    if ssm_state_indices is not None and cu_seqlens is None and len(kwargs) <= 2 and (
+            len(kwargs) == 1 or "num_accepted_tokens" in kwargs):
+        # a pool call (a serving engine's step): a repeated signature runs its plan (cula_core.plans)
+        tensors = (q, k, v, g, beta, A_log, dt_bias, initial_state, None, ssm_state_indices,
+                   kwargs.get("num_accepted_tokens"))
+        scalars = (scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                   lower_bound, state_v_first)
+        o = plans.run_compiled(plan_table.FUSED_RECURRENT_POOL, scalars, tensors)
+        if o is None:
+            key = plans.signature("fused_recurrent_kda.pool", tensors, scalars)
+            if key is not None:
+                plan = plans.lookup(key) or _pool_plan(key, tensors, *scalars)
+                o = plan(*tensors)
+        if o is not None:
+            torch.autograd.graph.increment_version(initial_state)
+            return o, initial_state
     kwargs = dict(kwargs)
     state_v_first = state_v_first_from(state_v_first, kwargs)
     ssm_state_indices = kwargs.pop("ssm_state_indices", None)

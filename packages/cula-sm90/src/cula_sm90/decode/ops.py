@@ -82,6 +82,8 @@ def planned(op: str, args: tuple, **flags):
     each call (16-byte aligned, or the reference runs, as `_kernel_can_take` decides). Other ops, and pools of a
     dtype the kernels do not take: the kernel with `flags` bound."""
     kernel = functools.partial(KERNELS[op], **flags)
+    if op == "fused_recurrent_kda":
+        return _planned_fused_recurrent(args, kernel, **flags)
     mode = _PLANNED_MODES.get(op)
     if mode is None or args[5].dtype not in configs.POOL_DTYPES or "tiling" in flags or "verify_variant" in flags:
         return kernel
@@ -90,6 +92,42 @@ def planned(op: str, args: tuple, **flags):
         mode = mode[bool(flags.pop("output_per_token_states"))]
     # a pool view at an odd offset runs the reference, as `_kernel_can_take` decides for the kernel's calls
     return launch.recurrent_launcher(mode, args, **flags, unaligned_pool=kernel, o_only=op == "kda_decode")
+
+
+def _planned_fused_recurrent(args: tuple, kernel, *, scale, output_final_state, use_qk_l2norm_in_kernel, gate,
+                             lower_bound, beta_activation, state_v_first=False):
+    """fused_recurrent_kda's plan for the calls of `args` (q, k, v, g, beta, A_log, dt_bias, initial_state,
+    cu_seqlens, ssm_state_indices, num_accepted_tokens): the pool call with one int32 slot per sequence and no
+    cu_seqlens or accepted counts (a serving engine's decode step) runs MODE_FINAL through
+    launch.recurrent_launcher, the launch resolved once, and returns (o, None) like `fused_recurrent_kda`; its
+    program takes the fused op's argument order. Every other call: `kernel`, the op with its flags bound."""
+    q, k, v, g, beta, A_log, dt_bias, pool, cu_seqlens, slots, accepted = args
+    if (slots is None or cu_seqlens is not None or accepted is not None or slots.dim() != 1
+            or slots.dtype != torch.int32 or pool.dtype not in configs.POOL_DTYPES):
+        return kernel
+
+    def reference(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias):  # a pool at an odd address
+        return kernel(q, k, v, g, beta, A_log, dt_bias, state_pool, None, cache_idx, None)[0]
+
+    launch_o = launch.recurrent_launcher(
+        configs.MODE_FINAL, (q, k, v, g, beta, pool, slots, A_log, dt_bias), unaligned_pool=reference, o_only=True,
+        **_recurrent_flags(scale, lower_bound, use_qk_l2norm_in_kernel, gate, beta_activation, state_v_first))
+
+    def run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, ssm_state_indices, num_accepted_tokens):
+        return launch_o(q, k, v, g, beta, initial_state, ssm_state_indices, A_log, dt_bias), None
+
+    # the decode order (q, k, v, g, beta, pool, slots, A_log, dt_bias) at the fused op's positions
+    program = launch_o.program
+    run.program = None if program is None else program.reordered((0, 1, 2, 3, 4, 7, 9, 5, 6), len(args))
+    return run
+
+
+def _recurrent_flags(scale, lower_bound, use_qk_l2norm_in_kernel, gate, beta_activation, state_v_first) -> dict:
+    """launch.run_recurrent's keywords for a fused_recurrent_kda call (only those that differ from its defaults)."""
+    return dict(scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                **({"state_v_first": True} if state_v_first else {}),
+                **({"precomputed_gate": True} if gate == "precomputed" else {}),
+                **({"beta_activation": beta_activation} if beta_activation != "none" else {}))
 
 
 def kda_flush_kvbuffer_all_layers(state_pools, cache_idx, kvbuffers, accept_len, accept_len_all, **pool):
@@ -150,10 +188,7 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seql
     if cu_seqlens is not None:  # one row of N sequences of T tokens each: N requests of T tokens
         T = q.shape[1] // N
         q, k, v, g, beta = (t.reshape(N, T, *t.shape[2:]) for t in (q, k, v, g, beta))
-    flags = dict(scale=scale, lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                 **({"state_v_first": True} if state_v_first else {}),
-                 **({"precomputed_gate": True} if gate == "precomputed" else {}),
-                 **({"beta_activation": beta_activation} if beta_activation != "none" else {}))
+    flags = _recurrent_flags(scale, lower_bound, use_qk_l2norm_in_kernel, gate, beta_activation, state_v_first)
     if ssm_state_indices is not None:
         P = initial_state.shape[0]
         mode = configs.fused_recurrent_pool_mode(ssm_state_indices.dim() == 2, num_accepted_tokens is not None,
