@@ -54,6 +54,36 @@ def test_decode_plan_matches_the_full_path_bitwise():
     assert torch.equal(pool_a, pool_b) and torch.equal(pool_c, pool_b)
 
 
+@pytest.mark.parametrize("op", ["kda_decode", "fused_recurrent_kda"])
+def test_decode_program_of_the_plan_table_matches_the_full_path_bitwise(op):
+    """The repeated call served by the compiled plan table (its program registered by the first call): o and the
+    pool bitwise the full path's (kda_decode; fused_recurrent_kda on a pool with int32 slots, vLLM's call)."""
+    from cula_core.cute_runtime import plan_table
+
+    plans.forget()
+    x, pool0, idx, kw = _decode_inputs()
+    pools = [pool0.clone() for _ in range(3)]
+
+    def call(pool, q=None):
+        if op == "kda_decode":
+            return _decode(x, pool, idx, kw, q=q)
+        o, state = cula.fused_recurrent_kda(x["q"] if q is None else q, x["k"], x["v"], x["g"], x["beta"],
+                                            kw["A_log"], kw["dt_bias"], initial_state=pool, use_gate_in_kernel=True,
+                                            lower_bound=kw["lower_bound"], use_qk_l2norm_in_kernel=True,
+                                            ssm_state_indices=idx)
+        assert state is pool
+        return o
+
+    call(pools[0])  # makes the plan and registers its program
+    assert plans.count() == 1 and plan_table.count() == 1
+    version = pools[1]._version
+    o_table = call(pools[1])
+    assert pools[1]._version > version
+    o_full = call(pools[2], q=_strided(x["q"]))
+    torch.cuda.synchronize()
+    assert torch.equal(o_table, o_full) and torch.equal(pools[1], pools[2])
+
+
 def test_decode_plan_bumps_the_pool_version():
     x, pool, idx, kw = _decode_inputs()
     _decode(x, pool, idx, kw)

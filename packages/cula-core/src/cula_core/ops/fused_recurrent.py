@@ -170,6 +170,7 @@ def _pool_plan(key: tuple, tensors: tuple, scale, use_qk_l2norm_in_kernel, use_g
         beta_activation=activation, **layout_kwargs(native))
     flatten = use_gate_in_kernel and ((A_log is not None and A_log.dim() != 1) or
                                       (dt_bias is not None and dt_bias.dim() != 1))
+    is_grad_enabled = torch.is_grad_enabled
 
     def run(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, ssm_state_indices, num_accepted_tokens):
         if not use_gate_in_kernel:
@@ -177,6 +178,10 @@ def _pool_plan(key: tuple, tensors: tuple, scale, use_qk_l2norm_in_kernel, use_g
         elif flatten:
             A_log = None if A_log is None else A_log.reshape(-1)
             dt_bias = None if dt_bias is None else dt_bias.reshape(-1)
+        if is_grad_enabled():  # no autograd graph, as on the full path (a reference kernel would record one)
+            with torch.no_grad():
+                return kernel(q, k, v, g, beta, A_log, dt_bias, initial_state, None, ssm_state_indices,
+                              num_accepted_tokens)[0]
         return kernel(q, k, v, g, beta, A_log, dt_bias, initial_state, None, ssm_state_indices,
                       num_accepted_tokens)[0]
 
