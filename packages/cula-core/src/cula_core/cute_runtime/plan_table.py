@@ -1,13 +1,14 @@
 """The compiled plan table: repeated public-op calls checked, allocated and launched in C++ (plan_table.cc).
 
 A plan (cula_core.plans) keeps what core decided for one call signature; running it from Python still costs the
-signature (five torch attribute reads per tensor), the allocations and the launches' argument conversion: 15-25
-us of a small call. Where a backend can state its plan as a `Program` (allocations, then kernel launches whose
-arguments are literals, addresses of the call's tensors or of the allocations, and the stream), the op registers it
-here, and a later call with the same signature is served by one TVM-FFI call: the key built from the tensors'
-DLPack metadata, the outputs allocated through torch's caching allocator, the kernels called on torch's current
-stream. The op calls `call` first and takes its Python path when it answers None (no program for the key, or a
-call the table never serves: see plan_table.cc).
+signature (five torch attribute reads per tensor), the allocations and the launches' argument conversion
+(docs/benchmarks/host_overhead.md). Where a backend can state its plan as a `Program` (allocations, then kernel
+launches whose arguments are literals, addresses of the call's tensors or of the allocations, and the stream), the
+op registers it here (`plans.register_compiled`), and a later call with the same signature is served by one TVM-FFI
+call: the key built from the tensors' DLPack metadata, the outputs allocated through torch's caching allocator, the
+kernels called on torch's current stream. The op asks the table first (`plans.run_compiled`, which calls `call`)
+and takes its Python path when the answer is None (no program for the key, or a call the table never serves: see
+plan_table.cc).
 
     o = plan_table.call(op, len(scalars), *scalars, *tensors)      # None: take the Python path
     final = plan_table.next_result(o)                              # a program's second result, if it has one
@@ -153,10 +154,6 @@ class Program:
             if not self.n_inputs <= s < self.n_slots:
                 raise ValueError(f"Program.returns: {s} is not an allocation slot")
         self._results = list(slots)
-
-    @property
-    def n_results(self) -> int:
-        return len(self._results)
 
     def reordered(self, slots: Sequence[int], n_inputs: int) -> Program:
         """This program for a call whose tensor arguments come in another order: input i here is input `slots[i]`
