@@ -325,3 +325,18 @@ def test_a_reordered_program_reads_the_same_tensors_from_their_new_positions():
     assert pt.call(OP, len(SCALARS), *SCALARS, v, h0, None, shifted, other) is None
     with pytest.raises(ValueError, match="distinct input slots"):
         _program(rec.function).reordered((0, 0, 1), 5)
+
+
+def test_ops_without_a_registered_program_skip_the_table():
+    """plans.run_compiled asks the table only for ops that have had a program registered since the last clear."""
+    from cula_core import plans
+
+    rec = Recorder()
+    q, v = _inputs()
+    assert OP not in pt.ops_registered and plans.run_compiled(OP, SCALARS, (q, v, None)) is None
+    pt.register(OP, SCALARS, (q, v, None), _program(rec.function))
+    assert OP in pt.ops_registered
+    o = plans.run_compiled(OP, SCALARS, (q, v, None))
+    assert isinstance(o, torch.Tensor) and len(rec.calls) == 1
+    pt.clear()
+    assert OP not in pt.ops_registered

@@ -202,6 +202,9 @@ next_result = _no_library
 _lock = threading.Lock()
 _functions: dict = {}
 _unavailable = False
+#: the op ids that have had a program registered since the last `clear`: an op outside it skips the table (a call
+#: that can only miss would pay the table's key for nothing)
+ops_registered: set[int] = set()
 
 
 def source_hash() -> str:
@@ -307,11 +310,15 @@ def register(op: int, scalars: tuple, tensors: tuple, program: Program) -> bool:
     unavailable or the call is one the table never serves."""
     if not load():
         return False
-    return bool(_functions["register"](program.spec(), op, len(scalars), *scalars, *tensors))
+    stored = bool(_functions["register"](program.spec(), op, len(scalars), *scalars, *tensors))
+    if stored:
+        ops_registered.add(op)
+    return stored
 
 
 def clear() -> None:
     """Drop every registered program."""
+    ops_registered.clear()
     if _functions:
         _functions["clear"]()
 
