@@ -132,25 +132,36 @@ def _(q, k, v, g, beta, A_log, dt_bias, state_pool, ssm_state_indices, num_accep
     return torch.empty_like(v)
 
 
+#: the keyword arguments of a pool call that may have a plan (no cu_seqlens_cpu, no deprecated alias)
+_POOL_PLAN_KWARGS = frozenset(("ssm_state_indices", "num_accepted_tokens"))
+
+
+def _kernel_gate_params(q, v, A_log, dt_bias, use_gate_in_kernel: bool):
+    """A_log and dt_bias as the kernels take them: None without the gate in kernel, else FLA's any-shape tensors as
+    1-D views where q and v are well-formed (malformed ones are left to validation's own errors)."""
+    if not use_gate_in_kernel:
+        return None, None
+    if isinstance(q, Tensor) and isinstance(v, Tensor) and q.dim() == 4 and v.dim() == 4:
+        return flatten_gate_params(A_log, dt_bias, v.shape[2], q.shape[3])
+    return A_log, dt_bias
+
+
 def _no_plan(*tensors) -> None:
     return None
 
 
-def _pool_plan(key: tuple, tensors: tuple, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-               use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first):
+def _pool_plan(key: tuple, tensors: tuple, scalars: tuple):
     """Make and remember (under `key`, cula_core.plans) the plan of a pool call of `fused_recurrent_kda` (its
     `tensors`: q, k, v, g, beta, A_log, dt_bias, the pool, None for cu_seqlens, ssm_state_indices,
-    num_accepted_tokens): validate, select the backend, and keep its `planned_kernel` as a function of those
-    tensors that returns o; register its program, if it has one, in the compiled plan table. Where a kernel that
-    indexes only K-first pools would need the layout copy, the plan answers None: the full path runs."""
+    num_accepted_tokens; its `scalars` as the op keys them): validate, select the backend, and keep its
+    `planned_kernel` as a function of those tensors that returns o; register its program, if it has one, in the
+    compiled plan table. Where a kernel that indexes only K-first pools would need the layout copy, the plan answers
+    None: the full path runs."""
     q, k, v, g, beta, A_log, dt_bias, pool, _, indices, accepted = tensors
+    (scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
+     state_v_first) = scalars
     activation = beta_activation(use_beta_sigmoid_in_kernel, allow_neg_eigval)
-    if not use_gate_in_kernel:
-        a_log = bias = None
-    elif q.dim() == 4 and v.dim() == 4:  # as the full path: malformed q / v get validation's own errors
-        a_log, bias = flatten_gate_params(A_log, dt_bias, v.shape[2], q.shape[3])
-    else:
-        a_log, bias = A_log, dt_bias
+    a_log, bias = _kernel_gate_params(q, v, A_log, dt_bias, use_gate_in_kernel)
     shapes = validate_fused_recurrent(
         q, k, v, g, beta, A_log=a_log, dt_bias=bias, scale=scale, initial_state=pool,
         use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound, state_v_first=bool(state_v_first),
@@ -178,17 +189,15 @@ def _pool_plan(key: tuple, tensors: tuple, scale, use_qk_l2norm_in_kernel, use_g
         elif flatten:
             A_log = None if A_log is None else A_log.reshape(-1)
             dt_bias = None if dt_bias is None else dt_bias.reshape(-1)
+        args = (q, k, v, g, beta, A_log, dt_bias, initial_state, None, ssm_state_indices, num_accepted_tokens)
         if is_grad_enabled():  # no autograd graph, as on the full path (a reference kernel would record one)
             with torch.no_grad():
-                return kernel(q, k, v, g, beta, A_log, dt_bias, initial_state, None, ssm_state_indices,
-                              num_accepted_tokens)[0]
-        return kernel(q, k, v, g, beta, A_log, dt_bias, initial_state, None, ssm_state_indices,
-                      num_accepted_tokens)[0]
+                return kernel(*args)[0]
+        return kernel(*args)[0]
 
     run.program = getattr(kernel, "program", None)
     plan = plans.remember(key, run)
-    plans.register_compiled(plan_table.FUSED_RECURRENT_POOL, (scale, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-                            use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first), tensors, plan)
+    plans.register_compiled(plan_table.FUSED_RECURRENT_POOL, scalars, tensors, plan)
     return plan
 
 
@@ -255,8 +264,7 @@ def fused_recurrent_kda(
         pool itself (``initial_state``, updated), as FLA's in-place mode returns it.
     """
     ssm_state_indices = kwargs.get("ssm_state_indices")
-    if ssm_state_indices is not None and cu_seqlens is None and len(kwargs) <= 2 and (
-            len(kwargs) == 1 or "num_accepted_tokens" in kwargs):
+    if ssm_state_indices is not None and cu_seqlens is None and kwargs.keys() <= _POOL_PLAN_KWARGS:
         # a pool call (a serving engine's step): a repeated signature runs its plan (cula_core.plans)
         tensors = (q, k, v, g, beta, A_log, dt_bias, initial_state, None, ssm_state_indices,
                    kwargs.get("num_accepted_tokens"))
@@ -266,7 +274,7 @@ def fused_recurrent_kda(
         if o is None:
             key = plans.signature("fused_recurrent_kda.pool", tensors, scalars)
             if key is not None:
-                plan = plans.lookup(key) or _pool_plan(key, tensors, *scalars)
+                plan = plans.lookup(key) or _pool_plan(key, tensors, scalars)
                 o = plan(*tensors)
         if o is not None:
             torch.autograd.graph.increment_version(initial_state)
@@ -279,10 +287,7 @@ def fused_recurrent_kda(
     for name in kwargs:
         raise TypeError(f"fused_recurrent_kda() got an unexpected keyword argument {name!r}")
     activation = beta_activation(use_beta_sigmoid_in_kernel, allow_neg_eigval)
-    if not use_gate_in_kernel:
-        A_log = dt_bias = None
-    elif isinstance(q, Tensor) and isinstance(v, Tensor) and q.dim() == 4 and v.dim() == 4:
-        A_log, dt_bias = flatten_gate_params(A_log, dt_bias, v.shape[2], q.shape[3])
+    A_log, dt_bias = _kernel_gate_params(q, v, A_log, dt_bias, use_gate_in_kernel)
     shapes = validate_fused_recurrent(
         q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
         use_gate_in_kernel=use_gate_in_kernel, lower_bound=lower_bound, state_v_first=state_v_first,
