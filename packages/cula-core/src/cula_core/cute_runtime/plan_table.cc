@@ -47,10 +47,12 @@
 #include <tvm/ffi/function.h>
 #include <tvm/ffi/string.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
@@ -225,7 +227,6 @@ std::shared_ptr<const Program> ParseProgram(const ffi::Array<ffi::Any>& spec, in
     program->allocs.push_back(Alloc{dtype, static_cast<int>(v[3]), std::vector<int64_t>(v.begin() + 5, v.end())});
   }
   const int n_slots = n_inputs + static_cast<int>(program->allocs.size());
-  program->floats.clear();
   for (const ffi::Any& f : spec[3].cast<ffi::Array<ffi::Any>>()) program->floats.push_back(f.cast<double>());
   ffi::Array<ffi::Any> kernels = spec[1].cast<ffi::Array<ffi::Any>>();
   ffi::Array<ffi::Any> launch_args = spec[2].cast<ffi::Array<ffi::Any>>();
@@ -260,8 +261,9 @@ std::shared_ptr<const Program> ParseProgram(const ffi::Array<ffi::Any>& spec, in
 
 void* Address(const DLTensor* t) { return static_cast<char*>(t->data) + t->byte_offset; }
 
-// Runs `program` on the call's tensors; false (nothing launched) when an input breaks its alignment contract, an
-// input the program reads is absent, or a device slot holds None.
+// Runs `program` on the call's tensors; false (nothing launched) when an input breaks its alignment contract or an
+// allocation's device slot holds None. An address asked of an absent tensor is an error (a program bug: the key
+// tells present from absent tensors, so a program never sees a None where it was registered with a tensor).
 bool RunProgram(const Program& program, const std::vector<const DLTensor*>& inputs, ffi::Any* result) {
   for (int s : program.aligned) {
     if (inputs[s] != nullptr && reinterpret_cast<uintptr_t>(Address(inputs[s])) % 16 != 0) return false;

@@ -27,7 +27,6 @@ import hashlib
 import os
 import shlex
 import shutil
-import subprocess
 import threading
 import warnings
 from collections.abc import Sequence
@@ -238,15 +237,10 @@ def build(out: Path | str) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     lib_dir = os.path.dirname(tvm_ffi.libinfo.find_libtvm_ffi())
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    cmd = [*shlex.split(cxx), "-std=c++17", "-O2", "-fPIC", "-shared", "-o", str(tmp), str(SOURCE),
-           *(f"-I{p}" for p in tvm_ffi.libinfo.include_paths()), f"-L{lib_dir}", "-ltvm_ffi",
-           f"-Wl,-rpath,{lib_dir}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"building {out.name} failed ({shlex.join(cmd)}):\n{proc.stderr}")
-    os.replace(tmp, out)
-    return out
+    return registry.build_file(out, lambda tmp: [
+        *shlex.split(cxx), "-std=c++17", "-O2", "-fPIC", "-shared", "-o", str(tmp), str(SOURCE),
+        *(f"-I{p}" for p in tvm_ffi.libinfo.include_paths()), f"-L{lib_dir}", "-ltvm_ffi", f"-Wl,-rpath,{lib_dir}"],
+        "building")
 
 
 def _shipped() -> Path | None:

@@ -281,18 +281,27 @@ def _c_compiler() -> str | None:
     return next((c for c in ("cc", "gcc", "clang", "c++", "g++") if shutil.which(c)), None)
 
 
+def build_file(out: Path | str, command: Callable[[Path], list[str]], what: str) -> Path:
+    """Run the compiler command `command(tmp)`, which writes the file `tmp`, and move it onto `out` (atomic: a
+    concurrent reader never sees a partial file). RuntimeError naming `what` (e.g. "linking"), the command and the
+    compiler's output when it fails. Returns `out`."""
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    cmd = command(tmp)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} {out.name} failed ({shlex.join(cmd)}):\n{proc.stderr}")
+    os.replace(tmp, out)
+    return out
+
+
 def link_library(objects: Iterable[Path | str], out: Path | str) -> None:
     """Link exported objects into one shared library (the C compiler of $CC or PATH), written atomically."""
     cc = _c_compiler()
     if cc is None:
         raise RuntimeError("no C compiler found to link CuTe DSL objects (set CC, or install cc / gcc / clang)")
-    out = Path(out)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    cmd = [*shlex.split(cc), "-shared", "-o", str(tmp), *map(str, objects), *_link_flags()]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"linking {out.name} failed ({shlex.join(cmd)}):\n{proc.stderr}")
-    os.replace(tmp, out)
+    build_file(out, lambda tmp: [*shlex.split(cc), "-shared", "-o", str(tmp), *map(str, objects), *_link_flags()],
+               "linking")
 
 
 def export_one(module: str, name: str, config: tuple, out_dir: Path | str) -> Path:
