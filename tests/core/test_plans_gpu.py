@@ -22,14 +22,14 @@ def _strided(t: torch.Tensor) -> torch.Tensor:
     return wide[..., ::2]
 
 
-def _decode_inputs(N=3, H=4, P=8):
+def _decode_inputs(N=3, H=4, P=8, T=1):
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def r(*s):
         return torch.randn(*s, device="cuda", generator=gen)
 
-    x = dict(q=r(N, 1, H, K).bfloat16(), k=r(N, 1, H, K).bfloat16(), v=r(N, 1, H, K).bfloat16(),
-             g=r(N, 1, H, K).bfloat16(), beta=torch.rand(N, 1, H, device="cuda", generator=gen).bfloat16())
+    x = dict(q=r(N, T, H, K).bfloat16(), k=r(N, T, H, K).bfloat16(), v=r(N, T, H, K).bfloat16(),
+             g=r(N, T, H, K).bfloat16(), beta=torch.rand(N, T, H, device="cuda", generator=gen).bfloat16())
     pool = 0.1 * r(P, H, K, K)
     idx = torch.tensor([5, -1, 2][:N], dtype=torch.int32, device="cuda")
     return x, pool, idx, dict(A_log=r(H), dt_bias=r(H * K), lower_bound=-5.0, use_qk_l2norm_in_kernel=True)
@@ -54,34 +54,52 @@ def test_decode_plan_matches_the_full_path_bitwise():
     assert torch.equal(pool_a, pool_b) and torch.equal(pool_c, pool_b)
 
 
-@pytest.mark.parametrize("op", ["kda_decode", "fused_recurrent_kda"])
+PROGRAM_OPS = ["kda_decode", "kda_decode_mtp", "kda_decode_mtp-per_token_states", "kda_decode_mtp_kvbuffer",
+               "fused_recurrent_kda"]
+
+
+@pytest.mark.parametrize("op", PROGRAM_OPS)
 def test_decode_program_of_the_plan_table_matches_the_full_path_bitwise(op):
-    """The repeated call served by the compiled plan table (its program registered by the first call): o and the
-    pool bitwise the full path's (kda_decode; fused_recurrent_kda on a pool with int32 slots, vLLM's call)."""
+    """The repeated call served by the compiled plan table (its program registered by the first call): every result
+    and the pool bitwise the full path's (the decode ops with T = 3 draft tokens for MTP and the KVBuffer;
+    fused_recurrent_kda on a pool with int32 slots, vLLM's call)."""
     from cula_core.cute_runtime import plan_table
 
     plans.forget()
-    x, pool0, idx, kw = _decode_inputs()
+    x, pool0, idx, kw = _decode_inputs(T=1 if op in ("kda_decode", "fused_recurrent_kda") else 3)
     pools = [pool0.clone() for _ in range(3)]
 
     def call(pool, q=None):
+        q = x["q"] if q is None else q
+        args = (q, x["k"], x["v"], x["g"], x["beta"], pool, idx)
         if op == "kda_decode":
-            return _decode(x, pool, idx, kw, q=q)
-        o, state = cula.fused_recurrent_kda(x["q"] if q is None else q, x["k"], x["v"], x["g"], x["beta"],
-                                            kw["A_log"], kw["dt_bias"], initial_state=pool, use_gate_in_kernel=True,
+            return [cula.kda_decode(*args, **kw)]
+        if op.startswith("kda_decode_mtp"):
+            per_token = op.endswith("per_token_states")
+            o, states = (cula.kda_decode_mtp_kvbuffer(*args, **kw) if op.endswith("kvbuffer")
+                         else cula.kda_decode_mtp(*args, **kw, output_per_token_states=per_token))
+            assert (states is None) == (op == "kda_decode_mtp")
+            return [o] if states is None else [o, states]
+        o, state = cula.fused_recurrent_kda(q, x["k"], x["v"], x["g"], x["beta"], kw["A_log"], kw["dt_bias"],
+                                            initial_state=pool, use_gate_in_kernel=True,
                                             lower_bound=kw["lower_bound"], use_qk_l2norm_in_kernel=True,
                                             ssm_state_indices=idx)
         assert state is pool
-        return o
+        return [o]
 
     call(pools[0])  # makes the plan and registers its program
     assert plans.count() == 1 and plan_table.count() == 1
     version = pools[1]._version
-    o_table = call(pools[1])
-    assert pools[1]._version > version
-    o_full = call(pools[2], q=_strided(x["q"]))
+    from_table = call(pools[1])
+    if op != "kda_decode_mtp_kvbuffer":  # the KVBuffer op only reads the pool
+        assert pools[1]._version > version
+    full = call(pools[2], q=_strided(x["q"]))
     torch.cuda.synchronize()
-    assert torch.equal(o_table, o_full) and torch.equal(pools[1], pools[2])
+    assert len(from_table) == len(full)
+    assert all(torch.equal(a, b) for a, b in zip(from_table, full))
+    assert torch.equal(pools[1], pools[2])
+    writes_pool = not op.endswith(("per_token_states", "kvbuffer"))  # those return the states, the pool is read
+    assert torch.equal(pools[2], pool0) != writes_pool
 
 
 def test_decode_plan_bumps_the_pool_version():
