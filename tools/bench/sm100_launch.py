@@ -15,7 +15,10 @@ scalars, the stream). Per call (microseconds):
   * GPU: CUDA events around the same calls queued behind the sleep (the host ran ahead, so the GPU runs them back
     to back: the device time per call);
   * wall: the same number of calls then one synchronize, nothing queued before (what a training loop sees: about
-    the larger of host and GPU time per call).
+    the larger of host and GPU time per call);
+  * host idle: perf_counter around one call issued on an idle GPU (a synchronize before each, outside the timed
+    part), over up to 50 calls: the host's time when nothing is queued, which the host column (many launches
+    pending behind the sleep) may exceed.
 Median over 5 repeats after 2 warm-ups.
 """
 
@@ -113,8 +116,8 @@ def _sleep_for(seconds: float) -> None:
 
 
 def measure(call, calls: int):
-    """(host us, GPU us, wall us) per call, medians of 5 after 2 warm-up repeats."""
-    host, gpu, wall = [], [], []
+    """(host us, GPU us, wall us, host idle us) per call, medians of 5 after 2 warm-up repeats."""
+    host, gpu, wall, idle = [], [], [], []
     for rep in range(7):
         # host and GPU: calls queued behind a sleep that outlasts issuing them
         torch.cuda.synchronize()
@@ -137,11 +140,20 @@ def measure(call, calls: int):
             call()
         torch.cuda.synchronize()
         t3 = time.perf_counter()
+        # host idle: one call at a time on an idle GPU, the synchronize outside the timed part
+        alone = 0.0
+        for _ in range(min(calls, 50)):
+            torch.cuda.synchronize()
+            t4 = time.perf_counter()
+            call()
+            alone += time.perf_counter() - t4
+        torch.cuda.synchronize()
         if rep >= 2:
             host.append((t1 - t0) / calls * 1e6)
             gpu.append(start.elapsed_time(end) / calls * 1e3)
             wall.append((t3 - t2) / calls * 1e6)
-    return statistics.median(host), statistics.median(gpu), statistics.median(wall)
+            idle.append(alone / min(calls, 50) * 1e6)
+    return tuple(statistics.median(x) for x in (host, gpu, wall, idle))
 
 
 def main(argv=None) -> int:
@@ -153,16 +165,17 @@ def main(argv=None) -> int:
     lines = [f"Device: {env.get('gpu', '?')} (torch {env['torch']}, cula-sm100 {env.get('cula-sm100', '?')}).",
              f"Command: `python -m tools.bench.sm100_launch {' '.join(argv if argv is not None else sys.argv[1:])}`",
              "", "Microseconds per call. host: perf_counter over calls queued behind a GPU sleep (the host's own "
-             "time); GPU: CUDA events over the same calls (device time); wall: a loop of calls and one synchronize. "
-             "Median of 5.", "",
-             "| call | shape | host | GPU | wall |",
-             "| --- | --- | ---: | ---: | ---: |"]
+             "time); GPU: CUDA events over the same calls (device time); wall: a loop of calls and one synchronize; "
+             "host idle: one call at a time on an idle GPU. Median of 5.", "",
+             "| call | shape | host | GPU | wall | host idle |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
     print("\n".join(lines), flush=True)
     for name, shape, make, calls in ROWS:
         call = make(shape)
         call()  # loads (or compiles) the kernels outside the timed loops
-        host, gpu, wall = measure(call, calls)
-        row = f"| {name} | B={shape['B']} T={shape['T']} H=32 HV={shape['HV']} | {host:.1f} | {gpu:.1f} | {wall:.1f} |"
+        host, gpu, wall, idle = measure(call, calls)
+        row = (f"| {name} | B={shape['B']} T={shape['T']} H=32 HV={shape['HV']} | {host:.1f} | {gpu:.1f} | {wall:.1f} "
+               f"| {idle:.1f} |")
         lines.append(row)
         print(row, flush=True)
     if a.out is not None:
