@@ -13,10 +13,13 @@ Rule (DESIGN.md, "Dispatch"):
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import warnings
 from dataclasses import dataclass
+
+import torch
 
 from cula_core import plans, registry
 from cula_core.backend import Backend, CallConfig, DeviceInfo
@@ -157,3 +160,37 @@ def kernel_backend_for(call: CallConfig) -> tuple[Backend | None, str | None]:
     if selection.backend is REFERENCE_BACKEND:
         return None, selection.fallback_reason or "CULA_BACKEND=reference forces the reference"
     return selection.backend, None
+
+
+# ------------------------------------------------------------------------------------------- the call's device
+
+_cuda_get_device = getattr(torch._C, "_cuda_getDevice", None)  # CUDA builds of torch
+
+
+def current_device() -> int:
+    """The index of the current CUDA device (-1 in a torch without CUDA)."""
+    return -1 if _cuda_get_device is None else _cuda_get_device()
+
+
+def on_input_device(op):
+    """Decorator of the public ops: run `op` with the CUDA device of its first argument current (a tensor, or the
+    first of a list of tensors, as `kda_flush_kvbuffer_all_layers` takes its pools).
+
+    The kernels launch on the current device, into the stream torch keeps for the inputs' device, and CUDA refuses a
+    launch into a stream of another device; a model spread over several GPUs in one process calls its layers with
+    another device current (FLA's ops switch devices for such calls too). A call whose device is current pays two
+    reads of the device index; under torch.compile the compiled code owns the device."""
+
+    @functools.wraps(op)
+    def call(*args, **kwargs):
+        first = args[0] if args else None
+        if isinstance(first, (list, tuple)):
+            first = first[0] if first else None
+        if isinstance(first, torch.Tensor):
+            index = first.get_device()  # -1 on the CPU
+            if index >= 0 and index != current_device() and not torch.compiler.is_compiling():
+                with torch.cuda.device(index):
+                    return op(*args, **kwargs)
+        return op(*args, **kwargs)
+
+    return call

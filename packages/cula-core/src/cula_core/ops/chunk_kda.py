@@ -19,6 +19,7 @@ from cula_core import dispatch, plans
 from cula_core.backend import CHUNK_KDA_RESIDUALS, RESIDUAL_CHUNK
 from cula_core.cute_runtime import plan_table
 from cula_core.fla_args import resolve_chunk_call
+from cula_core.dispatch import on_input_device
 from cula_core.ops._common import (
     call_op,
     eager,
@@ -233,6 +234,7 @@ def _records_graph(*tensors) -> bool:
     return False
 
 
+@on_input_device
 def chunk_kda(
     q: Tensor,
     k: Tensor,

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from cula_core import plans
 from cula_core.cute_runtime import plan_table
+from cula_core.dispatch import on_input_device
 from cula_core.ops._common import absent_like, call_op, make_call, select
 from cula_core.validation import validate_decode
 
@@ -143,6 +144,7 @@ def _(q, k, v, g, beta, state_pool, cache_idx, A_log, dt_bias, scale, lower_boun
     return o, state_pool.new_empty((N, T, HV, *state_pool.shape[2:]))
 
 
+@on_input_device
 def kda_decode(
     q: Tensor,
     k: Tensor,
@@ -204,6 +206,7 @@ def kda_decode(
                    bool(state_v_first), null_slot, mutated=(state_pool,))
 
 
+@on_input_device
 def kda_decode_mtp(
     q: Tensor,
     k: Tensor,

@@ -17,6 +17,7 @@ from torch import Tensor
 from cula_core import plans
 from cula_core.cute_runtime import plan_table
 from cula_core.fla_args import beta_activation, flatten_gate_params, state_v_first_from, validate_fused_recurrent
+from cula_core.dispatch import on_input_device
 from cula_core.ops._common import (
     absent_like,
     call_op,
@@ -201,6 +202,7 @@ def _pool_plan(key: tuple, tensors: tuple, scalars: tuple):
     return plan
 
 
+@on_input_device
 def fused_recurrent_kda(
     q: Tensor,
     k: Tensor,

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from cula_core import plans
 from cula_core.cute_runtime import plan_table
+from cula_core.dispatch import on_input_device
 from cula_core.ops._common import call_op, make_call, run, select
 from cula_core.ops.decode import decode_kernel, decode_plan, pool_kwargs, pool_options, validate_decode_call
 from cula_core.validation import kvbuffer_dtype, kvbuffer_shape, require_disjoint, validate_kvbuffer
@@ -99,6 +100,7 @@ def _(state_pools, cache_idx, kvbuffers, accept_len, accept_len_all, state_v_fir
     return None
 
 
+@on_input_device
 def kda_decode_mtp_kvbuffer(
     q: Tensor,
     k: Tensor,
@@ -170,6 +172,7 @@ def _run_flush(kernel, accept_len_all, state_pool, cache_idx, kvbuffer, accept_l
     kernel(state_pool, cache_idx, kvbuffer, accept_len, accept_len_all)
 
 
+@on_input_device
 def kda_flush_kvbuffer(state_pool: Tensor, cache_idx: Tensor, kvbuffer: Tensor, accept_len: Tensor | int, *,
                        state_v_first: bool = False, null_slot: int | None = None) -> None:
     r"""Commit the accepted prefix: for each live request i with m = accept_len[i] > 0, make
@@ -202,6 +205,7 @@ def kda_flush_kvbuffer(state_pool: Tensor, cache_idx: Tensor, kvbuffer: Tensor, 
             *_split_accept_len(accept_len), bool(state_v_first), null_slot, mutated=(state_pool,))
 
 
+@on_input_device
 def kda_flush_kvbuffer_all_layers(
     state_pools: list[Tensor], cache_idx: Tensor, kvbuffers: list[Tensor], accept_len: Tensor | int, *,
     state_v_first: bool = False, null_slot: int | None = None,

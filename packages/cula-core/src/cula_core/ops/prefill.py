@@ -15,6 +15,7 @@ from torch import Tensor
 from cula_core import plans
 from cula_core.cute_runtime import plan_table
 from cula_core.fla_args import ChunkCall, resolve_chunk_call
+from cula_core.dispatch import on_input_device
 from cula_core.ops._common import (
     absent_like,
     fake_forward_outputs,
@@ -212,6 +213,7 @@ def prefill_plan(call: ChunkCall, output_final_state: bool, use_qk_l2norm_in_ker
     return run
 
 
+@on_input_device
 def kda_prefill(
     q: Tensor,
     k: Tensor,
