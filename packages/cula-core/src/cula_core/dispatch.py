@@ -173,8 +173,9 @@ def current_device() -> int:
 
 
 def on_input_device(op):
-    """Decorator of the public ops: run `op` with the CUDA device of its first argument current (a tensor, or the
-    first of a list of tensors, as `kda_flush_kvbuffer_all_layers` takes its pools).
+    """Decorator of the public ops: run `op` with the CUDA device of its first positional argument current (a tensor,
+    or the first of a list of tensors, as `kda_flush_kvbuffer_all_layers` takes its pools; a call passing every
+    tensor by keyword runs on the current device).
 
     The kernels launch on the current device, into the stream torch keeps for the inputs' device, and CUDA refuses a
     launch into a stream of another device; a model spread over several GPUs in one process calls its layers with
@@ -183,14 +184,14 @@ def on_input_device(op):
 
     @functools.wraps(op)
     def call(*args, **kwargs):
-        first = args[0] if args else None
-        if isinstance(first, (list, tuple)):
-            first = first[0] if first else None
-        if isinstance(first, torch.Tensor):
-            index = first.get_device()  # -1 on the CPU
-            if index >= 0 and index != current_device() and not torch.compiler.is_compiling():
-                with torch.cuda.device(index):
-                    return op(*args, **kwargs)
+        try:
+            index = args[0].get_device()  # -1 on the CPU
+        except (IndexError, AttributeError):  # no positional argument, or a list: its first tensor
+            first = args[0][0] if args and isinstance(args[0], (list, tuple)) and args[0] else None
+            index = first.get_device() if isinstance(first, torch.Tensor) else -1
+        if index >= 0 and index != current_device() and not torch.compiler.is_compiling():
+            with torch.cuda.device(index):
+                return op(*args, **kwargs)
         return op(*args, **kwargs)
 
     return call
