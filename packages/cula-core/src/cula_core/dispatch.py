@@ -189,7 +189,7 @@ def on_input_device(op):
         except (IndexError, AttributeError):  # no positional argument, or a list: its first tensor
             first = args[0][0] if args and isinstance(args[0], (list, tuple)) and args[0] else None
             index = first.get_device() if isinstance(first, torch.Tensor) else -1
-        if index >= 0 and index != current_device() and not torch.compiler.is_compiling():
+        if index >= 0 and not torch.compiler.is_compiling() and index != current_device():
             with torch.cuda.device(index):
                 return op(*args, **kwargs)
         return op(*args, **kwargs)
