@@ -16,15 +16,19 @@ N, T, H, K, P = 2, 3, 2, 8, 4
 
 
 def _inputs():
+    """Fresh inputs of every op (the flushes' KVBuffer made here, by the verify op, before any device is
+    simulated)."""
     gen = torch.Generator().manual_seed(0)
 
     def r(*s):
         return torch.randn(*s, generator=gen, dtype=torch.float64)
 
     q, k = (torch.nn.functional.normalize(r(N, T, H, K), dim=-1) for _ in range(2))
-    return dict(q=q, k=k, v=r(N, T, H, K), g=-torch.rand(N, T, H, K, generator=gen, dtype=torch.float64),
-                beta=torch.rand(N, T, H, generator=gen, dtype=torch.float64), pool=0.1 * r(P, H, K, K),
-                idx=torch.tensor([2, 0], dtype=torch.int32), A_log=r(H), dt_bias=r(H * K))
+    x = dict(q=q, k=k, v=r(N, T, H, K), g=-torch.rand(N, T, H, K, generator=gen, dtype=torch.float64),
+             beta=torch.rand(N, T, H, generator=gen, dtype=torch.float64), pool=0.1 * r(P, H, K, K),
+             idx=torch.tensor([2, 0], dtype=torch.int32), A_log=r(H), dt_bias=r(H * K))
+    x["kvbuffer"] = cula.kda_decode_mtp_kvbuffer(*_decode_args(x))[1]
+    return x
 
 
 def _decode_args(x, t=slice(None)):
@@ -34,7 +38,7 @@ def _decode_args(x, t=slice(None)):
 
 
 def _flush(x, all_layers):
-    _o, kvbuffer = cula.kda_decode_mtp_kvbuffer(*_decode_args(x))
+    kvbuffer = x["kvbuffer"]
     if all_layers:
         cula.kda_flush_kvbuffer_all_layers([x["pool"]], x["idx"], [kvbuffer], 2)
     else:
@@ -88,8 +92,9 @@ def test_every_public_op_is_called_here():
 @pytest.mark.parametrize("name", CALLS)
 def test_a_call_on_another_device_runs_with_that_device_current(name, monkeypatch):
     expected = CALLS[name](_inputs())
+    x = _inputs()
     entered = _simulate_other_device(monkeypatch)
-    got = CALLS[name](_inputs())
+    got = CALLS[name](x)
     assert entered == [1]  # switched once, to the inputs' device; the op then gave the unswitched call's results
     for a, b in zip(got, expected, strict=True):
         assert (a is None and b is None) or torch.equal(a, b)
@@ -101,7 +106,8 @@ def test_a_call_on_the_current_device_or_the_host_is_not_switched(name, monkeypa
     monkeypatch.setattr(torch.cuda, "device", lambda index: entered.append(index))
     monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 1)
     monkeypatch.setattr(dispatch, "current_device", lambda: 1)
-    CALLS[name](_inputs())  # device 1 is current already
+    x = _inputs()  # (the verify op inside is not switched either)
+    CALLS[name](x)  # device 1 is current already
     monkeypatch.undo()
     monkeypatch.setattr(torch.cuda, "device", lambda index: entered.append(index))
     monkeypatch.setattr(dispatch, "current_device", lambda: pytest.fail("read for host tensors"))
