@@ -131,6 +131,19 @@ def test_a_new_tensor_of_the_same_signature_is_served_with_its_own_address():
     assert rec.calls[-1][3] == q2.data_ptr() and rec.calls[-1][4] == v2.data_ptr() + 32
 
 
+def test_stats_count_served_and_declined_calls():
+    rec = Recorder()
+    q, v = _inputs()
+    pt.register(OP, SCALARS, (q, v, None), _program(rec.function, aligned=True))
+    served, declined = pt.stats()
+    assert pt.call(OP, len(SCALARS), *SCALARS, q, v, None) is not None                 # served
+    assert pt.call(OP, len(SCALARS), *SCALARS, q.double(), v, None) is None            # no program: declined
+    shifted = torch.randn(q.numel() + 1)[1:].view(q.shape)
+    assert pt.call(OP, len(SCALARS), *SCALARS, shifted, v, None) is None               # misaligned: declined
+    assert pt.stats() == (served + 1, declined + 2)
+    assert len(rec.calls) == 1
+
+
 def test_non_contiguous_input_is_declined():
     rec = Recorder()
     q, v = _inputs()

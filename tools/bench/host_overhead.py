@@ -10,7 +10,9 @@ launches): the decode ops, fused_recurrent_kda on a pool (FLA's signature, as vL
 gate: the SIMT stage 1; safe gate: the tensor-core one) and chunk_kda under no_grad (the sm90 prefill's two
 launches). Tiny shapes keep the GPU idle most of the time, so that wall minus
 GPU is the host's share; the enqueue column times the calls alone without waiting for the GPU (the B = 1, T = 512,
-H = 64 prefill row: its GPU part is the longer one).
+H = 64 prefill row: its GPU part is the longer one). The last column counts the row's calls that reached the
+compiled plan table and how many of them it served (`plan_table.stats`): a row whose calls are not all served ran
+some through the Python plan.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ def main(argv=None) -> int:
     import torch
 
     import cula
+    from cula_core.cute_runtime import plan_table
     from cula_sm90.decode import configs, launch
 
     dev, bf, H, K, N = "cuda", torch.bfloat16, 4, 128, 1
@@ -119,13 +122,17 @@ def main(argv=None) -> int:
                                                                        **gate_l),
     }
     print(f"Card: {torch.cuda.get_device_name(0)}; {args.calls} back-to-back calls each\n")
-    print("| call | wall us | GPU us | host overhead us (wall - GPU) | enqueue us |\n| --- | --- | --- | --- | --- |")
+    print("| call | wall us | GPU us | host overhead us (wall - GPU) | enqueue us | plan table: served / reached |\n"
+          "| --- | --- | --- | --- | --- | --- |")
     for name, f in rows.items():
         try:
+            served, declined = plan_table.stats()
             wall, gpu, enqueue = _per_call(f, args.calls, args.passes)
-            print(f"| {name} | {wall:.1f} | {gpu:.1f} | {max(wall - gpu, 0.0):.1f} | {enqueue:.1f} |", flush=True)
+            served, declined = (now - before for now, before in zip(plan_table.stats(), (served, declined)))
+            print(f"| {name} | {wall:.1f} | {gpu:.1f} | {max(wall - gpu, 0.0):.1f} | {enqueue:.1f} | "
+                  f"{served} / {served + declined} |", flush=True)
         except Exception as e:  # report the row and go on: the others still measure
-            print(f"| {name} | error: {type(e).__name__}: {e} | | | |", flush=True)
+            print(f"| {name} | error: {type(e).__name__}: {e} | | | | |", flush=True)
     return 0
 
 

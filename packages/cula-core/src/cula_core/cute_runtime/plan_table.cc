@@ -47,6 +47,7 @@
 #include <tvm/ffi/function.h>
 #include <tvm/ffi/string.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -103,6 +104,9 @@ std::mutex table_mutex;
 std::unordered_map<std::vector<int64_t>, std::shared_ptr<const Program>, KeyHash> table;
 // the results after the first of this thread's last program, last first (cula_plan_next_result pops them)
 thread_local std::vector<ffi::Any> pending_results;
+// calls that reached the table and ran a program / came back without one (cula_plan_stats): what a benchmark reads
+// to tell whether its calls were served
+std::atomic<int64_t> calls_served{0}, calls_declined{0};
 
 void AppendText(std::vector<int64_t>* key, const char* data, size_t size) {
   key->push_back(static_cast<int64_t>(size));
@@ -336,16 +340,19 @@ TVM_FFI_DLL_EXPORT int __tvm_ffi_cula_plan_call(void*, const TVMFFIAny* raw_args
   tensors.reserve(16);
   *result = nullptr;
   pending_results.clear();
-  if (!BuildKey(args, num_args, &key, &tensors)) return 0;
   std::shared_ptr<const Program> program;
-  {
+  if (BuildKey(args, num_args, &key, &tensors)) {
     std::lock_guard<std::mutex> lock(table_mutex);
     auto it = table.find(key);
-    if (it == table.end()) return 0;
-    program = it->second;
+    if (it != table.end()) program = it->second;
   }
-  if (static_cast<int>(tensors.size()) != program->n_inputs) return 0;
-  if (!RunProgram(*program, tensors, result)) *result = nullptr;
+  if (program == nullptr || static_cast<int>(tensors.size()) != program->n_inputs ||
+      !RunProgram(*program, tensors, result)) {
+    *result = nullptr;
+    calls_declined.fetch_add(1, std::memory_order_relaxed);
+    return 0;
+  }
+  calls_served.fetch_add(1, std::memory_order_relaxed);
   TVM_FFI_SAFE_CALL_END();
 }
 
@@ -387,6 +394,13 @@ TVM_FFI_DLL_EXPORT int __tvm_ffi_cula_plan_clear(void*, const TVMFFIAny*, int32_
   std::lock_guard<std::mutex> lock(table_mutex);
   table.clear();
   *reinterpret_cast<ffi::Any*>(raw_result) = nullptr;
+  TVM_FFI_SAFE_CALL_END();
+}
+
+TVM_FFI_DLL_EXPORT int __tvm_ffi_cula_plan_stats(void*, const TVMFFIAny*, int32_t, TVMFFIAny* raw_result) {
+  TVM_FFI_SAFE_CALL_BEGIN();
+  *reinterpret_cast<ffi::Any*>(raw_result) =
+      ffi::Array<int64_t>{calls_served.load(std::memory_order_relaxed), calls_declined.load(std::memory_order_relaxed)};
   TVM_FFI_SAFE_CALL_END();
 }
 

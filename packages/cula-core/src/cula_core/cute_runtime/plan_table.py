@@ -288,7 +288,7 @@ def load() -> bool:
 
             module = tvm_ffi.load_module(str(path))
             functions = {name: module[f"cula_plan_{name}"] for name in ("call", "next_result", "register", "clear",
-                                                                         "count")}
+                                                                         "count", "stats")}
         except Exception as e:  # a damaged cached build, an incompatible apache-tvm-ffi
             warnings.warn(f"cula: the compiled plan table {path} does not load ({type(e).__name__}: {e}); repeated "
                           f"calls take the Python path", RuntimeWarning, stacklevel=3)
@@ -320,3 +320,14 @@ def clear() -> None:
 def count() -> int:
     """Programs registered now."""
     return int(_functions["count"]()) if _functions else 0
+
+
+def stats() -> tuple[int, int]:
+    """(served, declined): calls that reached the table since the library loaded and ran a program, and those that
+    came back without running one (no program for the signature, or declined: non-contiguous, misaligned, ...).
+    Calls an op keeps from the table (no program registered for the op, tracing, tensor subclasses) are in neither.
+    Benchmarks read it to tell whether their calls were served; (0, 0) while the library is not loaded."""
+    if not _functions:
+        return 0, 0
+    served, declined = _functions["stats"]()
+    return int(served), int(declined)
