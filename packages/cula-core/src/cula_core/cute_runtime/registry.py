@@ -35,7 +35,7 @@ import sys
 import tempfile
 import threading
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -274,11 +274,10 @@ def _link_flags() -> list[str]:
     return [*shlex.split(get_ldflags()), f"-L{tvm_dir}", *shlex.split(get_libs(enable_tvm_ffi=True))]
 
 
-def _c_compiler() -> str | None:
-    cc = os.environ.get("CC")
-    if cc:
-        return cc
-    return next((c for c in ("cc", "gcc", "clang", "c++", "g++") if shutil.which(c)), None)
+def find_compiler(variable: str, names: Sequence[str]) -> str | None:
+    """The compiler command in environment variable `variable` (CC, CXX), else the first of `names` on PATH, else
+    None."""
+    return os.environ.get(variable) or next((c for c in names if shutil.which(c)), None)
 
 
 def build_file(out: Path | str, command: Callable[[Path], list[str]], what: str) -> Path:
@@ -297,7 +296,7 @@ def build_file(out: Path | str, command: Callable[[Path], list[str]], what: str)
 
 def link_library(objects: Iterable[Path | str], out: Path | str) -> None:
     """Link exported objects into one shared library (the C compiler of $CC or PATH), written atomically."""
-    cc = _c_compiler()
+    cc = find_compiler("CC", ("cc", "gcc", "clang", "c++", "g++"))
     if cc is None:
         raise RuntimeError("no C compiler found to link CuTe DSL objects (set CC, or install cc / gcc / clang)")
     build_file(out, lambda tmp: [*shlex.split(cc), "-shared", "-o", str(tmp), *map(str, objects), *_link_flags()],
