@@ -44,15 +44,16 @@ def _inputs():
     return q, v
 
 
-def _program(kernel, *, aligned=False):
-    """Inputs (q, v, h0 or None); allocations o (v's shape, bf16), scratch (1000 bytes), final ([2, 4, 16, 16]
-    fp32); one launch using every argument kind; results (o, final)."""
+def _program(kernel, *, aligned=False, has_h0=False):
+    """Inputs (q, v, h0 or None: `has_h0`); allocations o (v's shape, bf16), scratch (1000 bytes), final
+    ([2, 4, 16, 16] fp32); one launch using every argument kind, h0's address or, without one, the scratch's (as the
+    backends address an absent tensor's stand-in); results (o, final)."""
     p = pt.Program(3)
     o = p.alloc([2, 8, 4, 16], torch.bfloat16, 1)
     scratch = p.alloc([1000], torch.uint8, 0)
     final = p.alloc([2, 4, 16, 16], torch.float32, 0)
-    p.launch(kernel, 7, True, 0.25, pt.Address(0), pt.Address(1, 32), pt.AddressOr(2, scratch), pt.Address(scratch, 64),
-             pt.Address(o), pt.Address(final), pt.STREAM, -3)
+    p.launch(kernel, 7, True, 0.25, pt.Address(0), pt.Address(1, 32), pt.Address(2 if has_h0 else scratch),
+             pt.Address(scratch, 64), pt.Address(o), pt.Address(final), pt.STREAM, -3)
     if aligned:
         p.require_aligned(0, 1)
     p.returns(o, final)
@@ -76,20 +77,20 @@ def test_program_runs_with_every_argument_kind_and_returns_its_allocations():
     (args,) = rec.calls
     assert args[:3] == (7, 1, 0.25)
     assert args[3] == q.data_ptr() and args[4] == v.data_ptr() + 32
-    scratch_base = args[5]  # AddressOr with h0 None: the scratch allocation
+    scratch_base = args[5]  # h0 None: the scratch allocation
     assert args[6] == scratch_base + 64
     assert args[7] == o.data_ptr() and args[8] == final.data_ptr()
     assert args[9] == 0  # no stream on the host
     assert args[10] == -3
 
 
-def test_absent_or_present_tensor_is_part_of_the_key_and_address_or_takes_the_tensor():
+def test_absent_or_present_tensor_is_part_of_the_key_and_each_program_addresses_its_own():
     rec = Recorder()
     q, v = _inputs()
     h0 = torch.randn(2, 4, 16, 16)
     pt.register(OP, SCALARS, (q, v, None), _program(rec.function))
     assert pt.call(OP, len(SCALARS), *SCALARS, q, v, h0) is None
-    pt.register(OP, SCALARS, (q, v, h0), _program(rec.function))
+    pt.register(OP, SCALARS, (q, v, h0), _program(rec.function, has_h0=True))
     assert pt.count() == 2
     assert pt.call(OP, len(SCALARS), *SCALARS, q, v, h0) is not None
     assert rec.calls[-1][5] == h0.data_ptr()
@@ -242,8 +243,6 @@ def test_program_builder_rejects_bad_slots_kinds_and_dtypes():
     a = p.alloc([4], torch.float32, 0)
     with pytest.raises(ValueError, match="slot 3 out of range"):
         p.launch(None, pt.Address(3))
-    with pytest.raises(ValueError, match="AddressOr's slot must be an input"):
-        p.launch(None, pt.AddressOr(a, 0))
     with pytest.raises(TypeError, match="unsupported argument"):
         p.launch(None, "text")
     with pytest.raises(ValueError, match="not an input slot"):
@@ -325,7 +324,7 @@ def test_a_reordered_program_reads_the_same_tensors_from_their_new_positions():
     rec = Recorder()
     q, v = _inputs()
     h0 = torch.randn(2, 4, 16, 16)
-    moved = _program(rec.function, aligned=True).reordered((3, 0, 1), 5)
+    moved = _program(rec.function, aligned=True, has_h0=True).reordered((3, 0, 1), 5)
     other = torch.zeros(3)
     pt.register(OP, SCALARS, (v, h0, None, q, other), moved)
     o = pt.call(OP, len(SCALARS), *SCALARS, v, h0, None, q, other)

@@ -18,7 +18,7 @@
 //                                                                 torch tensor, makes TVM-FFI hand it back as a
 //                                                                 torch tensor
 //   cula_plan_register(program, op, n_scalars, scalars..., tensors...) -> bool: stored under the call's key
-//   cula_plan_clear(), cula_plan_count()
+//   cula_plan_clear(), cula_plan_count(), cula_plan_stats() -> [calls served, calls declined]
 //
 // The key: op id; the dispatch environment (CULA_BACKEND, CULA_STRICT, read with getenv, which Python's os.environ
 // writes through to); every scalar with its type (None, bool, int, float, str); every tensor's dtype, device,
@@ -34,7 +34,6 @@
 //                  LITERAL_INT (a)           an integer
 //                  LITERAL_FLOAT (a)         floats[a]
 //                  ADDRESS (slot, offset)    data address of slot + offset bytes (slot must hold a tensor)
-//                  ADDRESS_OR (slot, other)  address of slot, or of slot `other` when slot is None
 //                  STREAM                    the current stream of the first input's device
 //   floats       the float literals
 //   aligned      input slots that must be 16-byte aligned
@@ -61,7 +60,7 @@ namespace {
 
 namespace ffi = tvm::ffi;
 
-enum ArgKind : int64_t { LITERAL_INT = 0, LITERAL_FLOAT = 1, ADDRESS = 2, ADDRESS_OR = 3, STREAM = 4 };
+enum ArgKind : int64_t { LITERAL_INT = 0, LITERAL_FLOAT = 1, ADDRESS = 2, STREAM = 3 };
 
 // plans kept at most; past it the table is emptied (a process that never repeats a signature)
 constexpr size_t kMaxPlans = 4096;
@@ -244,8 +243,7 @@ std::shared_ptr<const Program> ParseProgram(const ffi::Array<ffi::Any>& spec, in
       int64_t kind = launch.args[j], a = launch.args[j + 1], b = launch.args[j + 2];
       bool ok = (kind == LITERAL_INT) || (kind == STREAM) ||
                 (kind == LITERAL_FLOAT && a >= 0 && a < static_cast<int64_t>(program->floats.size())) ||
-                (kind == ADDRESS && a >= 0 && a < n_slots) ||
-                (kind == ADDRESS_OR && a >= 0 && a < n_slots && b >= 0 && b < n_slots);
+                (kind == ADDRESS && a >= 0 && a < n_slots);
       if (!ok) TVM_FFI_THROW(ValueError) << "plan program: launch " << i << " argument " << j / 3 << " is bad";
     }
     program->launches.push_back(std::move(launch));
@@ -306,11 +304,10 @@ bool RunProgram(const Program& program, const std::vector<const DLTensor*>& inpu
         case STREAM:
           packed[j] = reinterpret_cast<int64_t>(stream);
           break;
-        default: {
+        default: {  // ADDRESS
           void* p = address(a);
-          if (kind == ADDRESS_OR && p == nullptr) p = address(b);
           if (p == nullptr) TVM_FFI_THROW(ValueError) << "plan program: an absent tensor's address was asked for";
-          packed[j] = reinterpret_cast<int64_t>(kind == ADDRESS ? static_cast<char*>(p) + b : p);
+          packed[j] = reinterpret_cast<int64_t>(static_cast<char*>(p) + b);
         }
       }
     }

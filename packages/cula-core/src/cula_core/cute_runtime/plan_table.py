@@ -26,7 +26,6 @@ import functools
 import hashlib
 import os
 import shlex
-import shutil
 import threading
 import warnings
 from collections.abc import Sequence
@@ -48,7 +47,7 @@ KDA_DECODE_MTP_KVBUFFER = 5
 FUSED_RECURRENT_POOL = 6
 
 # argument kinds of a launch (plan_table.cc's ArgKind)
-_LITERAL_INT, _LITERAL_FLOAT, _ADDRESS, _ADDRESS_OR, _STREAM = range(5)
+_LITERAL_INT, _LITERAL_FLOAT, _ADDRESS, _STREAM = range(4)
 
 # DLPack (type code, bits) of the dtypes a program allocates
 _DL_DTYPES = {torch.float32: (2, 32), torch.float16: (2, 16), torch.float64: (2, 64), torch.bfloat16: (4, 16),
@@ -61,13 +60,6 @@ class Address(NamedTuple):
 
     slot: int
     offset: int = 0
-
-
-class AddressOr(NamedTuple):
-    """A launch argument: the address of input `slot`, or of `fallback` when the call passes None there."""
-
-    slot: int
-    fallback: int
 
 
 class _Stream:
@@ -118,16 +110,13 @@ class Program:
         return slot
 
     def launch(self, kernel, *args) -> None:
-        """Launch `kernel` (a TVM-FFI function) with `args`: ints (bools count as ints), floats, Address,
-        AddressOr or STREAM."""
+        """Launch `kernel` (a TVM-FFI function) with `args`: ints (bools count as ints), floats, Address or STREAM.
+        An optional input's presence is part of the call's key, so a program addresses an absent one's stand-in
+        (an allocation) directly."""
         triples: list[int] = []
         for a in args:
             if isinstance(a, Address):
                 triples += [_ADDRESS, self._slot(a.slot), int(a.offset)]
-            elif isinstance(a, AddressOr):
-                if not 0 <= a.slot < self.n_inputs:
-                    raise ValueError(f"Program: AddressOr's slot must be an input, got {a.slot}")
-                triples += [_ADDRESS_OR, a.slot, self._slot(a.fallback)]
             elif a is STREAM:
                 triples += [_STREAM, 0, 0]
             elif isinstance(a, (bool, int)):
@@ -173,8 +162,6 @@ class Program:
             for j in range(0, len(moved), 3):
                 if moved[j] == _ADDRESS:
                     moved[j + 1] = slot(moved[j + 1])
-                elif moved[j] == _ADDRESS_OR:
-                    moved[j + 1], moved[j + 2] = slot(moved[j + 1]), slot(moved[j + 2])
             out._args.append(moved)
         out._floats = list(self._floats)
         out._aligned = [slots[s] for s in self._aligned]
@@ -219,19 +206,12 @@ def library_name() -> str:
     return f"plan_table-{source_hash()}.so"
 
 
-def _compiler() -> str | None:
-    cxx = os.environ.get("CXX")
-    if cxx:
-        return cxx
-    return next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
-
-
 def build(out: Path | str) -> Path:
     """Compile plan_table.cc into the shared library `out` (written atomically). RuntimeError without a compiler
     or when the compile fails."""
     import tvm_ffi.libinfo
 
-    cxx = _compiler()
+    cxx = registry.find_compiler("CXX", ("c++", "g++", "clang++"))
     if cxx is None:
         raise RuntimeError("no C++ compiler found to build cula's plan table (set CXX, or install c++ / g++)")
     out = Path(out)
