@@ -9,8 +9,10 @@ outputs, final states and the gradients of q, k, v, g, beta, A_log, dt_bias and 
 
 With the test-only backend `cpusaver` (tests/fixtures/cula-testbackend: the reference math, residuals saved by its
 forward and recorded by its backward) the same checks run on a backend that hands residuals over, as the GPU
-training backend does, and each rank's CP call is also held to its plan: two forwards (the local run, asking for
-residuals, and the identity run) and one backward, which receives the local run's residuals.
+training backend does, and each rank's CP call is also held to its plan: one chunk_kda forward (the local run,
+asking for residuals), the identity run as a kda_prefill call (`cpuecho` serves that op there: a kernel serves it,
+so CP takes it, as it takes the sm90 prefill with its intra-card CP on Hopper) and one backward, which receives the
+local run's residuals.
 """
 
 from __future__ import annotations
@@ -106,7 +108,8 @@ def _worker(rank, world, port, lengths, layout, HQK, HV, K, V, check_no_grad, re
         sys.path.insert(0, saver_dir)
         importlib.invalidate_caches()
         cula_core.registry.reload()
-        from cula_testbackend.backends import CpuSaver as saver
+        from cula_testbackend.backends import CpuEcho, CpuSaver as saver
+        saver.prefill_backend = CpuEcho
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         _check_rank(rank, world, lengths, layout, HQK, HV, K, V, check_no_grad, saver)
@@ -176,15 +179,17 @@ def _check_rank(rank, world, lengths, layout, HQK, HV, K, V, check_no_grad, save
         torch.testing.assert_close(ht, ht_ref.detach(), rtol=TOL, atol=TOL)
     if saver is not None:
         saver.forwards, saver.seen = [], []
+        prefills = saver.prefill_backend.calls
     o, ht = call()
     torch.testing.assert_close(o, o_ref.detach(), rtol=TOL, atol=TOL)
     torch.testing.assert_close(ht, ht_ref.detach(), rtol=TOL, atol=TOL)
     loss = local_loss(o, ht, slots)
     grads = dict(zip(names, torch.autograd.grad(loss, [loc[n] for n in names]), strict=True))
     if saver is not None:
-        # the local run (residuals asked) and the identity run, no rerun; the one backward gets the local run's
-        # residuals (cpusaver fills Aqk with the sum of the q it was given: this rank's q)
-        assert saver.forwards == [True, False], saver.forwards
+        # the local run (residuals asked), the identity run as a kda_prefill call, no rerun; the one backward gets
+        # the local run's residuals (cpusaver fills Aqk with the sum of the q it was given: this rank's q)
+        assert saver.forwards == [True], saver.forwards
+        assert saver.prefill_backend.calls == prefills + 1
         assert len(saver.seen) == 1 and saver.seen[0] is not None, saver.seen
         assert torch.all(saver.seen[0][0] == float(loc["q"].detach().sum()))
     for n in ("q", "k", "v", "g", "beta"):

@@ -213,6 +213,34 @@ def test_kernel_errors_propagate():
         pt.call(OP, len(SCALARS), *SCALARS, q, v, None)
 
 
+def test_an_op_retries_on_its_python_path_only_when_the_error_came_before_the_program():
+    """plans.run_compiled: a kernel that raises inside a program propagates (a retry on the Python path would
+    launch again) and `take_failure` says so once; a tensor TVM-FFI cannot take (meta) fails before any program
+    runs, and the op takes its Python path (None)."""
+    import tvm_ffi
+
+    from cula_core import plans
+
+    launched = []
+
+    def fail(*args):
+        launched.append(args)
+        raise RuntimeError("launch failed")
+
+    q, v = _inputs()
+    pt.register(OP, SCALARS, (q, v, None), _program(tvm_ffi.convert(fail)))
+    with pytest.raises(RuntimeError, match="launch failed"):
+        plans.run_compiled(OP, SCALARS, (q, v, None))
+    assert len(launched) == 1
+    assert not pt.take_failure()  # run_compiled read it
+    with pytest.raises(RuntimeError, match="launch failed"):
+        pt.call(OP, len(SCALARS), *SCALARS, q, v, None)
+    assert pt.take_failure() and not pt.take_failure()
+    meta = torch.empty(q.shape, dtype=q.dtype, device="meta")
+    assert plans.run_compiled(OP, SCALARS, (meta, v, None)) is None
+    assert len(launched) == 2 and not pt.take_failure()
+
+
 def test_clear_and_plans_forget_drop_programs_and_release_what_they_keep():
     from cula_core import plans
 

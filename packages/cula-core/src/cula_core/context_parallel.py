@@ -16,7 +16,8 @@ and so are the outputs, ``o = o(0) + R S_in``. Forward:
    initial states (zero for a first sequence that comes from before): ``o(0)``, the final states (``c`` of the
    last sequence that goes on) and the backend's residuals when training;
 2. the identity run over each boundary sequence, with zero values from the identity state (``V = K``): its final
-   state is ``M``, its outputs ``R``;
+   state is ``M``, its outputs ``R`` (no graph: `kda_prefill`, whose intra-card CP spreads a long sequence over
+   the SMs, where a kernel serves it);
 3. one all-gather of ``[M | c]`` (``HV * K * (K + V)`` fp32 per slot); each slot folds the maps of the slots its
    first sequence came through (fp64, at most ``world_size - 1`` small matmuls) into its true initial state
    ``S_in``, and that sequence's outputs get ``R S_in``, its final state ``M S_in``;
@@ -44,16 +45,17 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from cula_core import dispatch
 from cula_core.cute_runtime.convert import device_int32
 from cula_core.fla_args import resolve_chunk_call, state_v_first_from
 from cula_core.ops.chunk_kda import _backward, _chunk_kda, _setup_context
 from cula_core.reference.context_parallel import apply_state_maps, apply_state_maps_adjoint
 
-__all__ = ["CPContext", "build_cp_context", "chunk_kda_cp"]
+__all__ = ["CPContext", "add_response", "build_cp_context", "chunk_kda_cp", "response_transpose"]
 
-#: Tokens per slice when R S_in (forward) and R^T do (backward) are formed in the state's precision: it bounds
-#: the fp32 copies of R and do and the product (a few hundred MiB at HV = 32, where whole-sequence copies at 128K
-#: tokens per rank take GiBs). Results do not depend on it beyond rounding.
+#: Tokens per slice when R S_in (forward) and R^T do (backward) are formed: it bounds the fp32 products (and, off
+#: the tensor-core path, the fp32 copies of R and do): a few hundred MiB at HV = 32, where whole-sequence ones at
+#: 128K tokens per rank take GiBs. Results do not depend on it beyond rounding.
 RESPONSE_BLOCK = 16384
 
 
@@ -271,14 +273,66 @@ def _chain_order(gathered: torch.Tensor, layout: str) -> torch.Tensor:
     return torch.cat([gathered[:, 0], gathered[:, 1].flip(0)])
 
 
-def _response_transpose(R: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
-    """``R^T do`` per head in fp32 (fp64 for fp64 inputs): ``R [T, HV, K]``, ``do [T, HV, V]`` -> ``[HV, K, V]``."""
+_HAS_OUT_DTYPE = hasattr(torch.ops.aten.baddbmm, "dtype")  # baddbmm(..., out_dtype=): torch 2.8 and later
+
+
+def add_response(o: torch.Tensor, R: torch.Tensor, S: torch.Tensor) -> None:
+    """``o += R S`` per head, in place: ``o [T, HV, V]``, the response ``R [T, HV, K]`` (the identity run's outputs,
+    in the input dtype) and the entering state ``S [HV, K, V]`` (fp32, or fp64 for fp64 inputs). The sum is formed
+    in fp32 (S's precision) a block of `RESPONSE_BLOCK` tokens at a time and rounded to o's dtype once.
+
+    With 16-bit o and R on CUDA each block is one tensor-core GEMM accumulating into o in place: S split into
+    16-bit high and low parts (S to about 16 bits, as the kernels carry the state into their state products),
+    ``[R | R] @ [S_hi ; S_lo]`` with fp32 accumulation, o added in the GEMM. Otherwise R is converted to S's dtype
+    and multiplied in it."""
+    tensor_cores = R.is_cuda and R.dtype in (torch.bfloat16, torch.float16) and o.dtype == R.dtype
+    if tensor_cores:
+        hi = S.to(R.dtype)
+        stacked = torch.cat([hi, (S - hi.to(S.dtype)).to(R.dtype)], dim=1)  # [HV, 2K, V]
+    for t0 in range(0, R.shape[0], RESPONSE_BLOCK):
+        r, out = R[t0:t0 + RESPONSE_BLOCK], o[t0:t0 + RESPONSE_BLOCK].transpose(0, 1)  # out: [HV, t, V] view
+        if tensor_cores:
+            out.baddbmm_(torch.cat([r, r], dim=-1).transpose(0, 1), stacked)
+        else:
+            out.add_(torch.bmm(r.transpose(0, 1).to(S.dtype), S))
+
+
+def response_transpose(R: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
+    """``R^T do`` per head: ``R [T, HV, K]``, ``do [T, HV, V]`` -> ``[HV, K, V]`` in fp32 (fp64 for fp64 inputs),
+    summed over blocks of `RESPONSE_BLOCK` tokens. With 16-bit R and do on CUDA (and torch 2.8 or later, whose
+    baddbmm takes ``out_dtype``) each block is one tensor-core GEMM with fp32 accumulation and result (both
+    operands are exact in 16 bits); otherwise the operands are converted to fp32 / fp64 and multiplied in it."""
     dtype = torch.promote_types(torch.promote_types(R.dtype, do.dtype), torch.float32)
     out = R.new_zeros(R.shape[1], R.shape[2], do.shape[2], dtype=dtype)
+    tensor_cores = R.is_cuda and R.dtype in (torch.bfloat16, torch.float16) and do.dtype == R.dtype and _HAS_OUT_DTYPE
     for s in range(0, R.shape[0], RESPONSE_BLOCK):
-        r, d = R[s:s + RESPONSE_BLOCK].to(dtype), do[s:s + RESPONSE_BLOCK].to(dtype)
-        out.baddbmm_(r.permute(1, 2, 0), d.transpose(0, 1))   # [HV, K, t] @ [HV, t, V], summed into out
+        r, d = R[s:s + RESPONSE_BLOCK].permute(1, 2, 0), do[s:s + RESPONSE_BLOCK].transpose(0, 1)
+        if tensor_cores:
+            out = torch.baddbmm(out, r, d, out_dtype=torch.float32)   # [HV, K, t] @ [HV, t, V], summed into out
+        else:
+            out.baddbmm_(r.to(dtype), d.to(dtype))
     return out
+
+
+def _identity_run(q, k, zeros, g, beta, eye, cu, cu_host, call, opts: dict):
+    """The identity run over the boundary sequences (q, k, g, beta: their tokens; zero values; the identity state
+    `eye`): ``(R, M)``, its outputs and final states. As `kda_prefill` where a kernel serves that op here (the
+    backend's intra-card CP then spreads a long boundary sequence over the SMs, which the no-grad `chunk_kda` does
+    not), else as `chunk_kda` (cula-sm100 on Blackwell serves chunk_kda only). Both compute the same map; CP
+    changes only the order of the state's fp32 operations."""
+    from cula_core.ops.chunk_kda import chunk_kda
+    from cula_core.ops.prefill import _prefill_call, kda_prefill
+
+    config = _prefill_call("kda_prefill", q, zeros, cu, gate=call.gate,
+                           use_qk_l2norm_in_kernel=bool(opts["use_qk_l2norm_in_kernel"]),
+                           beta_activation=call.beta_activation, initial_state=eye, output_final_state=True,
+                           state_v_first=False, intracard_cp="auto")
+    if dispatch.kernel_backend_for(config)[0] is None:
+        return chunk_kda(q, k, zeros, g, beta, initial_state=eye, output_final_state=True, cu_seqlens=cu,
+                         cu_seqlens_cpu=cu_host, **opts)
+    prefill_opts = {name: value for name, value in opts.items() if name != "chunk_size"}  # per-chunk states only
+    return kda_prefill(q, k, zeros, g, beta, initial_state=eye, output_final_state=True, cu_seqlens=cu,
+                       cu_seqlens_cpu=cu_host, intracard_cp="auto", **prefill_opts)
 
 
 @dataclass
@@ -308,7 +362,7 @@ class _BoundaryGradients(torch.autograd.Function):
         for p, slot in enumerate(plan.slots):
             if slot.pre:
                 a, b = slot.first_range
-                own[p] = (_response_transpose(plan.response[slot.pos], do[0, a:b])
+                own[p] = (response_transpose(plan.response[slot.pos], do[0, a:b])
                           + plan.first_map[slot.pos].transpose(-1, -2).to(dht.dtype) @ dht[slot.first_seq])
         chain_e = _chain_order(_all_gather(own, plan.group), plan.layout)
         dht = dht.clone()
@@ -383,7 +437,6 @@ def chunk_kda_cp(
     Every rank must call with the same grad mode; when gradients are tracked, every rank must
     back-propagate through ``o`` (the backward holds a collective).
     """
-    from cula_core.ops.chunk_kda import chunk_kda  # chunk_kda hands its cp_context calls to this module
 
     group = getattr(cp_context, "group", None)
     if group is None:
@@ -454,9 +507,8 @@ def chunk_kda_cp(
             dev, host = _offsets(ranges, device)
             eye = torch.eye(K, dtype=state_dtype, device=device).expand(len(seqs), HV, K, K).contiguous()
             zeros = v.new_zeros(1, sum(b - a for a, b in ranges), HV, K)
-            R, M = chunk_kda(_take(q, ranges), _take(k, ranges), zeros, _take(g, ranges), _take(beta, ranges),
-                             initial_state=eye, output_final_state=True, cu_seqlens=dev, cu_seqlens_cpu=host,
-                             **opts)
+            R, M = _identity_run(_take(q, ranges), _take(k, ranges), zeros, _take(g, ranges), _take(beta, ranges),
+                                 eye, dev, host, call, opts)
             row = {i: j for j, i in enumerate(seqs)}
             start = dict(zip(seqs, host[:-1].tolist(), strict=True))
             for p, s in going_on:
@@ -479,10 +531,7 @@ def chunk_kda_cp(
                 S_in = entering[s.first_seq].to(state_dtype)
                 a, b = s.first_range
                 r0 = start[s.first_seq] - a  # R's row of local token t is r0 + t
-                for t0 in range(a, b, RESPONSE_BLOCK):
-                    t1 = min(b, t0 + RESPONSE_BLOCK)
-                    r = R[0, r0 + t0:r0 + t1].to(state_dtype)
-                    o[0, t0:t1].add_(torch.bmm(r.transpose(0, 1), S_in).transpose(0, 1))
+                add_response(o[0, a:b], R[0, r0 + a:r0 + b], S_in)
                 final_state[s.first_seq] += M[row[s.first_seq]].to(state_dtype) @ S_in
 
     if needs_grad:

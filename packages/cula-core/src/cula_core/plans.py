@@ -147,13 +147,16 @@ def run_compiled(op: int, scalars: tuple, tensors: tuple):
     """The compiled plan table's answer for this call of `op` (cula_core.cute_runtime.plan_table): the first result
     of the program registered for its signature, or None, where the op takes its Python path: no program, a call
     `plain_eager` or the table does not serve, or a tensor TVM-FFI cannot take (meta, sparse), whose error the full
-    path gives. The program's further results: `plan_table.next_result`. An op with no program registered skips
-    the table."""
+    path gives. An error raised while the program runs (a kernel launch, an allocation) propagates: the Python
+    path would launch again. The program's further results: `plan_table.next_result`. An op with no program
+    registered skips the table."""
     if op not in plan_table.ops_registered or not plain_eager(tensors):
         return None
     try:
         return plan_table.call(op, len(scalars), *scalars, *tensors)
     except Exception:
+        if plan_table.take_failure():
+            raise
         return None
 
 

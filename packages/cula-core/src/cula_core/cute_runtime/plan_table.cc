@@ -19,6 +19,13 @@
 //                                                                 torch tensor
 //   cula_plan_register(program, op, n_scalars, scalars..., tensors...) -> bool: stored under the call's key
 //   cula_plan_clear(), cula_plan_count(), cula_plan_stats() -> [calls served, calls declined]
+//   cula_plan_take_failure()                                    -> bool: whether this thread's last cula_plan_call
+//                                                                 raised while running its program (a kernel or an
+//                                                                 allocation failed: the call must not be retried
+//                                                                 on the Python path, which would launch again);
+//                                                                 clears it. False when the error came before the
+//                                                                 call reached a program (a tensor TVM-FFI cannot
+//                                                                 take fails in the argument conversion)
 //
 // The key: op id; the dispatch environment (CULA_BACKEND, CULA_STRICT, read with getenv, which Python's os.environ
 // writes through to); every scalar with its type (None, bool, int, float, str); every tensor's dtype, device,
@@ -106,6 +113,8 @@ thread_local std::vector<ffi::Any> pending_results;
 // calls that reached the table and ran a program / came back without one (cula_plan_stats): what a benchmark reads
 // to tell whether its calls were served
 std::atomic<int64_t> calls_served{0}, calls_declined{0};
+// set when this thread's cula_plan_call raised inside RunProgram (cula_plan_take_failure reads and clears it)
+thread_local bool program_failed = false;
 
 void AppendText(std::vector<int64_t>* key, const char* data, size_t size) {
   key->push_back(static_cast<int64_t>(size));
@@ -343,8 +352,16 @@ TVM_FFI_DLL_EXPORT int __tvm_ffi_cula_plan_call(void*, const TVMFFIAny* raw_args
     auto it = table.find(key);
     if (it != table.end()) program = it->second;
   }
-  if (program == nullptr || static_cast<int>(tensors.size()) != program->n_inputs ||
-      !RunProgram(*program, tensors, result)) {
+  bool ran = false;
+  if (program != nullptr && static_cast<int>(tensors.size()) == program->n_inputs) {
+    try {
+      ran = RunProgram(*program, tensors, result);
+    } catch (...) {
+      program_failed = true;
+      throw;
+    }
+  }
+  if (!ran) {
     *result = nullptr;
     calls_declined.fetch_add(1, std::memory_order_relaxed);
     return 0;
@@ -398,6 +415,13 @@ TVM_FFI_DLL_EXPORT int __tvm_ffi_cula_plan_stats(void*, const TVMFFIAny*, int32_
   TVM_FFI_SAFE_CALL_BEGIN();
   *reinterpret_cast<ffi::Any*>(raw_result) =
       ffi::Array<int64_t>{calls_served.load(std::memory_order_relaxed), calls_declined.load(std::memory_order_relaxed)};
+  TVM_FFI_SAFE_CALL_END();
+}
+
+TVM_FFI_DLL_EXPORT int __tvm_ffi_cula_plan_take_failure(void*, const TVMFFIAny*, int32_t, TVMFFIAny* raw_result) {
+  TVM_FFI_SAFE_CALL_BEGIN();
+  *reinterpret_cast<ffi::Any*>(raw_result) = program_failed;
+  program_failed = false;
   TVM_FFI_SAFE_CALL_END();
 }
 

@@ -268,7 +268,7 @@ def load() -> bool:
 
             module = tvm_ffi.load_module(str(path))
             functions = {name: module[f"cula_plan_{name}"] for name in ("call", "next_result", "register", "clear",
-                                                                         "count", "stats")}
+                                                                         "count", "stats", "take_failure")}
         except Exception as e:  # a damaged cached build, an incompatible apache-tvm-ffi
             warnings.warn(f"cula: the compiled plan table {path} does not load ({type(e).__name__}: {e}); repeated "
                           f"calls take the Python path", RuntimeWarning, stacklevel=3)
@@ -311,3 +311,11 @@ def stats() -> tuple[int, int]:
         return 0, 0
     served, declined = _functions["stats"]()
     return int(served), int(declined)
+
+
+def take_failure() -> bool:
+    """Whether this thread's last `call` raised while running its program (a kernel launch or an allocation
+    failed), as opposed to before reaching one (a tensor TVM-FFI cannot take, such as a meta or sparse tensor,
+    fails in the argument conversion); reading it clears it. An op retries a failed table call on its Python
+    path only in the second case: after a program started, a retry would launch its kernels again."""
+    return bool(_functions["take_failure"]()) if _functions else False
