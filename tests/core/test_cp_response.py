@@ -70,7 +70,8 @@ def test_fp64_operands_stay_fp64():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_bf16_products_on_the_gpu_match_fp64(monkeypatch):
-    """bf16 GEMMs with fp32 results: R S_in within one bf16 rounding of o, R^T do within fp32 accumulation."""
+    """Tensor-core GEMMs: o + R S_in within two bf16 roundings (add_response's contract; 4.0e-3 measured against
+    2.0e-3 for one rounding, H200), R^T do within fp32 accumulation (4.7e-6 measured)."""
     monkeypatch.setattr(cp, "RESPONSE_BLOCK", 4096)
     T, shape = 10000, (4, 128, 128)  # three blocks of tokens, K = V = 128
     gen = torch.Generator(device="cpu").manual_seed(1)
@@ -81,7 +82,7 @@ def test_bf16_products_on_the_gpu_match_fp64(monkeypatch):
     expect = o.double() + torch.einsum("thk,hkv->thv", R.double(), S.double())
     out = o.clone()
     cp.add_response(out, R, S)
-    assert _rel(out, expect) <= 2 ** -8
+    assert _rel(out, expect) <= 2 ** -7
     e = cp.response_transpose(R, do)
     assert e.dtype == torch.float32
     assert _rel(e, torch.einsum("thk,thv->hkv", R.double(), do.double())) <= 1e-5

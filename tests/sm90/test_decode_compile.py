@@ -577,6 +577,22 @@ def test_stream_tiling_by_pool_dtype_and_layout(monkeypatch):
         assert args[-2] == min(N * HV * (K // bv), 132 * ctas), v_first
 
 
+@pytest.mark.parametrize("block_v, lanes_v, num_warps", [(128, 8, 2), (128, 16, 1), (64, 4, 2)])
+def test_stream_kernel_refuses_tilings_of_fewer_than_three_warps(block_v, lanes_v, num_warps):
+    """Warps 0, 1 and 2 of a stream CTA load an item's q, k and gate inputs: with fewer warps the gate would never
+    be loaded (such tilings gave errors of 0.3-1.8 against the reference on an H200: the sweep in
+    docs/benchmarks/mtp_decode.md), so the kernel's configuration refuses them; the dispatch's tilings pass."""
+    from cula_sm90.decode import configs
+    from cula_sm90.decode.stream import StreamDecode
+
+    kw = dict(K=128, V=128, safe_gate=False, has_A_log=True, has_dt_bias=True, l2norm=True, pool_bytes=2)
+    with pytest.raises(ValueError, match="at least 3 warps"):
+        StreamDecode(**kw, block_v=block_v, lanes_v=lanes_v, num_warps=num_warps)
+    for (pool_bytes, v_first), (bv, vl, nw) in configs.STREAM_TILINGS.items():
+        StreamDecode(**{**kw, "pool_bytes": pool_bytes}, state_v_first=v_first, block_v=bv, lanes_v=vl,
+                     num_warps=nw)
+
+
 def test_slots_mode_keeps_the_64_column_tiling_at_large_batches():
     """The speculative pool step (MODE_SLOTS stores a state per token) runs 64 x 4 x 4 x 0 where the other T > 1
     modes switch to the warp-local 32 x 2 x 2 x 1 (from 1024 request-heads; the H200 sweep behind it is in

@@ -62,6 +62,8 @@ class StreamDecode:
         if K % 32 or 32 % lanes_v or V % block_v or block_v % (num_warps * lanes_v) or pool_bytes not in (2, 4):
             raise ValueError(f"bad tiling: K={K} V={V} BV={block_v} VL={lanes_v} NW={num_warps} "
                              f"pool_bytes={pool_bytes}")
+        if num_warps < 3:  # warps 0, 1 and 2 load an item's q, k and gate inputs (load_small)
+            raise ValueError(f"bad tiling: NW={num_warps}, the stream kernel needs at least 3 warps")
         self.K, self.V = K, V
         self.safe_gate, self.has_A_log, self.has_dt_bias, self.l2norm = safe_gate, has_A_log, has_dt_bias, l2norm
         self.BV, self.VL, self.NW = block_v, lanes_v, num_warps
