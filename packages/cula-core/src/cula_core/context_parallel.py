@@ -281,14 +281,14 @@ def add_response(o: torch.Tensor, R: torch.Tensor, S: torch.Tensor) -> None:
     in the input dtype) and the entering state ``S [HV, K, V]`` (fp32, or fp64 for fp64 inputs), a block of
     `RESPONSE_BLOCK` tokens at a time.
 
-    With 16-bit o and R on CUDA each block is one tensor-core GEMM accumulating into o in place: S split into
-    16-bit high and low parts (S to about 16 bits, as the kernels carry the state into their state products),
-    ``[R | R] @ [S_hi ; S_lo]`` with fp32 accumulation, o added in the GEMM; the result is within two roundings
-    to o's dtype of the exact sum (cuBLAS may round the product before adding o: 4.0e-3 of max |o| against
-    2.0e-3 for one rounding, bf16, H200), where an fp32 product and a separate add (one rounding) cost a strided
-    elementwise pass over o per block. Otherwise R is converted to S's dtype, multiplied in it and added to o
-    (one rounding)."""
-    tensor_cores = R.is_cuda and R.dtype in (torch.bfloat16, torch.float16) and o.dtype == R.dtype
+    With bf16 o and R on CUDA each block is one tensor-core GEMM accumulating into o in place: S split into bf16
+    high and low parts (S to about 16 bits, as the kernels carry the state into their state products; fp16 parts
+    could overflow where |S| passes 65504, so fp16 takes the fp32 path), ``[R | R] @ [S_hi ; S_lo]`` with fp32
+    accumulation, o added in the GEMM; the result is within two roundings to o's dtype of the exact sum (cuBLAS may
+    round the product before adding o: 4.0e-3 of max |o| against 2.0e-3 for one rounding, H200), where an fp32
+    product and a separate add (one rounding) cost a strided elementwise pass over o per block. Otherwise R is
+    converted to S's dtype, multiplied in it and added to o (one rounding)."""
+    tensor_cores = R.is_cuda and R.dtype == torch.bfloat16 and o.dtype == R.dtype
     if tensor_cores:
         hi = S.to(R.dtype)
         stacked = torch.cat([hi, (S - hi.to(S.dtype)).to(R.dtype)], dim=1)  # [HV, 2K, V]
