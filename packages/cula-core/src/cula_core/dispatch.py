@@ -23,6 +23,7 @@ import torch
 
 from cula_core import plans, registry
 from cula_core.backend import Backend, CallConfig, DeviceInfo
+from cula_core.cute_runtime.convert import current_device  # the decorator's device read (tests patch it here)
 from cula_core.reference_backend import REFERENCE, REFERENCE_BACKEND
 
 
@@ -163,14 +164,6 @@ def kernel_backend_for(call: CallConfig) -> tuple[Backend | None, str | None]:
 
 
 # ------------------------------------------------------------------------------------------- the call's device
-
-_cuda_get_device = getattr(torch._C, "_cuda_getDevice", None)  # CUDA builds of torch
-
-
-def current_device() -> int:
-    """The index of the current CUDA device (-1 in a torch without CUDA)."""
-    return -1 if _cuda_get_device is None else _cuda_get_device()
-
 
 def on_input_device(op):
     """Decorator of the public ops: run `op` with the CUDA device of its first positional argument current (a tensor,

@@ -54,6 +54,11 @@ def fake_stream():
     return cuda.CUstream(0)
 
 
+def current_device() -> int:
+    """The index of the current CUDA device (-1 in a torch without CUDA)."""
+    return -1 if _CURRENT_DEVICE is None else _CURRENT_DEVICE()
+
+
 def current_stream(device: torch.device | int | None = None) -> int:
     """The raw handle of torch's current CUDA stream on `device` (None: the current device)."""
     if _RAW_STREAM is not None and _CURRENT_DEVICE is not None:
