@@ -186,10 +186,12 @@ def _check_rank(rank, world, lengths, layout, HQK, HV, K, V, check_no_grad, save
     loss = local_loss(o, ht, slots)
     grads = dict(zip(names, torch.autograd.grad(loss, [loc[n] for n in names]), strict=True))
     if saver is not None:
-        # the local run (residuals asked), the identity run as a kda_prefill call, no rerun; the one backward gets
-        # the local run's residuals (cpusaver fills Aqk with the sum of the q it was given: this rank's q)
+        # the local run (residuals asked), the identity run as a kda_prefill call without intra-card CP (it runs
+        # beside the local run), no rerun; the one backward gets the local run's residuals (cpusaver fills Aqk
+        # with the sum of the q it was given: this rank's q)
         assert saver.forwards == [True], saver.forwards
         assert saver.prefill_backend.calls == prefills + 1
+        assert saver.prefill_backend.last_intracard_cp == "off", saver.prefill_backend.last_intracard_cp
         assert len(saver.seen) == 1 and saver.seen[0] is not None, saver.seen
         assert torch.all(saver.seen[0][0] == float(loc["q"].detach().sum()))
     for n in ("q", "k", "v", "g", "beta"):

@@ -16,8 +16,9 @@ and so are the outputs, ``o = o(0) + R S_in``. Forward:
    initial states (zero for a first sequence that comes from before): ``o(0)``, the final states (``c`` of the
    last sequence that goes on) and the backend's residuals when training;
 2. the identity run over each boundary sequence, with zero values from the identity state (``V = K``): its final
-   state is ``M``, its outputs ``R`` (no graph: `kda_prefill`, whose intra-card CP spreads a long sequence over
-   the SMs, where a kernel serves it);
+   state is ``M``, its outputs ``R`` (no graph: `kda_prefill` without intra-card CP where a kernel serves it);
+   on a GPU it is enqueued first, on a side stream, and runs beside the local run (whose serial state pass leaves
+   most SMs idle on long sequences with few heads);
 3. one all-gather of ``[M | c]`` (``HV * K * (K + V)`` fp32 per slot); each slot folds the maps of the slots its
    first sequence came through (fp64, at most ``world_size - 1`` small matmuls) into its true initial state
    ``S_in``, and that sequence's outputs get ``R S_in``, its final state ``M S_in``;
@@ -39,6 +40,7 @@ the group must call with the same grad mode and back-propagate through the outpu
 from __future__ import annotations
 
 import bisect
+import contextlib
 import itertools
 from dataclasses import dataclass, replace
 
@@ -317,25 +319,43 @@ def response_transpose(R: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
     return out
 
 
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The stream the identity runs of `device` are enqueued on beside the local run (one per device, made on first
+    use); None off CUDA, where everything runs in order."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _SIDE_STREAMS.get(index)
+    if stream is None:
+        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(index)
+    return stream
+
+
 def _identity_run(q, k, zeros, g, beta, eye, cu, cu_host, call, opts: dict):
     """The identity run over the boundary sequences (q, k, g, beta: their tokens; zero values; the identity state
-    `eye`): ``(R, M)``, its outputs and final states. As `kda_prefill` where a kernel serves that op here (the
-    backend's intra-card CP then spreads a long boundary sequence over the SMs, which the no-grad `chunk_kda` does
-    not), else as `chunk_kda` (cula-sm100 on Blackwell serves chunk_kda only). Both compute the same map; CP
-    changes only the order of the state's fp32 operations."""
+    `eye`): ``(R, M)``, its outputs and final states. As `kda_prefill` where a kernel serves that op here, else as
+    the no-grad `chunk_kda` (cula-sm100 on Blackwell serves chunk_kda only); both compute the same map.
+
+    Without intra-card CP: the run goes beside the local run (`chunk_kda_cp`, step 1), whose serial state pass
+    holds a few SMs per head; the identity run's own state pass takes as many other SMs and walks the tokens in
+    the same time, while intra-card CP's extra passes over the tokens would compete with the local run for every
+    SM (4 x H200: scaling at 512K tokens 81% with it, 85-86% without; docs/benchmarks/multi_gpu_cp.md)."""
     from cula_core.ops.chunk_kda import chunk_kda
     from cula_core.ops.prefill import _prefill_call, kda_prefill
 
     config = _prefill_call("kda_prefill", q, zeros, cu, gate=call.gate,
                            use_qk_l2norm_in_kernel=bool(opts["use_qk_l2norm_in_kernel"]),
                            beta_activation=call.beta_activation, initial_state=eye, output_final_state=True,
-                           state_v_first=False, intracard_cp="auto")
+                           state_v_first=False, intracard_cp="off")
     if dispatch.kernel_backend_for(config)[0] is None:
         return chunk_kda(q, k, zeros, g, beta, initial_state=eye, output_final_state=True, cu_seqlens=cu,
                          cu_seqlens_cpu=cu_host, **opts)
     prefill_opts = {name: value for name, value in opts.items() if name != "chunk_size"}  # per-chunk states only
     return kda_prefill(q, k, zeros, g, beta, initial_state=eye, output_final_state=True, cu_seqlens=cu,
-                       cu_seqlens_cpu=cu_host, intracard_cp="auto", **prefill_opts)
+                       cu_seqlens_cpu=cu_host, intracard_cp=False, **prefill_opts)
 
 
 @dataclass
@@ -493,29 +513,41 @@ def chunk_kda_cp(
                   bool(use_qk_l2norm_in_kernel), call.gate, call.lower_bound, call.beta_activation, needs_grad, False)
 
     with torch.no_grad():
-        # -- step 1: all local tokens from the local initial states: the outputs o(0), every final state (c of
-        # each going-on last sequence) and, when training, the residuals the backward reuses
-        o, final_state, Aqk, Akk = _chunk_kda(*(x.detach() if isinstance(x, torch.Tensor) else x for x in local_args))
-        summary = torch.zeros(len(slots), HV, K, K + V, dtype=state_dtype, device=device)
+        # -- step 1, enqueued first: identity runs over each distinct boundary sequence: its map M (the final state
+        # from the identity with zero values) and its response R (the outputs: o = o(0) + R S_in). On a GPU they
+        # run on a side stream beside the local run below: the local run's serial state pass occupies a few SMs
+        # per head for most of its time, and the identity run's own state pass runs on as many others. eye, zeros
+        # and dev, made on the current stream, stay referenced here until the current stream has waited for the
+        # side stream, so their memory is not reused under the identity run
         going_on = [(p, s) for p, s in enumerate(slots) if s.post]
-        for p, s in going_on:
-            summary[p, ..., K:] = final_state[s.last_seq]
-        # identity runs over each distinct boundary sequence: its map M (the final state from the identity with
-        # zero values) and its response R (the outputs: o = o(0) + R S_in)
         wanted = {s.last_seq: s.last_range for _, s in going_on}
         wanted.update({s.first_seq: s.first_range for s in slots if s.pre})
+        side = _side_stream(device) if wanted else None
         if wanted:
             seqs = sorted(wanted)
             ranges = [wanted[i] for i in seqs]
             dev, host = _offsets(ranges, device)
             eye = torch.eye(K, dtype=state_dtype, device=device).expand(len(seqs), HV, K, K).contiguous()
             zeros = v.new_zeros(1, sum(b - a for a, b in ranges), HV, K)
-            R, M = _identity_run(_take(q, ranges), _take(k, ranges), zeros, _take(g, ranges), _take(beta, ranges),
-                                 eye, dev, host, call, opts)
+            if side is not None:
+                side.wait_stream(torch.cuda.current_stream(device))  # its inputs, made on the current stream
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                R, M = _identity_run(_take(q, ranges), _take(k, ranges), zeros, _take(g, ranges),
+                                     _take(beta, ranges), eye, dev, host, call, opts)
             row = {i: j for j, i in enumerate(seqs)}
             start = dict(zip(seqs, host[:-1].tolist(), strict=True))
-            for p, s in going_on:
-                summary[p, ..., :K] = M[row[s.last_seq]]
+        # -- step 1': all local tokens from the local initial states: the outputs o(0), every final state (c of
+        # each going-on last sequence) and, when training, the residuals the backward reuses
+        o, final_state, Aqk, Akk = _chunk_kda(*(x.detach() if isinstance(x, torch.Tensor) else x for x in local_args))
+        if side is not None:
+            current = torch.cuda.current_stream(device)
+            current.wait_stream(side)
+            for t in (R, M):  # made on the side stream, read on the current one: their memory waits for both
+                t.record_stream(current)
+        summary = torch.zeros(len(slots), HV, K, K + V, dtype=state_dtype, device=device)
+        for p, s in going_on:
+            summary[p, ..., K:] = final_state[s.last_seq]
+            summary[p, ..., :K] = M[row[s.last_seq]]
 
         # -- step 2: gather every slot's [M | c]; fold the maps in front of each first sequence from before
         chain_maps = _chain_order(_all_gather(summary, group), layout)
