@@ -1,7 +1,8 @@
 """Context parallelism across GPUs (`cula_core.context_parallel`) on the installed GPU backends: two ranks, one GPU
 each, NCCL (``NCCL_NVLS_ENABLE=0``), a varlen batch whose long sequence runs through both ranks among short ones.
 Each rank also runs the single-GPU `chunk_kda` of the whole batch on its own GPU and compares its rows: outputs and
-final states without grad, outputs and every gradient with grad (A_log / dt_bias summed over the ranks).
+final states without grad (also with the call on a stream of the caller's), outputs and every gradient with grad
+(A_log / dt_bias summed over the ranks).
 
 Bound: CP_TOL on max |cp - single| / max |single|, bf16 (the 4 x H200 bench measured at most 1.1e-2 with the safe
 gate: docs/benchmarks/multi_gpu_cp.md). Two gates: the benchmark's safe gate (lower_bound = -5: the state maps
@@ -89,6 +90,15 @@ def _worker(rank, world, port, gate, result_dir):
         # rank 0 holds sequence 0 and the head of sequence 1 (its row there is the state entering rank 1); rank 1
         # the tail of sequence 1 and sequences 2-4: those rows are the single call's final states
         errs["final states"] = _rel(ht[:1], ht_ref[:1]) if rank == 0 else _rel(ht, ht_ref[1:])
+        # the same call on a stream of the caller's, its inputs copied on that stream just before: the identity
+        # run (on cula's side stream) must wait for the caller's stream, not the default one
+        caller = torch.cuda.Stream(device)
+        caller.wait_stream(torch.cuda.current_stream(device))
+        with torch.no_grad(), torch.cuda.stream(caller):
+            fresh = {n: t.clone() for n, t in loc.items()}
+            o_caller, _ = call(fresh, cp_context=ctx, output_final_state=True)
+        torch.cuda.current_stream(device).wait_stream(caller)
+        errs["o (no grad, caller's stream)"] = _rel(o_caller, o_ref[:, a:b])
         # training: outputs and gradients
         wrt = NAMES if gate == "safe" else NAMES[:5]  # A_log / dt_bias are not read with a precomputed gate
         leaves = {n: x[n].detach().clone().requires_grad_() for n in NAMES}
