@@ -548,21 +548,27 @@ def test_single_token_dispatch_streams_large_batches_and_v_first_pools(monkeypat
         if name == launch.STREAM:
             bv = configs.stream_tiling(K, 4, v_first)[0]
             items = N * HV * (K // bv)
-            ctas = configs.stream_ctas_per_sm(K, 4, v_first, configs.stream_stages(4), bv)
+            ctas = configs.stream_ctas_per_sm(K, 4, v_first, configs.stream_stages(4, v_first), bv)
             assert args[-2] == min(items, 132 * ctas) and len(args) == 22   # 20 kernel arguments, ctas, stream
 
 
 def test_stream_tiling_by_pool_dtype_and_layout(monkeypatch):
     """The streamed decode's column block: 128 value columns (8 per lane: 16-byte row segments) for [K, V] bf16 pools,
     64 for fp32 pools and for V-first bf16 pools, narrowed to V for smaller heads; the launch sizes its CTA count
-    (resident CTAs per SM times the SMs, at most the work items N * HV * V / BV) with the same block."""
+    (resident CTAs per SM times the SMs, at most the work items N * HV * V / BV) with the same block; slice stages by
+    pool dtype and layout, the shared memory counted with the stages' mbarriers."""
     from cula_sm90.decode import configs, launch
 
     assert configs.stream_tiling(128, 2, False) == (128, 4, 4)
     assert configs.stream_tiling(128, 2, True) == (64, 4, 4)
     assert configs.stream_tiling(128, 4, False) == configs.stream_tiling(128, 4, True) == (64, 4, 4)
     assert configs.stream_tiling(64, 2, False) == (64, 4, 4)
-    assert configs.stream_ctas_per_sm(128, 2, False, configs.stream_stages(2), 128) == 3
+    assert configs.stream_ctas_per_sm(128, 2, False, configs.stream_stages(2, False), 128) == 3
+    # V-first bf16 pools: three stages of 64 columns still fit four CTAs per SM (the mbarriers counted)
+    assert configs.stream_stages(2, True) == 3
+    assert configs.stream_stages(2, False) == configs.stream_stages(4, True) == 2
+    assert configs.stream_ctas_per_sm(128, 2, True, 3, 64) == 4
+    assert configs.stream_smem_bytes(128, 2, True, 3, 64) == 3 * 64 * (128 + 8) * 2 + 3 * 128 * 4 + 3 * 8
 
     launches = _record_launches(monkeypatch)
     K, HV, N = 128, 4, 300   # 1200 request-heads: streamed on either layout
@@ -573,7 +579,7 @@ def test_stream_tiling_by_pool_dtype_and_layout(monkeypatch):
                              state_v_first=v_first)
         (name, _, args), = launches
         assert name == launch.STREAM
-        ctas = configs.stream_ctas_per_sm(K, 2, v_first, configs.stream_stages(2), bv)
+        ctas = configs.stream_ctas_per_sm(K, 2, v_first, configs.stream_stages(2, v_first), bv)
         assert args[-2] == min(N * HV * (K // bv), 132 * ctas), v_first
 
 

@@ -4,6 +4,7 @@
     python -m tools.bench.mtp_decode --dispatch [--sections growth,decode,chain] [--json FILE] [--out FILE]
     python -m tools.bench.mtp_decode --static [--out FILE]     # no GPU: SASS of the chunk verify variants by T
     python -m tools.bench.mtp_decode --first-call [--out FILE] # each decode family's first call (compiles)
+    python -m tools.bench.mtp_decode --pool-forms [--out FILE]  # T = 1 decode on every pool form, % of the HBM bound
 
 Inputs: K = V = 128, HQK = HV in (32, 64), bf16 q/k/v/g/beta (raw g, gate and L2 norm in kernel, softplus gate
 with A_log and dt_bias), fp32 state pool [P, HV, K, V] (`--pool-dtype bf16`: a bf16 pool, both sides; `--v-first`:
@@ -35,6 +36,10 @@ Table 1 times every verify variant (recurrent, chunk SIMT, chunk tensor cores); 
 `--dispatch` times only what the dispatch tables pick, graph-timed: the verify alone per variant (growth in T,
 beside FLA's chain and ours), T = 1 decode, the chain grid (in that order, the JSON written after every row).
 Errors: max |o_cula - o_FLA| / max |o_FLA| on the first call of each cell (bf16 outputs).
+`--pool-forms` times only `kda_decode` at T = 1 (the dispatch's pick: the streamed kernel at these sizes) on every
+pool form a serving engine keeps (fp32 / bf16, [K, V] / V-first), H in (32, 64), N in (128, 512), graph-timed, as
+the fraction of the HBM bound (state read + write in the pool's dtype, the per-token vectors and o), with the
+errors of o and of the pool against cula_core's reference run in fp64 on the same inputs at N = 128.
 """
 
 from __future__ import annotations
@@ -367,6 +372,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pool-dtype", choices=("fp32", "bf16"), default="fp32",
                     help="state pool dtype of every row (bf16: the HBM bound halves)")
     ap.add_argument("--v-first", action="store_true", help="V-first pools [P, HV, V, K] (state_v_first=True)")
+    ap.add_argument("--pool-forms", action="store_true",
+                    help="only T = 1 decode on every pool form (fp32 / bf16, K-first / V-first), %% of the HBM bound")
     ap.add_argument("--out", type=Path, help="write the markdown report here")
     ap.add_argument("--json", type=Path, help="write the raw numbers here (as it goes)")
     add_do_bench_args(ap)
@@ -381,6 +388,11 @@ def main(argv=None) -> int:
     if args.first_call:
         return _emit(first_call_report(), args.out)
     timing = Timing(warmup=args.warmup, repeats=args.rep, method="auto")
+    if args.pool_forms:
+        raw = {"pool_forms": pool_forms_run(timing)}
+        if args.json:
+            args.json.write_text(json.dumps(raw, indent=2, default=str))
+        return _emit(render_pool_forms(raw["pool_forms"], environment("cuda"), peak_hbm_gbs()), args.out)
     ns, ts, hs = ((1, 64), (4,), (32,)) if args.smoke else (NS, TS, HS)
     if args.quick:
         ns, ts, hs = (1, 128), (2, 6), (64,)
@@ -467,6 +479,56 @@ def main(argv=None) -> int:
     return _emit(report, args.out)
 
 
+POOL_FORMS = ((torch.float32, False), (torch.float32, True), (torch.bfloat16, False), (torch.bfloat16, True))
+
+
+def decode_bytes(N, H, pool_dtype):
+    """Bytes a T = 1 decode of N requests moves at least: the state read and written in the pool's dtype, the bf16
+    per-token vectors (q, k, g: K each; v: V; beta) and the bf16 output."""
+    return 2 * N * H * K * V * pool_dtype.itemsize + N * H * (3 * K + V + 1) * 2 + N * H * V * 2
+
+
+def pool_forms_run(timing, hs=HS, ns=(128, 512), check_n=128):
+    """`--pool-forms`: one row per (pool dtype, layout, H, N)."""
+    rows = []
+    for dtype, v_first in POOL_FORMS:
+        POOL.update(dtype=dtype, v_first=v_first)
+        for H in hs:
+            for N in ns:
+                x = make_inputs(N, 1, H, seed=N)
+                row = dict(pool=str(dtype).replace("torch.", ""), v_first=v_first, H=H, N=N)
+                if N == check_n:
+                    ours = dict(x, state_pool=x["state_pool"].clone())
+                    ref = {name: t.double() if torch.is_tensor(t) and t.is_floating_point() else t
+                           for name, t in x.items()}
+                    o = cula_decode(ours)
+                    os.environ["CULA_BACKEND"] = "reference"
+                    try:
+                        o_ref = cula_decode(ref)
+                    finally:
+                        os.environ["CULA_BACKEND"] = "sm90"
+                    row["err_o"] = errors(o.double(), o_ref)[1]
+                    row["err_pool"] = errors(ours["state_pool"].double(), ref["state_pool"])[1]
+                row["ms"] = graph_ms(cula_decode, (x,), timing)
+                row["hbm_pct"] = decode_bytes(N, H, dtype) / (row["ms"] * 1e-3) / 1e9 / peak_hbm_gbs() * 100
+                rows.append(row)
+                print(row, flush=True)
+                del x
+                torch.cuda.empty_cache()
+    return rows
+
+
+def render_pool_forms(rows, env, peak) -> str:
+    lines = [f"GPU: {env.get('gpu', '?')}; HBM bound taken at {peak:.0f} GB/s. K = V = 128, HQK = HV = H, bf16 "
+             "q/k/v/g/beta, softplus gate and L2 norm in kernel.", "",
+             "| pool | layout | H | N | ms | % of HBM bound | err o | err pool |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        err = (f"{r['err_o']:.1e} | {r['err_pool']:.1e}" if "err_o" in r else "- | -")
+        lines.append(f"| {r['pool']} | {'V-first' if r['v_first'] else 'K-first'} | {r['H']} | {r['N']} | "
+                     f"{r['ms']:.4f} | {r['hbm_pct']:.1f}% | {err} |")
+    return "\n".join(lines) + "\n"
+
+
 def decode_row(N, H, timing):
     """One T = 1 decode cell, graph-timed: cula and FLA on the same inputs, the error between their outputs, and each
     one's share of the HBM bound (state read + write, the per-token vectors and o). Returns (row, x, xf, pool), the
@@ -478,7 +540,7 @@ def decode_row(N, H, timing):
                     fla_decode(xf, pool.clone()).float())
     row = dict(H=H, N=N, err=err, cula=graph_ms(cula_decode, (x,), timing),
                fla=graph_ms(fla_decode, (xf, pool), timing))
-    bytes_moved = 2 * N * H * K * V * POOL["dtype"].itemsize + N * H * (3 * K + V + 1) * 2 + N * H * V * 2
+    bytes_moved = decode_bytes(N, H, POOL["dtype"])
     row["hbm_pct"] = bytes_moved / (row["cula"] * 1e-3) / 1e9 / peak_hbm_gbs() * 100
     row["fla_hbm_pct"] = bytes_moved / (row["fla"] * 1e-3) / 1e9 / peak_hbm_gbs() * 100
     return row, x, xf, pool

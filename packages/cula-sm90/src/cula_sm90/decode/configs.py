@@ -37,8 +37,10 @@ TILINGS = ((32, 4, 4, 0), (64, 4, 4, 0), (16, 4, 4, 0), (32, 4, 2, 0), (16, 4, 2
 #: 16-byte store: against 64 columns (docs/benchmarks/mtp_decode.md, "Streamed decode: 128 value columns") it wins
 #: on [K, V] bf16 pools and loses on V-first bf16 pools of few requests, which keep 64. stream_tiling narrows BV to V.
 STREAM_TILINGS = {(4, False): (64, 4, 4), (4, True): (64, 4, 4), (2, False): (128, 4, 4), (2, True): (64, 4, 4)}
-#: its slice stages per CTA, by bytes of a pool element
-STREAM_STAGES = {4: 2, 2: 2}
+#: its slice stages per CTA, by (bytes of a pool element, V-first): V-first bf16 pools (64 columns, 17 KiB a
+#: stage) take 3 and still fit 4 CTAs per SM, 2-5% faster than 2 on the H200; the others keep 2, where a third
+#: stage costs a CTA per SM (docs/benchmarks/mtp_decode.md, "Bulk copies")
+STREAM_STAGES = {(4, False): 2, (4, True): 2, (2, False): 2, (2, True): 3}
 #: shared memory of a Hopper SM and what the hardware reserves per CTA (bytes); the stream kernel's copy unit
 SM_SMEM, CTA_RESERVED_SMEM, CHUNK_BYTES = 228 * 1024, 1024, 16
 
@@ -65,16 +67,17 @@ def stream_tiling(V: int, pool_bytes: int, v_first: bool) -> tuple[int, int, int
     return min(bv, V), vl, nw
 
 
-def stream_stages(pool_bytes: int) -> int:
-    """Slice stages of a stream CTA (the current item's and stages - 1 ahead) for a pool element size."""
-    return STREAM_STAGES[pool_bytes]
+def stream_stages(pool_bytes: int, v_first: bool) -> int:
+    """Slice stages of a stream CTA (the current item's and stages - 1 ahead) for a pool element size and layout."""
+    return STREAM_STAGES[pool_bytes, bool(v_first)]
 
 
 def stream_smem_bytes(K: int, pool_bytes: int, v_first: bool, stages: int, block_v: int) -> int:
     """Shared memory of one stream CTA: `stages` stages of a K x block_v state slice in the pool's dtype, rows padded
-    by one 16-byte chunk ([K][BV] for [K, V] pools, [BV][K] for [V, K]), and three fp32 K-vectors."""
+    by one 16-byte chunk ([K][BV] for [K, V] pools, [BV][K] for [V, K]), three fp32 K-vectors and an 8-byte
+    mbarrier per stage."""
     rows, cols = (block_v, K) if v_first else (K, block_v)
-    return stages * rows * (cols + CHUNK_BYTES // pool_bytes) * pool_bytes + 3 * K * 4
+    return stages * rows * (cols + CHUNK_BYTES // pool_bytes) * pool_bytes + 3 * K * 4 + 8 * stages
 
 
 def stream_ctas_per_sm(K: int, pool_bytes: int, v_first: bool, stages: int, block_v: int) -> int:

@@ -129,7 +129,7 @@ def _build_stream(config: tuple):
     bv, vl, nw = configs.stream_tiling(V, pool.itemsize, v_first)
     kern = StreamDecode(K=K, V=V, safe_gate=safe, has_A_log=adt is not None, has_dt_bias=ddt is not None,
                         l2norm=l2norm, block_v=bv, lanes_v=vl, num_warps=nw, pool_bytes=pool.itemsize,
-                        state_v_first=v_first, stages=configs.stream_stages(pool.itemsize))
+                        state_v_first=v_first, stages=configs.stream_stages(pool.itemsize, v_first))
     return kern, (*_gate_args(qkv, gdt, bdt, adt, ddt, pool, _F32), *_gate_scalars(), *_scalars("i"),
                   rt.fake_stream())
 
@@ -380,7 +380,8 @@ def _launcher(key: tuple, device: torch.device, unaligned_pool=None, o_only: boo
             # the streamed decode's one more argument: the CTAs launched, as many as are resident at once
             pool_bytes = pool.itemsize
             bv = configs.stream_tiling(V, pool_bytes, v_first)[0]
-            ctas_per_sm = configs.stream_ctas_per_sm(K, pool_bytes, v_first, configs.stream_stages(pool_bytes), bv)
+            stages = configs.stream_stages(pool_bytes, v_first)
+            ctas_per_sm = configs.stream_ctas_per_sm(K, pool_bytes, v_first, stages, bv)
             scalars += (min(N * HV * (V // bv), ctas_per_sm * rt.sm_count(index)),)
     slots = mode == configs.MODE_SLOTS
     empty, empty_like = torch.empty, torch.empty_like

@@ -1,5 +1,6 @@
 """Single-token KDA decode over a state pool, streamed: persistent CTAs, each state slice copied into shared memory
-one work item ahead (cp.async), so the HBM traffic of the next slice overlaps the math of the current one.
+items ahead by the bulk-copy engine (cp.async.bulk, one copy per slice row, completion on an mbarrier per stage),
+so the HBM traffic of the next slices overlaps the math of the current one.
 
 Serves `kda_decode` and fused_recurrent_kda's pool decode: T = 1, the state after the token written back into the
 request's pool slot (what the recurrent kernel's MODE_FINAL does at T = 1, with the same arguments and fp32 math;
@@ -12,21 +13,26 @@ along V with CW columns each, KL = 32 / VL lanes along K with RK = K / KL rows e
 of lane kr are G * kr + (r % G) + G * KL * (r // G) for r < RK: G = 1 for [K, V] pools, G = 8 bytes / element for
 [V, K] pools. With the padded shared rows below, every shared-memory read of a piece is free of bank conflicts.
 
-Pipeline per item j of a CTA (ST = `stages` slices of shared memory, configs.STREAM_STAGES: 2; s = j % ST):
+Pipeline per item j of a CTA (ST = `stages` slices of shared memory, configs.stream_stages; s = j % ST):
   1. the per-item vectors of item j (q, k L2-normalised and q scaled, exp of the log decay; v and beta): from the
      registers that item j - 1 loaded them into (warps 0, 1, 2 prepare q, k, the gate; every lane its v, beta);
-  2. loads of item j + 1's small inputs into those registers; cp.async of item j + ST - 1's state slice into its
-     stage (its slot was read one item earlier still); the slot of item j + ST;
-  3. wait for stage s, one barrier; each lane runs the token on its RK x CW piece in two passes over shared
-     memory (registers hold accumulators, not the piece): u = (D S)^T k and w = (D S)^T q, two butterflies,
-     delta = beta (v - u), o = w + delta (k.q) into its output columns; then D S + k delta^T, row group by row
-     group, into the slot;
+  2. loads of item j + 1's small inputs into those registers; the last warp (the copier) issues the bulk copies
+     of item j + ST - 1's state slice into its stage (item j - 1's, freed by the barrier that ended it; its slot
+     was read one item earlier still); the slot of item j + ST;
+  3. wait on stage s's mbarrier (phase j // ST), one barrier (the vectors); each lane runs the token on its
+     RK x CW piece in two passes over shared memory (registers hold accumulators, not the piece):
+     u = (D S)^T k and w = (D S)^T q, two butterflies, delta = beta (v - u), o = w + delta (k.q) into its output
+     columns; then D S + k delta^T, row group by row group, stored from registers into the slot;
   4. one barrier: stage s and the vectors are free for the next items.
+A padded request's stage gets no copy: the copier arrives on its mbarrier without bytes, so the phases of every
+stage stay in step with the items.
 
 Shared memory per CTA: ST stages of the slice in the pool's dtype, rows padded by 16 bytes (K rows of BV for [K, V]
-pools, BV rows of K for [V, K]), and the three K-vectors in fp32.
+pools, BV rows of K for [V, K]; a bulk copy per row keeps the padding), the three K-vectors in fp32 and the ST
+mbarriers.
 
-Assumptions (checked on the host in launch.py): inputs contiguous, every pointer 16-byte aligned, K % 32 == 0,
+Assumptions (checked on the host in launch.py): inputs contiguous, every pointer 16-byte aligned (a bulk copy's
+rule too: a slice row is a multiple of 16 bytes), K % 32 == 0 and slice rows a multiple of 32 (the copier's lanes),
 V % BV == 0, the slots of live requests distinct (a slot is read ST - 1 items before the item that writes it runs).
 N, HV, HQK, P, scale, lower_bound, null_slot, precomputed_gate, beta_sigmoid and ctas are runtime values (one
 compilation serves every batch); cache_idx < 0, >= P or == null_slot marks a padded request: zero output, its slot
@@ -39,14 +45,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from cula_core.cute_kernels.copies import COPY_BITS, g2s_atom
+from cutlass.cute.nvgpu import cpasync
 from cula_sm90.decode._dsl import (activate_beta, gate_values, l2_normalize, load_vec, slot_in_use, store_vec,
                                    store_zeros, thread_coords, xor_sum)
 from cula_sm90.decode.configs import CHUNK_BYTES, stream_ctas_per_sm, stream_smem_bytes
-
-# the shared-memory layout (configs.stream_smem_bytes) is sized for the copy atom's vector
-assert CHUNK_BYTES * 8 == COPY_BITS
-
 
 
 class StreamDecode:
@@ -77,16 +79,17 @@ class StreamDecode:
         self.G = 8 // pool_bytes if state_v_first else 1   # consecutive rows of a lane (see the docstring)
         if self.RK % self.G:
             raise ValueError(f"bad tiling: {self.RK} rows per lane, not a multiple of {self.G}")
-        self.vec = CHUNK_BYTES // pool_bytes         # elements per cp.async
+        self.vec = CHUNK_BYTES // pool_bytes         # elements of a 16-byte chunk: row padding, alignment
         # a stage: rows of the slice as stored in global memory, each padded by one chunk
         self.rows, self.cols = (block_v, K) if state_v_first else (K, block_v)
         self.row_pitch = self.cols + self.vec
         self.stage_elems = self.rows * self.row_pitch
-        self.chunks = self.rows * self.cols // self.vec
-        if self.chunks % (32 * num_warps):
-            raise ValueError(f"bad tiling: {self.chunks} chunks per slice for {32 * num_warps} threads")
+        if self.rows % 32:
+            raise ValueError(f"bad tiling: {self.rows} slice rows, not a multiple of the 32 lanes that copy them")
+        self.row_bits = self.cols * pool_bytes * 8          # one bulk copy per slice row
+        self.slice_bytes = self.rows * self.cols * pool_bytes
         self.smem_bytes = stream_smem_bytes(K, pool_bytes, state_v_first, stages, block_v)
-        assert self.smem_bytes == stages * self.stage_elems * pool_bytes + 3 * K * 4
+        assert self.smem_bytes == stages * self.stage_elems * pool_bytes + 3 * K * 4 + 8 * stages
         # the launch bound: as many CTAs per SM as the shared memory holds (the host launches that many per SM)
         self.ctas_per_sm = stream_ctas_per_sm(K, pool_bytes, state_v_first, stages, block_v)
 
@@ -126,9 +129,16 @@ class StreamDecode:
         smem = cutlass.memory.SmemAllocator()
         stages = smem.allocate_tensor(pool.dtype, cute.make_layout(self.stages * self.stage_elems), byte_alignment=16)
         vecs = smem.allocate_tensor(Float32, cute.make_layout(3 * K), byte_alignment=16)
+        bars = smem.allocate_array(Int64, self.stages)   # one mbarrier per stage: its slice has landed
         sst = stages.iterator
         sv = vecs.iterator
-        copy_atom = g2s_atom(pool.dtype)   # one CHUNK_BYTES vector per copy
+        load_atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), pool.dtype, num_bits_per_copy=self.row_bits)
+        copier = warp == self.NW - 1   # the warp that issues the slices' bulk copies
+        if tid == 0:
+            for i in cutlass.range_constexpr(self.stages):
+                cute.arch.mbarrier_init(bars + i, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
 
         # registers that carry an item's small inputs from their loads (one item ahead) to their use
         r_v = cute.make_rmem_tensor(CW, v.dtype)
@@ -147,10 +157,10 @@ class StreamDecode:
                 slots[i] = self.slot_of(cache_idx, bid + i * ctas, HV)
         self.load_small(bid, q, k, v, g, beta, A_log, dt_bias, HQK, HV, warp, lcol0, e0, r_v, r_beta, r_qk, r_g,
                         r_dtb, r_alog)
-        for i in cutlass.range_constexpr(ST - 1):
-            if slot_in_use(slots[i], P, null_slot):
-                self.copy_slice(copy_atom, pool, sst, slots[i], bid + i * ctas, HV, i, tid)
-            cute.arch.cp_async_commit_group()
+        if copier:
+            for i in cutlass.range_constexpr(ST - 1):
+                if i < n_items:
+                    self.load_slice(load_atom, pool, sst, bars, slots[i], P, null_slot, bid + i * ctas, HV, i, lane)
 
         for j in cutlass.range(n_items):
             item = bid + j * ctas
@@ -179,16 +189,15 @@ class StreamDecode:
             if j + 1 < n_items:
                 self.load_small(item + ctas, q, k, v, g, beta, A_log, dt_bias, HQK, HV, warp, lcol0, e0, r_v, r_beta,
                                 r_qk, r_g, r_dtb, r_alog)
-            if j + ST - 1 < n_items:
-                if slot_in_use(slots[ST - 1], P, null_slot):
-                    self.copy_slice(copy_atom, pool, sst, slots[ST - 1], item + (ST - 1) * ctas, HV,
-                                    (j + ST - 1) % ST, tid)
-            cute.arch.cp_async_commit_group()
+            if copier:
+                if j + ST - 1 < n_items:
+                    self.load_slice(load_atom, pool, sst, bars, slots[ST - 1], P, null_slot,
+                                    item + (ST - 1) * ctas, HV, (j + ST - 1) % ST, lane)
             slots[ST] = Int32(-1)
             if j + ST < n_items:
                 slots[ST] = self.slot_of(cache_idx, item + ST * ctas, HV)
             # 3. item j: wait for its slice, run the token
-            cute.arch.cp_async_wait_group(ST - 1)
+            cute.arch.mbarrier_wait(bars + j % ST, (j // ST) % 2)
             cute.arch.sync_threads()
             slot = slots[0]
             col0 = vb * self.BV + lcol0
@@ -231,11 +240,10 @@ class StreamDecode:
             else:
                 if kr == 0:
                     store_zeros(o, orow * V + col0, CW)
-            # 4. stage j % 2 and the vectors are free for the next item
+            # 4. stage j % ST and the vectors are free for the next items
             cute.arch.sync_threads()
             for i in cutlass.range_constexpr(ST):
                 slots[i] = slots[i + 1]
-        cute.arch.cp_async_wait_group(0)
 
     @cute.jit
     def load_small(self, item, q, k, v, g, beta, A_log, dt_bias, HQK, HV, warp, lcol0, e0, r_v, r_beta, r_qk, r_g,
@@ -266,27 +274,38 @@ class StreamDecode:
             if cutlass.const_expr(self.has_A_log):
                 cute.autovec_copy(cute.make_tensor(A_log + Int64(hv), cute.make_layout(1)), r_alog)
 
-    @cute.jit
-    def copy_slice(self, atom, pool: cute.Pointer, sst: cute.Pointer, slot, item, HV, stage, tid):
-        """cp.async of an item's state slice (the pool rows it reads) into shared stage `stage`, one 16-byte chunk
-        per thread and step, consecutive threads along a row."""
-        K, V, vec = self.K, self.V, self.vec
+    def slice_rows(self, pool: cute.Pointer, sst: cute.Pointer, slot, item, HV, stage, lane, i: int):
+        """Row `lane + 32 i` of an item's slice: (its pool row, its shared row), `cols` elements each."""
+        K, V = self.K, self.V
         head = item // self.NVB
         vb = item % self.NVB
         hv = head % HV
         base = (Int64(slot) * HV + hv) * (K * V)
-        per_row = self.cols // vec
-        for i in cutlass.range_constexpr(self.chunks // (32 * self.NW)):
-            c = tid + i * (32 * self.NW)
-            r = c // per_row
-            e = (c % per_row) * vec
-            goff = base + (Int64(r) * V + vb * self.BV + e)   # slice row r = state row r: BV elements
-            if cutlass.const_expr(self.v_first):              # slice row r = value column vb BV + r: K elements
-                goff = base + (Int64(vb * self.BV + r) * K + e)
-            soff = cute.assume(stage * self.stage_elems + r * self.row_pitch + e, divby=vec)
-            src = cute.make_tensor(pool + cute.assume(goff, divby=vec), cute.make_layout(vec))
-            dst = cute.make_tensor(sst + soff, cute.make_layout(vec))
-            cute.copy(atom, src, dst)
+        r = lane + 32 * i
+        goff = base + (Int64(r) * V + vb * self.BV)   # slice row r = state row r: BV elements
+        if cutlass.const_expr(self.v_first):          # slice row r = value column vb BV + r: K elements
+            goff = base + Int64(vb * self.BV + r) * K
+        soff = cute.assume(stage * self.stage_elems + r * self.row_pitch, divby=self.vec)
+        layout = cute.make_layout(self.cols)
+        return (cute.make_tensor(pool + cute.assume(goff, divby=self.vec), layout),
+                cute.make_tensor(sst + soff, layout))
+
+    @cute.jit
+    def load_slice(self, atom, pool: cute.Pointer, sst: cute.Pointer, bars: cute.Pointer, slot, P, null_slot, item,
+                   HV, stage, lane):
+        """Bulk copies of an item's state slice into shared stage `stage`, one per row, issued by the copier
+        warp's lanes; the stage's mbarrier completes when every byte has landed (at once for a padded request,
+        whose slot is never read)."""
+        in_use = slot_in_use(slot, P, null_slot)
+        if lane == 0:
+            if in_use:
+                cute.arch.mbarrier_arrive_and_expect_tx(bars + stage, self.slice_bytes)
+            else:
+                cute.arch.mbarrier_arrive(bars + stage)
+        if in_use:
+            for i in cutlass.range_constexpr(self.rows // 32):
+                g, sm = self.slice_rows(pool, sst, slot, item, HV, stage, lane, i)
+                cute.copy(atom, g, sm, mbar_ptr=bars + stage)
 
     def read_rows(self, sst: cute.Pointer, stage_off, kr, lcol0, rg):
         """Rows rg G .. rg G + G - 1 of this lane's piece (state rows row_of(kr, .), columns lcol0 .. lcol0 + CW - 1

@@ -1,0 +1,38 @@
+"""The CPU side of tools/bench/mtp_decode.py's `--pool-forms` section: the bytes a T = 1 decode moves at least (the
+HBM-bound percentages rest on them) and the rendering of its table from synthetic rows (no GPU)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from tools.bench import mtp_decode as bench  # noqa: E402
+
+
+def test_decode_bytes_count_the_state_in_the_pools_dtype():
+    N, H, K = 128, 32, 128
+    state = N * H * K * K
+    small = N * H * (3 * K + K + 1) * 2 + N * H * K * 2   # bf16 q, k, g, v, beta and o
+    assert bench.decode_bytes(N, H, torch.float32) == 2 * state * 4 + small
+    assert bench.decode_bytes(N, H, torch.bfloat16) == 2 * state * 2 + small
+
+
+def test_pool_forms_cover_both_dtypes_and_layouts():
+    assert set(bench.POOL_FORMS) == {(d, v) for d in (torch.float32, torch.bfloat16) for v in (False, True)}
+
+
+def test_pool_forms_table_renders_rows_and_errors():
+    rows = [dict(pool="bfloat16", v_first=True, H=32, N=128, ms=0.0786, hbm_pct=72.34, err_o=2e-3, err_pool=1.8e-3),
+            dict(pool="float32", v_first=False, H=64, N=512, ms=1.1313, hbm_pct=79.6)]
+    out = bench.render_pool_forms(rows, {"gpu": "NVIDIA H200"}, 4800.0)
+    lines = out.splitlines()
+    assert lines[0].startswith("GPU: NVIDIA H200; HBM bound taken at 4800 GB/s.")
+    assert "| bfloat16 | V-first | 32 | 128 | 0.0786 | 72.3% | 2.0e-03 | 1.8e-03 |" in lines
+    assert "| float32 | K-first | 64 | 512 | 1.1313 | 79.6% | - | - |" in lines
+    assert lines.index("| pool | layout | H | N | ms | % of HBM bound | err o | err pool |") < len(lines) - 2
