@@ -583,6 +583,25 @@ def test_stream_tiling_by_pool_dtype_and_layout(monkeypatch):
         assert args[-2] == min(N * HV * (K // bv), 132 * ctas), v_first
 
 
+@pytest.mark.parametrize("K", [64, 128])
+@pytest.mark.parametrize(("pool_dtype", "v_first"), [(F32, False), (F32, True), (BF16, False), (BF16, True)])
+def test_stream_kernel_compiles_for_every_pool_form(sm90a, pool_dtype, v_first, K):
+    """The streamed decode (bulk copies of the slice rows into its stages) compiles for sm_90a on every pool form at
+    both served head dims, and its shared memory (stages, vectors, one mbarrier per stage) fits the CTAs per SM the
+    launch counts on."""
+    from cula_sm90.decode import configs, launch
+
+    rt = sm90a
+    config = launch.stream_config(K, K, BF16, BF16, BF16, True, True, False, True, pool_dtype, v_first)
+    rt.get(launch.STREAM, config)
+    assert rt.resolve(launch.STREAM, config).origin == "cached"
+    bv = configs.stream_tiling(K, pool_dtype.itemsize, v_first)[0]
+    stages = configs.stream_stages(pool_dtype.itemsize, v_first)
+    smem = configs.stream_smem_bytes(K, pool_dtype.itemsize, v_first, stages, bv)
+    per_sm = configs.stream_ctas_per_sm(K, pool_dtype.itemsize, v_first, stages, bv)
+    assert per_sm >= 3 and per_sm * (smem + configs.CTA_RESERVED_SMEM) <= configs.SM_SMEM
+
+
 @pytest.mark.parametrize("block_v, lanes_v, num_warps", [(128, 8, 2), (128, 16, 1), (64, 4, 2)])
 def test_stream_kernel_refuses_tilings_of_fewer_than_three_warps(block_v, lanes_v, num_warps):
     """Warps 0, 1 and 2 of a stream CTA load an item's q, k and gate inputs: with fewer warps the gate would never
