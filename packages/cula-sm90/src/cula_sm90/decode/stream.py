@@ -44,8 +44,8 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
-
 from cutlass.cute.nvgpu import cpasync
+
 from cula_sm90.decode._dsl import (activate_beta, gate_values, l2_normalize, load_vec, slot_in_use, store_vec,
                                    store_zeros, thread_coords, xor_sum)
 from cula_sm90.decode.configs import CHUNK_BYTES, stream_ctas_per_sm, stream_smem_bytes
