@@ -274,28 +274,13 @@ class StreamDecode:
             if cutlass.const_expr(self.has_A_log):
                 cute.autovec_copy(cute.make_tensor(A_log + Int64(hv), cute.make_layout(1)), r_alog)
 
-    def slice_rows(self, pool: cute.Pointer, sst: cute.Pointer, slot, item, HV, stage, lane, i: int):
-        """Row `lane + 32 i` of an item's slice: (its pool row, its shared row), `cols` elements each."""
-        K, V = self.K, self.V
-        head = item // self.NVB
-        vb = item % self.NVB
-        hv = head % HV
-        base = (Int64(slot) * HV + hv) * (K * V)
-        r = lane + 32 * i
-        goff = base + (Int64(r) * V + vb * self.BV)   # slice row r = state row r: BV elements
-        if cutlass.const_expr(self.v_first):          # slice row r = value column vb BV + r: K elements
-            goff = base + Int64(vb * self.BV + r) * K
-        soff = cute.assume(stage * self.stage_elems + r * self.row_pitch, divby=self.vec)
-        layout = cute.make_layout(self.cols)
-        return (cute.make_tensor(pool + cute.assume(goff, divby=self.vec), layout),
-                cute.make_tensor(sst + soff, layout))
-
     @cute.jit
     def load_slice(self, atom, pool: cute.Pointer, sst: cute.Pointer, bars: cute.Pointer, slot, P, null_slot, item,
                    HV, stage, lane):
-        """Bulk copies of an item's state slice into shared stage `stage`, one per row, issued by the copier
-        warp's lanes; the stage's mbarrier completes when every byte has landed (at once for a padded request,
-        whose slot is never read)."""
+        """Bulk copies of an item's state slice (the pool rows it reads) into shared stage `stage`, one per row
+        (`cols` elements; lane l copies rows l, l + 32, ...), issued by the copier warp's lanes; the stage's mbarrier
+        completes when every byte has landed (at once for a padded request, whose slot is never read)."""
+        K, V = self.K, self.V
         in_use = slot_in_use(slot, P, null_slot)
         if lane == 0:
             if in_use:
@@ -303,9 +288,19 @@ class StreamDecode:
             else:
                 cute.arch.mbarrier_arrive(bars + stage)
         if in_use:
+            head = item // self.NVB
+            vb = item % self.NVB
+            hv = head % HV
+            base = (Int64(slot) * HV + hv) * (K * V)
+            layout = cute.make_layout(self.cols)
             for i in cutlass.range_constexpr(self.rows // 32):
-                g, sm = self.slice_rows(pool, sst, slot, item, HV, stage, lane, i)
-                cute.copy(atom, g, sm, mbar_ptr=bars + stage)
+                r = lane + 32 * i
+                goff = base + (Int64(r) * V + vb * self.BV)   # slice row r = state row r: BV elements
+                if cutlass.const_expr(self.v_first):          # slice row r = value column vb BV + r: K elements
+                    goff = base + Int64(vb * self.BV + r) * K
+                soff = cute.assume(stage * self.stage_elems + r * self.row_pitch, divby=self.vec)
+                cute.copy(atom, cute.make_tensor(pool + cute.assume(goff, divby=self.vec), layout),
+                          cute.make_tensor(sst + soff, layout), mbar_ptr=bars + stage)
 
     def read_rows(self, sst: cute.Pointer, stage_off, kr, lcol0, rg):
         """Rows rg G .. rg G + G - 1 of this lane's piece (state rows row_of(kr, .), columns lcol0 .. lcol0 + CW - 1
