@@ -3,8 +3,9 @@ state, per-token states, verify, flush with a per-request and a broadcast m, all
 {1, 5} with padded slots (-1) and an out-of-range slot (= P), T in {1, 3}, K = V in {64, 128}, GVA 2; every tiling
 the dispatch can pick and the chunk-form verify (every chunk variant, T in {1, 3, 9}), each named through the sm90
 kernels' `tiling` / `verify_variant` keywords (K = V = 64 through the kernels directly as well); the streamed
-single-token decode on K-first fp32 / bf16 pools at N = 129, HV = 8 (a batch it serves: many work items per CTA;
-V-first pools run it at any size); fused_recurrent_kda's slot mode (a slot per token, with and without
+single-token decode on K-first fp32 / bf16 and V-first bf16 pools at HV = 8 and the first N past the pool form's
+threshold (configs.stream_min_heads: a batch it serves, many work items per CTA; V-first fp32 pools run it at any
+size); fused_recurrent_kda's slot mode (a slot per token, with and without
 num_accepted_tokens, padded rows, negative and out-of-range write slots, counts outside [1, T_idx]) on fp32 / bf16,
 K-first / V-first pools.
 Prints "cases ok" at the end; memcheck reports any out-of-bounds or misaligned access."""
@@ -101,12 +102,16 @@ def main(parts=("all", "tilings", "verify", "pools", "stream", "slots")):
                 kw = serving_pool(kw, dtype, v_first, null_slot=free)
                 run_case(kw, T, N, public=True)
                 n += 1
-        # the streamed single-token decode on [K, V] pools at a batch it serves (N * HV >= STREAM_MIN_HEADS; the
-        # V-first pools above run it at any size), padded and out-of-range slots, K = V = 128 (public op) and 64
-        for dtype in ((torch.float32, torch.bfloat16) if "stream" in parts else ()):
+        # the streamed single-token decode at a batch it serves (N * HV >= stream_min_heads) on the pool forms with
+        # a threshold (the V-first fp32 pools above run it at any size), padded and out-of-range slots, K = V = 128
+        # (public op) and 64
+        for dtype, v_first in (((torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True))
+                               if "stream" in parts else ()):
+            N = configs.stream_min_heads(dtype.itemsize, v_first) // 8 + 1
             for K in (64, 128):
-                kw = serving_pool(make_case(129, 1, 2, 8, K=K, V=K, out_of_range=True, extra_slots=1, seed=150), dtype)
-                assert configs.streams(configs.MODE_FINAL, 1, 129, 8, False)
+                kw = serving_pool(make_case(N, 1, 2, 8, K=K, V=K, out_of_range=True, extra_slots=1, seed=150), dtype,
+                                  v_first)
+                assert configs.streams(configs.MODE_FINAL, 1, N, 8, v_first, dtype.itemsize)
                 if K == 128:
                     cula_core.kda_decode_mtp(**kw)
                 else:

@@ -526,30 +526,37 @@ def test_slot_mode_arguments_are_checked_before_anything_runs(monkeypatch, mode,
     assert torch.equal(pool, pool_before)
 
 
-def test_single_token_dispatch_streams_large_batches_and_v_first_pools(monkeypatch):
-    """kda_decode's kernel by batch: the recurrent kernel below configs.STREAM_MIN_HEADS request-heads of a [K, V]
-    pool, the streamed one from there on and for [V, K] pools at any size; the streamed launch passes the CTA count
-    (resident CTAs per SM times the device's SMs, at most the work items) as its last argument; a named tiling
-    always runs the recurrent kernel."""
+def test_single_token_dispatch_streams_from_each_pool_forms_threshold(monkeypatch):
+    """kda_decode's kernel by batch, for every pool form: the recurrent kernel below configs.stream_min_heads
+    request-heads N * HV, the streamed one from there on (V-first fp32 pools: at any size); the thresholds are the
+    measured ones (bf16 pools 2048, [K, V] fp32 pools 8192, [V, K] fp32 pools 0); the streamed launch passes the CTA
+    count (resident CTAs per SM times the device's SMs, at most the work items) as its last argument; a named
+    tiling always runs the recurrent kernel."""
     from cula_sm90.decode import configs, launch
 
+    assert configs.STREAM_MIN_HEADS == {(2, False): 2048, (2, True): 2048, (4, False): 8192, (4, True): 0}
     launches = _record_launches(monkeypatch)
     K, HV = 64, 8
-    for N, v_first, tiling, expected in ((2, False, None, launch.RECURRENT), (2, True, None, launch.STREAM),
-                                         (128, False, None, launch.STREAM), (128, False, (64, 4, 4, 0),
-                                                                              launch.RECURRENT)):
-        assert (N * HV >= configs.STREAM_MIN_HEADS) == (N == 128)
-        inputs = _decode_inputs("final", 1, K, BF16, F32, F32, True, True, N=N, HV=HV)
-        launches.clear()
-        launch.run_recurrent("final", *inputs, scale=0.125, lower_bound=None, use_qk_l2norm_in_kernel=True,
-                             state_v_first=v_first, tiling=tiling)
-        (name, _, args), = launches
-        assert name == expected, (N, v_first, tiling)
-        if name == launch.STREAM:
-            bv = configs.stream_tiling(K, 4, v_first)[0]
-            items = N * HV * (K // bv)
-            ctas = configs.stream_ctas_per_sm(K, 4, v_first, configs.stream_stages(4, v_first), bv)
-            assert args[-2] == min(items, 132 * ctas) and len(args) == 22   # 20 kernel arguments, ctas, stream
+    for pool_dtype in (F32, BF16):
+        pool_bytes = pool_dtype.itemsize
+        for v_first in (False, True):
+            first = max(configs.stream_min_heads(pool_bytes, v_first) // HV, 1)   # the first N that streams
+            cases = [(first, None, launch.STREAM), (first, (64, 4, 4, 0), launch.RECURRENT)]
+            if configs.stream_min_heads(pool_bytes, v_first) > 0:
+                cases.append((first - 1, None, launch.RECURRENT))
+            for N, tiling, expected in cases:
+                inputs = _decode_inputs("final", 1, K, BF16, F32, F32, True, True, N=N, HV=HV, pool_dtype=pool_dtype)
+                launches.clear()
+                launch.run_recurrent("final", *inputs, scale=0.125, lower_bound=None, use_qk_l2norm_in_kernel=True,
+                                     state_v_first=v_first, tiling=tiling)
+                (name, _, args), = launches
+                assert name == expected, (pool_dtype, v_first, N, tiling)
+                if name == launch.STREAM:
+                    bv = configs.stream_tiling(K, pool_bytes, v_first)[0]
+                    items = N * HV * (K // bv)
+                    ctas = configs.stream_ctas_per_sm(K, pool_bytes, v_first, configs.stream_stages(pool_bytes,
+                                                                                                     v_first), bv)
+                    assert args[-2] == min(items, 132 * ctas) and len(args) == 22   # 20 kernel arguments, ctas, stream
 
 
 def test_stream_tiling_by_pool_dtype_and_layout(monkeypatch):
@@ -571,7 +578,7 @@ def test_stream_tiling_by_pool_dtype_and_layout(monkeypatch):
     assert configs.stream_smem_bytes(128, 2, True, 3, 64) == 3 * 64 * (128 + 8) * 2 + 3 * 128 * 4 + 3 * 8
 
     launches = _record_launches(monkeypatch)
-    K, HV, N = 128, 4, 300   # 1200 request-heads: streamed on either layout
+    K, HV, N = 128, 4, 600   # 2400 request-heads: streamed on either layout (bf16 pools stream from 2048)
     for v_first, bv in ((False, 128), (True, 64)):
         inputs = _decode_inputs("final", 1, K, BF16, F32, F32, True, True, N=N, HV=HV, pool_dtype=BF16)
         launches.clear()

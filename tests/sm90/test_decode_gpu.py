@@ -330,14 +330,15 @@ def test_serving_pools(T, dtype, v_first, null):
 @pytest.mark.parametrize(("dtype", "v_first", "null"), [(torch.bfloat16, False, True), (torch.float32, False, False),
                                                          (torch.bfloat16, True, False), (torch.float32, True, True)])
 def test_streamed_decode(dtype, v_first, null):
-    """Single-token decode at a batch the streamed kernel serves (N * HV >= configs.STREAM_MIN_HEADS: many work
+    """Single-token decode at a batch the streamed kernel serves (N * HV >= configs.stream_min_heads: many work
     items per persistent CTA), every pool form, padded, out-of-range and null slots: outputs and the pool against
     the reference on the same pool and against the recurrent kernel (named through `tiling`); slots no live
     request owns (the null slot included) bitwise untouched; padded requests get zeros."""
     from cula_sm90.decode import configs
 
-    N, HV = 300, 2 * HQK
-    assert configs.streams(configs.MODE_FINAL, 1, N, HV, v_first)
+    HV = 2 * HQK
+    N = max(300, -(-configs.stream_min_heads(dtype.itemsize, v_first) // HV))
+    assert configs.streams(configs.MODE_FINAL, 1, N, HV, v_first, dtype.itemsize)
     state_tol = REL_TOL_BF16_STATE if dtype == torch.bfloat16 else REL_TOL
     # an out-of-range slot only where serving_pool points it at the null slot (the reference op refuses one;
     # test_mtp_final_state_into_pool and the memcheck case give the streamed kernel out-of-range slots as they are)

@@ -36,10 +36,11 @@ Table 1 times every verify variant (recurrent, chunk SIMT, chunk tensor cores); 
 `--dispatch` times only what the dispatch tables pick, graph-timed: the verify alone per variant (growth in T,
 beside FLA's chain and ours), T = 1 decode, the chain grid (in that order, the JSON written after every row).
 Errors: max |o_cula - o_FLA| / max |o_FLA| on the first call of each cell (bf16 outputs).
-`--pool-forms` times only `kda_decode` at T = 1 (the dispatch's pick: the streamed kernel at these sizes) on every
-pool form a serving engine keeps (fp32 / bf16, [K, V] / V-first), H in (32, 64), N in (128, 512), graph-timed, as
-the fraction of the HBM bound (state read + write in the pool's dtype, the per-token vectors and o), with the
-errors of o and of the pool against cula_core's reference run in fp64 on the same inputs at N = 128.
+`--pool-forms` times only `kda_decode` at T = 1 (the dispatch's pick, named in the `kernel` column: the streamed
+kernel, or the recurrent one below the pool form's threshold, configs.streams) on every pool form a serving engine
+keeps (fp32 / bf16, [K, V] / V-first), H in (32, 64), N in (128, 512), graph-timed, as the fraction of the HBM
+bound (state read + write in the pool's dtype, the per-token vectors and o), with the errors of o and of the pool
+against cula_core's reference run in fp64 on the same inputs at N = 128.
 """
 
 from __future__ import annotations
@@ -490,13 +491,17 @@ def decode_bytes(N, H, pool_dtype):
 
 def pool_forms_run(timing, hs=HS, ns=(128, 512), check_n=128):
     """`--pool-forms`: one row per (pool dtype, layout, H, N)."""
+    from cula_sm90.decode import configs
+
     rows = []
     for dtype, v_first in POOL_FORMS:
         POOL.update(dtype=dtype, v_first=v_first)
         for H in hs:
             for N in ns:
                 x = make_inputs(N, 1, H, seed=N)
-                row = dict(pool=str(dtype).replace("torch.", ""), v_first=v_first, H=H, N=N)
+                streamed = configs.streams(configs.MODE_FINAL, 1, N, H, v_first, dtype.itemsize)
+                row = dict(pool=str(dtype).replace("torch.", ""), v_first=v_first, H=H, N=N,
+                           kernel="streamed" if streamed else "recurrent")
                 if N == check_n:
                     ours = dict(x, state_pool=x["state_pool"].clone())
                     ref = {name: t.double() if torch.is_tensor(t) and t.is_floating_point() else t
@@ -521,11 +526,12 @@ def pool_forms_run(timing, hs=HS, ns=(128, 512), check_n=128):
 def render_pool_forms(rows, env, peak) -> str:
     lines = [f"GPU: {env.get('gpu', '?')}; HBM bound taken at {peak:.0f} GB/s. K = V = 128, HQK = HV = H, bf16 "
              "q/k/v/g/beta, softplus gate and L2 norm in kernel.", "",
-             "| pool | layout | H | N | ms | % of HBM bound | err o | err pool |", "|---|---|---|---|---|---|---|---|"]
+             "| pool | layout | H | N | kernel | ms | % of HBM bound | err o | err pool |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         err = (f"{r['err_o']:.1e} | {r['err_pool']:.1e}" if "err_o" in r else "- | -")
         lines.append(f"| {r['pool']} | {'V-first' if r['v_first'] else 'K-first'} | {r['H']} | {r['N']} | "
-                     f"{r['ms']:.4f} | {r['hbm_pct']:.1f}% | {err} |")
+                     f"{r['kernel']} | {r['ms']:.4f} | {r['hbm_pct']:.1f}% | {err} |")
     return "\n".join(lines) + "\n"
 
 

@@ -45,10 +45,12 @@ STREAM_STAGES = {(4, False): 2, (4, True): 2, (2, False): 2, (2, True): 3}
 SM_SMEM, CTA_RESERVED_SMEM, CHUNK_BYTES = 228 * 1024, 1024, 16
 
 
-#: single-token decode streams (stream.py) from this many request-heads N * HV on (below, the recurrent kernel's
-#: one CTA per head and column block finishes sooner: fewer items than a few per stream CTA), and for [V, K] pools at
-#: any size (the recurrent kernel reads them by columns). Chosen by measurement: docs/benchmarks/mtp_decode.md.
-STREAM_MIN_HEADS = 1024
+#: single-token decode streams (stream.py) from this many request-heads N * HV on, by (bytes of a pool element,
+#: V-first pool); below, the recurrent kernel (one CTA per head and column block) finishes sooner. bf16 pools from
+#: 2048, [K, V] fp32 pools from 8192 (from there the two kernels are on par), [V, K] fp32 pools at any size (the
+#: recurrent kernel reads them by columns). Chosen by measurement: docs/benchmarks/mtp_decode.md, "Where the
+#: single-token decode streams".
+STREAM_MIN_HEADS = {(4, False): 8192, (4, True): 0, (2, False): 2048, (2, True): 2048}
 
 
 def stream_serves(mode: str, T: int) -> bool:
@@ -56,9 +58,14 @@ def stream_serves(mode: str, T: int) -> bool:
     return mode == MODE_FINAL and T == 1
 
 
-def streams(mode: str, T: int, N: int, HV: int, v_first: bool) -> bool:
+def stream_min_heads(pool_bytes: int, v_first: bool) -> int:
+    """Request-heads N * HV from which single-token decode streams, for a pool element size and layout."""
+    return STREAM_MIN_HEADS[pool_bytes, bool(v_first)]
+
+
+def streams(mode: str, T: int, N: int, HV: int, v_first: bool, pool_bytes: int) -> bool:
     """Whether the dispatch runs a batch on the streamed decode (a named tiling runs the recurrent kernel)."""
-    return stream_serves(mode, T) and (v_first or N * HV >= STREAM_MIN_HEADS)
+    return stream_serves(mode, T) and N * HV >= stream_min_heads(pool_bytes, v_first)
 
 
 def stream_tiling(V: int, pool_bytes: int, v_first: bool) -> tuple[int, int, int]:

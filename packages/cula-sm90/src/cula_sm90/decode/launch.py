@@ -27,8 +27,9 @@ converted to fp32 on the host; A_log and dt_bias always fp32 (None when absent).
 fp32 as they load it, so these conversions change no result; they keep the configuration set small enough to be
 built ahead of time (cula_sm90.kernels.aot_configurations).
 
-Dispatch: single-token decode into the pool (MODE_FINAL, T = 1) of many request-heads or into a [V, K] pool runs the
-streamed kernel (`configs.streams`; persistent CTAs, `configs.stream_ctas_per_sm` per SM); otherwise
+Dispatch: single-token decode into the pool (MODE_FINAL, T = 1) of many request-heads (a threshold per pool dtype and
+layout; any batch of a [V, K] fp32 pool) runs the streamed kernel (`configs.streams`; persistent CTAs,
+`configs.stream_ctas_per_sm` per SM); otherwise
 `configs.recurrent_tiling` (the recurrent kernel's tiling) and `configs.verify_variant` (recurrent kernel or chunk
 form for the verify) pick by T and heads = N * HV; the measurements behind the tables are in
 docs/benchmarks/mtp_decode.md. On a family's first call (mode, T, head dims, dtypes, gate) every kernel the tables
@@ -193,7 +194,7 @@ def dispatched_kernel(N: int, HV: int, mode: str, T: int, K: int, V: int, qkv, g
     """(kernel name, configuration) the dispatch picks for a batch of N requests with HV value heads in a family
     (family_kernels' arguments)."""
     family = (K, V, qkv, gdt, bdt, has_A_log, has_dt_bias, safe, l2norm, pool, v_first)
-    if configs.streams(mode, T, N, HV, v_first):
+    if configs.streams(mode, T, N, HV, v_first, pool.itemsize):
         return STREAM, stream_config(*family)
     variant = configs.verify_variant(N, T, HV) if mode == configs.MODE_KVBUFFER else configs.VERIFY_RECURRENT
     return variant_kernel(mode, variant, configs.recurrent_tiling(N, T, HV, mode), T, *family)
@@ -376,9 +377,9 @@ def _launcher(key: tuple, device: torch.device, unaligned_pool=None, o_only: boo
                                 pool, v_first, tiling, verify_variant)
         scalars = (N, HQK, HV, pool_shape[0], float(scale), float(lower_bound) if safe else 0.0,
                    -1 if null_slot is None else int(null_slot), int(bool(precomputed)), beta_sigmoid)
-        if tiling is None and verify_variant is None and configs.streams(mode, T, N, HV, v_first):
+        pool_bytes = pool.itemsize
+        if tiling is None and verify_variant is None and configs.streams(mode, T, N, HV, v_first, pool_bytes):
             # the streamed decode's one more argument: the CTAs launched, as many as are resident at once
-            pool_bytes = pool.itemsize
             bv = configs.stream_tiling(V, pool_bytes, v_first)[0]
             stages = configs.stream_stages(pool_bytes, v_first)
             ctas_per_sm = configs.stream_ctas_per_sm(K, pool_bytes, v_first, stages, bv)
