@@ -3,16 +3,17 @@ minus the GPU time of the same calls (replayed from a CUDA graph), per call, in 
 
     python -m tools.bench.host_overhead [--calls 1000] [--passes 3]
 
-Rows: one decode kernel launched through cula-sm90's launch layer (`launch.run_recurrent`: the configuration's TVM-FFI
-function from cula_core.cute_runtime, called with integer addresses and the raw stream: what every launch in cula-sm90
-costs on the host), and the public ops (validation, dispatch (a repeated call runs its plan: cula_core.plans), the
-launches): the decode ops, fused_recurrent_kda on a pool (FLA's signature, as vLLM calls it), kda_prefill (softplus
-gate: the SIMT stage 1; safe gate: the tensor-core one) and chunk_kda under no_grad (the sm90 prefill's two
-launches). Tiny shapes keep the GPU idle most of the time, so that wall minus
-GPU is the host's share; the enqueue column times the calls alone without waiting for the GPU (the B = 1, T = 512,
-H = 64 prefill row: its GPU part is the longer one). The last column counts the row's calls that reached the
-compiled plan table and how many of them it served (`plan_table.stats`): a row whose calls are not all served ran
-some through the Python plan.
+Rows: one decode kernel called alone (the configuration's TVM-FFI function from cula_core.cute_runtime, with the
+addresses and scalars prepared once, torch's current stream read per call: what the launch layer costs per kernel
+launch), the same kernel launched through cula-sm90's Python launcher (`launch.run_recurrent`: configuration lookup,
+the output's allocation, the addresses and the current stream on every call), and the public ops (validation,
+dispatch (a repeated call runs its plan: cula_core.plans), the launches): the decode ops, fused_recurrent_kda on a
+pool (FLA's signature, as vLLM calls it), kda_prefill (softplus gate: the SIMT stage 1; safe gate: the tensor-core
+one) and chunk_kda under no_grad (the sm90 prefill's two launches). Tiny shapes keep the GPU idle most of the time,
+so that wall minus GPU is the host's share; the enqueue column times the calls alone without waiting for the GPU
+(the B = 1, T = 512, H = 64 prefill row: its GPU part is the longer one). The last column counts the row's calls
+that reached the compiled plan table and how many of them it served (`plan_table.stats`): a row whose calls are not
+all served ran some through the Python plan.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def main(argv=None) -> int:
     import torch
 
     import cula
+    from cula_core import cute_runtime as rt
     from cula_core.cute_runtime import plan_table
     from cula_sm90.decode import configs, launch
 
@@ -86,6 +88,27 @@ def main(argv=None) -> int:
         launch.run_recurrent(configs.MODE_FINAL, q, k, v, g, beta, pool, idx, A_log, dt_bias, scale=K ** -0.5,
                              lower_bound=None, use_qk_l2norm_in_kernel=True)
 
+    # the same kernel called alone: the TVM-FFI function the runtime layer loaded (cula_core.cute_runtime) with the
+    # addresses and scalars prepared once, as run_recurrent passes them for this batch (MODE_FINAL, softplus gate with
+    # A_log and dt_bias, L2 norm, fp32 [K, V] pool, beta as given): what the launch layer itself costs per launch
+    assert launch.gate_read_dtype(bf) is bf, "bf16 g / beta are read as they are (no conversion before the launch)"
+    kernel = launch.recurrent_function(configs.MODE_FINAL, N, 1, K, K, H, bf, launch.gate_read_dtype(bf),
+                                       launch.gate_read_dtype(bf), True, True, False, True, torch.float32, False)
+    o_alone = torch.empty_like(v)
+    alone_args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), A_log.data_ptr(),
+                  dt_bias.data_ptr(), pool.data_ptr(), idx.data_ptr(), o_alone.data_ptr(), pool.data_ptr(),
+                  N, H, H, pool.shape[0], K ** -0.5, 0.0, -1, 0, configs.BETA_SIGMOID["none"])
+
+    def kernel_alone():  # the launch and torch's current stream (which every launch reads)
+        kernel(*alone_args, rt.current_stream(0))
+
+    # the row times the kernel run_recurrent launches, with its arguments: the same output from the same pool
+    kernel_alone()
+    o_ref, _ = launch.run_recurrent(configs.MODE_FINAL, q, k, v, g, beta, pool.zero_(), idx, A_log, dt_bias,
+                                    scale=K ** -0.5, lower_bound=None, use_qk_l2norm_in_kernel=True)
+    if not torch.equal(o_ref, o_alone):
+        raise RuntimeError("host_overhead: the kernel called alone disagrees with launch.run_recurrent")
+
     qm, km, vm, gm = (torch.randn(N, 4, H, K, device=dev, dtype=bf) * 0.1 for _ in range(4))
     bm = torch.rand(N, 4, H, device=dev, dtype=bf)
     qp, kp, vp, gp = (torch.randn(1, 64, H, K, device=dev, dtype=bf) * 0.1 for _ in range(4))
@@ -99,6 +122,7 @@ def main(argv=None) -> int:
                   use_qk_l2norm_in_kernel=True)
 
     rows = {
+        "kernel launch alone: the compiled decode kernel (TVM-FFI function, arguments prepared once)": kernel_alone,
         "kernel launch: sm90 decode recurrent (launch.run_recurrent, TVM-FFI)": kernel_launch,
         "op: kda_decode (N=1, H=4)": lambda: cula.kda_decode(q, k, v, g, beta, pool, idx, **gate),
         "op: kda_decode_mtp (N=1, T=4)": lambda: cula.kda_decode_mtp(qm, km, vm, gm, bm, pool, idx, **gate),
