@@ -540,9 +540,10 @@ def test_single_token_dispatch_streams_from_each_pool_forms_threshold(monkeypatc
     for pool_dtype in (F32, BF16):
         pool_bytes = pool_dtype.itemsize
         for v_first in (False, True):
-            first = max(configs.stream_min_heads(pool_bytes, v_first) // HV, 1)   # the first N that streams
+            min_heads = configs.stream_min_heads(pool_bytes, v_first)
+            first = max(min_heads // HV, 1)   # the first N that streams
             cases = [(first, None, launch.STREAM), (first, (64, 4, 4, 0), launch.RECURRENT)]
-            if configs.stream_min_heads(pool_bytes, v_first) > 0:
+            if min_heads > 0:
                 cases.append((first - 1, None, launch.RECURRENT))
             for N, tiling, expected in cases:
                 inputs = _decode_inputs("final", 1, K, BF16, F32, F32, True, True, N=N, HV=HV, pool_dtype=pool_dtype)

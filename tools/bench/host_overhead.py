@@ -92,8 +92,8 @@ def main(argv=None) -> int:
     # addresses and scalars prepared once, as run_recurrent passes them for this batch (MODE_FINAL, softplus gate with
     # A_log and dt_bias, L2 norm, fp32 [K, V] pool, beta as given): what the launch layer itself costs per launch
     assert launch.gate_read_dtype(bf) is bf, "bf16 g / beta are read as they are (no conversion before the launch)"
-    kernel = launch.recurrent_function(configs.MODE_FINAL, N, 1, K, K, H, bf, launch.gate_read_dtype(bf),
-                                       launch.gate_read_dtype(bf), True, True, False, True, torch.float32, False)
+    kernel = launch.recurrent_function(configs.MODE_FINAL, N, 1, K, K, H, bf, bf, bf, True, True, False, True,
+                                       torch.float32, False)
     o_alone = torch.empty_like(v)
     alone_args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), A_log.data_ptr(),
                   dt_bias.data_ptr(), pool.data_ptr(), idx.data_ptr(), o_alone.data_ptr(), pool.data_ptr(),
