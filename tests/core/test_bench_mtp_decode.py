@@ -1,5 +1,6 @@
-"""The CPU side of tools/bench/mtp_decode.py's `--pool-forms` section: the bytes a T = 1 decode moves at least (the
-HBM-bound percentages rest on them) and the rendering of its table from synthetic rows (no GPU)."""
+"""The CPU side of tools/bench/mtp_decode.py's `--pool-forms` and `--stream-thresholds` sections: the bytes a T = 1
+decode moves at least (the HBM-bound percentages rest on them), the cells timed and the rendering of their tables
+from synthetic rows (no GPU)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,23 @@ def test_pool_forms_table_renders_rows_and_errors():
     assert "| bfloat16 | V-first | 32 | 128 | streamed | 0.0786 | 72.3% | 2.0e-03 | 1.8e-03 |" in lines
     assert "| float32 | K-first | 64 | 512 | recurrent | 1.1313 | 79.6% | - | - |" in lines
     assert lines.index("| pool | layout | H | N | kernel | ms | % of HBM bound | err o | err pool |") < len(lines) - 2
+
+
+def test_stream_threshold_cells_straddle_every_threshold():
+    """Two cells (H = 32 and 64) per request-head count N * H from 512 to 16384, one at 32768: the thresholds of
+    configs.STREAM_MIN_HEADS (2048, 8192) and the counts just below them are timed."""
+    counts = {}
+    for H, N in bench.STREAM_CELLS:
+        counts.setdefault(H * N, set()).add(H)
+    assert counts == {**{512 * 2 ** i: {32, 64} for i in range(6)}, 32768: {64}}
+
+
+def test_stream_thresholds_table_renders_the_ratio():
+    rows = [dict(pool="bfloat16", v_first=False, H=64, N=16, kernel="recurrent", tiling=(64, 4, 4, 0),
+                 dispatch=0.0209, recurrent=0.0209),
+            dict(pool="float32", v_first=True, H=32, N=16, kernel="streamed", tiling=(64, 4, 4, 0), dispatch=0.0197,
+                 recurrent=0.0279)]
+    lines = bench.render_stream_thresholds(rows, {"gpu": "NVIDIA H200"}).splitlines()
+    assert lines[0].startswith("GPU: NVIDIA H200.")
+    assert "| bfloat16 | K-first | 64 | 16 | 1024 | recurrent | 0.0209 | 64x4x4x0 | 0.0209 | 1.00 |" in lines
+    assert "| float32 | V-first | 32 | 16 | 512 | streamed | 0.0197 | 64x4x4x0 | 0.0279 | 1.42 |" in lines

@@ -5,6 +5,7 @@
     python -m tools.bench.mtp_decode --static [--out FILE]     # no GPU: SASS of the chunk verify variants by T
     python -m tools.bench.mtp_decode --first-call [--out FILE] # each decode family's first call (compiles)
     python -m tools.bench.mtp_decode --pool-forms [--out FILE]  # T = 1 decode on every pool form, % of the HBM bound
+    python -m tools.bench.mtp_decode --stream-thresholds [--out FILE]  # T = 1: dispatch's pick vs recurrent kernel
 
 Inputs: K = V = 128, HQK = HV in (32, 64), bf16 q/k/v/g/beta (raw g, gate and L2 norm in kernel, softplus gate
 with A_log and dt_bias), fp32 state pool [P, HV, K, V] (`--pool-dtype bf16`: a bf16 pool, both sides; `--v-first`:
@@ -41,6 +42,9 @@ kernel, or the recurrent one below the pool form's threshold, configs.streams) o
 keeps (fp32 / bf16, [K, V] / V-first), H in (32, 64), N in (128, 512), graph-timed, as the fraction of the HBM
 bound (state read + write in the pool's dtype, the per-token vectors and o), with the errors of o and of the pool
 against cula_core's reference run in fp64 on the same inputs at N = 128.
+`--stream-thresholds` times `kda_decode` at T = 1 by the dispatch's pick against the recurrent kernel at its T = 1
+tiling (named through the sm90 op's `tiling`) on every pool form, over request-heads N * H from 512 to 32768
+(STREAM_CELLS), graph-timed: the measurement behind configs.STREAM_MIN_HEADS.
 """
 
 from __future__ import annotations
@@ -375,6 +379,8 @@ def main(argv=None) -> int:
     ap.add_argument("--v-first", action="store_true", help="V-first pools [P, HV, V, K] (state_v_first=True)")
     ap.add_argument("--pool-forms", action="store_true",
                     help="only T = 1 decode on every pool form (fp32 / bf16, K-first / V-first), %% of the HBM bound")
+    ap.add_argument("--stream-thresholds", action="store_true",
+                    help="only T = 1 decode by the dispatch's pick against the recurrent kernel, every pool form")
     ap.add_argument("--out", type=Path, help="write the markdown report here")
     ap.add_argument("--json", type=Path, help="write the raw numbers here (as it goes)")
     add_do_bench_args(ap)
@@ -394,6 +400,11 @@ def main(argv=None) -> int:
         if args.json:
             args.json.write_text(json.dumps(raw, indent=2, default=str))
         return _emit(render_pool_forms(raw["pool_forms"], environment("cuda"), peak_hbm_gbs()), args.out)
+    if args.stream_thresholds:
+        raw = {"stream_thresholds": stream_thresholds_run(timing)}
+        if args.json:
+            args.json.write_text(json.dumps(raw, indent=2, default=str))
+        return _emit(render_stream_thresholds(raw["stream_thresholds"], environment("cuda")), args.out)
     ns, ts, hs = ((1, 64), (4,), (32,)) if args.smoke else (NS, TS, HS)
     if args.quick:
         ns, ts, hs = (1, 128), (2, 6), (64,)
@@ -532,6 +543,47 @@ def render_pool_forms(rows, env, peak) -> str:
         err = (f"{r['err_o']:.1e} | {r['err_pool']:.1e}" if "err_o" in r else "- | -")
         lines.append(f"| {r['pool']} | {'V-first' if r['v_first'] else 'K-first'} | {r['H']} | {r['N']} | "
                      f"{r['kernel']} | {r['ms']:.4f} | {r['hbm_pct']:.1f}% | {err} |")
+    return "\n".join(lines) + "\n"
+
+
+#: (H, N) cells of `--stream-thresholds`: two per request-head count N * H from 512 to 16384, then 32768
+STREAM_CELLS = ((32, 16), (64, 8), (32, 32), (64, 16), (64, 32), (32, 64), (64, 64), (32, 128), (64, 128),
+                (32, 256), (64, 256), (32, 512), (64, 512))
+
+
+def stream_thresholds_run(timing, cells=STREAM_CELLS):
+    """`--stream-thresholds`: one row per (pool dtype, layout, H, N): `kda_decode` at T = 1 by the dispatch's pick
+    and by the recurrent kernel at its T = 1 tiling, on the same inputs."""
+    from cula_sm90.decode import configs
+
+    rows = []
+    for dtype, v_first in POOL_FORMS:
+        POOL.update(dtype=dtype, v_first=v_first)
+        for H, N in cells:
+            x = make_inputs(N, 1, H, seed=N)
+            tiling = configs.recurrent_tiling(N, 1, H, configs.MODE_FINAL)
+            streamed = configs.streams(configs.MODE_FINAL, 1, N, H, v_first, dtype.itemsize)
+            row = dict(pool=str(dtype).replace("torch.", ""), v_first=v_first, H=H, N=N,
+                       kernel="streamed" if streamed else "recurrent", tiling=tiling,
+                       dispatch=graph_ms(cula_decode, (x,), timing),
+                       recurrent=graph_ms(decode_at_tiling, (x, tiling), timing))
+            rows.append(row)
+            print(row, flush=True)
+            del x
+            torch.cuda.empty_cache()
+    return rows
+
+
+def render_stream_thresholds(rows, env) -> str:
+    lines = [f"GPU: {env.get('gpu', '?')}. K = V = 128, HQK = HV = H, bf16 q/k/v/g/beta, softplus gate and L2 norm "
+             "in kernel; device ms. `recurrent / dispatch` above 1: the dispatch's pick is faster.", "",
+             "| pool | layout | H | N | N * H | dispatch's kernel | dispatch ms | recurrent tiling | recurrent ms | "
+             "recurrent / dispatch |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tiling = "x".join(map(str, r["tiling"]))
+        lines.append(f"| {r['pool']} | {'V-first' if r['v_first'] else 'K-first'} | {r['H']} | {r['N']} | "
+                     f"{r['H'] * r['N']} | {r['kernel']} | {r['dispatch']:.4f} | {tiling} | {r['recurrent']:.4f} | "
+                     f"{r['recurrent'] / r['dispatch']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
