@@ -40,8 +40,9 @@ Errors: max |o_cula - o_FLA| / max |o_FLA| on the first call of each cell (bf16 
 `--pool-forms` times only `kda_decode` at T = 1 (the dispatch's pick, named in the `kernel` column: the streamed
 kernel, or the recurrent one below the pool form's threshold, configs.streams) on every pool form a serving engine
 keeps (fp32 / bf16, [K, V] / V-first), H in (32, 64), N in (128, 512), graph-timed, as the fraction of the HBM
-bound (state read + write in the pool's dtype, the per-token vectors and o), with the errors of o and of the pool
-against cula_core's reference run in fp64 on the same inputs at N = 128.
+bound (state read + write in the pool's dtype, the per-token vectors and o); at N = 128 also a device copy of the
+requests' state bytes (read + write, same timing: the practical ceiling) and the errors of o and of the pool
+against cula_core's reference run in fp64 on the same inputs.
 `--stream-thresholds` times `kda_decode` at T = 1 by the dispatch's pick against the recurrent kernel at its T = 1
 tiling (named through the sm90 op's `tiling`) on every pool form, over request-heads N * H from 512 to 32768
 (STREAM_CELLS), graph-timed: the measurement behind configs.STREAM_MIN_HEADS.
@@ -527,6 +528,12 @@ def pool_forms_run(timing, hs=HS, ns=(128, 512), check_n=128):
                     row["err_pool"] = errors(ours["state_pool"].double(), ref["state_pool"])[1]
                 row["ms"] = graph_ms(cula_decode, (x,), timing)
                 row["hbm_pct"] = decode_bytes(N, H, dtype) / (row["ms"] * 1e-3) / 1e9 / peak_hbm_gbs() * 100
+                if N == check_n:  # the practical ceiling: a device copy of the requests' state bytes (read + write)
+                    src = torch.rand(N * H * K * V, device="cuda").to(dtype)
+                    dst = torch.empty_like(src)
+                    row["copy_pct"] = (2 * src.numel() * dtype.itemsize / (graph_ms(dst.copy_, (src,), timing) * 1e-3)
+                                       / 1e9 / peak_hbm_gbs() * 100)
+                    del src, dst
                 rows.append(row)
                 print(row, flush=True)
                 del x
@@ -537,12 +544,13 @@ def pool_forms_run(timing, hs=HS, ns=(128, 512), check_n=128):
 def render_pool_forms(rows, env, peak) -> str:
     lines = [f"GPU: {env.get('gpu', '?')}; HBM bound taken at {peak:.0f} GB/s. K = V = 128, HQK = HV = H, bf16 "
              "q/k/v/g/beta, softplus gate and L2 norm in kernel.", "",
-             "| pool | layout | H | N | kernel | ms | % of HBM bound | err o | err pool |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| pool | layout | H | N | kernel | ms | % of HBM bound | state copy % of HBM bound | err o | err pool |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         err = (f"{r['err_o']:.1e} | {r['err_pool']:.1e}" if "err_o" in r else "- | -")
+        copy = f"{r['copy_pct']:.1f}%" if "copy_pct" in r else "-"
         lines.append(f"| {r['pool']} | {'V-first' if r['v_first'] else 'K-first'} | {r['H']} | {r['N']} | "
-                     f"{r['kernel']} | {r['ms']:.4f} | {r['hbm_pct']:.1f}% | {err} |")
+                     f"{r['kernel']} | {r['ms']:.4f} | {r['hbm_pct']:.1f}% | {copy} | {err} |")
     return "\n".join(lines) + "\n"
 
 
