@@ -114,6 +114,35 @@ def test_varlen_vs_reference(case, host_lengths):
             assert torch.equal(ht[n], h0[n])
 
 
+@pytest.mark.parametrize("cp", [False, True], ids=["serial", "cp"])
+def test_non_finite_sequence_stays_in_its_rows(cp):
+    """A sequence whose inputs hold NaN and Inf must not reach the outputs or states of its neighbours: stage 2
+    reads whole 64-token tiles, whose rows past a segment's end are the next sequence's tokens. Every other
+    sequence equals its run without the poisoned one's values (same batch layout, finite inputs), bit for bit."""
+    lens = [100, 37, 200, 64, 5000]
+    T = sum(lens)
+    q, k, v, g, beta, A_log, dt_bias = make_raw(1, T, 2, 4, gate="safe", seed=11)
+    gkw = gate_kwargs("safe", A_log, dt_bias)
+    cu_cpu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu = cu_cpu.cuda()
+    h0 = torch.randn(len(lens), 4, 128, 128, device="cuda")
+    kw = dict(initial_state=h0, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu, intracard_cp=cp)
+    o, ht = run_ours(q, k, v, g, beta, gkw, **kw)
+    bad = 1  # the 37-token sequence: a partial chunk between two others
+    a, b = int(cu_cpu[bad]), int(cu_cpu[bad + 1])
+    for t in (q, k, v):
+        t[:, a:b] = float("nan")
+    g[:, a:b] = float("inf")
+    o_bad, ht_bad = run_ours(q, k, v, g, beta, gkw, **kw)
+    for n in range(len(lens)):
+        s, e = int(cu_cpu[n]), int(cu_cpu[n + 1])
+        if n == bad:
+            assert not torch.isfinite(o_bad[:, s:e]).all()
+            continue
+        assert torch.equal(o_bad[:, s:e], o[:, s:e]), n
+        assert torch.equal(ht_bad[n], ht[n]), n
+
+
 def test_no_final_state_and_chunk_kda_no_grad():
     import cula
 
