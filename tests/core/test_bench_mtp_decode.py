@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -28,9 +29,19 @@ def test_pool_forms_cover_both_dtypes_and_layouts():
     assert set(bench.POOL_FORMS) == {(d, v) for d in (torch.float32, torch.bfloat16) for v in (False, True)}
 
 
+def test_pool_form_row_names_the_dispatchs_kernel():
+    """The `kernel` column follows the per-form thresholds (bf16 pools stream from 2048 request-heads, V-first fp32
+    pools at any size)."""
+    pytest.importorskip("cula_sm90")
+    row = bench.pool_form_row(torch.bfloat16, False, 32, 64)
+    assert row == dict(pool="bfloat16", v_first=False, H=32, N=64, kernel="streamed")
+    assert bench.pool_form_row(torch.bfloat16, False, 32, 63)["kernel"] == "recurrent"
+    assert bench.pool_form_row(torch.float32, True, 32, 1)["kernel"] == "streamed"
+
+
 def test_pool_forms_table_renders_rows_and_errors():
     rows = [dict(pool="bfloat16", v_first=True, H=32, N=128, kernel="streamed", ms=0.0786, hbm_pct=72.34,
-                 copy_pct=86.04, err_o=2e-3, err_pool=1.8e-3),
+                 copy_hbm_pct=86.04, err_o=2e-3, err_pool=1.8e-3),
             dict(pool="float32", v_first=False, H=64, N=512, kernel="recurrent", ms=1.1313, hbm_pct=79.6)]
     out = bench.render_pool_forms(rows, {"gpu": "NVIDIA H200"}, 4800.0)
     lines = out.splitlines()

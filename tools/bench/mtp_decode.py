@@ -203,6 +203,14 @@ def fla_decode(x, pool):
                                    use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, **_layout())[0]
 
 
+def copy_hbm_pct(src, timing) -> float:
+    """The practical ceiling of a pass over `src`'s bytes: a device copy of them (read + write) in graph_ms's
+    timing, as % of the HBM bound."""
+    dst = torch.empty_like(src)
+    ms = graph_ms(dst.copy_, (src,), timing)
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9 / peak_hbm_gbs() * 100
+
+
 def graph_ms(fn, args, timing, reps=20):
     """Device time of one call: `reps` calls captured in one CUDA graph (after a warm-up call on a side stream),
     the graph replayed under do_bench; ms per call. Serving engines run decode steps this way, so this is the
@@ -467,12 +475,7 @@ def main(argv=None) -> int:
                 if not args.quick:
                     row["cula_eager"] = measure(cula_decode, [(x,)], timing).median_ms
                     row["fla_eager"] = measure(fla_decode, [(xf, pool)], timing).median_ms
-                # the practical ceiling: a device copy of the state bytes (read + write) in the same graph timing
-                src = x["state_pool"].clone()
-                dst = torch.empty_like(src)
-                row["copy_hbm_pct"] = (2 * src.numel() * 4 / (graph_ms(dst.copy_, (src,), timing) * 1e-3) / 1e9
-                                       / peak_hbm_gbs() * 100)
-                del src, dst
+                row["copy_hbm_pct"] = copy_hbm_pct(x["state_pool"].clone(), timing)
                 dec.append(row)
                 print(row, flush=True)
                 dump()
@@ -501,19 +504,24 @@ def decode_bytes(N, H, pool_dtype):
     return 2 * N * H * K * V * pool_dtype.itemsize + N * H * (3 * K + V + 1) * 2 + N * H * V * 2
 
 
-def pool_forms_run(timing, hs=HS, ns=(128, 512), check_n=128):
-    """`--pool-forms`: one row per (pool dtype, layout, H, N)."""
+def pool_form_row(dtype, v_first, H, N) -> dict:
+    """A T = 1 row's pool form, shape and the kernel the dispatch picks for it (configs.streams)."""
     from cula_sm90.decode import configs
 
+    streamed = configs.streams(configs.MODE_FINAL, 1, N, H, v_first, dtype.itemsize)
+    return dict(pool=str(dtype).replace("torch.", ""), v_first=v_first, H=H, N=N,
+                kernel="streamed" if streamed else "recurrent")
+
+
+def pool_forms_run(timing, hs=HS, ns=(128, 512), check_n=128):
+    """`--pool-forms`: one row per (pool dtype, layout, H, N)."""
     rows = []
     for dtype, v_first in POOL_FORMS:
         POOL.update(dtype=dtype, v_first=v_first)
         for H in hs:
             for N in ns:
                 x = make_inputs(N, 1, H, seed=N)
-                streamed = configs.streams(configs.MODE_FINAL, 1, N, H, v_first, dtype.itemsize)
-                row = dict(pool=str(dtype).replace("torch.", ""), v_first=v_first, H=H, N=N,
-                           kernel="streamed" if streamed else "recurrent")
+                row = pool_form_row(dtype, v_first, H, N)
                 if N == check_n:
                     ours = dict(x, state_pool=x["state_pool"].clone())
                     ref = {name: t.double() if torch.is_tensor(t) and t.is_floating_point() else t
@@ -528,12 +536,8 @@ def pool_forms_run(timing, hs=HS, ns=(128, 512), check_n=128):
                     row["err_pool"] = errors(ours["state_pool"].double(), ref["state_pool"])[1]
                 row["ms"] = graph_ms(cula_decode, (x,), timing)
                 row["hbm_pct"] = decode_bytes(N, H, dtype) / (row["ms"] * 1e-3) / 1e9 / peak_hbm_gbs() * 100
-                if N == check_n:  # the practical ceiling: a device copy of the requests' state bytes (read + write)
-                    src = torch.rand(N * H * K * V, device="cuda").to(dtype)
-                    dst = torch.empty_like(src)
-                    row["copy_pct"] = (2 * src.numel() * dtype.itemsize / (graph_ms(dst.copy_, (src,), timing) * 1e-3)
-                                       / 1e9 / peak_hbm_gbs() * 100)
-                    del src, dst
+                if N == check_n:  # the ceiling for the requests' state bytes
+                    row["copy_hbm_pct"] = copy_hbm_pct(torch.rand(N * H * K * V, device="cuda").to(dtype), timing)
                 rows.append(row)
                 print(row, flush=True)
                 del x
@@ -548,7 +552,7 @@ def render_pool_forms(rows, env, peak) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         err = (f"{r['err_o']:.1e} | {r['err_pool']:.1e}" if "err_o" in r else "- | -")
-        copy = f"{r['copy_pct']:.1f}%" if "copy_pct" in r else "-"
+        copy = f"{r['copy_hbm_pct']:.1f}%" if "copy_hbm_pct" in r else "-"
         lines.append(f"| {r['pool']} | {'V-first' if r['v_first'] else 'K-first'} | {r['H']} | {r['N']} | "
                      f"{r['kernel']} | {r['ms']:.4f} | {r['hbm_pct']:.1f}% | {copy} | {err} |")
     return "\n".join(lines) + "\n"
@@ -570,10 +574,7 @@ def stream_thresholds_run(timing, cells=STREAM_CELLS):
         for H, N in cells:
             x = make_inputs(N, 1, H, seed=N)
             tiling = configs.recurrent_tiling(N, 1, H, configs.MODE_FINAL)
-            streamed = configs.streams(configs.MODE_FINAL, 1, N, H, v_first, dtype.itemsize)
-            row = dict(pool=str(dtype).replace("torch.", ""), v_first=v_first, H=H, N=N,
-                       kernel="streamed" if streamed else "recurrent", tiling=tiling,
-                       dispatch=graph_ms(cula_decode, (x,), timing),
+            row = dict(pool_form_row(dtype, v_first, H, N), tiling=tiling, dispatch=graph_ms(cula_decode, (x,), timing),
                        recurrent=graph_ms(decode_at_tiling, (x, tiling), timing))
             rows.append(row)
             print(row, flush=True)
