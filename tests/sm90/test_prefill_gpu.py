@@ -116,9 +116,10 @@ def test_varlen_vs_reference(case, host_lengths):
 
 @pytest.mark.parametrize("cp", [False, True], ids=["serial", "cp"])
 def test_non_finite_sequence_stays_in_its_rows(cp):
-    """A sequence whose inputs hold NaN and Inf must not reach the outputs or states of its neighbours: stage 2
-    reads whole 64-token tiles, whose rows past a segment's end are the next sequence's tokens. Every other
-    sequence equals its run without the poisoned one's values (same batch layout, finite inputs), bit for bit."""
+    """A sequence whose inputs hold NaN and Inf must not reach the outputs or states of its neighbours: both
+    stages work on 64-token tiles, which reach past a segment's end into the next sequence's tokens unless the
+    kernel zero-fills or masks those rows. Every other sequence equals its run without the poisoned one's values
+    (same batch layout, finite inputs), bit for bit."""
     lens = [100, 37, 200, 64, 5000]
     T = sum(lens)
     q, k, v, g, beta, A_log, dt_bias = make_raw(1, T, 2, 4, gate="safe", seed=11)
