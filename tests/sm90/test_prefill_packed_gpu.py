@@ -4,9 +4,8 @@ packing off, and stage 1's outputs packed against unpacked on every valid token.
 
 Packed == unpacked is asserted bit for bit: per piece, the packed kernel runs the same operations in the same
 order as the unpacked one does on the piece's chunk (the same 16-row blocks, the same scan order of the block
-totals, the same score and inverse products); what the other pieces of a tile add to w and u are products with
-exact zeros of Akk (its blocks across pieces), which leave an fp32 accumulator unchanged. So o and the final state
-match bit for bit too."""
+totals, the same score and inverse products, and w and u summed over the piece's own blocks only). So o and the
+final state match bit for bit too."""
 
 from __future__ import annotations
 
@@ -95,6 +94,29 @@ def test_packed_prefill_without_final_state_and_v_first():
     o_p, ht_p = _prefill(x, lens, True, h0, state_v_first=True)
     o_u, ht_u = _prefill(x, lens, False, h0, state_v_first=True)
     assert torch.equal(o_p, o_u) and torch.equal(ht_p, ht_u)
+
+
+def test_packed_non_finite_piece_stays_in_its_rows():
+    """A sequence with NaN inputs shares a packed tile with another: every other sequence's o and final state equal
+    the run without the NaNs, bit for bit (each row block's w, u product sums over its own piece's blocks only)."""
+    from cula_sm90.prefill import forward
+
+    lens = [21, 37, 5, 50, 9, 30]  # partial chunks only; the 37-token piece shares its tile with the 5-token one
+    assert any(len(tile) > 1 for tile in forward.packed_tiles(tuple(lens)))
+    x = make_raw(1, sum(lens), 2, 4, gate="safe", seed=13)
+    h0 = torch.randn(len(lens), 4, K, K, device="cuda")
+    o, ht = _prefill(x, lens, True, h0)
+    cu = _cu(lens).tolist()
+    bad = 1
+    for t in x[:3]:
+        t[:, cu[bad]:cu[bad + 1]] = float("nan")
+    o_bad, ht_bad = _prefill(x, lens, True, h0)
+    for n in range(len(lens)):
+        if n == bad:
+            assert not torch.isfinite(o_bad[:, cu[n]:cu[n + 1]]).all()
+            continue
+        assert torch.equal(o_bad[:, cu[n]:cu[n + 1]], o[:, cu[n]:cu[n + 1]]), n
+        assert torch.equal(ht_bad[n], ht[n]), n
 
 
 def _stage1(x, lens, packed, pad=64):

@@ -40,7 +40,8 @@ so each exponential is one ex2; gl leaves in the natural log. Per CTA, in order:
            (three mma.sync passes: ~16 bits per product, fp32 accumulation; FLA's solve_tril runs these products
            in TF32)
     w, u   (Akk diag(beta)) @ [k e^G | v] on tensor cores (Akk diag(beta) in bf16, as FLA's solve_tril output;
-           8 warps, 4 along M x 2 along N, one accumulator at a time)
+           8 warps, 4 along M x 2 along N, one accumulator at a time; a warp's row block sums over its chunk's
+           blocks up to itself only, where Akk can be nonzero)
     Akk    only with `store_akk` (chunk_kda's training residual, forward.py): X itself (no beta) in bf16 to akk
            [TT, HV, 64], rows of the chunk only, zeros above the diagonal blocks: column_chain also keeps each X_bc
            in fp32 in its place in the L tile (free below the diagonal blocks, beside the X_bb), and after w, u every
@@ -69,7 +70,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, const_expr
 
 from cula_core.cute_kernels.copies import copy_rows_g2s, g2s_tiled_copy, head_rows, vec_copy
-from cula_core.cute_kernels.warp_mma import (gemm, ldmatrix_copy_A, ldmatrix_copy_B, smem_tile_layout,
+from cula_core.cute_kernels.warp_mma import (gemm_k_range, ldmatrix_copy_A, ldmatrix_copy_B, smem_tile_layout,
                                              tiled_mma, transposed)
 from cula_sm90.prefill import common
 
@@ -235,6 +236,11 @@ class ChunkIntraTCKernel(common.Stage1Launch):
     @cute.jit
     def chunk_col(self, geo, p):
         """Tile column of block p's chunk's column 0 (Aqk's columns are chunk positions)."""
+        return 0
+
+    @cute.jit
+    def first_contraction_block(self, geo, m):
+        """The first block of m's chunk in the tile (Akk's row block m is zero left of it)."""
         return 0
 
     @cute.jit
@@ -511,12 +517,16 @@ class ChunkIntraTCKernel(common.Stage1Launch):
         mma8 = tiled_mma(4, 2)
         thr8 = mma8.get_slice(tid)
         acc_o = cute.make_rmem_tensor(thr8.partition_shape_C((BT, DK)), Float32)
+        # this warp's row block mb of Akk is nonzero only in the k-blocks of its chunk (or piece) up to mb: the
+        # product skips the others, whose rows of k e^G and v may belong to another sequence's piece
+        mb = thr8.partition_C(cute.make_identity_tensor((BT, DK)))[0][0] // BC
+        kb_first = self.first_contraction_block(geo, mb)
         for out in cutlass.range_constexpr(2):
             rhs = sK
             if const_expr(out == 1):
                 rhs = sQ
             acc_o.fill(0.0)
-            gemm(mma8, acc_o, sAk, transposed(rhs, BT, DK), tid, False, True)
+            gemm_k_range(mma8, acc_o, sAk, transposed(rhs, BT, DK), tid, False, True, kb_first, mb)
             cute.arch.sync_threads()
             pd = thr8.partition_C(rhs)
             for e in cutlass.range_constexpr(cute.size(acc_o)):

@@ -17,8 +17,9 @@ rows live overridden; per piece it computes exactly what that kernel computes fo
     piece's: the start boundary of a piece's first block is 0 (start_ref, continues_chunk), G_last is its last
     block's end (last_ref, written as its chunk's gl row by the piece's first block: write_gl);
   - score blocks (p, c) exist only within a piece (pair_ok); the inverse is block-diagonal by piece: column_chain
-    runs column block c down to its piece's last block (chain_ok), and Akk's blocks across pieces are zeros
-    (zero_akk), so w and u mix rows of one piece only;
+    runs column block c down to its piece's last block (chain_ok), Akk's blocks across pieces are zeros
+    (zero_akk), and each row block's w, u product sums over its piece's blocks only (first_contraction_block), so
+    no row of another piece enters, not even times zero (a NaN there would pass through);
   - every row is loaded from and stored to its own token (load_rows, out_rows, row_token), Aqk's columns are
     positions in the piece's chunk (chunk_col); rows past a piece's valid rows load as zeros and are never written.
 So stage 2 reads w, u, qg, kg, Aqk and gl exactly as chunk_intra_tc.py leaves them.
@@ -138,6 +139,10 @@ class ChunkIntraTCPackedKernel(ChunkIntraTCKernel):
     @cute.jit
     def chunk_col(self, geo, p):
         return geo[0][p, FIRST] * BC
+
+    @cute.jit
+    def first_contraction_block(self, geo, m):
+        return geo[0][m, FIRST]
 
     @cute.jit
     def out_rows(self, t: cute.Tensor, geo, hv, m: cutlass.Constexpr, tb):

@@ -21,15 +21,17 @@ its rounding does not feed back). Operand tiles (swizzled, the swizzle on the sh
 descriptors need): w, qg, Aqk K-major (token rows, contiguous along the contraction); kg read as kg^T, M-major;
 h and v_new stored [contraction][column], N-major; no operand is transposed through registers.
 
-Pipeline per chunk, per warpgroup: h (split) into shared memory, the chunk's copies waited for, a proxy fence and a
-CTA barrier; w @ h then qg @ h issued as two wgmma groups; once the first lands, v_new = u - w @ h is written over
-the warpgroup's u tile (hi) and a lo tile, a proxy fence and a warpgroup barrier; then the next chunk's copies
-(cp.async into the other stage: w, qg, kg, Aqk by the CTA, each u slice by its warpgroup; rows past the segment
-end zero-filled) are issued, after the fences, which would otherwise wait for them; Aqk @ v_new and the decayed
-update kg^T @ v_new issued, one wait; o goes out through the u tile in 16-byte rows; a CTA barrier (every reader
-of this stage is done before its next copies). Each chunk's log decay is read one chunk ahead. Shared memory:
-2 stages x (w, qg, kg 16 KiB, Aqk 8 KiB, u C / 8 KiB) + h hi / lo C / 2 KiB + v_new lo C / 8 KiB: 224.5 KiB at
-C = 128, 168.5 KiB at C = 64; one CTA (8 warps) per SM.
+Pipeline per chunk: warp 0 issues the next chunk's tiles (TMA into the other stage, freed by the barrier that ended
+the previous chunk: w, qg, kg^T, Aqk and each warpgroup's u columns, completion on the stage's mbarrier), so they
+are in flight during the whole chunk; per warpgroup: h (split) into shared memory, the stage's mbarrier waited for
+(in a chunk that ends before 64 tokens, kg^T's rows past the end zeroed: TMA zero-fills only past the tensor's
+end, so they hold the next tokens), a proxy fence and a CTA barrier; w @ h then qg @ h issued as two wgmma
+groups; once the first lands, v_new = u - w @ h (zero on rows past the segment's end) is written over the
+warpgroup's u tile (hi) and a lo tile, a proxy fence and a warpgroup barrier; Aqk @ v_new and the decayed update
+kg^T @ v_new issued, one wait; o goes out through the u tile in 16-byte rows; a proxy fence (these generic writes
+before the TMA writes that refill the stage) and a CTA barrier. Each chunk's log decay is read one chunk ahead.
+Shared memory: 2 stages x (w, qg, kg 16 KiB, Aqk 8 KiB, u C / 8 KiB) + h hi / lo C / 2 KiB + v_new lo C / 8 KiB
++ two mbarriers: 224.5 KiB at C = 128, 168.5 KiB at C = 64; one CTA (8 warps) per SM.
 
 Modes (compile time): normal (h0_idx / ht_idx from the segment table, o written) or affine (the CP map pass over
 the augmented state [M | c], K + V = 256 columns: the M columns start from the identity with u = 0, the c
@@ -38,17 +40,18 @@ chunk, h0_idx, ht_idx). States h0 / ht are [rows, HV, K, V] fp32, or [rows, HV, 
 state_v_first layout, indexed as it is: no transposing copy; normal mode only). The final state (or map) leaves
 from the accumulator: with K-first storage a thread's fragment holds column pairs (c, c + 1) of a row, one 64-bit
 store each (a 32-bit store instruction covered every other word of the sectors it wrote); V-first storage is stored an
-element at a time. Assumes K = V = 128 and 16-byte aligned intermediates, o and ht (allocated by forward.py).
+element at a time. Assumes K = V = 128 and 16-byte aligned intermediates (TMA's rule too), o and ht (allocated by
+forward.py).
 """
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, const_expr
-from cutlass.cute.nvgpu import warpgroup
+from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from cula_core.cute_kernels.copies import copy_rows_g2s, g2s_tiled_copy, head_rows, store_rows_s2g
+from cula_core.cute_kernels.copies import head_rows, store_rows_s2g
 from cula_core.cute_kernels.wgmma import (K_MAJOR, MN_MAJOR, alloc_operand_tile, gemm, rows_view, store_acc,
                                          store_split, tiled_mma)
 
@@ -107,22 +110,54 @@ class ChunkStateWGKernel:
             ht_kv = (width, 1)
         ht = cute.make_tensor(ht_ptr, cute.make_layout((NHT, HV, DK, width),
                                                        stride=(HV * DK * width, DK * width, *ht_kv)))
-        self.kernel(w, u, qg, kg, aqk, gl, seg, h0, ht, o, S, HV, ctas).launch(
+        # TMA views of the intermediates, the tile's two modes first and the head last: token rows (K-major
+        # operands w, qg, Aqk) or the columns of each row (kg^T and u, M/N-major)
+        rows_k = cute.make_layout((TT, DK, HV), stride=(HV * DK, 1, DK))
+        cols_k = cute.make_layout((DK, TT, HV), stride=(1, HV * DK, DK))
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_w = cpasync.make_tiled_tma_atom(g2s, cute.make_tensor(w_ptr, rows_k), self.tile_layout("k", BT, DK),
+                                            (BT, DK))
+        tma_kt = cpasync.make_tiled_tma_atom(g2s, cute.make_tensor(kg_ptr, cols_k), self.tile_layout("mn", DK, BT),
+                                             (DK, BT))
+        tma_u = cpasync.make_tiled_tma_atom(g2s, cute.make_tensor(u_ptr, cols_k),
+                                            self.tile_layout("cols", self.wg_cols, BT), (self.wg_cols, BT))
+        tma_qg = tma_w
+        tma_a = tma_w
+        if const_expr(not self.affine):
+            tma_qg = cpasync.make_tiled_tma_atom(g2s, cute.make_tensor(qg_ptr, rows_k),
+                                                 self.tile_layout("k", BT, DK), (BT, DK))
+            tma_a = cpasync.make_tiled_tma_atom(
+                g2s, cute.make_tensor(aqk_ptr, cute.make_layout((TT, BT, HV), stride=(HV * BT, 1, BT))),
+                self.tile_layout("k", BT, BT), (BT, BT))
+        self.kernel(tma_w[0], tma_w[1], tma_qg[0], tma_qg[1], tma_kt[0], tma_kt[1], tma_a[0], tma_a[1], tma_u[0],
+                    tma_u[1], gl, seg, h0, ht, o, S, HV, ctas).launch(
             grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
+    def tile_layout(self, kind: str, rows: int, cols: int):
+        """The shared-memory layout of one (rows, cols) operand tile as alloc_operand_tile lays it out: "k"
+        K-major, "mn" M/N-major, "cols" M/N-major over a warpgroup's columns (64-byte swizzle at 32 columns)."""
+        kinds = {"k": warpgroup.SmemLayoutAtomKind.K_SW128, "mn": warpgroup.SmemLayoutAtomKind.MN_SW128,
+                 "cols": self.mn_cols_kind()}
+        return cute.tile_to_shape(warpgroup.make_smem_layout_atom(kinds[kind], BFloat16), (rows, cols), (0, 1))
+
+    def mn_cols_kind(self):
+        """The swizzle atom of the N-major tiles of one warpgroup's columns: one swizzle row spans them."""
+        if const_expr(self.wg_cols == 32):
+            return warpgroup.SmemLayoutAtomKind.MN_SW64
+        return warpgroup.SmemLayoutAtomKind.MN_SW128
+
     @cute.kernel
-    def kernel(self, w: cute.Tensor, u: cute.Tensor, qg: cute.Tensor, kg: cute.Tensor, aqk: cute.Tensor,
-               gl: cute.Tensor, seg: cute.Tensor, h0: cute.Tensor, ht: cute.Tensor, o: cute.Tensor, S: Int32,
-               HV: Int32, ctas: Int32):
+    def kernel(self, atom_w: cute.CopyAtom, w: cute.Tensor, atom_qg: cute.CopyAtom, qg: cute.Tensor,
+               atom_kt: cute.CopyAtom, kt: cute.Tensor, atom_a: cute.CopyAtom, aqk: cute.Tensor,
+               atom_u: cute.CopyAtom, u: cute.Tensor, gl: cute.Tensor, seg: cute.Tensor, h0: cute.Tensor,
+               ht: cute.Tensor, o: cute.Tensor, S: Int32, HV: Int32, ctas: Int32):
         tid, _, _ = cute.arch.thread_idx()
         cta, _, _ = cute.arch.block_idx()
         wg = tid // WG_THREADS
         wtid = tid % WG_THREADS
         K_SW128 = warpgroup.SmemLayoutAtomKind.K_SW128
         MN_SW128 = warpgroup.SmemLayoutAtomKind.MN_SW128
-        MN_COLS = MN_SW128  # the N-major tiles of this warpgroup's columns: one swizzle row spans them
-        if const_expr(self.wg_cols == 32):
-            MN_COLS = warpgroup.SmemLayoutAtomKind.MN_SW64
+        MN_COLS = self.mn_cols_kind()
 
         smem = cutlass.memory.SmemAllocator()
         # per stage, shared by the warpgroups: w, qg (A, K-major), kg^T (A, M-major), Aqk (A, K-major)
@@ -140,6 +175,21 @@ class ChunkStateWGKernel:
         sHl = alloc_operand_tile(smem, MN_COLS, (self.wg_cols, DK, WARPGROUPS))
         sVl = alloc_operand_tile(smem, MN_COLS, (self.wg_cols, BT, WARPGROUPS))
         sDecay = smem.allocate_tensor(Float32, cute.make_layout(DK), 16)
+        bars = smem.allocate_array(Int64, 2)  # per stage: its tiles have landed (TMA transaction bytes)
+        loader = tid < 32  # warp 0 issues the TMA copies (the DSL elects one lane of the warp for each)
+        if tid == 0:
+            for i in cutlass.range_constexpr(2):
+                cute.arch.mbarrier_init(bars + i, 1)
+        if loader:
+            cpasync.prefetch_descriptor(atom_w)
+            cpasync.prefetch_descriptor(atom_kt)
+            cpasync.prefetch_descriptor(atom_u)
+            if const_expr(not self.affine):
+                cpasync.prefetch_descriptor(atom_qg)
+                cpasync.prefetch_descriptor(atom_a)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        tiles = (atom_w, w, atom_qg, qg, atom_kt, kt, atom_a, aqk, atom_u, u, sW2, sKt2, sQg2, sA2, sU2, bars)
 
         mma_k = tiled_mma(K_MAJOR, MN_MAJOR, self.wg_cols)  # w @ h, qg @ h, Aqk @ v_new
         mma_mn = tiled_mma(MN_MAJOR, MN_MAJOR, self.wg_cols)  # kg^T @ v_new
@@ -163,6 +213,7 @@ class ChunkStateWGKernel:
         acc_h = cute.make_rmem_tensor(thr_mn.partition_shape_C((DK, self.wg_cols)), Float32)
         at_h = thr_mn.partition_C(cute.make_identity_tensor((DK, self.wg_cols)))
         acc_v = cute.make_rmem_tensor(thr_k.partition_shape_C((BT, self.wg_cols)), Float32)
+        at_v = thr_k.partition_C(cute.make_identity_tensor((BT, self.wg_cols)))
         acc_o = cute.make_rmem_tensor(thr_k.partition_shape_C((BT, self.wg_cols)), Float32)
 
         # Persistent walk: this CTA takes the items cta, cta + ctas, ... (an item: one segment, value head and
@@ -208,14 +259,20 @@ class ChunkStateWGKernel:
             if n_chunks > 0 and prefetched == 0:
                 if tid < DK:
                     gl_next = gl[chunk0, hv, tid]
-                self.load_chunk(w, u, qg, kg, aqk, sW2, sKt2, sQg2, sA2, sU2, start, end, hv, ucol0, is_m, step % 2,
-                                tid, wg, wtid)
-                cute.arch.cp_async_commit_group()
+                if loader:
+                    self.load_chunk(tiles, start, hv, ucol0, is_m, step % 2, tid)
             for ci in cutlass.range(n_chunks, unroll=1):
                 t0 = start + ci * BT
                 n = cutlass.min(end - t0, BT)
                 st = step % 2
                 last = ci + 1 == n_chunks
+                # the next chunk's tiles (of this item, or the next item's first) into the other stage, which the
+                # barrier ending the previous chunk freed: in flight during this whole chunk
+                if loader:
+                    if not last:
+                        self.load_chunk(tiles, t0 + BT, hv, ucol0, is_m, 1 - st, tid)
+                    elif ahead != 0:
+                        self.load_chunk(tiles, nxt_start, nxt_hv, nxt_ucol0, nxt_is_m, 1 - st, tid)
                 if tid < DK:
                     sDecay[tid] = cute.math.exp(gl_next, fastmath=True)
                     if not last:
@@ -223,7 +280,9 @@ class ChunkStateWGKernel:
                     elif ahead != 0:
                         gl_next = gl[nxt_chunk0, nxt_hv, tid]
                 store_split(mma_mn, acc_h, sHh_rows, sHl_rows, wtid)  # h into this warpgroup's B tiles
-                cute.arch.cp_async_wait_group(0)  # chunk ci has landed (the only group in flight)
+                cute.arch.mbarrier_wait(bars + st, (step // 2) % 2)  # chunk ci has landed
+                if n < BT:  # kg rows past the segment's end hold the next tokens: zeros (v_new is zero there too)
+                    self.zero_rows(rows_view(sKt2[None, None, st], BT, DK), n, tid)
                 cute.arch.fence_proxy("async.shared", space="cta")  # generic-proxy writes -> wgmma's operand reads
                 cute.arch.sync_threads()
 
@@ -251,20 +310,14 @@ class ChunkStateWGKernel:
                         _subtract_from(acc_v, pU)
                 else:
                     _subtract_from(acc_v, pU)
-                # rows past the end: u = w = 0 there, so v_new = 0
+                if n < BT:  # rows past the segment's end (the next tokens' w and u): v_new = 0 there
+                    for i in cutlass.range_constexpr(cute.size(acc_v)):
+                        r, _ = at_v[i]
+                        if r >= n:
+                            acc_v[i] = Float32(0.0)
                 store_split(mma_k, acc_v, sU_rows, sVl_rows, wtid)
                 cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=1 + wg, number_of_threads=WG_THREADS)
-                # the next chunk's copies (of this item, or the next item's first) start only now: the proxy fences
-                # above wait for every memory access of the thread still in flight (copies included), so copies
-                # issued earlier would be waited for here
-                if not last:
-                    self.load_chunk(w, u, qg, kg, aqk, sW2, sKt2, sQg2, sA2, sU2, t0 + BT, end, hv, ucol0, is_m,
-                                    1 - st, tid, wg, wtid)
-                elif ahead != 0:
-                    self.load_chunk(w, u, qg, kg, aqk, sW2, sKt2, sQg2, sA2, sU2, nxt_start, nxt_end, nxt_hv,
-                                    nxt_ucol0, nxt_is_m, 1 - st, tid, wg, wtid)
-                cute.arch.cp_async_commit_group()
 
                 if const_expr(not self.affine):
                     gemm(mma_k, acc_o, rA2[None, None, None, st], rVh, True)
@@ -283,7 +336,10 @@ class ChunkStateWGKernel:
                     store_acc(mma_k, acc_o, sU_rows, wtid)
                     cute.arch.barrier(barrier_id=1 + wg, number_of_threads=WG_THREADS)
                     store_rows_s2g(sU_rows, head_rows(o, t0, hv, BT, col0, self.wg_cols), n, wtid, WG_THREADS)
-                cute.arch.sync_threads()  # every reader of this stage is done before the next copies into it
+                # every access of this stage is done (and the generic writes into its u tile ordered before the
+                # TMA writes that come next) before its next tiles are copied in
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.sync_threads()
                 step += 1
             prefetched = Int32(0)
             if n_chunks > 0:
@@ -322,20 +378,49 @@ class ChunkStateWGKernel:
         return False, col0
 
     @cute.jit
-    def load_chunk(self, w, u, qg, kg, aqk, sW2, sKt2, sQg2, sA2, sU2, t0, end, hv, ucol0, is_m, st, tid, wg, wtid):
-        """cp.async of one chunk's tiles into stage `st` (rows past `end` zero-filled, never read): the shared
-        tiles by every thread, each warpgroup's u slice by that warpgroup."""
-        n = cutlass.min(end - t0, BT)
-        cp_k = g2s_tiled_copy(DK, self.threads)
-        copy_rows_g2s(cp_k, head_rows(w, t0, hv, BT), sW2[None, None, st], n, tid)
-        copy_rows_g2s(cp_k, head_rows(kg, t0, hv, BT), rows_view(sKt2[None, None, st], BT, DK), n, tid)
-        cp_u = g2s_tiled_copy(self.wg_cols, WG_THREADS)
-        sU = rows_view(sU2[None, None, st, wg], BT, self.wg_cols)
+    def load_chunk(self, tiles, t0, hv, ucol0, is_m, st, tid):
+        """One chunk's tiles into stage `st` by TMA, issued by warp 0, completing on the stage's mbarrier: w,
+        kg^T (and qg, Aqk) for the CTA, each warpgroup's u columns (from ucol0, warpgroup 0's first). Rows past
+        the tensors' end arrive as zeros; rows past the segment's end carry the next tokens (the caller masks
+        them)."""
+        atom_w, w, atom_qg, qg, atom_kt, kt, atom_a, aqk, atom_u, u, sW2, sKt2, sQg2, sA2, sU2, bars = tiles
+        bar = bars + st
+        nbytes = Int32(2 * BT * DK * 2)  # w, kg
         if const_expr(not self.affine):
-            copy_rows_g2s(cp_k, head_rows(qg, t0, hv, BT), sQg2[None, None, st], n, tid)
-            copy_rows_g2s(g2s_tiled_copy(BT, self.threads), head_rows(aqk, t0, hv, BT), sA2[None, None, st], n,
-                          tid)
-            copy_rows_g2s(cp_u, head_rows(u, t0, hv, BT, ucol0, self.wg_cols), sU, n, wtid)
+            nbytes += BT * DK * 2 + BT * BT * 2 + self.cols * BT * 2  # qg, Aqk, u
         else:
             if not is_m:  # the M columns see u = 0 (values [0 | v] of the augmented state)
-                copy_rows_g2s(cp_u, head_rows(u, t0, hv, BT, ucol0, self.wg_cols), sU, n, wtid)
+                nbytes += self.cols * BT * 2
+        if tid == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(bar, nbytes)
+        cute.arch.sync_warp()  # the warp converged: each copy elects one of its lanes
+        self.tma_tile(atom_w, w, (t0, 0), hv, sW2[None, None, st], bar)
+        self.tma_tile(atom_kt, kt, (0, t0), hv, sKt2[None, None, st], bar)
+        if const_expr(not self.affine):
+            self.tma_tile(atom_qg, qg, (t0, 0), hv, sQg2[None, None, st], bar)
+            self.tma_tile(atom_a, aqk, (t0, 0), hv, sA2[None, None, st], bar)
+            for j in cutlass.range_constexpr(WARPGROUPS):
+                self.tma_tile(atom_u, u, (ucol0 + j * self.wg_cols, t0), hv, sU2[None, None, st, j], bar)
+        else:
+            if not is_m:
+                for j in cutlass.range_constexpr(WARPGROUPS):
+                    self.tma_tile(atom_u, u, (ucol0 + j * self.wg_cols, t0), hv, sU2[None, None, st, j], bar)
+
+    @cute.jit
+    def tma_tile(self, atom, g, origin, hv, s, bar):
+        """TMA copy into the shared tile s of the tile of g (a TMA coordinate tensor: the tile's two modes, then
+        the head) that starts at `origin` in head hv."""
+        gt = cute.local_tile(cute.domain_offset(origin, g[None, None, hv]), cute.product_each(s.shape), (0, 0))
+        ts, tg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
+                                       cute.group_modes(gt, 0, 2))
+        cute.copy(atom, tg, ts, tma_bar_ptr=bar)
+
+    @cute.jit
+    def zero_rows(self, s_rows, n, tid):
+        """Zeros into the token rows [n, BT) of a (token, column) view of a shared tile, by the CTA's threads."""
+        cols = cute.size(s_rows.shape[1])
+        for i in cutlass.range_constexpr(BT * cols // (WG_THREADS * WARPGROUPS)):
+            e = i * WG_THREADS * WARPGROUPS + tid
+            r = e // cols
+            if r >= n:
+                s_rows[r, e % cols] = BFloat16(0.0)
