@@ -21,15 +21,16 @@ its rounding does not feed back). Operand tiles (swizzled, the swizzle on the sh
 descriptors need): w, qg, Aqk K-major (token rows, contiguous along the contraction); kg read as kg^T, M-major;
 h and v_new stored [contraction][column], N-major; no operand is transposed through registers.
 
-Pipeline per chunk: warp 0 issues the next chunk's tiles (TMA into the other stage, freed by the barrier that ended
-the previous chunk: w, qg, kg^T, Aqk and each warpgroup's u columns, completion on the stage's mbarrier), so they
-are in flight during the whole chunk; per warpgroup: h (split) into shared memory, the stage's mbarrier waited for
-(in a chunk that ends before 64 tokens, kg^T's rows past the end zeroed: TMA zero-fills only past the tensor's
-end, so they hold the next tokens), a proxy fence and a CTA barrier; w @ h then qg @ h issued as two wgmma
-groups; once the first lands, v_new = u - w @ h (zero on rows past the segment's end) is written over the
-warpgroup's u tile (hi) and a lo tile, a proxy fence and a warpgroup barrier; Aqk @ v_new and the decayed update
-kg^T @ v_new issued, one wait; o goes out through the u tile in 16-byte rows; a proxy fence (these generic writes
-before the TMA writes that refill the stage) and a CTA barrier. Each chunk's log decay is read one chunk ahead.
+Pipeline per chunk, per warpgroup: h (split) into shared memory, the stage's mbarrier waited for (in a chunk that
+ends before 64 tokens, kg^T's rows past the end zeroed: TMA zero-fills only past the tensor's end, so they hold the
+next tokens), a proxy fence and a CTA barrier; w @ h then qg @ h issued as two wgmma groups; while they run, warp 0
+issues the next chunk's tiles (TMA into the other stage, freed by the barrier that ended the previous chunk: w, qg,
+kg^T, Aqk and each warpgroup's u columns, completion on that stage's mbarrier), so the issue is off the chunk's
+critical path and the copies are in flight during the rest of the chunk; once the first group lands, v_new = u -
+w @ h (zero on rows past the segment's end) is written over the warpgroup's u tile (hi) and a lo tile, a proxy
+fence and a warpgroup barrier; Aqk @ v_new and the decayed update kg^T @ v_new issued, one wait; o goes out
+through the u tile in 16-byte rows; a proxy fence (these generic writes before the TMA writes that refill the
+stage) and a CTA barrier. Each chunk's log decay is read one chunk ahead.
 Shared memory: 2 stages x (w, qg, kg 16 KiB, Aqk 8 KiB, u C / 8 KiB) + h hi / lo C / 2 KiB + v_new lo C / 8 KiB
 + two mbarriers: 224.5 KiB at C = 128, 168.5 KiB at C = 64; one CTA (8 warps) per SM.
 
@@ -266,13 +267,6 @@ class ChunkStateWGKernel:
                 n = cutlass.min(end - t0, BT)
                 st = step % 2
                 last = ci + 1 == n_chunks
-                # the next chunk's tiles (of this item, or the next item's first) into the other stage, which the
-                # barrier ending the previous chunk freed: in flight during this whole chunk
-                if loader:
-                    if not last:
-                        self.load_chunk(tiles, t0 + BT, hv, ucol0, is_m, 1 - st, tid)
-                    elif ahead != 0:
-                        self.load_chunk(tiles, nxt_start, nxt_hv, nxt_ucol0, nxt_is_m, 1 - st, tid)
                 if tid < DK:
                     sDecay[tid] = cute.math.exp(gl_next, fastmath=True)
                     if not last:
@@ -299,6 +293,15 @@ class ChunkStateWGKernel:
                 if const_expr(not self.affine):
                     gemm(mma_k, acc_o, rQg2[None, None, None, st], rHh, False)
                     warpgroup.commit_group()
+                # the next chunk's tiles (of this item, or the next item's first) into the other stage, which the
+                # barrier ending the previous chunk freed; issued while the products above run, so that the issue
+                # is off the chunk's critical path, and in flight during the rest of this chunk
+                if loader:
+                    if not last:
+                        self.load_chunk(tiles, t0 + BT, hv, ucol0, is_m, 1 - st, tid)
+                    elif ahead != 0:
+                        self.load_chunk(tiles, nxt_start, nxt_hv, nxt_ucol0, nxt_is_m, 1 - st, tid)
+                if const_expr(not self.affine):
                     warpgroup.wait_group(1)
                 else:
                     warpgroup.wait_group(0)
