@@ -59,16 +59,18 @@ def test_wgmma_kernel_fields(reports):
     """The sm90 prefill's stage 2 at 128 columns per CTA: its products on wgmma only (w @ h and kg^T @ v_new split
     hi + lo, qg @ h, Aqk @ v_new: 16 + 16 + 8 + 4 instructions of m64n64k16), stmatrix stores, no spills, and the
     shared memory its docstring states (two stages of w, qg, kg, Aqk and the u slices; h hi / lo; v_new lo; the
-    decay row): one CTA per SM. Global stores: o in 16-byte rows, the K-first final state as 64-bit column pairs
-    (a thread's 64 fp32 state elements: 32 pairs) and nothing narrower."""
+    decay row; the two stages' mbarriers): one CTA per SM. Tiles arrive by TMA (no cp.async left). Global stores: o
+    in 16-byte rows, the K-first final state as 64-bit column pairs (a thread's 64 fp32 state elements: 32 pairs) and
+    nothing narrower."""
     r = reports[WGMMA]
     assert not r["error"] and r["threads"] == 256 and 0 < r["regs"] <= 255
     assert r["mix"]["HGMMA"] == 44 and r["mix"]["HMMA"] == 0 and r["mix"]["STSM"] > 0
     assert {int(w): n for w, n in r["stg"].items()} == {64: 32, 128: 4}
     assert r["spill_stores"] in (None, 0) and r["local"] == 0
     tile = 64 * 128 * 2
-    assert r["dynamic_smem"] == 2 * (3 * tile + 64 * 64 * 2 + tile) + 2 * 2 * tile + tile + 128 * 4
+    assert r["dynamic_smem"] == 2 * (3 * tile + 64 * 64 * 2 + tile) + 2 * 2 * tile + tile + 128 * 4 + 2 * 8
     assert r["ctas_per_sm"] == 1
+    assert r["mix"]["TMA"] > 0 and r["mix"]["LDGSTS"] == 0
 
 
 def test_prefill_stage1_fits_three_ctas_per_sm(reports):
