@@ -24,12 +24,18 @@ K_MAJOR = OperandMajorMode.K
 MN_MAJOR = OperandMajorMode.MN
 
 
-def alloc_operand_tile(smem, kind: warpgroup.SmemLayoutAtomKind, shape: tuple):
-    """A bf16 shared-memory tensor of `shape` from `smem` (a cutlass.memory.SmemAllocator), swizzle atoms of
-    `kind` tiled mode by mode (the first two modes are the operand's (M or N, K); further modes index stages or
-    warpgroups), 1024-byte aligned, the swizzle on the pointer."""
+def operand_tile_layout(kind: warpgroup.SmemLayoutAtomKind, shape: tuple):
+    """The (swizzled) layout of a bf16 operand tile of `shape`: swizzle atoms of `kind` tiled mode by mode (the
+    first two modes are the operand's (M or N, K); further modes index stages or warpgroups). What
+    `alloc_operand_tile` allocates, and what a TMA copy into such a tile is built for."""
     atom = warpgroup.make_smem_layout_atom(kind, BFloat16)
-    layout = cute.tile_to_shape(atom, shape, tuple(range(len(shape))))
+    return cute.tile_to_shape(atom, shape, tuple(range(len(shape))))
+
+
+def alloc_operand_tile(smem, kind: warpgroup.SmemLayoutAtomKind, shape: tuple):
+    """A bf16 shared-memory tensor of `shape` (`operand_tile_layout`) from `smem` (a cutlass.memory.SmemAllocator),
+    1024-byte aligned, the swizzle on the pointer."""
+    layout = operand_tile_layout(kind, shape)
     return smem.allocate_tensor(BFloat16, layout.outer, 1024, layout.inner)
 
 

@@ -53,8 +53,8 @@ from cutlass import BFloat16, Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from cula_core.cute_kernels.copies import head_rows, store_rows_s2g
-from cula_core.cute_kernels.wgmma import (K_MAJOR, MN_MAJOR, alloc_operand_tile, gemm, rows_view, store_acc,
-                                         store_split, tiled_mma)
+from cula_core.cute_kernels.wgmma import (K_MAJOR, MN_MAJOR, alloc_operand_tile, gemm, operand_tile_layout, rows_view,
+                                         store_acc, store_split, tiled_mma)
 
 BT = 64
 DK = 128
@@ -139,7 +139,7 @@ class ChunkStateWGKernel:
         K-major, "mn" M/N-major, "cols" M/N-major over a warpgroup's columns (64-byte swizzle at 32 columns)."""
         kinds = {"k": warpgroup.SmemLayoutAtomKind.K_SW128, "mn": warpgroup.SmemLayoutAtomKind.MN_SW128,
                  "cols": self.mn_cols_kind()}
-        return cute.tile_to_shape(warpgroup.make_smem_layout_atom(kinds[kind], BFloat16), (rows, cols), (0, 1))
+        return operand_tile_layout(kinds[kind], (rows, cols))
 
     def mn_cols_kind(self):
         """The swizzle atom of the N-major tiles of one warpgroup's columns: one swizzle row spans them."""
