@@ -97,20 +97,18 @@ def _ldmatrix_operands(mma: cute.TiledMma, sA: cute.Tensor, sB: cute.Tensor, tid
 @cute.jit
 def _gemm_unrolled(mma: cute.TiledMma, acc: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor, tidx,
                    a_trans: cutlass.Constexpr, b_trans: cutlass.Constexpr):
-    """The compile-time k-loop of `gemm`: register fragments of every k-block."""
-    _, _, ldA, ldB, rA, rB, srcA, srcB, dstA, dstB = _ldmatrix_operands(mma, sA, sB, tidx, a_trans, b_trans, False)
-    for kb in cutlass.range_constexpr(cute.size(rA.shape[2])):
-        cute.copy(ldA, srcA[None, None, kb], dstA[None, None, kb])
-        cute.copy(ldB, srcB[None, None, kb], dstB[None, None, kb])
-        cute.gemm(mma, acc, rA[None, None, kb], rB[None, None, kb], acc)
+    """The compile-time k-loop of `gemm`: register fragments of every k-block (the 16-wide blocks of sA's second
+    mode, the contraction)."""
+    gemm_k_range(mma, acc, sA, sB, tidx, a_trans, b_trans, 0, cute.size(sA.shape[1]) // 16 - 1)
 
 
 @cute.jit
 def gemm_k_range(mma: cute.TiledMma, acc: cute.Tensor, sA: cute.Tensor, sB: cute.Tensor, tidx,
                  a_trans: cutlass.Constexpr, b_trans: cutlass.Constexpr, kb_first, kb_last):
-    """`gemm` (unrolled) over the 16-wide k-blocks kb_first .. kb_last only (runtime values, the same across each
-    warp): for an A whose other k-blocks are zeros by construction. They are skipped, not multiplied, so B's rows
-    there never meet them: 0 * Inf and 0 * NaN would be NaN."""
+    """`gemm` (unrolled) over the 16-wide k-blocks kb_first .. kb_last only (the same across each warp; runtime
+    values, or compile-time ones where the whole range is wanted): for an A whose other k-blocks are zeros by
+    construction. They are skipped, not multiplied, so B's rows there never meet them: 0 * Inf and 0 * NaN would
+    be NaN."""
     _, _, ldA, ldB, rA, rB, srcA, srcB, dstA, dstB = _ldmatrix_operands(mma, sA, sB, tidx, a_trans, b_trans, False)
     for kb in cutlass.range_constexpr(cute.size(rA.shape[2])):
         if kb >= kb_first and kb <= kb_last:

@@ -388,12 +388,14 @@ class ChunkStateWGKernel:
         them)."""
         atom_w, w, atom_qg, qg, atom_kt, kt, atom_a, aqk, atom_u, u, sW2, sKt2, sQg2, sA2, sU2, bars = tiles
         bar = bars + st
+        loads_u = True
+        if const_expr(self.affine):
+            loads_u = not is_m  # the M columns see u = 0 (values [0 | v] of the augmented state)
         nbytes = Int32(2 * BT * DK * 2)  # w, kg
         if const_expr(not self.affine):
-            nbytes += BT * DK * 2 + BT * BT * 2 + self.cols * BT * 2  # qg, Aqk, u
-        else:
-            if not is_m:  # the M columns see u = 0 (values [0 | v] of the augmented state)
-                nbytes += self.cols * BT * 2
+            nbytes += BT * DK * 2 + BT * BT * 2  # qg, Aqk
+        if loads_u:
+            nbytes += self.cols * BT * 2
         if tid == 0:
             cute.arch.mbarrier_arrive_and_expect_tx(bar, nbytes)
         cute.arch.sync_warp()  # the warp converged: each copy elects one of its lanes
@@ -402,12 +404,9 @@ class ChunkStateWGKernel:
         if const_expr(not self.affine):
             self.tma_tile(atom_qg, qg, (t0, 0), hv, sQg2[None, None, st], bar)
             self.tma_tile(atom_a, aqk, (t0, 0), hv, sA2[None, None, st], bar)
+        if loads_u:
             for j in cutlass.range_constexpr(WARPGROUPS):
                 self.tma_tile(atom_u, u, (ucol0 + j * self.wg_cols, t0), hv, sU2[None, None, st, j], bar)
-        else:
-            if not is_m:
-                for j in cutlass.range_constexpr(WARPGROUPS):
-                    self.tma_tile(atom_u, u, (ucol0 + j * self.wg_cols, t0), hv, sU2[None, None, st, j], bar)
 
     @cute.jit
     def tma_tile(self, atom, g, origin, hv, s, bar):
