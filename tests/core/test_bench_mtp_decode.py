@@ -41,14 +41,16 @@ def test_pool_form_row_names_the_dispatchs_kernel():
 
 def test_pool_forms_table_renders_rows_and_errors():
     rows = [dict(pool="bfloat16", v_first=True, H=32, N=128, kernel="streamed", ms=0.0786, hbm_pct=72.34,
-                 copy_hbm_pct=86.04, err_o=2e-3, err_pool=1.8e-3),
+                 copy_hbm_pct=86.04, inplace_hbm_pct=86.46, persistent_hbm_pct=79.95, err_o=2e-3, err_pool=1.8e-3),
             dict(pool="float32", v_first=False, H=64, N=512, kernel="recurrent", ms=1.1313, hbm_pct=79.6)]
     out = bench.render_pool_forms(rows, {"gpu": "NVIDIA H200"}, 4800.0)
     lines = out.splitlines()
     assert lines[0].startswith("GPU: NVIDIA H200; HBM bound taken at 4800 GB/s.")
-    assert "| bfloat16 | V-first | 32 | 128 | streamed | 0.0786 | 72.3% | 86.0% | 2.0e-03 | 1.8e-03 |" in lines
-    assert "| float32 | K-first | 64 | 512 | recurrent | 1.1313 | 79.6% | - | - | - |" in lines
-    header = "| pool | layout | H | N | kernel | ms | % of HBM bound | state copy % of HBM bound | err o | err pool |"
+    assert ("| bfloat16 | V-first | 32 | 128 | streamed | 0.0786 | 72.3% | 86.0% | 86.5% | 80.0% | 2.0e-03 | 1.8e-03 |"
+            in lines)
+    assert "| float32 | K-first | 64 | 512 | recurrent | 1.1313 | 79.6% | - | - | - | - | - |" in lines
+    header = ("| pool | layout | H | N | kernel | ms | % of HBM bound | state copy % of HBM bound | in-place pass % | "
+              "persistent in-place pass % | err o | err pool |")
     assert lines.index(header) < len(lines) - 2
 
 

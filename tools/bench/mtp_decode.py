@@ -40,9 +40,11 @@ Errors: max |o_cula - o_FLA| / max |o_FLA| on the first call of each cell (bf16 
 `--pool-forms` times only `kda_decode` at T = 1 (the dispatch's pick, named in the `kernel` column: the streamed
 kernel, or the recurrent one below the pool form's threshold, configs.streams) on every pool form a serving engine
 keeps (fp32 / bf16, [K, V] / V-first), H in (32, 64), N in (128, 512), graph-timed, as the fraction of the HBM
-bound (state read + write in the pool's dtype, the per-token vectors and o); at N = 128 also a device copy of the
-requests' state bytes (read + write, same timing: the practical ceiling) and the errors of o and of the pool
-against cula_core's reference run in fp64 on the same inputs.
+bound (state read + write in the pool's dtype, the per-token vectors and o); at N = 128 also three passes over the
+requests' state bytes (read + write, same timing), the ceilings the kernel is held against: a device copy into
+another tensor, an in-place pass (torch's `mul_`), and a persistent in-place pass laid out as the streamed kernel
+(`persistent_pass_hbm_pct`: as many programs as its CTAs, each walking items of one state slice's bytes; no math),
+and the errors of o and of the pool against cula_core's reference run in fp64 on the same inputs.
 `--stream-thresholds` times `kda_decode` at T = 1 by the dispatch's pick against the recurrent kernel at its T = 1
 tiling (named through the sm90 op's `tiling`) on every pool form, over request-heads N * H from 512 to 32768
 (STREAM_CELLS), graph-timed: the measurement behind configs.STREAM_MIN_HEADS.
@@ -208,6 +210,45 @@ def copy_hbm_pct(src, timing) -> float:
     timing, as % of the HBM bound."""
     dst = torch.empty_like(src)
     ms = graph_ms(dst.copy_, (src,), timing)
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9 / peak_hbm_gbs() * 100
+
+
+def inplace_hbm_pct(src, timing) -> float:
+    """An in-place pass over `src`'s bytes (read + write the same memory, torch's `mul_`) in graph_ms's timing, as %
+    of the HBM bound."""
+    ms = graph_ms(src.mul_, (0.5,), timing)
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9 / peak_hbm_gbs() * 100
+
+
+_PERSISTENT_PASS = []
+
+
+def persistent_pass_hbm_pct(src, item_elems: int, programs: int, timing) -> float:
+    """A persistent in-place pass over `src`'s bytes with the streamed decode's work layout and no math: `programs`
+    Triton programs (the kernel's CTAs on the device), program p scaling items p, p + programs, ... of `item_elems`
+    contiguous elements (a state slice) in place, 4 warps, the next item's loads software-pipelined (3 stages); in
+    graph_ms's timing, as % of the HBM bound."""
+    import triton
+    import triton.language as tl
+
+    if not _PERSISTENT_PASS:
+        @triton.jit
+        def scale_items(x_ptr, items, ITEM: tl.constexpr, PROGRAMS: tl.constexpr):
+            for it in tl.range(tl.program_id(0), items, PROGRAMS, num_stages=3):
+                offs = it.to(tl.int64) * ITEM + tl.arange(0, ITEM)
+                x = tl.load(x_ptr + offs)
+                tl.store(x_ptr + offs, (x.to(tl.float32) * 0.5).to(x.dtype))
+
+        _PERSISTENT_PASS.append(scale_items)
+    kernel = _PERSISTENT_PASS[0]
+    items = src.numel() // item_elems
+    if items * item_elems != src.numel():
+        raise ValueError(f"persistent_pass_hbm_pct: {src.numel()} elements are not whole items of {item_elems}")
+
+    def run():
+        kernel[(programs,)](src, items, ITEM=item_elems, PROGRAMS=programs, num_warps=4)
+
+    ms = graph_ms(run, (), timing)
     return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9 / peak_hbm_gbs() * 100
 
 
@@ -513,6 +554,17 @@ def pool_form_row(dtype, v_first, H, N) -> dict:
                 kernel="streamed" if streamed else "recurrent")
 
 
+def stream_layout(dtype, v_first) -> tuple[int, int]:
+    """(elements of one state slice, CTAs on the device) of the streamed decode on a pool form (K = V = 128)."""
+    from cula_core import cute_runtime
+    from cula_sm90.decode import configs
+
+    block_v = configs.stream_tiling(V, dtype.itemsize, v_first)[0]
+    stages = configs.stream_stages(dtype.itemsize, v_first)
+    per_sm = configs.stream_ctas_per_sm(K, dtype.itemsize, v_first, stages, block_v)
+    return K * block_v, per_sm * cute_runtime.sm_count(torch.cuda.current_device())
+
+
 def pool_forms_run(timing, hs=HS, ns=(128, 512), check_n=128):
     """`--pool-forms`: one row per (pool dtype, layout, H, N)."""
     rows = []
@@ -536,8 +588,11 @@ def pool_forms_run(timing, hs=HS, ns=(128, 512), check_n=128):
                     row["err_pool"] = errors(ours["state_pool"].double(), ref["state_pool"])[1]
                 row["ms"] = graph_ms(cula_decode, (x,), timing)
                 row["hbm_pct"] = decode_bytes(N, H, dtype) / (row["ms"] * 1e-3) / 1e9 / peak_hbm_gbs() * 100
-                if N == check_n:  # the ceiling for the requests' state bytes
-                    row["copy_hbm_pct"] = copy_hbm_pct(torch.rand(N * H * K * V, device="cuda").to(dtype), timing)
+                if N == check_n:  # the ceilings for the requests' state bytes
+                    state = torch.rand(N * H * K * V, device="cuda").to(dtype)
+                    row["copy_hbm_pct"] = copy_hbm_pct(state, timing)
+                    row["inplace_hbm_pct"] = inplace_hbm_pct(state, timing)
+                    row["persistent_hbm_pct"] = persistent_pass_hbm_pct(state, *stream_layout(dtype, v_first), timing)
                 rows.append(row)
                 print(row, flush=True)
                 del x
@@ -548,13 +603,15 @@ def pool_forms_run(timing, hs=HS, ns=(128, 512), check_n=128):
 def render_pool_forms(rows, env, peak) -> str:
     lines = [f"GPU: {env.get('gpu', '?')}; HBM bound taken at {peak:.0f} GB/s. K = V = 128, HQK = HV = H, bf16 "
              "q/k/v/g/beta, softplus gate and L2 norm in kernel.", "",
-             "| pool | layout | H | N | kernel | ms | % of HBM bound | state copy % of HBM bound | err o | err pool |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| pool | layout | H | N | kernel | ms | % of HBM bound | state copy % of HBM bound | in-place pass % | "
+             "persistent in-place pass % | err o | err pool |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         err = (f"{r['err_o']:.1e} | {r['err_pool']:.1e}" if "err_o" in r else "- | -")
-        copy = f"{r['copy_hbm_pct']:.1f}%" if "copy_hbm_pct" in r else "-"
+        ceilings = " | ".join(f"{r[key]:.1f}%" if key in r else "-"
+                              for key in ("copy_hbm_pct", "inplace_hbm_pct", "persistent_hbm_pct"))
         lines.append(f"| {r['pool']} | {'V-first' if r['v_first'] else 'K-first'} | {r['H']} | {r['N']} | "
-                     f"{r['kernel']} | {r['ms']:.4f} | {r['hbm_pct']:.1f}% | {copy} | {err} |")
+                     f"{r['kernel']} | {r['ms']:.4f} | {r['hbm_pct']:.1f}% | {ceilings} | {err} |")
     return "\n".join(lines) + "\n"
 
 
