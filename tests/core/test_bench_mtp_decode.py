@@ -39,6 +39,16 @@ def test_pool_form_row_names_the_dispatchs_kernel():
     assert bench.pool_form_row(torch.float32, True, 32, 1)["kernel"] == "streamed"
 
 
+def test_persistent_pass_takes_the_streamed_kernels_layout():
+    """The persistent in-place pass of `--pool-forms` walks items of one state slice with as many programs as the
+    streamed decode launches: 128 x 128 bf16 slices on [K, V] pools (3 CTAs per SM), 128 x 64 slices on V-first bf16
+    pools (4 CTAs per SM) and on fp32 pools (3 CTAs per SM)."""
+    pytest.importorskip("cula_sm90")
+    assert bench.stream_layout(torch.bfloat16, False, 132) == (128 * 128, 3 * 132)
+    assert bench.stream_layout(torch.bfloat16, True, 132) == (128 * 64, 4 * 132)
+    assert bench.stream_layout(torch.float32, False, 100) == (128 * 64, 3 * 100)
+
+
 def test_pool_forms_table_renders_rows_and_errors():
     rows = [dict(pool="bfloat16", v_first=True, H=32, N=128, kernel="streamed", ms=0.0786, hbm_pct=72.34,
                  copy_hbm_pct=86.04, inplace_hbm_pct=86.46, persistent_hbm_pct=79.95, err_o=2e-3, err_pool=1.8e-3),

@@ -554,15 +554,15 @@ def pool_form_row(dtype, v_first, H, N) -> dict:
                 kernel="streamed" if streamed else "recurrent")
 
 
-def stream_layout(dtype, v_first) -> tuple[int, int]:
-    """(elements of one state slice, CTAs on the device) of the streamed decode on a pool form (K = V = 128)."""
-    from cula_core import cute_runtime
+def stream_layout(dtype, v_first, sm_count: int) -> tuple[int, int]:
+    """(elements of one state slice, CTAs launched on a device of `sm_count` SMs when there are at least that many
+    items) of the streamed decode on a pool form (K = V = 128)."""
     from cula_sm90.decode import configs
 
     block_v = configs.stream_tiling(V, dtype.itemsize, v_first)[0]
     stages = configs.stream_stages(dtype.itemsize, v_first)
     per_sm = configs.stream_ctas_per_sm(K, dtype.itemsize, v_first, stages, block_v)
-    return K * block_v, per_sm * cute_runtime.sm_count(torch.cuda.current_device())
+    return K * block_v, per_sm * sm_count
 
 
 def pool_forms_run(timing, hs=HS, ns=(128, 512), check_n=128):
@@ -592,7 +592,9 @@ def pool_forms_run(timing, hs=HS, ns=(128, 512), check_n=128):
                     state = torch.rand(N * H * K * V, device="cuda").to(dtype)
                     row["copy_hbm_pct"] = copy_hbm_pct(state, timing)
                     row["inplace_hbm_pct"] = inplace_hbm_pct(state, timing)
-                    row["persistent_hbm_pct"] = persistent_pass_hbm_pct(state, *stream_layout(dtype, v_first), timing)
+                    sms = torch.cuda.get_device_properties(state.device).multi_processor_count
+                    row["persistent_hbm_pct"] = persistent_pass_hbm_pct(state, *stream_layout(dtype, v_first, sms),
+                                                                        timing)
                 rows.append(row)
                 print(row, flush=True)
                 del x
