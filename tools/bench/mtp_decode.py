@@ -53,6 +53,7 @@ tiling (named through the sm90 op's `tiling`) on every pool form, over request-h
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -220,7 +221,20 @@ def inplace_hbm_pct(src, timing) -> float:
     return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9 / peak_hbm_gbs() * 100
 
 
-_PERSISTENT_PASS = []
+@functools.cache
+def _persistent_pass_kernel():
+    """The Triton kernel of persistent_pass_hbm_pct (built on first use: triton is imported only here)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def scale_items(x_ptr, items, ITEM: tl.constexpr, PROGRAMS: tl.constexpr):
+        for it in tl.range(tl.program_id(0), items, PROGRAMS, num_stages=3):
+            offs = it.to(tl.int64) * ITEM + tl.arange(0, ITEM)
+            x = tl.load(x_ptr + offs)
+            tl.store(x_ptr + offs, (x.to(tl.float32) * 0.5).to(x.dtype))
+
+    return scale_items
 
 
 def persistent_pass_hbm_pct(src, item_elems: int, programs: int, timing) -> float:
@@ -228,19 +242,7 @@ def persistent_pass_hbm_pct(src, item_elems: int, programs: int, timing) -> floa
     Triton programs (the kernel's CTAs on the device), program p scaling items p, p + programs, ... of `item_elems`
     contiguous elements (a state slice) in place, 4 warps, the next item's loads software-pipelined (3 stages); in
     graph_ms's timing, as % of the HBM bound."""
-    import triton
-    import triton.language as tl
-
-    if not _PERSISTENT_PASS:
-        @triton.jit
-        def scale_items(x_ptr, items, ITEM: tl.constexpr, PROGRAMS: tl.constexpr):
-            for it in tl.range(tl.program_id(0), items, PROGRAMS, num_stages=3):
-                offs = it.to(tl.int64) * ITEM + tl.arange(0, ITEM)
-                x = tl.load(x_ptr + offs)
-                tl.store(x_ptr + offs, (x.to(tl.float32) * 0.5).to(x.dtype))
-
-        _PERSISTENT_PASS.append(scale_items)
-    kernel = _PERSISTENT_PASS[0]
+    kernel = _persistent_pass_kernel()
     items = src.numel() // item_elems
     if items * item_elems != src.numel():
         raise ValueError(f"persistent_pass_hbm_pct: {src.numel()} elements are not whole items of {item_elems}")
