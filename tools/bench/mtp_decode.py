@@ -206,19 +206,29 @@ def fla_decode(x, pool):
                                    use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, **_layout())[0]
 
 
+def hbm_pct(nbytes: float, ms: float) -> float:
+    """`nbytes` moved in `ms` milliseconds, as % of the HBM bound (peak_hbm_gbs)."""
+    return nbytes / (ms * 1e-3) / 1e9 / peak_hbm_gbs() * 100
+
+
+def pass_hbm_pct(src, ms: float) -> float:
+    """A pass that reads and writes `src`'s bytes once in `ms` milliseconds, as % of the HBM bound."""
+    return hbm_pct(2 * src.numel() * src.element_size(), ms)
+
+
 def copy_hbm_pct(src, timing) -> float:
     """The practical ceiling of a pass over `src`'s bytes: a device copy of them (read + write) in graph_ms's
     timing, as % of the HBM bound."""
     dst = torch.empty_like(src)
     ms = graph_ms(dst.copy_, (src,), timing)
-    return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9 / peak_hbm_gbs() * 100
+    return pass_hbm_pct(src, ms)
 
 
 def inplace_hbm_pct(src, timing) -> float:
     """An in-place pass over `src`'s bytes (read + write the same memory, torch's `mul_`) in graph_ms's timing, as %
     of the HBM bound."""
     ms = graph_ms(src.mul_, (0.5,), timing)
-    return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9 / peak_hbm_gbs() * 100
+    return pass_hbm_pct(src, ms)
 
 
 @functools.cache
@@ -251,7 +261,7 @@ def persistent_pass_hbm_pct(src, item_elems: int, programs: int, timing) -> floa
         kernel[(programs,)](src, items, ITEM=item_elems, PROGRAMS=programs, num_warps=4)
 
     ms = graph_ms(run, (), timing)
-    return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9 / peak_hbm_gbs() * 100
+    return pass_hbm_pct(src, ms)
 
 
 def graph_ms(fn, args, timing, reps=20):
@@ -569,6 +579,8 @@ def stream_layout(dtype, v_first, sm_count: int) -> tuple[int, int]:
 
 def pool_forms_run(timing, hs=HS, ns=(128, 512), check_n=128):
     """`--pool-forms`: one row per (pool dtype, layout, H, N)."""
+    from cula_core import cute_runtime
+
     rows = []
     for dtype, v_first in POOL_FORMS:
         POOL.update(dtype=dtype, v_first=v_first)
@@ -589,14 +601,13 @@ def pool_forms_run(timing, hs=HS, ns=(128, 512), check_n=128):
                     row["err_o"] = errors(o.double(), o_ref)[1]
                     row["err_pool"] = errors(ours["state_pool"].double(), ref["state_pool"])[1]
                 row["ms"] = graph_ms(cula_decode, (x,), timing)
-                row["hbm_pct"] = decode_bytes(N, H, dtype) / (row["ms"] * 1e-3) / 1e9 / peak_hbm_gbs() * 100
+                row["hbm_pct"] = hbm_pct(decode_bytes(N, H, dtype), row["ms"])
                 if N == check_n:  # the ceilings for the requests' state bytes
                     state = torch.rand(N * H * K * V, device="cuda").to(dtype)
                     row["copy_hbm_pct"] = copy_hbm_pct(state, timing)
                     row["inplace_hbm_pct"] = inplace_hbm_pct(state, timing)
-                    sms = torch.cuda.get_device_properties(state.device).multi_processor_count
-                    row["persistent_hbm_pct"] = persistent_pass_hbm_pct(state, *stream_layout(dtype, v_first, sms),
-                                                                        timing)
+                    layout = stream_layout(dtype, v_first, cute_runtime.sm_count(state.device.index))
+                    row["persistent_hbm_pct"] = persistent_pass_hbm_pct(state, *layout, timing)
                 rows.append(row)
                 print(row, flush=True)
                 del x
@@ -669,8 +680,8 @@ def decode_row(N, H, timing):
     row = dict(H=H, N=N, err=err, cula=graph_ms(cula_decode, (x,), timing),
                fla=graph_ms(fla_decode, (xf, pool), timing))
     bytes_moved = decode_bytes(N, H, POOL["dtype"])
-    row["hbm_pct"] = bytes_moved / (row["cula"] * 1e-3) / 1e9 / peak_hbm_gbs() * 100
-    row["fla_hbm_pct"] = bytes_moved / (row["fla"] * 1e-3) / 1e9 / peak_hbm_gbs() * 100
+    row["hbm_pct"] = hbm_pct(bytes_moved, row["cula"])
+    row["fla_hbm_pct"] = hbm_pct(bytes_moved, row["fla"])
     return row, x, xf, pool
 
 
